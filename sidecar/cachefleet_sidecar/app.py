@@ -1,0 +1,652 @@
+"""The sidecar: cache lookups, single-flight, upstream forwarding, admin endpoints.
+
+Read path of a cacheable request (``POST`` to a :data:`keys.CACHEABLE_PATHS`
+endpoint with a deterministic JSON body):
+
+1. resolve the tenant (header, API key, default, else 4xx with a reason);
+2. canonical key (:mod:`keys`), scoped by tenant, model version and epochs;
+3. L1 (tenant partition) -> L2 (Redis, fills L1) -> upstream (fills both);
+   concurrent identical misses share one upstream call (single-flight).
+
+Steps 1-3 up to an L1 hit run synchronously in :meth:`Sidecar.fast`; the
+rest is a task per request. Anything the sidecar cannot parse goes upstream
+untouched (``X-Cache: BYPASS``); any cache fault is counted and the request
+is served from upstream; the upstream's answer is never changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from . import keys, protocol
+from .config import SidecarConfig, parse_args
+from .entry import HOP_BY_HOP, Entry, reason_phrase
+from .l1 import TenantL1, TenantLimitError
+from .metrics import SidecarMetrics, TierUsage
+from .server import Connection, Request, simple_response
+from .telemetry import GpuTelemetry
+from .upstream import UpstreamError, UpstreamPool
+
+log = logging.getLogger("cachefleet.sidecar")
+
+#: Headers never forwarded from the upstream as they are (we frame ourselves).
+FORWARD_DROP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"x-cache", b"trailer"}
+)
+#: How long a successful upstream answer keeps /readyz green without a probe.
+READY_FRESH_S = 5.0
+ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
+
+
+class Refusal(Exception):
+    """A request the sidecar must refuse, with a status and a reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+    def response(self) -> bytes:
+        body = orjson.dumps(
+            {"error": {"message": self.reason, "type": "cachefleet_refused", "code": self.status}}
+        )
+        return simple_response(
+            self.status, body, content_type=b"application/json", extra=b"x-cache: BYPASS\r\n"
+        )
+
+
+@dataclass(slots=True)
+class Lookup:
+    """What the fast path learnt about a request, reused by the slow path."""
+
+    tenant: str
+    key: keys.CacheKey | None
+    bypass_reason: str | None
+    no_cache: bool
+    no_store: bool
+
+
+class Sidecar:
+    """The request handler shared by every connection (the :class:`server.Handler`)."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        metrics: SidecarMetrics | None = None,
+        l2: Any = None,
+        telemetry: GpuTelemetry | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or SidecarMetrics(config.cache)
+        self.l1: TenantL1[int, Entry] = TenantL1(
+            config.l1_bytes, default_policy=config.policy.value, max_tenants=config.max_tenants
+        )
+        self.l2 = l2
+        self.upstream = UpstreamPool(config.upstream)
+        self.telemetry = telemetry or GpuTelemetry()
+        self.tenant_header = config.tenant_header.lower().encode()
+        self.known_tenants: set[str] = set(config.tenants)
+        self.quota_generation = -1
+        self.quotas: dict[str, protocol.TenantQuota] = {}
+        self.model_version = config.model_version
+        self.epochs: tuple[int, ...] = ()
+        self._key_options: dict[str, keys.KeyOptions] = {}
+        self._default_options = keys.KeyOptions(
+            collapse_whitespace=config.collapse_whitespace,
+            cache_nondeterministic=config.cache_nondeterministic,
+        )
+        self._tenant_memo: dict[bytes, str] = {}
+        self._inflight: dict[int, asyncio.Future[bytes | None]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._last_upstream_ok = 0.0
+        self.started_at = time.time()
+        self.metrics.usage_source = self._usage
+        self.metrics.gauge_sources.append(self.telemetry.collect)
+
+    # ------------------------------------------------------------------ tenants
+    def resolve_tenant(self, request: Request) -> str:
+        raw = request.header(self.tenant_header)
+        if raw is None and self.config.api_keys:
+            auth = request.header(b"authorization")
+            if auth is not None and auth[:7].lower() == b"bearer ":
+                mapped = self.config.api_keys.get(auth[7:].strip().decode("latin-1"))
+                if mapped is not None:
+                    raw = mapped.encode()
+        if raw is None:
+            if self.config.default_tenant is not None:
+                return self.config.default_tenant
+            raise Refusal(
+                403, f"no tenant: set the {self.config.tenant_header} header (or a mapped API key)"
+            )
+        tenant = self._tenant_memo.get(raw)
+        if tenant is not None:
+            return tenant
+        text = raw.decode("latin-1")
+        if not protocol.valid_name(text):
+            raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
+        if self.known_tenants and text not in self.known_tenants:
+            if self.config.default_tenant is not None:
+                return self.config.default_tenant
+            raise Refusal(403, f"unknown tenant {text!r}")
+        if len(self._tenant_memo) < 4096:
+            self._tenant_memo[raw] = text
+        return text
+
+    def key_options(self, tenant: str) -> keys.KeyOptions:
+        return self._key_options.get(tenant, self._default_options)
+
+    # ---------------------------------------------------------------- fast path
+    def _lookup(self, request: Request, kind: str) -> Lookup:
+        tenant = self.resolve_tenant(request)
+        no_cache = no_store = False
+        cc = request.header(b"cache-control")
+        if cc is not None:
+            directives = {d.strip().split(b"=")[0] for d in cc.lower().split(b",")}
+            no_cache = b"no-cache" in directives
+            no_store = b"no-store" in directives
+        body = keys.parse_body(request.body)
+        if body is None:
+            return Lookup(tenant, None, "body is not a JSON object", no_cache, no_store)
+        scope = keys.Scope(tenant, self.model_version, self.epochs)
+        try:
+            key = keys.make_key(body, kind, scope, self.key_options(tenant))
+        except keys.Uncacheable as exc:
+            return Lookup(tenant, None, exc.reason, no_cache, no_store)
+        return Lookup(tenant, key, None, no_cache, no_store)
+
+    def fast(self, request: Request) -> bytes | None:
+        """Answer an L1 hit synchronously; None sends the request down the slow path."""
+        if request.method != b"POST":
+            return None
+        kind = keys.CACHEABLE_PATHS.get(request.url)
+        if kind is None:
+            return None
+        try:
+            lookup = self._lookup(request, kind)
+        except Refusal as exc:
+            request.memo = exc
+            return None
+        request.memo = lookup
+        if lookup.key is None or lookup.no_cache:
+            return None
+        try:
+            entry = self.l1.get(lookup.tenant, lookup.key.digest)
+        except TenantLimitError:
+            return None
+        if entry is None:
+            return None
+        if entry.tenant != lookup.tenant:
+            self.metrics.cross_tenant_hits += 1
+            return None
+        self.metrics.tenant(lookup.tenant).request(
+            "l1", "hit", time.perf_counter() - request.started
+        )
+        return entry.hit_l1
+
+    # ---------------------------------------------------------------- slow path
+    async def handle(self, request: Request, conn: Connection) -> None:
+        path = request.url.split(b"?", 1)[0]
+        if path in ADMIN_PATHS and self.config.admin_listen is None:
+            await self.admin(request, conn)
+            return
+        kind = keys.CACHEABLE_PATHS.get(path) if request.method == b"POST" else None
+        if kind is None:
+            await self._passthrough(request, conn, tenant=None, reason="not a cached endpoint")
+            return
+        memo = request.memo
+        if memo is None:
+            try:
+                memo = self._lookup(request, kind)
+            except Refusal as exc:
+                memo = exc
+        if isinstance(memo, Refusal):
+            conn.write(memo.response())
+            return
+        assert isinstance(memo, Lookup)
+        if memo.key is None:
+            await self._passthrough(request, conn, tenant=memo.tenant, reason=memo.bypass_reason)
+            return
+        await self._cached(request, conn, memo, memo.key)
+
+    async def _cached(
+        self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
+    ) -> None:
+        tenant = lookup.tenant
+        tm = self.metrics.tenant(tenant)
+        if not lookup.no_cache:
+            try:
+                entry = self.l1.get(tenant, key.digest)
+            except TenantLimitError:
+                await self._passthrough(request, conn, tenant=tenant, reason="tenant limit")
+                return
+            if entry is not None and entry.tenant == tenant:
+                conn.write(entry.hit_l1)
+                tm.request("l1", "hit", time.perf_counter() - request.started)
+                return
+            entry = await self._l2_get(tenant, key)
+            if entry is not None:
+                self._l1_put(tenant, key, entry)
+                conn.write(entry.response(b"HIT-L2"))
+                tm.request("l2", "hit", time.perf_counter() - request.started)
+                return
+        if lookup.no_cache and lookup.no_store:
+            await self._passthrough(request, conn, tenant=tenant, reason="no-cache, no-store")
+            return
+        leader = self._inflight.get(key.digest)
+        if leader is not None:
+            self.metrics.single_flight_joins += 1
+            shared = await asyncio.shield(leader)
+            if shared is not None:
+                conn.write(shared)
+                tm.request("upstream", "miss", time.perf_counter() - request.started)
+                return
+        future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        self._inflight[key.digest] = future
+        shared_bytes: bytes | None = None
+        try:
+            shared_bytes = await self._miss(request, conn, lookup, key)
+        finally:
+            self._inflight.pop(key.digest, None)
+            future.set_result(shared_bytes)
+
+    async def _miss(
+        self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
+    ) -> bytes | None:
+        """Call upstream, forward, store when complete; returns the answer for joiners."""
+        tenant = lookup.tenant
+        headers = [(n, v) for n, v in request.headers if n != b"accept-encoding"]
+        captured = await self._forward(request, conn, headers, b"MISS", tenant=tenant)
+        if captured is None:
+            return None
+        status, resp_headers, body = captured
+        entry_headers = b"".join(
+            name + b": " + value + b"\r\n" for name, value in resp_headers if name not in HOP_BY_HOP
+        )
+        entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
+        if 200 <= status < 300 and not lookup.no_store and self._storable(entry, resp_headers):
+            self._l1_put(tenant, key, entry)
+            if self.l2 is not None:
+                self._spawn(self._l2_put(tenant, key, entry))
+        return entry.response(b"MISS")
+
+    @staticmethod
+    def _storable(entry: Entry, headers: list[tuple[bytes, bytes]]) -> bool:
+        ctype = next((v for n, v in headers if n == b"content-type"), b"")
+        if entry.stream or ctype.startswith(b"text/event-stream"):
+            return ctype.startswith(b"text/event-stream") and entry.body.endswith(b"\n\n")
+        try:
+            orjson.loads(entry.body)
+        except orjson.JSONDecodeError:
+            return False
+        return True
+
+    async def _passthrough(
+        self, request: Request, conn: Connection, *, tenant: str | None, reason: str | None
+    ) -> None:
+        captured = await self._forward(request, conn, request.headers, b"BYPASS", tenant=tenant)
+        if tenant is not None:
+            result = "bypass" if captured is not None else "error"
+            self.metrics.tenant(tenant).request(
+                "upstream", result, time.perf_counter() - request.started
+            )
+        if reason is not None:
+            log.debug("bypass %s: %s", request.url, reason)
+
+    async def _forward(
+        self,
+        request: Request,
+        conn: Connection,
+        headers: list[tuple[bytes, bytes]],
+        x_cache: bytes,
+        *,
+        tenant: str | None,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """Forward to upstream and stream the answer back; None when it broke."""
+        t0 = time.perf_counter()
+        try:
+            resp = await self.upstream.request(request.method, request.url, headers, request.body)
+        except UpstreamError as exc:
+            body = orjson.dumps(
+                {
+                    "error": {
+                        "message": f"upstream unavailable: {exc}",
+                        "type": "cachefleet_upstream",
+                    }
+                }
+            )
+            conn.write(
+                simple_response(
+                    502, body, content_type=b"application/json", extra=b"x-cache: %s\r\n" % x_cache
+                )
+            )
+            if tenant is not None:
+                self.metrics.tenant(tenant).request(
+                    "upstream", "error", time.perf_counter() - request.started
+                )
+            return None
+        head = [b"HTTP/1.1 %d %s\r\n" % (resp.status, reason_phrase(resp.status))]
+        head += [n + b": " + v + b"\r\n" for n, v in resp.headers if n not in FORWARD_DROP]
+        length = resp.content_length
+        no_body = request.method == b"HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
+        chunked = length is None and not no_body
+        if length is not None:
+            head.append(b"content-length: %d\r\n" % length)
+        elif chunked:
+            head.append(b"transfer-encoding: chunked\r\n")
+        head.append(b"x-cache: %s\r\n\r\n" % x_cache)
+        conn.write(b"".join(head))
+        parts: list[bytes] = []
+        try:
+            async for chunk in resp.chunks():
+                parts.append(chunk)
+                conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+        except UpstreamError as exc:
+            log.warning("upstream broke mid-response for %s: %s", request.url, exc)
+            conn.abort()
+            if tenant is not None:
+                self.metrics.tenant(tenant).request(
+                    "upstream", "error", time.perf_counter() - request.started
+                )
+            return None
+        if chunked:
+            conn.write(b"0\r\n\r\n")
+        self._last_upstream_ok = time.monotonic()
+        if tenant is not None:
+            tm = self.metrics.tenant(tenant)
+            tm.upstream.observe(time.perf_counter() - t0)
+            if x_cache == b"MISS":
+                tm.request("upstream", "miss", time.perf_counter() - request.started)
+        return resp.status, resp.headers, b"".join(parts)
+
+    # -------------------------------------------------------------- cache tiers
+    def _l1_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
+        try:
+            evicted = self.l1.put(tenant, key.digest, entry, entry.size)
+        except TenantLimitError:
+            self.metrics.fault("tenant_limit")
+            return
+        self.metrics.tenant(tenant).evicted("l1", evicted)
+
+    async def _l2_get(self, tenant: str, key: keys.CacheKey) -> Entry | None:
+        if self.l2 is None:
+            return None
+        data = await self.l2.get(tenant, key.sha256_hex)
+        if data is None:
+            return None
+        try:
+            entry = Entry.loads(data)
+        except ValueError:
+            self.metrics.fault("corrupt_entry")
+            return None
+        if entry.tenant != tenant:
+            self.metrics.cross_tenant_hits += 1
+            return None
+        return entry
+
+    async def _l2_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
+        assert self.l2 is not None
+        await self.l2.put(tenant, key.sha256_hex, entry.dumps())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -------------------------------------------------------------- control
+    def apply_quotas(self, assignment: protocol.QuotaAssignment) -> None:
+        """Apply the operator's quota table (idempotent; older generations ignored)."""
+        if assignment.generation <= self.quota_generation:
+            return
+        self.quota_generation = assignment.generation
+        self.quotas = dict(assignment.tenants)
+        self.known_tenants = set(self.config.tenants) | set(assignment.tenants)
+        self._tenant_memo.clear()
+        if assignment.tenants:
+            self.l1.set_quotas(
+                {
+                    t: (q.l1_bytes, (q.policy or assignment.default_policy).value)
+                    for t, q in assignment.tenants.items()
+                }
+            )
+        else:
+            self.l1.set_quotas(None)
+        if self.l2 is not None:
+            for tenant, quota in assignment.tenants.items():
+                self._spawn(self.l2.set_limit(tenant, quota.l2_bytes))
+        log.info(
+            "applied quotas generation %d for %d tenants",
+            assignment.generation,
+            len(assignment.tenants),
+        )
+
+    def heartbeat(self) -> protocol.Heartbeat:
+        stats = self.l1.stats()
+        return protocol.Heartbeat(
+            pod=self.config.pod,
+            quota_generation=self.quota_generation,
+            policy_by_tenant={t: protocol.Policy(s.policy) for t, s in stats.items()},
+            redis_ok=self.l2 is None or self.l2.state == "ok",
+        )
+
+    # -------------------------------------------------------------- admin
+    def _usage(self) -> list[TierUsage]:
+        out = [
+            TierUsage(t, "l1", s.used_bytes, s.capacity_bytes, s.policy)
+            for t, s in self.l1.stats().items()
+        ]
+        out += [
+            TierUsage(t, "l2", 0, q.l2_bytes) for t, q in self.quotas.items() if self.l2 is not None
+        ]
+        return out
+
+    def status(self) -> dict[str, Any]:
+        stats = self.l1.stats()
+        return {
+            "cache": self.config.cache,
+            "pod": self.config.pod,
+            "upstream": self.config.upstream,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "quota_generation": self.quota_generation,
+            "model_version": self.model_version,
+            "epochs": list(self.epochs),
+            "l1": {
+                "capacity_bytes": self.config.l1_bytes,
+                "default_policy": self.config.policy.value,
+            },
+            "tenants": {
+                t: {
+                    "policy": s.policy,
+                    "l1_bytes": s.used_bytes,
+                    "l1_quota_bytes": s.capacity_bytes,
+                    "l1_entries": s.entries,
+                    "l1_evictions": s.evictions,
+                    "l2_quota_bytes": self.quotas[t].l2_bytes if t in self.quotas else None,
+                }
+                for t, s in stats.items()
+            },
+            "known_tenants": sorted(self.known_tenants),
+            "redis": None if self.l2 is None else self.l2.state,
+            "gpu_telemetry": self.telemetry.describe(),
+            "degraded": {
+                "redis": self.l2 is not None and self.l2.state != "ok",
+                "gpu_telemetry": not self.telemetry.available,
+            },
+        }
+
+    async def ready(self) -> bool:
+        if time.monotonic() - self._last_upstream_ok < READY_FRESH_S:
+            return True
+        ok = await self.upstream.probe()
+        if ok:
+            self._last_upstream_ok = time.monotonic()
+        return ok
+
+    async def admin(self, request: Request, conn: Connection) -> None:
+        path = request.url.split(b"?", 1)[0]
+        if path == b"/healthz":
+            conn.write(simple_response(200, b"ok\n"))
+        elif path == b"/readyz":
+            ok = await self.ready()
+            conn.write(
+                simple_response(200, b"ready\n")
+                if ok
+                else simple_response(503, b"upstream unreachable\n")
+            )
+        elif path == b"/status":
+            conn.write(
+                simple_response(
+                    200,
+                    orjson.dumps(self.status(), option=orjson.OPT_INDENT_2),
+                    content_type=b"application/json",
+                )
+            )
+        elif path == b"/metrics":
+            conn.write(
+                simple_response(
+                    200, self.metrics.render(), content_type=b"text/plain; version=0.0.4"
+                )
+            )
+        else:
+            conn.write(simple_response(404, b"not found\n"))
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(task, 1.0)
+        await self.upstream.aclose()
+
+
+class AdminHandler:
+    """Handler for the admin port: only the admin endpoints."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def fast(self, request: Request) -> bytes | None:
+        return None
+
+    async def handle(self, request: Request, conn: Connection) -> None:
+        await self.sidecar.admin(request, conn)
+
+
+class SidecarServer:
+    """Owns the listening sockets, the Redis tiers and the control sync."""
+
+    def __init__(self, config: SidecarConfig, sidecar: Sidecar | None = None) -> None:
+        self.config = config
+        self.sidecar = sidecar or Sidecar(config)
+        self.connections: set[Connection] = set()
+        self.servers: list[asyncio.Server] = []
+        self.control: Any = None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        cfg = self.config
+        if cfg.redis_url and self.sidecar.l2 is None:
+            from .l2 import RedisL2
+
+            self.sidecar.l2 = RedisL2.from_url(cfg.redis_url, cfg.cache, ttl_s=cfg.l2_ttl_s)
+            await self.sidecar.l2.connect()
+        if cfg.redis_url:
+            from .control import ControlSync
+
+            self.control = ControlSync(
+                cfg.redis_url,
+                cfg.cache,
+                cfg.pod,
+                self.sidecar.apply_quotas,
+                heartbeat=self.sidecar.heartbeat,
+            )
+            await self.control.start()
+        main = await loop.create_server(
+            lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True
+        )
+        self.servers.append(main)
+        if cfg.admin_listen is not None:
+            admin = AdminHandler(self.sidecar)
+            self.servers.append(
+                await loop.create_server(
+                    lambda: Connection(admin, self.connections),
+                    *cfg.admin_listen,
+                    reuse_address=True,
+                )
+            )
+        log.info(
+            "cachefleet sidecar on %s:%d -> %s (L1 %d bytes, policy %s, redis %s)",
+            *cfg.listen,
+            cfg.upstream,
+            cfg.l1_bytes,
+            cfg.policy.value,
+            "on" if cfg.redis_url else "off",
+        )
+
+    @property
+    def ports(self) -> list[int]:
+        return [int(s.sockets[0].getsockname()[1]) for s in self.servers]
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), then close."""
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        for server in self.servers:
+            server.close()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            for conn in list(self.connections):
+                if not conn.busy and not conn.pending:
+                    conn.close()
+            if not self.connections:
+                break
+            await asyncio.sleep(0.02)
+        for conn in list(self.connections):
+            conn.close()
+        if self.control is not None:
+            await self.control.stop()
+        await self.sidecar.aclose()
+        if self.sidecar.l2 is not None:
+            await self.sidecar.l2.aclose()
+
+
+async def serve(config: SidecarConfig) -> None:
+    server = SidecarServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests (up to %gs)", config.shutdown_grace_s)
+    await server.stop()
+
+
+def main(argv: list[str]) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    try:
+        import uvloop
+
+        runner: Any = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+    try:
+        runner(serve(config))
+    except OSError as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,298 @@
+"""The sidecar's in-process L1: one byte-bounded partition per tenant.
+
+Each tenant gets its own replacement-policy instance (see
+:mod:`cachefleet_sidecar.policies`), so a tenant's puts can only evict that
+tenant's entries. Partition sizes:
+
+* Without quotas, the active tenants (those that called ``get`` or ``put``)
+  share ``total_bytes`` equally (floor division). A new tenant's arrival
+  shrinks the others to the new equal share; that is the only way one
+  tenant's activity can evict another's entries.
+* With quotas from the operator, a tenant in the quota map gets its
+  ``l1_bytes`` (scaled down proportionally if the map asks for more than
+  ``total_bytes``, so the L1 never outgrows its budget), and every active
+  tenant not in the map gets an equal share of what the map leaves
+  unassigned (possibly 0: such a tenant caches nothing).
+
+A partition's policy is, in order: an explicit :meth:`TenantL1.set_policy`
+override, the quota's policy, the L1's default policy. Changing it migrates
+the entries into a fresh policy instance coldest first (so the hottest end up
+the most recent); entries are dropped only when the new capacity is smaller,
+and then the coldest go first.
+
+Pure and single-threaded: no I/O, no locks; the sidecar calls it from its
+event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from cachefleet_sidecar.policies import ReplacementPolicy, available_policies, make_policy
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+#: How many tenant partitions one L1 holds unless told otherwise.
+DEFAULT_MAX_TENANTS = 64
+
+
+class TenantLimitError(RuntimeError):
+    """A new tenant would exceed the L1's ``max_tenants`` partitions."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStats:
+    """One tenant partition at one moment."""
+
+    policy: str
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    #: Entries evicted for capacity since the tenant became active, including
+    #: those a policy change dropped because the new capacity was smaller.
+    evictions: int
+
+
+def _check_policy(name: str) -> str:
+    name = str(name)
+    if name not in available_policies():
+        raise ValueError(
+            f"unknown L1 policy {name!r}; available: {', '.join(available_policies())}"
+        )
+    return name
+
+
+class TenantL1(Generic[K, V]):
+    """Per-tenant partitioned, byte-bounded L1 cache."""
+
+    __slots__ = (
+        "_default_policy",
+        "_evictions_before",
+        "_max_tenants",
+        "_overrides",
+        "_parts",
+        "_quotas",
+        "_total",
+    )
+
+    def __init__(
+        self,
+        total_bytes: int,
+        default_policy: str = "lru",
+        max_tenants: int = DEFAULT_MAX_TENANTS,
+    ) -> None:
+        if total_bytes < 0:
+            raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        self._total = total_bytes
+        self._default_policy = _check_policy(default_policy)
+        self._max_tenants = max_tenants
+        self._parts: dict[str, ReplacementPolicy[K, V]] = {}
+        self._quotas: dict[str, tuple[int, str | None]] | None = None
+        self._overrides: dict[str, str] = {}
+        # Evictions counted by policy instances a tenant no longer uses.
+        self._evictions_before: dict[str, int] = {}
+
+    # ------------------------------------------------------------- hit path
+
+    def get(self, tenant: str, key: K) -> V | None:
+        """The cached value of ``key`` for ``tenant``, or None.
+
+        Raises :class:`TenantLimitError` if ``tenant`` is new and the L1
+        already holds ``max_tenants`` partitions.
+        """
+        part = self._parts.get(tenant)
+        if part is None:
+            part = self._activate(tenant)
+        return part.get(key)
+
+    def put(self, tenant: str, key: K, value: V, size: int) -> int:
+        """Store ``value`` (``size`` bytes) for ``tenant``; the number evicted.
+
+        Only ``tenant``'s own entries are evicted. An entry bigger than the
+        tenant's partition is not stored. Raises :class:`TenantLimitError`
+        like :meth:`get`.
+        """
+        part = self._parts.get(tenant)
+        if part is None:
+            part = self._activate(tenant)
+        return len(part.put(key, value, size))
+
+    def remove(self, tenant: str, key: K) -> bool:
+        """Drop one entry; True if it was cached. Does not activate ``tenant``."""
+        part = self._parts.get(tenant)
+        return part is not None and part.remove(key)
+
+    def clear(self, tenant: str | None = None) -> None:
+        """Drop every entry of ``tenant`` (all tenants if None); shares stay."""
+        if tenant is None:
+            for each in self._parts.values():
+                each.clear()
+            return
+        part = self._parts.get(tenant)
+        if part is not None:
+            part.clear()
+
+    # -------------------------------------------------------------- control
+
+    @property
+    def total_bytes(self) -> int:
+        return self._total
+
+    @property
+    def max_tenants(self) -> int:
+        return self._max_tenants
+
+    @property
+    def default_policy(self) -> str:
+        return self._default_policy
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """Active tenants, in order of arrival."""
+        return tuple(self._parts)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held by all partitions together."""
+        return sum(part.used_bytes for part in self._parts.values())
+
+    def resize(self, total_bytes: int) -> None:
+        """Change the whole L1's budget; partitions follow (shrinking evicts)."""
+        if total_bytes < 0:
+            raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
+        self._total = total_bytes
+        self._apply(self._parts)
+
+    def set_default_policy(self, name: str) -> None:
+        """Change the policy of tenants with no quota policy and no override."""
+        self._default_policy = _check_policy(name)
+        self._apply(self._parts)
+
+    def set_quotas(self, quotas: Mapping[str, tuple[int, str | None]] | None) -> None:
+        """Apply the operator's ``{tenant: (l1_bytes, policy or None)}``.
+
+        ``None`` returns to equal shares of ``total_bytes``. Tenants in the
+        map need not be active yet; their bytes are reserved either way.
+        """
+        if quotas is None:
+            self._quotas = None
+        else:
+            checked: dict[str, tuple[int, str | None]] = {}
+            for tenant, (l1_bytes, policy) in quotas.items():
+                if l1_bytes < 0:
+                    raise ValueError(f"tenant {tenant!r}: l1_bytes must be >= 0, got {l1_bytes}")
+                checked[tenant] = (l1_bytes, None if policy is None else _check_policy(policy))
+            self._quotas = checked
+        self._apply(self._parts)
+
+    def set_policy(self, tenant: str, name: str | None) -> None:
+        """Force ``tenant``'s policy to ``name`` (None: back to quota/default).
+
+        The override outlives later quota updates until it is cleared. An
+        active tenant's entries migrate into the new policy at once; an
+        inactive tenant starts with it.
+        """
+        if name is None:
+            self._overrides.pop(tenant, None)
+        else:
+            self._overrides[tenant] = _check_policy(name)
+        if tenant in self._parts:
+            self._apply((tenant,))
+
+    def remove_tenant(self, tenant: str) -> bool:
+        """Drop ``tenant``'s partition and give its share back; True if active."""
+        if self._parts.pop(tenant, None) is None:
+            return False
+        self._evictions_before.pop(tenant, None)
+        self._apply(self._parts)
+        return True
+
+    def stats(self) -> dict[str, TenantStats]:
+        """Per active tenant: policy, capacity, bytes used, entries, evictions."""
+        return {
+            tenant: TenantStats(
+                policy=part.name,
+                capacity_bytes=part.capacity_bytes,
+                used_bytes=part.used_bytes,
+                entries=len(part),
+                evictions=self._evictions_before.get(tenant, 0) + part.evictions,
+            )
+            for tenant, part in self._parts.items()
+        }
+
+    # ------------------------------------------------------------ internals
+
+    def _activate(self, tenant: str) -> ReplacementPolicy[K, V]:
+        if len(self._parts) >= self._max_tenants:
+            raise TenantLimitError(
+                f"L1 already holds {self._max_tenants} tenant partitions; "
+                f"tenant {tenant!r} cannot get one"
+            )
+        tenants = [*self._parts, tenant]
+        part: ReplacementPolicy[K, V] = make_policy(
+            self._policy_of(tenant), self._capacities(tenants)[tenant]
+        )
+        self._parts[tenant] = part
+        self._apply(self._parts)
+        return part
+
+    def _policy_of(self, tenant: str) -> str:
+        override = self._overrides.get(tenant)
+        if override is not None:
+            return override
+        if self._quotas is not None:
+            quota = self._quotas.get(tenant)
+            if quota is not None and quota[1] is not None:
+                return quota[1]
+        return self._default_policy
+
+    def _capacities(self, tenants: Iterable[str]) -> dict[str, int]:
+        """Partition sizes for the active ``tenants``."""
+        tenants = list(tenants)
+        quotas = self._quotas
+        if quotas is None:
+            share = self._total // len(tenants) if tenants else 0
+            return dict.fromkeys(tenants, share)
+        asked = sum(l1_bytes for l1_bytes, _ in quotas.values())
+        if asked > self._total:
+            granted = {t: q * self._total // asked for t, (q, _) in quotas.items()}
+        else:
+            granted = {t: q for t, (q, _) in quotas.items()}
+        rest = [t for t in tenants if t not in granted]
+        share = (self._total - sum(granted.values())) // len(rest) if rest else 0
+        return {t: granted.get(t, share) for t in tenants}
+
+    def _apply(self, tenants: Iterable[str]) -> None:
+        """Bring the partitions of ``tenants`` to their current size and policy."""
+        capacities = self._capacities(self._parts)
+        for tenant in list(tenants):
+            part = self._parts[tenant]
+            capacity = capacities[tenant]
+            policy = self._policy_of(tenant)
+            if part.name != policy:
+                self._parts[tenant] = self._migrate(tenant, part, policy, capacity)
+            elif part.capacity_bytes != capacity:
+                part.resize(capacity)
+
+    def _migrate(
+        self, tenant: str, old: ReplacementPolicy[K, V], policy: str, capacity: int
+    ) -> ReplacementPolicy[K, V]:
+        """A new ``policy`` instance holding ``old``'s entries, hottest kept."""
+        entries = list(old.items())  # coldest first
+        start = len(entries)
+        room = capacity
+        while start > 0 and entries[start - 1][2] <= room:
+            start -= 1
+            room -= entries[start][2]
+        new: ReplacementPolicy[K, V] = make_policy(policy, capacity)
+        for key, value, size in entries[start:]:
+            new.put(key, value, size)
+        self._evictions_before[tenant] = (
+            self._evictions_before.get(tenant, 0) + old.evictions + start
+        )
+        return new

@@ -1,0 +1,242 @@
+"""The sidecar's Prometheus metrics, defined in one place.
+
+The hit path must not pay for metrics: counters and histogram buckets are
+plain integers in per-tenant objects (an increment and a ``bisect``), and a
+custom collector turns them into Prometheus families when ``/metrics`` is
+scraped. Gauges that describe state (bytes, quotas, policy, Redis, GPU) are
+read from their owners at scrape time through callbacks, so there is one
+source of truth for each. Every series carries ``cache="<ns>/<name>"``.
+
+Each :class:`SidecarMetrics` owns a fresh ``CollectorRegistry``: no process
+singletons, nothing for tests to reset.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from . import protocol
+
+#: Latency buckets (seconds): from an L1 hit (tens of µs) to a long generation.
+BUCKETS: tuple[float, ...] = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+TIERS = ("l1", "l2", "l3", "upstream")
+RESULTS = ("hit", "miss", "bypass", "error")
+
+
+class Histogram:
+    """Bucket counts as plain ints; ``observe`` is a bisect and two adds."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(BUCKETS, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for bound, count in zip(BUCKETS, self.counts, strict=False):
+            acc += count
+            out.append((repr(bound), float(acc)))
+        out.append(("+Inf", float(acc + self.counts[-1])))
+        return out
+
+
+@dataclass(slots=True)
+class TenantMetrics:
+    """Everything counted per tenant; bound once, updated without locks."""
+
+    requests: dict[tuple[str, str], int] = field(default_factory=dict)
+    latency: dict[str, Histogram] = field(default_factory=dict)
+    upstream: Histogram = field(default_factory=Histogram)
+    evictions: dict[str, int] = field(default_factory=dict)
+
+    def request(self, tier: str, result: str, seconds: float) -> None:
+        key = (tier, result)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        hist = self.latency.get(tier)
+        if hist is None:
+            hist = self.latency[tier] = Histogram()
+        hist.observe(seconds)
+
+    def evicted(self, tier: str, count: int) -> None:
+        if count:
+            self.evictions[tier] = self.evictions.get(tier, 0) + count
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    """Bytes used and quota of one tenant in one tier."""
+
+    tenant: str
+    tier: str
+    used_bytes: int
+    quota_bytes: int
+    policy: str | None = None
+
+
+class SidecarMetrics:
+    """All sidecar metrics for one cache, with its own registry."""
+
+    def __init__(self, cache: str) -> None:
+        self.cache = cache
+        self.tenants: dict[str, TenantMetrics] = {}
+        self.redis_errors = 0
+        self.cache_faults: dict[str, int] = {}
+        self.single_flight_joins = 0
+        self.cross_tenant_hits = 0
+        self.policy_switches: dict[tuple[str, str, str], int] = {}
+        self.usage_source: Callable[[], Iterable[TierUsage]] = list
+        self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    def tenant(self, tenant: str) -> TenantMetrics:
+        tm = self.tenants.get(tenant)
+        if tm is None:
+            tm = self.tenants[tenant] = TenantMetrics()
+        return tm
+
+    def fault(self, kind: str) -> None:
+        """Count a cache fault that was absorbed (request served upstream)."""
+        self.cache_faults[kind] = self.cache_faults.get(kind, 0) + 1
+
+    def policy_switch(self, tenant: str, old: str, new: str) -> None:
+        key = (tenant, old, new)
+        self.policy_switches[key] = self.policy_switches.get(key, 0) + 1
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Collector(Collector):
+    def __init__(self, metrics: SidecarMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        cache = m.cache
+        reqs = CounterMetricFamily(
+            protocol.METRIC_REQUESTS.removesuffix("_total"),
+            "Requests by tenant, the tier that answered and the result.",
+            labels=["cache", "tenant", "tier", "result"],
+        )
+        lat = HistogramMetricFamily(
+            protocol.METRIC_REQUEST_DURATION,
+            "Request latency as the client saw it, by tier that answered.",
+            labels=["cache", "tenant", "tier"],
+            unit="",
+        )
+        up = HistogramMetricFamily(
+            protocol.METRIC_UPSTREAM_DURATION,
+            "Latency of upstream (model server) calls.",
+            labels=["cache", "tenant"],
+        )
+        ev = CounterMetricFamily(
+            "cachefleet_evictions",
+            "Entries evicted to stay within a tenant's quota.",
+            labels=["cache", "tenant", "tier"],
+        )
+        for tenant, tm in list(m.tenants.items()):
+            for (tier, result), count in list(tm.requests.items()):
+                reqs.add_metric([cache, tenant, tier, result], count)
+            for tier, hist in list(tm.latency.items()):
+                lat.add_metric([cache, tenant, tier], hist.cumulative(), hist.sum)
+            if tm.upstream.counts[-1] or any(tm.upstream.counts):
+                up.add_metric([cache, tenant], tm.upstream.cumulative(), tm.upstream.sum)
+            for tier, count in list(tm.evictions.items()):
+                ev.add_metric([cache, tenant, tier], count)
+        yield from (reqs, lat, up, ev)
+
+        used = GaugeMetricFamily(
+            "cachefleet_cache_bytes",
+            "Bytes in cache by tenant and tier.",
+            labels=["cache", "tenant", "tier"],
+        )
+        quota = GaugeMetricFamily(
+            "cachefleet_cache_quota_bytes",
+            "Byte quota by tenant and tier.",
+            labels=["cache", "tenant", "tier"],
+        )
+        policy = GaugeMetricFamily(
+            "cachefleet_policy_info",
+            "L1 policy in force for a tenant (1 for the policy in force).",
+            labels=["cache", "tenant", "policy"],
+        )
+        for u in m.usage_source():
+            used.add_metric([cache, u.tenant, u.tier], u.used_bytes)
+            quota.add_metric([cache, u.tenant, u.tier], u.quota_bytes)
+            if u.policy is not None:
+                policy.add_metric([cache, u.tenant, u.policy], 1)
+        yield from (used, quota, policy)
+
+        switches = CounterMetricFamily(
+            "cachefleet_policy_switches",
+            "L1 policy switches by tenant.",
+            labels=["cache", "tenant", "from_policy", "to_policy"],
+        )
+        for (tenant, old, new), count in list(m.policy_switches.items()):
+            switches.add_metric([cache, tenant, old, new], count)
+        redis_err = CounterMetricFamily(
+            "cachefleet_redis_errors",
+            "Redis operations that failed or timed out.",
+            labels=["cache"],
+        )
+        redis_err.add_metric([cache], m.redis_errors)
+        faults = CounterMetricFamily(
+            "cachefleet_cache_faults",
+            "Cache faults absorbed by serving from upstream, by kind.",
+            labels=["cache", "kind"],
+        )
+        for kind, count in list(m.cache_faults.items()):
+            faults.add_metric([cache, kind], count)
+        joins = CounterMetricFamily(
+            "cachefleet_single_flight_joins",
+            "Requests that waited for an identical in-flight miss instead of calling upstream.",
+            labels=["cache"],
+        )
+        joins.add_metric([cache], m.single_flight_joins)
+        contamination = CounterMetricFamily(
+            "cachefleet_cross_tenant_hits",
+            "Lookups that found another tenant's entry; refused and served upstream (must be 0).",
+            labels=["cache"],
+        )
+        contamination.add_metric([cache], m.cross_tenant_hits)
+        yield from (switches, redis_err, faults, joins, contamination)
+        for source in m.gauge_sources:
+            yield from source()

@@ -1,0 +1,530 @@
+"""The Redis contract between the operator and the sidecars.
+
+This module is the one place that names Redis keys and pub/sub channels and
+defines the messages that travel through them (pydantic models). The operator
+imports it; the sidecar imports it; nobody else spells a key by hand.
+
+Layout (``<cache>`` is ``<namespace>/<name>`` of the InferenceCache):
+
+Control state of one cache, all in one cluster slot (hashtag ``{cf:<cache>}``)
+so that multi-key scripts work on Redis Cluster:
+
+* ``cf:{cf:<cache>}:quotas``   hash: ``generation`` -> int, ``assignment`` ->
+  JSON :class:`QuotaAssignment`. Written by the operator with
+  :data:`PUBLISH_QUOTAS_LUA` (generation only moves forward).
+* ``cf:{cf:<cache>}:members``  sorted set: pod -> expiry (unix seconds).
+* ``cf:{cf:<cache>}:member:<pod>`` string with TTL: JSON :class:`Heartbeat`.
+* ``cf:{cf:<cache>}:control``  pub/sub channel: JSON :class:`ControlMessage`.
+  Messages only say "look now"; the state is in the keys (level triggered).
+
+Data of one tenant of one cache (L2), in one slot per tenant (hashtag
+``{cf:<cache>|<tenant>}``) so a tenant's quota script is single-slot while
+different tenants spread across a cluster:
+
+* ``cf:{cf:<cache>|<tenant>}:e:<sha256 hex>``  entry (string, TTL).
+* ``cf:{cf:<cache>|<tenant>}:usage``           hash: ``bytes``, ``limit``.
+* ``cf:{cf:<cache>|<tenant>}:lru``             sorted set: entry key -> last use.
+* ``cf:{cf:<cache>|<tenant>}:sizes``           hash: entry key -> bytes.
+* ``cf:{cf:<cache>|<tenant>}:exp``             sorted set: entry key -> expiry
+  (unix ms, server clock), so expired entries are reclaimed exactly.
+
+L2 quota rules (enforced by :data:`L2_PUT_LUA` in one round trip): an entry
+costs ``len(value)`` bytes; the tenant's limit is ``usage.limit`` or, when that
+is 0 or absent, the default limit the client passes; a put first reclaims
+expired entries, then evicts the tenant's least recently used entries (at most
+``max_evict`` per call) and refuses the value if it still does not fit.
+
+Redis URLs (one convention for operator and sidecars, see
+:func:`parse_redis_url`): ``redis://host:port/db`` (or ``rediss://``) is a
+standalone server; ``redis+cluster://host:port[,host:port...]`` (or
+``rediss+cluster://``) is a Redis Cluster reached through those startup nodes.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+from urllib.parse import unquote, urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.cluster import ClusterNode
+
+PROTOCOL_VERSION = 1
+
+#: Tenant and pod names that may appear in keys and metric labels.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+#: How long a heartbeat keeps a sidecar a member, seconds.
+DEFAULT_HEARTBEAT_TTL_S = 15.0
+#: How often a sidecar re-reads control state even without a message, seconds.
+DEFAULT_RESYNC_INTERVAL_S = 5.0
+
+
+class Policy(StrEnum):
+    """L1 replacement policy of a tenant partition."""
+
+    LRU = "lru"
+    LIRS = "lirs"
+    SITS = "sits"
+
+
+def valid_name(value: str) -> bool:
+    """True if ``value`` may be used as a tenant or pod name in keys and labels."""
+    return bool(NAME_RE.match(value))
+
+
+def cache_ref(namespace: str, name: str) -> str:
+    """The identity of an InferenceCache in keys: ``<namespace>/<name>``."""
+    return f"{namespace}/{name}"
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _control(cache: str) -> str:
+    return f"cf:{{cf:{cache}}}"
+
+
+def quotas_key(cache: str) -> str:
+    return f"{_control(cache)}:quotas"
+
+
+def members_key(cache: str) -> str:
+    return f"{_control(cache)}:members"
+
+
+def member_key(cache: str, pod: str) -> str:
+    return f"{_control(cache)}:member:{pod}"
+
+
+def control_channel(cache: str) -> str:
+    return f"{_control(cache)}:control"
+
+
+def control_prefix(cache: str) -> str:
+    """Prefix of every control key of ``cache`` (for cleanup by SCAN MATCH)."""
+    return f"{_control(cache)}:"
+
+
+def _tenant(cache: str, tenant: str) -> str:
+    return f"cf:{{cf:{cache}|{tenant}}}"
+
+
+def entry_key(cache: str, tenant: str, digest_hex: str) -> str:
+    return f"{_tenant(cache, tenant)}:e:{digest_hex}"
+
+
+def usage_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:usage"
+
+
+def lru_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:lru"
+
+
+def sizes_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:sizes"
+
+
+def expiry_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:exp"
+
+
+def l2_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
+    """KEYS of :data:`L2_GET_LUA` / :data:`L2_PUT_LUA`, in order."""
+    return [entry_key(cache, tenant, digest_hex), *l2_meta_keys(cache, tenant)]
+
+
+def l2_meta_keys(cache: str, tenant: str) -> list[str]:
+    """KEYS of :data:`L2_USAGE_LUA`: usage, lru, sizes, exp of one tenant."""
+    return [
+        usage_key(cache, tenant),
+        lru_key(cache, tenant),
+        sizes_key(cache, tenant),
+        expiry_key(cache, tenant),
+    ]
+
+
+def tenant_data_pattern(cache: str) -> str:
+    """SCAN MATCH pattern for every data key of every tenant of ``cache``."""
+    escaped = cache.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*")
+    return f"cf:{{cf:{escaped}|*"
+
+
+# ----------------------------------------------------------------------- messages
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class TenantQuota(_Model):
+    """What one tenant may use, as assigned by the operator."""
+
+    l1_bytes: Annotated[int, Field(ge=0, description="L1 bytes on every pod")]
+    l2_bytes: Annotated[int, Field(ge=0, description="L2 bytes in Redis, fleet-wide")]
+    policy: Policy | None = Field(default=None, description="L1 policy; None = cache default")
+
+
+class QuotaAssignment(_Model):
+    """The whole quota table of one cache; ``generation`` only moves forward."""
+
+    protocol: int = PROTOCOL_VERSION
+    generation: Annotated[int, Field(ge=0)]
+    issued_at: float = Field(default_factory=time.time)
+    default_policy: Policy = Policy.LRU
+    model: str | None = None
+    model_version: str | None = None
+    tenants: dict[str, TenantQuota] = Field(default_factory=dict)
+
+
+class ControlMessage(_Model):
+    """A "look now" notice on the control channel."""
+
+    protocol: int = PROTOCOL_VERSION
+    kind: Literal["quotas", "epochs", "ping"]
+    generation: int = 0
+    sent_at: float = Field(default_factory=time.time)
+
+
+class Heartbeat(_Model):
+    """What a live sidecar says about itself, refreshed every few seconds."""
+
+    protocol: int = PROTOCOL_VERSION
+    pod: str
+    quota_generation: int = -1
+    policy_by_tenant: dict[str, Policy] = Field(default_factory=dict)
+    redis_ok: bool = True
+    sent_at: float = Field(default_factory=time.time)
+
+
+# ------------------------------------------------------------------------ scripts
+
+#: KEYS[1] = quotas_key; ARGV[1] = generation, ARGV[2] = assignment JSON.
+#: Writes only if the generation is newer than the stored one. Returns the
+#: generation now stored.
+PUBLISH_QUOTAS_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '-1')
+local gen = tonumber(ARGV[1])
+if gen > cur then
+  redis.call('HSET', KEYS[1], 'generation', ARGV[1], 'assignment', ARGV[2])
+  return gen
+end
+return cur
+"""
+
+#: KEYS[1] = members_key, KEYS[2] = member_key; ARGV[1] = pod, ARGV[2] = expiry
+#: (unix s), ARGV[3] = ttl (ms), ARGV[4] = heartbeat JSON, ARGV[5] = now (unix s).
+#: Registers the heartbeat and prunes members whose expiry has passed.
+HEARTBEAT_LUA = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[5])
+return 1
+"""
+
+# L2 scripts. Every key they touch carries the tenant's hashtag, so each runs
+# on one cluster slot. Shared helpers first; ``meta`` is {usage, lru, sizes, exp}.
+_L2_LUA_PRELUDE = """
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+-- A strictly increasing LRU stamp per tenant (ties would order by name).
+local function stamp(lru, now)
+  local top = redis.call('ZRANGE', lru, -1, -1, 'WITHSCORES')
+  if top[2] ~= nil and tonumber(top[2]) >= now then
+    return tonumber(top[2]) + 1
+  end
+  return now
+end
+-- Drop one entry and its accounting; returns 1 if the value still existed.
+local function forget(meta, member)
+  local size = tonumber(redis.call('HGET', meta[3], member) or '0')
+  redis.call('HDEL', meta[3], member)
+  redis.call('ZREM', meta[2], member)
+  redis.call('ZREM', meta[4], member)
+  local existed = redis.call('UNLINK', member)
+  if size > 0 then
+    local left = redis.call('HINCRBY', meta[1], 'bytes', -size)
+    if left < 0 then redis.call('HSET', meta[1], 'bytes', 0) end
+  end
+  return existed
+end
+-- Reclaim up to n entries whose expiry has passed; returns how many.
+local function reap(meta, now_ms, n)
+  local gone = redis.call('ZRANGEBYSCORE', meta[4], '-inf', now_ms, 'LIMIT', 0, n)
+  for _, member in ipairs(gone) do forget(meta, member) end
+  return #gone
+end
+local function limit_of(meta, default)
+  local limit = tonumber(redis.call('HGET', meta[1], 'limit') or '0') or 0
+  if limit <= 0 then limit = tonumber(default) end
+  return limit
+end
+"""
+
+#: KEYS = :func:`l2_keys`; no ARGV. Returns the value (and touches the LRU) or
+#: nil; a value that has expired has its accounting dropped on the way.
+L2_GET_LUA = (
+    _L2_LUA_PRELUDE
+    + """
+local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+local value = redis.call('GET', KEYS[1])
+if value then
+  if redis.call('ZSCORE', meta[2], KEYS[1]) then
+    redis.call('ZADD', meta[2], stamp(meta[2], now_us()), KEYS[1])
+  end
+  return value
+end
+if redis.call('HEXISTS', meta[3], KEYS[1]) == 1 then forget(meta, KEYS[1]) end
+return false
+"""
+)
+
+#: KEYS = :func:`l2_keys`; ARGV[1] = value, ARGV[2] = ttl (ms), ARGV[3] =
+#: default limit (bytes), ARGV[4] = max entries evicted or reclaimed per call.
+#: Returns {status, evicted, reclaimed}: status 1 stored, 0 refused (does not
+#: fit after the bounded eviction), -1 refused (larger than the whole limit).
+L2_PUT_LUA = (
+    _L2_LUA_PRELUDE
+    + """
+local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+local size = string.len(ARGV[1])
+local ttl_ms = tonumber(ARGV[2])
+local max_n = tonumber(ARGV[4])
+local limit = limit_of(meta, ARGV[3])
+if size > limit then return {-1, 0, 0} end
+local now = now_us()
+local reclaimed = reap(meta, math.floor(now / 1000), max_n)
+if redis.call('HEXISTS', meta[3], KEYS[1]) == 1 then forget(meta, KEYS[1]) end
+local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+local evicted = 0
+local steps = 0
+while used + size > limit and steps < max_n do
+  local oldest = redis.call('ZRANGE', meta[2], 0, 0)
+  if #oldest == 0 then
+    -- nothing left to evict: whatever is still counted is stale accounting
+    redis.call('HSET', meta[1], 'bytes', 0)
+    used = 0
+    break
+  end
+  if forget(meta, oldest[1]) == 1 then evicted = evicted + 1 else reclaimed = reclaimed + 1 end
+  steps = steps + 1
+  used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+end
+if used + size > limit then return {0, evicted, reclaimed} end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl_ms)
+redis.call('HSET', meta[3], KEYS[1], size)
+redis.call('ZADD', meta[2], stamp(meta[2], now), KEYS[1])
+redis.call('ZADD', meta[4], math.floor(now / 1000) + ttl_ms, KEYS[1])
+redis.call('HINCRBY', meta[1], 'bytes', size)
+return {1, evicted, reclaimed}
+"""
+)
+
+#: KEYS = :func:`l2_meta_keys`; ARGV[1] = default limit (bytes), ARGV[2] = max
+#: expired entries reclaimed. Returns {bytes used, limit in force, reclaimed}.
+L2_USAGE_LUA = (
+    _L2_LUA_PRELUDE
+    + """
+local meta = {KEYS[1], KEYS[2], KEYS[3], KEYS[4]}
+local reclaimed = reap(meta, math.floor(now_us() / 1000), tonumber(ARGV[2]))
+local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+return {used, limit_of(meta, ARGV[1]), reclaimed}
+"""
+)
+
+
+# ------------------------------------------------------------------------ metrics
+# The sidecar exports these; the operator reads them back through Prometheus.
+# Every sidecar series carries the label ``cache="<namespace>/<name>"``.
+
+#: Counter, labels cache, tenant, tier (l1 | l2 | l3 | upstream), result
+#: (hit | miss | bypass | error). A hit is counted at the tier that served it;
+#: misses and bypasses at tier ``upstream``.
+METRIC_REQUESTS = "cachefleet_requests_total"
+#: Histogram (seconds), labels cache, tenant, tier: whole request as the
+#: client saw it.
+METRIC_REQUEST_DURATION = "cachefleet_request_duration_seconds"
+#: Histogram (seconds), labels cache, tenant: upstream call only.
+METRIC_UPSTREAM_DURATION = "cachefleet_upstream_duration_seconds"
+
+
+def promql_p95_seconds(cache: str, window: str) -> str:
+    """Per-tenant p95 of request latency over ``window`` (e.g. ``"1m"``)."""
+    return (
+        "histogram_quantile(0.95, sum by (tenant, le) "
+        f'(rate({METRIC_REQUEST_DURATION}_bucket{{cache="{cache}"}}[{window}])))'
+    )
+
+
+def promql_hit_ratio(cache: str, window: str) -> str:
+    """Per-tenant hit ratio (hits over hits + misses; bypasses excluded)."""
+    sel = f'cache="{cache}"'
+    return (
+        f'sum by (tenant) (rate({METRIC_REQUESTS}{{{sel},result="hit"}}[{window}])) / '
+        f'sum by (tenant) (rate({METRIC_REQUESTS}{{{sel},result=~"hit|miss"}}[{window}]))'
+    )
+
+
+def promql_rps(cache: str, window: str) -> str:
+    """Per-tenant request rate (all results)."""
+    return f'sum by (tenant) (rate({METRIC_REQUESTS}{{cache="{cache}"}}[{window}]))'
+
+
+# --------------------------------------------------------------------- redis URLs
+
+#: URL schemes that name a Redis Cluster, and the plain scheme of each node.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+#: The client types :func:`redis_from_url` returns.
+RedisClient = Redis | RedisCluster
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed Redis URL (see the module docstring for the convention)."""
+
+    cluster: bool
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+
+    def node_urls(self) -> list[str]:
+        """One plain ``redis://`` (or ``rediss://``) URL per node, without credentials."""
+        scheme = "rediss" if self.tls else "redis"
+        suffix = "" if self.cluster else f"/{self.db}"
+        return [f"{scheme}://{_host_port(host, port)}{suffix}" for host, port in self.nodes]
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_redis_url(url: str, *, cluster: bool | None = None) -> RedisTarget:
+    """Parse a Redis URL; ``cluster`` overrides what the scheme says.
+
+    Raises ValueError on a URL that is not ``redis``, ``rediss``,
+    ``redis+cluster`` or ``rediss+cluster`` or that names no host.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in CLUSTER_SCHEMES:
+        is_cluster, tls = True, CLUSTER_SCHEMES[scheme] == "rediss"
+    elif scheme in ("redis", "rediss"):
+        is_cluster, tls = False, scheme == "rediss"
+    else:
+        raise ValueError(f"not a Redis URL: {url!r}")
+    if cluster is not None:
+        is_cluster = cluster
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    nodes: list[tuple[str, int]] = []
+    for item in hosts.split(","):
+        if not item:
+            continue
+        node = urlsplit(f"//{item}")
+        if not node.hostname:
+            raise ValueError(f"no host in Redis URL {url!r}")
+        nodes.append((node.hostname, node.port or 6379))
+    if not nodes:
+        raise ValueError(f"no host in Redis URL {url!r}")
+    path = parts.path.strip("/")
+    return RedisTarget(
+        cluster=is_cluster,
+        nodes=tuple(nodes),
+        tls=tls,
+        username=unquote(username) or None,
+        password=unquote(password) or None,
+        db=int(path) if path.isdigit() else 0,
+    )
+
+
+def redis_from_url(url: str, *, cluster: bool | None = None, **options: Any) -> RedisClient:
+    """An asyncio client for ``url``: :class:`Redis` or :class:`RedisCluster`.
+
+    ``options`` go to the client constructor (timeouts, ``retry``,
+    ``decode_responses`` ...). The client connects lazily.
+    """
+    target = parse_redis_url(url, cluster=cluster)
+    common: dict[str, Any] = {"username": target.username, "password": target.password}
+    if target.tls:
+        common["ssl"] = True
+    if target.cluster:
+        startup = [ClusterNode(host, port) for host, port in target.nodes]
+        return RedisCluster(startup_nodes=startup, **common, **options)
+    host, port = target.nodes[0]
+    return Redis(host=host, port=port, db=target.db, **common, **options)
+
+
+# ------------------------------------------------------ reference implementation
+
+
+async def publish_quotas(client: RedisClient, cache: str, assignment: QuotaAssignment) -> int:
+    """Store ``assignment`` if its generation is newer, then say "look now".
+
+    Returns the generation stored afterwards (the assignment's own, or a
+    newer one that was already there, in which case nothing is published).
+    """
+    stored = int(
+        await client.eval(
+            PUBLISH_QUOTAS_LUA,
+            1,
+            quotas_key(cache),
+            str(assignment.generation),
+            assignment.model_dump_json(),
+        )
+    )
+    if stored == assignment.generation:
+        message = ControlMessage(kind="quotas", generation=stored)
+        await client.publish(control_channel(cache), message.model_dump_json())
+    return stored
+
+
+async def read_quotas(client: RedisClient, cache: str) -> QuotaAssignment | None:
+    """The assignment stored for ``cache``, or None when there is none yet."""
+    raw = await client.hget(quotas_key(cache), "assignment")
+    if raw is None:
+        return None
+    return QuotaAssignment.model_validate_json(raw)
+
+
+async def write_heartbeat(
+    client: RedisClient, cache: str, heartbeat: Heartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+) -> None:
+    """Register ``heartbeat`` as a live member for ``ttl_s`` seconds."""
+    now = time.time()
+    await client.eval(
+        HEARTBEAT_LUA,
+        2,
+        members_key(cache),
+        member_key(cache, heartbeat.pod),
+        heartbeat.pod,
+        repr(now + ttl_s),
+        str(max(1, int(ttl_s * 1000))),
+        heartbeat.model_dump_json(),
+        repr(now),
+    )
+
+
+async def remove_member(client: RedisClient, cache: str, pod: str) -> None:
+    """Drop ``pod`` from the members at once (a sidecar shutting down cleanly)."""
+    await client.zrem(members_key(cache), pod)
+    await client.delete(member_key(cache, pod))
+
+
+async def live_members(client: RedisClient, cache: str) -> list[Heartbeat]:
+    """Heartbeats of every sidecar whose membership has not expired, by pod name."""
+    pods = await client.zrangebyscore(members_key(cache), repr(time.time()), "+inf")
+    names = sorted(p.decode() if isinstance(p, bytes) else str(p) for p in pods)
+    if not names:
+        return []
+    raws = await client.mget([member_key(cache, pod) for pod in names])
+    return [Heartbeat.model_validate_json(raw) for raw in raws if raw is not None]

@@ -1,0 +1,290 @@
+"""A lean HTTP/1.1 client for the model server next to the sidecar.
+
+The model server sits on loopback in the same pod, so the client keeps a
+pool of keep-alive connections and speaks HTTP/1.1 through ``httptools``
+directly: a miss costs one write and the parser's callbacks, not a general
+purpose client's machinery. Bodies arrive as they are produced (SSE streams
+are forwarded chunk by chunk) and a response knows whether it completed, so
+a truncated body or a broken stream is never mistaken for an answer.
+
+Errors: every failure is an :class:`UpstreamError` (connect refused, timeout,
+protocol error, connection lost mid-response); ``.started`` tells whether any
+response byte had arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+
+#: Seconds to open a connection to the upstream.
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+#: Seconds the upstream may stay silent while we wait for headers or body.
+DEFAULT_READ_TIMEOUT_S = 600.0
+#: Idle keep-alive connections kept for reuse.
+DEFAULT_MAX_IDLE = 128
+
+#: Request headers that describe the client connection, not the request.
+REQUEST_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"host",
+        b"expect",
+    }
+)
+
+
+class UpstreamError(Exception):
+    """The upstream could not give a complete answer."""
+
+    def __init__(self, message: str, *, started: bool = False) -> None:
+        super().__init__(message)
+        self.started = started
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.buffer: list[bytes] = []
+        self.error: str | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.received_any = False
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.received_any = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self.error = f"bad response from upstream: {exc}"
+            self._wake()
+            self._close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if not self.complete and self.error is None:
+            self.error = "upstream closed the connection" + (f": {exc}" if exc else "")
+        self._wake()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.buffer.append(body)
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self, limit_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        self.waiter = loop.create_future()
+        try:
+            async with asyncio.timeout(limit_s):
+                await self.waiter
+        except TimeoutError:
+            self.error = f"upstream silent for {limit_s:g}s"
+            self._close()
+        finally:
+            self.waiter = None
+
+    def _close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class UpstreamResponse:
+    """Status and headers of an upstream answer; the body is read with :meth:`chunks`."""
+
+    def __init__(self, conn: _Connection, pool: UpstreamPool, read_timeout_s: float) -> None:
+        self._conn = conn
+        self._pool = pool
+        self._timeout = read_timeout_s
+        self.status = conn.status
+        self.headers = conn.headers
+        self.complete = False
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.header(b"content-length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Yield the body as it arrives; raise :class:`UpstreamError` if it breaks."""
+        conn = self._conn
+        try:
+            while True:
+                if conn.buffer:
+                    data = b"".join(conn.buffer)
+                    conn.buffer.clear()
+                    yield data
+                    continue
+                if conn.complete:
+                    self.complete = True
+                    return
+                if conn.error is not None:
+                    raise UpstreamError(conn.error, started=True)
+                await conn.wait(self._timeout)
+        finally:
+            self._pool._release(conn)
+
+    async def read(self) -> bytes:
+        """The whole body (raises :class:`UpstreamError` when incomplete)."""
+        parts = [chunk async for chunk in self.chunks()]
+        return b"".join(parts)
+
+
+class UpstreamPool:
+    """Keep-alive connections to one upstream ``http://host:port``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_idle: int = DEFAULT_MAX_IDLE,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"--upstream must be http://HOST:PORT, got {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.base_path = parts.path.rstrip("/").encode()
+        self.host_header = (parts.netloc or self.host).encode()
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_idle = max_idle
+        self._idle: deque[_Connection] = deque()
+        self._closed = False
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(_Connection, self.host, self.port)
+        except (OSError, TimeoutError) as exc:
+            raise UpstreamError(
+                f"cannot connect to upstream {self.host}:{self.port}: {exc or 'timeout'}"
+            ) from exc
+        return conn
+
+    def _take_idle(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    def _release(self, conn: _Connection) -> None:
+        if (
+            conn.complete
+            and conn.keep_alive
+            and not conn.closed
+            and not self._closed
+            and len(self._idle) < self.max_idle
+        ):
+            conn._reset()
+            self._idle.append(conn)
+        else:
+            conn._close()
+
+    def _head(
+        self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> bytes:
+        lines = [method, b" ", self.base_path + path, b" HTTP/1.1\r\nhost: ", self.host_header]
+        for name, value in headers:
+            if name not in REQUEST_HOP_BY_HOP:
+                lines += [b"\r\n", name, b": ", value]
+        lines.append(b"\r\ncontent-length: %d\r\n\r\n" % len(body))
+        return b"".join(lines)
+
+    async def request(
+        self,
+        method: bytes,
+        path: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+    ) -> UpstreamResponse:
+        """Send a request; return once the response headers are in."""
+        head = self._head(method, path, headers, body)
+        for attempt in (0, 1):
+            conn = self._take_idle()
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            assert conn.transport is not None
+            conn.transport.write(head + body if len(body) < 65536 else head)
+            if len(body) >= 65536:
+                conn.transport.write(body)
+            while not conn.headers_done and conn.error is None:
+                await conn.wait(self.read_timeout_s)
+            if conn.headers_done:
+                return UpstreamResponse(conn, self, self.read_timeout_s)
+            conn._close()
+            # A reused keep-alive connection the server had already closed,
+            # with no response byte seen: the request never reached it.
+            if not (reused and not conn.received_any and attempt == 0):
+                raise UpstreamError(conn.error or "no response", started=conn.received_any)
+        raise UpstreamError("no usable connection to upstream")
+
+    async def probe(self) -> bool:
+        """True when a TCP connection to the upstream can be opened."""
+        try:
+            conn = await self._connect()
+        except UpstreamError:
+            return False
+        conn._close()
+        return True
+
+    async def aclose(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop()._close()

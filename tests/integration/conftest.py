@@ -1,0 +1,81 @@
+"""Fixtures for sidecar integration tests: a stand-in upstream and in-process sidecars."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_sidecar.app import SidecarServer
+from cachefleet_sidecar.config import SidecarConfig
+
+
+@pytest.fixture
+def upstream() -> Iterator[FakeUpstream]:
+    with FakeUpstream() as up:
+        yield up
+
+
+class RunningSidecar:
+    def __init__(self, server: SidecarServer) -> None:
+        self.server = server
+        self.sidecar = server.sidecar
+        ports = server.ports
+        self.url = f"http://127.0.0.1:{ports[0]}"
+        self.admin_url = f"http://127.0.0.1:{ports[1]}" if len(ports) > 1 else self.url
+        self.client = httpx.AsyncClient(base_url=self.url, timeout=10.0)
+        self.admin = httpx.AsyncClient(base_url=self.admin_url, timeout=10.0)
+
+    async def chat(
+        self, content: str = "hello", *, tenant: str | None = "acme", **fields: Any
+    ) -> httpx.Response:
+        body: dict[str, Any] = {
+            "model": "m1",
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+        }
+        body.update(fields.pop("body", {}))
+        headers = {"X-Tenant-ID": tenant} if tenant is not None else {}
+        headers.update(fields.pop("headers", {}))
+        return await self.client.post("/v1/chat/completions", json=body, headers=headers)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        await self.admin.aclose()
+        await self.server.stop(grace_s=2.0)
+
+
+SidecarFactory = Callable[..., Awaitable[RunningSidecar]]
+
+
+@pytest.fixture
+async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactory]:
+    running: list[RunningSidecar] = []
+
+    async def make(**overrides: Any) -> RunningSidecar:
+        base = SidecarConfig(
+            listen=("127.0.0.1", 0),
+            admin_listen=("127.0.0.1", 0),
+            upstream=upstream.url,
+            cache="test/cache",
+            pod="pod-a",
+            l1_bytes=8 * 1024 * 1024,
+        )
+        server = SidecarServer(dataclasses.replace(base, **overrides))
+        await server.start()
+        sc = RunningSidecar(server)
+        running.append(sc)
+        return sc
+
+    yield make
+    for sc in running:
+        await sc.aclose()
+
+
+@pytest.fixture
+async def sidecar(sidecar_factory: SidecarFactory) -> RunningSidecar:
+    return await sidecar_factory()

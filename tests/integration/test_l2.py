@@ -1,0 +1,360 @@
+"""The L2 Redis tier against real redis-server, standalone and Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from cachefleet_e2e.services import RedisCluster, RedisServer, free_port, redis_command
+from cachefleet_sidecar import protocol
+from cachefleet_sidecar.l2 import CircuitBreaker, RedisL2
+
+CACHE = "team-a/chat"
+
+MakeL2 = Callable[..., RedisL2]
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def state_of(thing: RedisL2 | CircuitBreaker) -> str:
+    """Read ``state`` afresh (keeps mypy from narrowing it across awaits)."""
+    return thing.state
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("standalone", marks=pytest.mark.redis),
+        pytest.param("cluster", marks=pytest.mark.redis_cluster),
+    ]
+)
+def backend_url(request: pytest.FixtureRequest) -> str:
+    """A flushed Redis URL: standalone or ``redis+cluster://``."""
+    name = "redis_url" if request.param == "standalone" else "cluster_url"
+    url: str = request.getfixturevalue(name)
+    return url
+
+
+@pytest.fixture
+async def make_l2(backend_url: str) -> AsyncIterator[MakeL2]:
+    """Build tiers on the backend; all are closed after the test."""
+    made: list[RedisL2] = []
+
+    def make(**options: object) -> RedisL2:
+        options.setdefault("op_timeout_s", 1.0)  # generous: this is not the fault test
+        tier = RedisL2.from_url(backend_url, CACHE, **options)  # type: ignore[arg-type]
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        await tier.aclose()
+
+
+async def test_put_then_get_returns_the_value(make_l2: MakeL2) -> None:
+    l2 = make_l2()
+    assert await l2.get("alice", digest("q1")) is None
+    assert await l2.put("alice", digest("q1"), b"answer one")
+    assert await l2.get("alice", digest("q1")) == b"answer one"
+    assert (l2.counters.hits, l2.counters.misses, l2.counters.stores) == (1, 1, 1)
+    assert state_of(l2) == "ok"
+
+
+async def test_overwrite_is_counted_once(make_l2: MakeL2) -> None:
+    l2 = make_l2()
+    assert await l2.put("alice", digest("q"), b"x" * 100)
+    assert await l2.put("alice", digest("q"), b"y" * 40)
+    assert await l2.get("alice", digest("q")) == b"y" * 40
+    used, _ = await l2.usage("alice")
+    assert used == 40
+
+
+async def test_entries_expire_after_ttl(make_l2: MakeL2) -> None:
+    l2 = make_l2(ttl_s=0.2)
+    assert await l2.put("alice", digest("q"), b"short-lived")
+    assert await l2.get("alice", digest("q")) == b"short-lived"
+    await asyncio.sleep(0.35)
+    assert await l2.get("alice", digest("q")) is None
+
+
+async def test_usage_drops_when_entries_expire(make_l2: MakeL2) -> None:
+    l2 = make_l2(ttl_s=0.2, default_limit_bytes=1000)
+    for i in range(3):
+        assert await l2.put("alice", digest(f"q{i}"), b"v" * 100)
+    assert await l2.usage("alice") == (300, 1000)
+    await asyncio.sleep(0.35)
+    assert await l2.usage("alice") == (0, 1000)
+    # The whole limit is available again and nothing live had to be evicted.
+    assert await l2.put("alice", digest("big"), b"b" * 1000)
+    assert l2.counters.evictions == 0
+
+
+async def test_put_reclaims_expired_entries_before_evicting_live_ones(make_l2: MakeL2) -> None:
+    short = make_l2(ttl_s=0.2, default_limit_bytes=300)
+    long = make_l2(ttl_s=60, default_limit_bytes=300)
+    assert await long.put("alice", digest("keep"), b"k" * 100)
+    assert await short.put("alice", digest("gone1"), b"g" * 100)
+    assert await short.put("alice", digest("gone2"), b"g" * 100)
+    await asyncio.sleep(0.35)
+    assert await long.put("alice", digest("new"), b"n" * 200)
+    # The LRU-oldest entry ("keep") survived: the expired ones made the room.
+    assert await long.get("alice", digest("keep")) == b"k" * 100
+    assert long.counters.evictions == 0
+    assert long.counters.reclaimed_expired == 2
+    assert await long.usage("alice") == (300, 300)
+
+
+async def test_quota_evicts_least_recently_used_of_that_tenant_only(make_l2: MakeL2) -> None:
+    l2 = make_l2()
+    await l2.set_limit("alice", 300)
+    await l2.set_limit("bob", 300)
+    for name in ("b1", "b2", "b3"):
+        assert await l2.put("bob", digest(name), b"B" * 100)
+    for name in ("a1", "a2", "a3"):
+        assert await l2.put("alice", digest(name), b"A" * 100)
+    assert await l2.get("alice", digest("a1")) is not None  # a1 is now the most recent
+
+    assert await l2.put("alice", digest("a4"), b"A" * 100)
+
+    assert await l2.get("alice", digest("a2")) is None
+    for name in ("a1", "a3", "a4"):
+        assert await l2.get("alice", digest(name)) == b"A" * 100
+    for name in ("b1", "b2", "b3"):
+        assert await l2.get("bob", digest(name)) == b"B" * 100
+    assert await l2.usage("alice") == (300, 300)
+    assert await l2.usage("bob") == (300, 300)
+    assert l2.counters.evictions == 1
+
+
+async def test_tenants_are_isolated(make_l2: MakeL2) -> None:
+    l2 = make_l2(default_limit_bytes=1000)
+    await l2.set_limit("alice", 100)
+    assert await l2.put("alice", digest("same"), b"alice's")
+    assert await l2.put("bob", digest("same"), b"bob's")
+    assert await l2.get("alice", digest("same")) == b"alice's"
+    assert await l2.get("bob", digest("same")) == b"bob's"
+    # alice's small limit does not apply to bob, who gets the default.
+    assert await l2.put("bob", digest("big"), b"x" * 900)
+    assert await l2.usage("bob") == (905, 1000)
+    assert await l2.usage("alice") == (7, 100)
+
+
+async def test_oversize_value_is_refused_without_evicting(make_l2: MakeL2) -> None:
+    l2 = make_l2()
+    await l2.set_limit("alice", 200)
+    assert await l2.put("alice", digest("small"), b"s" * 150)
+    assert not await l2.put("alice", digest("huge"), b"h" * 201)
+    assert await l2.get("alice", digest("small")) == b"s" * 150
+    assert await l2.get("alice", digest("huge")) is None
+    assert l2.counters.refused == 1
+    assert l2.counters.evictions == 0
+
+
+async def test_eviction_per_put_is_bounded(make_l2: MakeL2) -> None:
+    l2 = make_l2(max_evict=2, default_limit_bytes=1000)
+    for i in range(10):
+        assert await l2.put("alice", digest(f"q{i}"), b"v" * 100)
+    # Needs 5 evictions, may do 2: refused, and the 2 oldest are gone.
+    assert not await l2.put("alice", digest("big"), b"b" * 500)
+    assert await l2.usage("alice") == (800, 1000)
+    assert await l2.get("alice", digest("q0")) is None
+    assert await l2.get("alice", digest("q2")) == b"v" * 100
+    # The next try evicts 2 more, and the one after fits.
+    assert not await l2.put("alice", digest("big"), b"b" * 500)
+    assert await l2.put("alice", digest("big"), b"b" * 500)
+
+
+async def test_zero_limit_means_the_default(make_l2: MakeL2) -> None:
+    l2 = make_l2(default_limit_bytes=250)
+    await l2.set_limit("alice", 0)
+    assert await l2.usage("alice") == (0, 250)
+    assert not await l2.put("alice", digest("q"), b"x" * 251)
+    assert await l2.put("alice", digest("q"), b"x" * 250)
+
+
+async def test_limit_is_shared_by_every_sidecar(make_l2: MakeL2) -> None:
+    pod_a, pod_b = make_l2(), make_l2()
+    await pod_a.set_limit("alice", 200)
+    assert await pod_a.put("alice", digest("from-a"), b"a" * 100)
+    assert await pod_b.put("alice", digest("from-b"), b"b" * 100)
+    assert await pod_b.put("alice", digest("from-b2"), b"b" * 100)
+    assert await pod_a.get("alice", digest("from-a")) is None  # evicted by pod_b
+    assert await pod_a.usage("alice") == (200, 200)
+
+
+@pytest.mark.redis_cluster
+async def test_tenants_spread_over_cluster_slots(cluster_url: str, cluster_urls: list[str]) -> None:
+    l2 = RedisL2.from_url(cluster_url, CACHE, op_timeout_s=1.0)
+    try:
+        tenants = [f"tenant-{i}" for i in range(24)]
+        for tenant in tenants:
+            await l2.set_limit(tenant, 250)
+            for j in range(3):
+                assert await l2.put(tenant, digest(f"{tenant}-{j}"), b"z" * 100)
+        for tenant in tenants:
+            # quota enforced per tenant on whichever node holds its slot
+            assert await l2.get(tenant, digest(f"{tenant}-0")) is None
+            assert await l2.get(tenant, digest(f"{tenant}-2")) == b"z" * 100
+            assert await l2.usage(tenant) == (200, 250)
+    finally:
+        await l2.aclose()
+    sizes = [int(redis_command(int(url.rsplit(":", 1)[1]), "DBSIZE")[1:]) for url in cluster_urls]
+    assert sum(1 for size in sizes if size > 0) >= 2, sizes
+
+
+# ----------------------------------------------------------------- faults
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A private redis-server this test may kill, pause and restart."""
+    with RedisServer() as server:
+        yield server
+
+
+async def _until_works(l2: RedisL2, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if await l2.put("alice", digest("back"), b"again"):
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"L2 did not recover within {deadline_s}s (state {l2.state})")
+
+
+@pytest.mark.redis
+async def test_redis_killed_fails_fast_then_recovers_by_itself(own_redis: RedisServer) -> None:
+    breaker = CircuitBreaker(failure_threshold=3, cooldown_s=0.3)
+    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    try:
+        assert await l2.connect()
+        assert await l2.put("alice", digest("q"), b"v")
+        own_redis.kill()
+
+        for _ in range(3):  # the failures that open the breaker
+            started = time.perf_counter()
+            assert await l2.get("alice", digest("q")) is None
+            assert time.perf_counter() - started < 0.2
+        assert state_of(l2) == "down"
+
+        started = time.perf_counter()
+        for _ in range(200):
+            assert await l2.get("alice", digest("q")) is None
+            assert not await l2.put("alice", digest("q"), b"v")
+        per_call = (time.perf_counter() - started) / 400
+        assert per_call < 0.002, f"{per_call * 1000:.2f} ms per call with the breaker open"
+        assert l2.counters.short_circuited >= 399
+        assert l2.counters.errors + l2.counters.timeouts >= 3
+
+        own_redis.restart()
+        await _until_works(l2, deadline_s=3.0)
+        assert await l2.get("alice", digest("back")) == b"again"
+        assert state_of(l2) == "ok"
+    finally:
+        await l2.aclose()
+
+
+@pytest.mark.redis
+async def test_hung_redis_costs_at_most_the_op_timeout(own_redis: RedisServer) -> None:
+    breaker = CircuitBreaker(failure_threshold=2, cooldown_s=0.3)
+    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    try:
+        assert await l2.connect()
+        assert await l2.put("alice", digest("q"), b"v")
+        own_redis.pause()
+        for _ in range(2):
+            started = time.perf_counter()
+            assert await l2.get("alice", digest("q")) is None
+            assert time.perf_counter() - started < 0.15
+        assert state_of(l2) == "down"
+        assert l2.counters.timeouts == 2
+        started = time.perf_counter()
+        assert await l2.get("alice", digest("q")) is None
+        assert time.perf_counter() - started < 0.005
+
+        own_redis.resume()
+        await _until_works(l2, deadline_s=3.0)
+        assert await l2.get("alice", digest("q")) == b"v"  # data survived the pause
+    finally:
+        await l2.aclose()
+
+
+async def test_unreachable_redis_at_start_up_is_not_an_error_for_callers() -> None:
+    l2 = RedisL2.from_url(f"redis://127.0.0.1:{free_port()}/0", CACHE, op_timeout_s=0.05)
+    try:
+        started = time.perf_counter()
+        assert not await l2.connect(timeout_s=0.5)
+        assert await l2.get("alice", digest("q")) is None
+        assert not await l2.put("alice", digest("q"), b"v")
+        assert await l2.usage("alice") == (0, 0)
+        assert time.perf_counter() - started < 1.0
+        assert state_of(l2) != "ok"
+        assert l2.last_error is not None
+    finally:
+        await l2.aclose()
+
+
+def test_breaker_opens_probes_and_closes() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(failure_threshold=2, cooldown_s=1.0, clock=lambda: now[0])
+    assert breaker.allow()
+    breaker.failure()
+    assert state_of(breaker) == "closed"
+    breaker.failure()
+    assert state_of(breaker) == "open"
+    assert not breaker.allow()
+    now[0] = 1.0
+    assert breaker.allow()  # the probe
+    assert not breaker.allow()  # only one probe at a time
+    breaker.failure()  # probe failed: open again for a full cool-down
+    assert state_of(breaker) == "open"
+    now[0] = 1.5
+    assert not breaker.allow()
+    now[0] = 2.0
+    assert breaker.allow()
+    breaker.success()
+    assert state_of(breaker) == "closed"
+    assert breaker.allow()
+
+
+def test_keys_of_one_tenant_share_a_slot() -> None:
+    keys = protocol.l2_keys(CACHE, "alice", digest("q"))
+    tags = {key[key.index("{") + 1 : key.index("}")] for key in keys}
+    assert len(tags) == 1
+    other = protocol.l2_keys(CACHE, "bob", digest("q"))
+    assert other[0] != keys[0]
+
+
+@pytest.mark.redis_cluster
+@pytest.mark.slow
+async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> None:
+    with RedisCluster() as cluster:
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05)
+        try:
+            assert await l2.connect()
+            tenants = [f"tenant-{i}" for i in range(12)]
+            for tenant in tenants:
+                assert await l2.put(tenant, digest("q"), b"v")
+            cluster.nodes[0].kill()
+
+            served = 0
+            for tenant in tenants:
+                started = time.perf_counter()
+                served += await l2.get(tenant, digest("q")) == b"v"
+                assert time.perf_counter() - started < 0.15
+            assert 0 < served < len(tenants)  # the other nodes still serve
+
+            cluster.nodes[0].restart()  # rejoins from its nodes.conf, data lost
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline:
+                results = [await l2.put(tenant, digest("q2"), b"w") for tenant in tenants]
+                if all(results):
+                    break
+                await asyncio.sleep(0.1)
+            assert all(results)
+        finally:
+            await l2.aclose()
