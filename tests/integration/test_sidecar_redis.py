@@ -1,0 +1,179 @@
+"""The sidecar with its Redis tiers: L2 across pods and restarts, quotas, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_e2e.services import RedisServer
+from cachefleet_sidecar import protocol
+
+from .conftest import SidecarFactory
+from .test_sidecar import CHAT, answer, metric
+
+pytestmark = pytest.mark.redis
+
+
+async def wait_until(predicate: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = predicate()  # type: ignore[operator]
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+async def test_l2_serves_another_pod_and_survives_a_restart(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a")
+    first = await pod_a.chat("shared across pods")
+    assert first.headers["x-cache"] == "MISS"
+    await asyncio.sleep(0.1)  # the L2 write is asynchronous
+    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b")
+    from_b = await pod_b.chat("shared across pods")
+    assert from_b.headers["x-cache"] == "HIT-L2"
+    assert answer(from_b) == answer(first)
+    assert (await pod_b.chat("shared across pods")).headers["x-cache"] == "HIT-L1"
+    # Restart pod A (a new process would have an empty L1): still a hit.
+    await pod_a.aclose()
+    pod_a2 = await sidecar_factory(redis_url=redis_url, pod="pod-a")
+    assert (await pod_a2.chat("shared across pods")).headers["x-cache"] == "HIT-L2"
+    assert upstream.calls[CHAT] == 1
+    text = (await pod_b.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_requests_total", tier="l2", result="hit") == 1
+
+
+async def test_l2_is_isolated_per_tenant(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    pod_a = await sidecar_factory(redis_url=redis_url)
+    await pod_a.chat("same words", tenant="alpha")
+    await asyncio.sleep(0.1)
+    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b")
+    assert (await pod_b.chat("same words", tenant="beta")).headers["x-cache"] == "MISS"
+    assert (await pod_b.chat("same words", tenant="alpha")).headers["x-cache"] == "HIT-L2"
+
+
+@pytest.mark.redis_cluster
+async def test_l2_on_redis_cluster(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, cluster_url: str
+) -> None:
+    pod_a = await sidecar_factory(redis_url=cluster_url)
+    tenants = [f"t{i}" for i in range(6)]  # spread over several slots
+    for t in tenants:
+        await pod_a.chat("cluster prompt", tenant=t)
+    await asyncio.sleep(0.2)
+    pod_b = await sidecar_factory(redis_url=cluster_url, pod="pod-b")
+    for t in tenants:
+        assert (await pod_b.chat("cluster prompt", tenant=t)).headers["x-cache"] == "HIT-L2"
+
+
+async def test_stream_replays_from_l2(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    pod_a = await sidecar_factory(redis_url=redis_url)
+    first = await pod_a.chat("stream", body={"stream": True})
+    await asyncio.sleep(0.1)
+    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b")
+    hit = await pod_b.chat("stream", body={"stream": True})
+    assert hit.headers["x-cache"] == "HIT-L2"
+    assert hit.headers["content-type"] == "text/event-stream"
+    assert hit.content == first.content
+
+
+async def test_corrupt_l2_entry_is_a_miss_not_an_error(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    pod_a = await sidecar_factory(redis_url=redis_url)
+    await pod_a.chat("fragile")
+    await asyncio.sleep(0.1)
+    client = protocol.redis_from_url(redis_url)
+    try:
+        keys = [k async for k in client.scan_iter(match="cf:*:e:*")]
+        assert len(keys) == 1
+        await client.set(keys[0], b"garbage")
+    finally:
+        await client.aclose()
+    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b")
+    resp = await pod_b.chat("fragile")
+    assert resp.status_code == 200
+    assert resp.headers["x-cache"] == "MISS"
+    text = (await pod_b.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_cache_faults_total", kind="corrupt_entry") == 1
+
+
+async def test_redis_killed_mid_test_requests_keep_flowing(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    with RedisServer() as redis:
+        pod = await sidecar_factory(redis_url=redis.url)
+        await pod.chat("before")
+        redis.kill()
+        # L1 still hits; misses go upstream; nothing becomes a user-visible error.
+        assert (await pod.chat("before")).headers["x-cache"] == "HIT-L1"
+        timings = []
+        for i in range(12):
+            t0 = time.perf_counter()
+            resp = await pod.chat(f"during outage {i}")
+            timings.append(time.perf_counter() - t0)
+            assert resp.status_code == 200
+            assert resp.headers["x-cache"] == "MISS"
+        # Once the fault is known (breaker open), Redis adds no waiting.
+        assert sorted(timings[4:])[len(timings[4:]) // 2] < 0.05
+        assert (await pod.admin.get("/readyz")).status_code == 200
+        status = (await pod.admin.get("/status")).json()
+        assert status["redis"] != "ok"
+        assert status["degraded"]["redis"] is True
+        redis.restart()
+        # It reconnects by itself: a fresh pod's entry is found through L2 again.
+        probes = iter(range(1000))
+
+        async def recovered() -> bool:
+            # New prompts miss L1, so they reach L2: the breaker half-opens and retries.
+            await pod.chat(f"probe {next(probes)}")
+            return bool(pod.sidecar.l2.state == "ok")
+
+        await wait_until(recovered, 10.0)
+        await pod.chat("after restart")
+        await asyncio.sleep(0.2)
+        other = await sidecar_factory(redis_url=redis.url, pod="pod-b")
+        assert (await other.chat("after restart")).headers["x-cache"] == "HIT-L2"
+
+
+async def test_quotas_published_by_the_operator_reach_the_sidecar(
+    sidecar_factory: SidecarFactory, redis_url: str
+) -> None:
+    pod = await sidecar_factory(redis_url=redis_url, cache="team/chat")
+    client = protocol.redis_from_url(redis_url)
+    try:
+        assignment = protocol.QuotaAssignment(
+            generation=7,
+            tenants={
+                "gold": protocol.TenantQuota(
+                    l1_bytes=2 << 20, l2_bytes=8 << 20, policy=protocol.Policy.LIRS
+                ),
+                "silver": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20),
+            },
+        )
+        await protocol.publish_quotas(client, "team/chat", assignment)
+        await wait_until(lambda: pod.sidecar.quota_generation == 7)
+        assert (await pod.chat("hi", tenant="stranger")).status_code == 403
+        assert (await pod.chat("hi", tenant="gold")).status_code == 200
+        stats = pod.sidecar.l1.stats()
+        assert stats["gold"].policy == "lirs"
+        assert stats["gold"].capacity_bytes == 2 << 20
+
+        async def heartbeat_seen() -> bool:
+            members = await protocol.live_members(client, "team/chat")
+            return any(m.pod == "pod-a" and m.quota_generation == 7 for m in members)
+
+        await wait_until(heartbeat_seen, 10.0)
+    finally:
+        await client.aclose()
