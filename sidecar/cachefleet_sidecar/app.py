@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import xxhash
 
 from . import keys, protocol
 from .config import SidecarConfig, parse_args
@@ -44,6 +45,8 @@ FORWARD_DROP = frozenset(
 )
 #: How long a successful upstream answer keeps /readyz green without a probe.
 READY_FRESH_S = 5.0
+#: Raw request bodies whose canonical key is remembered (cleared when full).
+KEY_MEMO_MAX = 65536
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
@@ -98,8 +101,9 @@ class Sidecar:
         self.known_tenants: set[str] = set(config.tenants)
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
-        self.model_version = config.model_version
-        self.epochs: tuple[int, ...] = ()
+        self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
+        self._model_version = config.model_version
+        self._epochs: tuple[int, ...] = ()
         self._key_options: dict[str, keys.KeyOptions] = {}
         self._default_options = keys.KeyOptions(
             collapse_whitespace=config.collapse_whitespace,
@@ -146,6 +150,33 @@ class Sidecar:
         return self._key_options.get(tenant, self._default_options)
 
     # ---------------------------------------------------------------- fast path
+    def _key_for(self, tenant: str, kind: str, raw: bytes) -> keys.CacheKey | str:
+        """The canonical key of a raw body, or why it is not cacheable (memoised).
+
+        Byte-identical bodies have identical keys, so a repeated request skips
+        parsing and canonicalisation: the memo is indexed by the xxh3-128 of
+        the raw body within (tenant, endpoint) and cleared whenever anything
+        that scopes keys changes.
+        """
+        memo_key = (tenant, kind, xxhash.xxh3_128_intdigest(raw))
+        found = self._key_memo.get(memo_key)
+        if found is not None:
+            return found
+        body = keys.parse_body(raw)
+        result: keys.CacheKey | str
+        if body is None:
+            result = "body is not a JSON object"
+        else:
+            scope = keys.Scope(tenant, self._model_version, self._epochs)
+            try:
+                result = keys.make_key(body, kind, scope, self.key_options(tenant))
+            except keys.Uncacheable as exc:
+                result = exc.reason
+        if len(self._key_memo) >= KEY_MEMO_MAX:
+            self._key_memo.clear()
+        self._key_memo[memo_key] = result
+        return result
+
     def _lookup(self, request: Request, kind: str) -> Lookup:
         tenant = self.resolve_tenant(request)
         no_cache = no_store = False
@@ -154,15 +185,29 @@ class Sidecar:
             directives = {d.strip().split(b"=")[0] for d in cc.lower().split(b",")}
             no_cache = b"no-cache" in directives
             no_store = b"no-store" in directives
-        body = keys.parse_body(request.body)
-        if body is None:
-            return Lookup(tenant, None, "body is not a JSON object", no_cache, no_store)
-        scope = keys.Scope(tenant, self.model_version, self.epochs)
-        try:
-            key = keys.make_key(body, kind, scope, self.key_options(tenant))
-        except keys.Uncacheable as exc:
-            return Lookup(tenant, None, exc.reason, no_cache, no_store)
+        key = self._key_for(tenant, kind, request.body)
+        if isinstance(key, str):
+            return Lookup(tenant, None, key, no_cache, no_store)
         return Lookup(tenant, key, None, no_cache, no_store)
+
+    # Everything that scopes keys goes through these, so the key memo stays true.
+    @property
+    def model_version(self) -> str:
+        return self._model_version
+
+    @model_version.setter
+    def model_version(self, value: str) -> None:
+        self._model_version = value
+        self._key_memo.clear()
+
+    @property
+    def epochs(self) -> tuple[int, ...]:
+        return self._epochs
+
+    @epochs.setter
+    def epochs(self, value: tuple[int, ...]) -> None:
+        self._epochs = value
+        self._key_memo.clear()
 
     def fast(self, request: Request) -> bytes | None:
         """Answer an L1 hit synchronously; None sends the request down the slow path."""
@@ -411,6 +456,19 @@ class Sidecar:
         self.quotas = dict(assignment.tenants)
         self.known_tenants = set(self.config.tenants) | set(assignment.tenants)
         self._tenant_memo.clear()
+        base = self._default_options
+        self._key_options = {
+            t: keys.KeyOptions(
+                collapse_whitespace=base.collapse_whitespace
+                if q.collapse_whitespace is None
+                else q.collapse_whitespace,
+                cache_nondeterministic=base.cache_nondeterministic
+                if q.cache_nondeterministic is None
+                else q.cache_nondeterministic,
+            )
+            for t, q in assignment.tenants.items()
+        }
+        self._key_memo.clear()
         if assignment.tenants:
             self.l1.set_quotas(
                 {

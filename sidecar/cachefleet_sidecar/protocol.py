@@ -168,6 +168,14 @@ class TenantQuota(_Model):
     l1_bytes: Annotated[int, Field(ge=0, description="L1 bytes on every pod")]
     l2_bytes: Annotated[int, Field(ge=0, description="L2 bytes in Redis, fleet-wide")]
     policy: Policy | None = Field(default=None, description="L1 policy; None = cache default")
+    collapse_whitespace: bool | None = Field(
+        default=None,
+        description="Collapse whitespace inside message text when keying; None = sidecar default",
+    )
+    cache_nondeterministic: bool | None = Field(
+        default=None,
+        description="Cache requests with temperature > 0 and no seed; None = sidecar default",
+    )
 
 
 class QuotaAssignment(_Model):

@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections import deque
-from typing import Protocol
+from typing import Protocol, cast
 
 import httptools
 
@@ -83,8 +83,8 @@ class Connection(asyncio.Protocol):
 
     # --- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses; same interface.
+        self.transport = cast(asyncio.Transport, transport)
         self.registry.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

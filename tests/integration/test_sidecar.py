@@ -70,6 +70,24 @@ async def test_collapse_whitespace_option_merges_inner_whitespace(
     assert (await sc.chat("hello \n  world")).headers["x-cache"] == "HIT-L1"
 
 
+async def test_whitespace_collapse_is_a_per_tenant_option(sidecar: RunningSidecar) -> None:
+    sidecar.sidecar.apply_quotas(
+        protocol.QuotaAssignment(
+            generation=1,
+            tenants={
+                "prose": protocol.TenantQuota(
+                    l1_bytes=1 << 20, l2_bytes=0, collapse_whitespace=True
+                ),
+                "code": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0),
+            },
+        )
+    )
+    for tenant, expected in (("prose", "HIT-L1"), ("code", "MISS")):
+        await sidecar.chat("def f():\n    return 1", tenant=tenant)
+        again = await sidecar.chat("def f(): return 1", tenant=tenant)
+        assert again.headers["x-cache"] == expected, tenant
+
+
 async def test_one_tenants_entry_is_never_served_to_another(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:

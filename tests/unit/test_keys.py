@@ -1,0 +1,133 @@
+"""Canonical keys and stored entries (pure)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cachefleet_sidecar.entry import CorruptEntry, Entry
+from cachefleet_sidecar.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
+
+ACME = Scope("acme", "v1", (0,))
+
+
+def chat(content: object = "hello", **extra: object) -> dict[str, object]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        **extra,
+    }
+
+
+def key(body: dict[str, object], scope: Scope = ACME, **opts: bool) -> int:
+    return make_key(body, "chat", scope, KeyOptions(**opts)).digest
+
+
+def test_key_order_and_formatting_do_not_matter() -> None:
+    a = parse_body(b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}]}')
+    b = parse_body(
+        b'{ "messages" : [ {"content":"x", "role":"user"} ],\n "model":"m", "temperature":0.0}'
+    )
+    assert a is not None
+    assert b is not None
+    assert key(a) == key(b)
+
+
+def test_outer_whitespace_is_dropped_inner_whitespace_kept_unless_collapsing() -> None:
+    assert key(chat("  hi there\n")) == key(chat("hi there"))
+    assert key(chat("hi  there")) != key(chat("hi there"))
+    assert key(chat("hi  \n there"), collapse_whitespace=True) == key(
+        chat("hi there"), collapse_whitespace=True
+    )
+
+
+def test_content_parts_are_normalised_too() -> None:
+    parts = [{"type": "text", "text": " hi "}]
+    assert key(chat(parts)) == key(chat([{"type": "text", "text": "hi"}]))
+
+
+def test_non_semantic_fields_are_dropped_semantic_ones_kept() -> None:
+    assert key(chat(user="u1", metadata={"a": 1})) == key(chat())
+    assert key(chat(max_tokens=10)) != key(chat(max_tokens=20))
+    assert key(chat(top_p=0.9)) != key(chat(top_p=0.95))
+    assert key(chat(top_p=0.9000000001)) == key(chat(top_p=0.9))
+
+
+def test_scope_separates_tenants_model_versions_and_epochs() -> None:
+    body = chat()
+    digests = {
+        key(body, Scope("acme", "v1", (0,))),
+        key(body, Scope("other", "v1", (0,))),
+        key(body, Scope("acme", "v2", (0,))),
+        key(body, Scope("acme", "v1", (1,))),
+    }
+    assert len(digests) == 4
+
+
+def test_stream_and_endpoint_are_part_of_the_key() -> None:
+    assert key(chat(stream=True)) != key(chat())
+    assert key(chat(stream=False)) == key(chat())
+    body = {"model": "m", "prompt": "hi", "temperature": 0}
+    assert make_key(body, "completions", ACME).digest != make_key(body, "chat", ACME).digest
+
+
+def test_determinism_rules() -> None:
+    with pytest.raises(Uncacheable, match="deterministic"):
+        make_key(chat(temperature=0.7), "chat", ACME)
+    with pytest.raises(Uncacheable, match="deterministic"):
+        make_key({"model": "m", "messages": []}, "chat", ACME)  # default temperature is 1
+    with pytest.raises(Uncacheable, match="deterministic"):
+        make_key(chat(temperature=True), "chat", ACME)
+    assert make_key(chat(temperature=0.7, seed=3), "chat", ACME).digest
+    assert make_key(chat(temperature=0.7), "chat", ACME, KeyOptions(cache_nondeterministic=True))
+    assert make_key({"model": "e", "input": "x"}, "embeddings", ACME)
+    with pytest.raises(Uncacheable, match="model"):
+        make_key({"messages": [], "temperature": 0}, "chat", ACME)
+
+
+def test_sha256_is_stable_hex() -> None:
+    k = make_key(chat(), "chat", ACME)
+    assert len(k.sha256_hex) == 64
+    assert k.sha256_hex == make_key(chat(), "chat", ACME).sha256_hex
+
+
+def test_parse_body_rejects_non_objects() -> None:
+    assert parse_body(b"[1, 2]") is None
+    assert parse_body(b"{oops") is None
+    assert parse_body(b'{"a": 1}') == {"a": 1}
+
+
+@given(st.text(max_size=40), st.text(max_size=40))
+def test_distinct_contents_never_share_a_key(a: str, b: str) -> None:
+    if a.strip() != b.strip():
+        assert key(chat(a)) != key(chat(b))
+
+
+def test_entry_round_trip_and_hit_bytes() -> None:
+    e = Entry(200, b"content-type: application/json\r\n", b'{"x":1}', stream=False, tenant="t")
+    back = Entry.loads(e.dumps())
+    assert (back.status, back.headers, back.body, back.stream, back.tenant) == (
+        200,
+        e.headers,
+        e.body,
+        False,
+        "t",
+    )
+    assert e.hit_l1.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    assert b"content-length: 7\r\nx-cache: HIT-L1\r\n\r\n" in e.hit_l1
+    assert orjson.loads(e.hit_l1.split(b"\r\n\r\n", 1)[1]) == {"x": 1}
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage", b"CF1" + b"\x00" * 20])
+def test_corrupt_entries_are_refused(data: bytes) -> None:
+    with pytest.raises(CorruptEntry):
+        Entry.loads(data)
+
+
+def test_non_2xx_is_never_loaded() -> None:
+    bad = Entry(500, b"", b"{}", stream=False, tenant="t").dumps()
+    with pytest.raises(CorruptEntry, match="status"):
+        Entry.loads(bad)
