@@ -372,12 +372,14 @@ def promql_p95_seconds(cache: str, window: str) -> str:
 
 
 def promql_hit_ratio(cache: str, window: str) -> str:
-    """Per-tenant hit ratio (hits over hits + misses; bypasses excluded)."""
+    """Per-tenant hit ratio (hits over hits + misses; bypasses excluded).
+
+    A tenant with misses but no hit series yet gets 0, not "no data".
+    """
     sel = f'cache="{cache}"'
-    return (
-        f'sum by (tenant) (rate({METRIC_REQUESTS}{{{sel},result="hit"}}[{window}])) / '
-        f'sum by (tenant) (rate({METRIC_REQUESTS}{{{sel},result=~"hit|miss"}}[{window}]))'
-    )
+    hits = f'sum by (tenant) (rate({METRIC_REQUESTS}{{{sel},result="hit"}}[{window}]))'
+    looked = f'sum by (tenant) (rate({METRIC_REQUESTS}{{{sel},result=~"hit|miss"}}[{window}]))'
+    return f"({hits} or ({looked} * 0)) / {looked}"
 
 
 def promql_rps(cache: str, window: str) -> str:

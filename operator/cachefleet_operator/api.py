@@ -1,0 +1,553 @@
+"""The custom resources of cachefleet as pydantic models: the single source of truth.
+
+``InferenceCache`` and ``CacheInvalidation`` (group ``cachefleet.io``, version
+``v1alpha1``), spec and status. :mod:`cachefleet_operator.crdgen` turns these
+models into the CRD YAML; the operator parses every object it handles with
+them, so what the API server validates and what the operator accepts are the
+same rules. Field names are camelCase on the wire (Kubernetes style) and
+snake_case in Python.
+
+Cross-field rules that the API server can check are attached as CEL
+``x-kubernetes-validations`` *and* enforced by a pydantic validator with the
+same message, so an object that slipped past an older CRD is still refused by
+the operator with a message that names the field.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from cachefleet_operator.allocation import DEFAULT_HYSTERESIS, DEFAULT_SMOOTHING, PriorityClass
+from cachefleet_sidecar.protocol import NAME_RE, Policy
+
+GROUP = "cachefleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+#: The most tenants one InferenceCache may list (bounds CEL cost and object size).
+MAX_TENANTS = 1000
+#: Shortest rebalance interval a spec may ask for, seconds.
+MIN_REBALANCE_INTERVAL_S = 1
+#: Rebalance interval when the spec does not say, seconds.
+DEFAULT_REBALANCE_INTERVAL_S = 30
+#: Prometheus query timeout when the spec does not say, seconds.
+DEFAULT_PROMETHEUS_TIMEOUT_S = 5.0
+#: Rate window of the PromQL queries when the spec does not say.
+DEFAULT_METRICS_WINDOW = "2m"
+#: Invalidation acknowledgement timeout when the spec does not say, seconds.
+DEFAULT_INVALIDATION_TIMEOUT_S = 60
+
+_NAME_PATTERN = NAME_RE.pattern
+_DURATION_PATTERN = r"^[1-9][0-9]*(s|m|h)$"
+
+GUARANTEED_SUM_RULE = (
+    "self.tenants.filter(t, t.priorityClass == 'Guaranteed')"
+    ".map(t, has(t.minShare) ? t.minShare : 0.0).sum() <= 1.0"
+)
+GUARANTEED_SUM_MESSAGE = "the minShare of all Guaranteed tenants must sum to at most 1"
+ALL_MIN_SUM_RULE = "self.tenants.map(t, has(t.minShare) ? t.minShare : 0.0).sum() <= 1.0"
+ALL_MIN_SUM_MESSAGE = "the minShare of all tenants must sum to at most 1"
+MIN_MAX_RULE = "!has(self.minShare) || !has(self.maxShare) || self.minShare <= self.maxShare"
+MIN_MAX_MESSAGE = "minShare must not exceed maxShare"
+BEST_EFFORT_RULE = (
+    "self.priorityClass != 'BestEffort' || !has(self.minShare) || self.minShare == 0.0"
+)
+BEST_EFFORT_MESSAGE = "a BestEffort tenant has no floor: minShare must be 0"
+REDIS_ONE_OF_RULE = "has(self.url) != has(self.secretRef)"
+REDIS_ONE_OF_MESSAGE = "set exactly one of url and secretRef"
+IMMUTABLE_RULE = "self == oldSelf"
+IMMUTABLE_MESSAGE = "a CacheInvalidation is one-shot: its spec is immutable"
+
+
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"rule": rule, "message": message}
+    if field_path is not None:
+        out["fieldPath"] = field_path
+    return out
+
+
+class SpecError(ValueError):
+    """A spec the operator cannot act on; ``field`` is its path, e.g. ``spec.tenants[1]``."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="ignore",
+        frozen=True,
+        use_enum_values=False,
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The object as Kubernetes stores it (camelCase, ``None`` fields left out)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+# ------------------------------------------------------------------- InferenceCache
+
+
+class SelectorOperator(StrEnum):
+    """Operator of a label selector requirement."""
+
+    IN = "In"
+    NOT_IN = "NotIn"
+    EXISTS = "Exists"
+    DOES_NOT_EXIST = "DoesNotExist"
+
+
+class LabelSelectorRequirement(_Model):
+    """One requirement of a label selector."""
+
+    key: str = Field(description="Label key.", min_length=1, max_length=317)
+    operator: SelectorOperator = Field(description="How the key relates to the values.")
+    values: list[str] | None = Field(
+        default=None, description="Values for In / NotIn; empty for Exists / DoesNotExist."
+    )
+
+
+class LabelSelector(_Model):
+    """Which pods run a sidecar of this cache (a standard Kubernetes label selector)."""
+
+    match_labels: dict[str, str] | None = Field(
+        default=None, description="Labels a pod must carry, exactly."
+    )
+    match_expressions: list[LabelSelectorRequirement] | None = Field(
+        default=None, description="Further requirements, all of which must hold."
+    )
+
+
+class ModelRef(_Model):
+    """The model served behind the cache; a new version invalidates its entries."""
+
+    name: str = Field(description="Model name as clients send it.", min_length=1, max_length=253)
+    version: str = Field(
+        description="Model version; changing it advances the model's epoch.",
+        min_length=1,
+        max_length=128,
+    )
+
+
+class Capacity(_Model):
+    """How many bytes the cache may use, split among tenants by the operator."""
+
+    l1_bytes_per_pod: int = Field(ge=0, description="In-process (L1) bytes on every pod.")
+    l2_bytes: int = Field(ge=0, description="Redis (L2) bytes for the whole fleet.")
+
+
+class SecretKeyRef(_Model):
+    """A key of a Secret in the cache's namespace."""
+
+    name: str = Field(description="Secret name.", min_length=1, max_length=253)
+    key: str = Field(default="url", description="Key holding the value.", min_length=1)
+
+
+class RedisEndpoint(_Model):
+    """Where the control state and L2 live: a URL, or a Secret holding it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [_cel(REDIS_ONE_OF_RULE, REDIS_ONE_OF_MESSAGE)]
+        }
+    )
+
+    url: str | None = Field(
+        default=None,
+        description=(
+            "redis://host:port/db (or rediss://) for one server; "
+            "redis+cluster://host:port,host:port (or rediss+cluster://) for a cluster."
+        ),
+        pattern=r"^(redis|rediss|redis\+cluster|rediss\+cluster)://",
+    )
+    secret_ref: SecretKeyRef | None = Field(
+        default=None, description="Secret key holding the URL (use this when it has a password)."
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RedisEndpoint:
+        if (self.url is None) == (self.secret_ref is None):
+            raise ValueError(REDIS_ONE_OF_MESSAGE)
+        return self
+
+
+class PrometheusEndpoint(_Model):
+    """Where the operator reads the sidecars' metrics."""
+
+    url: str = Field(description="Prometheus base URL.", pattern=r"^https?://")
+    window: str = Field(
+        default=DEFAULT_METRICS_WINDOW,
+        description="Rate window of the queries, e.g. 2m.",
+        pattern=_DURATION_PATTERN,
+    )
+    timeout_seconds: float = Field(
+        default=DEFAULT_PROMETHEUS_TIMEOUT_S,
+        gt=0,
+        le=60,
+        description="Timeout of one query, seconds.",
+    )
+
+
+class AllocationTuning(_Model):
+    """How eagerly quotas follow the metrics."""
+
+    smoothing: float = Field(
+        default=DEFAULT_SMOOTHING,
+        gt=0,
+        le=1,
+        description="EWMA weight of the newest target share (1 = jump straight to it).",
+    )
+    hysteresis: float = Field(
+        default=DEFAULT_HYSTERESIS,
+        ge=0,
+        le=1,
+        description="A share moves only when its target differs by more than this fraction.",
+    )
+
+
+class Sla(_Model):
+    """A tenant's service level targets; each one is optional."""
+
+    p95_latency_seconds: float | None = Field(
+        default=None, gt=0, description="Target p95 request latency, seconds."
+    )
+    min_hit_ratio: float | None = Field(
+        default=None, ge=0, le=1, description="Minimum cache hit ratio (hits / hits + misses)."
+    )
+    min_rps: float | None = Field(
+        default=None, ge=0, description="Request rate the tenant is promised, requests/second."
+    )
+
+
+class TenantSpec(_Model):
+    """One tenant of the cache: its class, SLA and share bounds."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(MIN_MAX_RULE, MIN_MAX_MESSAGE, ".minShare"),
+                _cel(BEST_EFFORT_RULE, BEST_EFFORT_MESSAGE, ".minShare"),
+            ]
+        }
+    )
+
+    name: str = Field(
+        description="Tenant id as the sidecar sees it (header or API-key map).",
+        pattern=_NAME_PATTERN,
+        max_length=63,
+    )
+    priority_class: PriorityClass = Field(
+        default=PriorityClass.STANDARD,
+        description=(
+            "Guaranteed: minShare always held, served first. Standard: proportional share "
+            "of the rest. BestEffort: only what is left."
+        ),
+    )
+    sla: Sla | None = Field(default=None, description="Service level targets.")
+    min_share: float = Field(
+        default=0.0, ge=0, le=1, description="Fraction of capacity the tenant always keeps."
+    )
+    max_share: float = Field(
+        default=1.0, ge=0, le=1, description="Fraction of capacity the tenant never exceeds."
+    )
+    policy: Policy | None = Field(
+        default=None, description="L1 policy of this tenant; empty = the cache default."
+    )
+
+    @model_validator(mode="after")
+    def _bounds(self) -> TenantSpec:
+        if self.min_share > self.max_share:
+            raise ValueError(MIN_MAX_MESSAGE)
+        if self.priority_class is PriorityClass.BEST_EFFORT and self.min_share > 0:
+            raise ValueError(BEST_EFFORT_MESSAGE)
+        return self
+
+
+class InferenceCacheSpec(_Model):
+    """Desired state of an InferenceCache."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(GUARANTEED_SUM_RULE, GUARANTEED_SUM_MESSAGE, ".tenants"),
+                _cel(ALL_MIN_SUM_RULE, ALL_MIN_SUM_MESSAGE, ".tenants"),
+            ]
+        }
+    )
+
+    selector: LabelSelector = Field(description="Pods that run a sidecar of this cache.")
+    model: ModelRef = Field(description="The model behind the cache.")
+    capacity: Capacity = Field(description="Bytes to share among tenants.")
+    redis: RedisEndpoint = Field(description="Redis for L2 and control state.")
+    prometheus: PrometheusEndpoint = Field(description="Prometheus with the sidecars' metrics.")
+    default_policy: Policy = Field(
+        default=Policy.LRU, description="L1 policy of tenants that do not name one."
+    )
+    rebalance_interval_seconds: int = Field(
+        default=DEFAULT_REBALANCE_INTERVAL_S,
+        ge=MIN_REBALANCE_INTERVAL_S,
+        le=86400,
+        description="How often quotas are recomputed from the metrics, seconds.",
+    )
+    allocation: AllocationTuning = Field(
+        default_factory=AllocationTuning, description="Smoothing and hysteresis of the quotas."
+    )
+    tenants: list[TenantSpec] = Field(
+        default_factory=list,
+        max_length=MAX_TENANTS,
+        description="Tenants and their SLAs; names are unique.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+    @model_validator(mode="after")
+    def _tenants(self) -> InferenceCacheSpec:
+        seen: set[str] = set()
+        for tenant in self.tenants:
+            if tenant.name in seen:
+                raise ValueError(f"tenant {tenant.name!r} is listed twice")
+            seen.add(tenant.name)
+        guaranteed = sum(
+            t.min_share for t in self.tenants if t.priority_class is PriorityClass.GUARANTEED
+        )
+        if guaranteed > 1.0 + 1e-9:
+            raise ValueError(GUARANTEED_SUM_MESSAGE)
+        if sum(t.min_share for t in self.tenants) > 1.0 + 1e-9:
+            raise ValueError(ALL_MIN_SUM_MESSAGE)
+        return self
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition (Ready, Degraded, SLAViolated, ...)."""
+
+    type: str = Field(description="Condition type.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase reason.")
+    message: str = Field(default="", description="Human-readable detail.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation the condition was computed from."
+    )
+
+
+class ObservedMetrics(_Model):
+    """A tenant's metrics over the query window, as the operator last read them."""
+
+    p95_seconds: float | None = Field(default=None, description="p95 request latency, seconds.")
+    hit_ratio: float | None = Field(default=None, description="Hits / (hits + misses).")
+    rps: float | None = Field(default=None, description="Requests per second.")
+
+
+class TenantStatus(_Model):
+    """A tenant's current allocation and SLA attainment."""
+
+    name: str = Field(description="Tenant id.")
+    priority_class: PriorityClass = Field(description="The tenant's class.")
+    share: float = Field(description="Fraction of capacity allocated.")
+    weight: float = Field(description="Demand weight the allocation used.")
+    l1_bytes: int = Field(description="L1 bytes on every pod.")
+    l2_bytes: int = Field(description="L2 bytes fleet-wide.")
+    reason: str = Field(description="Why the tenant has this share.")
+    observed: ObservedMetrics | None = Field(default=None, description="Last metrics read.")
+    sla_met: bool | None = Field(
+        default=None, description="Whether every SLA target was met; empty when unknown."
+    )
+
+
+class SidecarStatus(_Model):
+    """Sidecars seen through their heartbeats."""
+
+    seen: int = Field(description="Live sidecars (fresh heartbeat).")
+    in_sync: int = Field(description="Live sidecars that applied the current quota generation.")
+
+
+class InferenceCacheStatus(_Model):
+    """Observed state of an InferenceCache, written by the operator."""
+
+    observed_generation: int | None = Field(
+        default=None, description="metadata.generation last reconciled."
+    )
+    quota_generation: int | None = Field(
+        default=None, description="Generation of the quota table published to the sidecars."
+    )
+    quota_digest: str | None = Field(
+        default=None, description="Digest of the published quota table (moves bump the generation)."
+    )
+    last_rebalance_time: str | None = Field(
+        default=None, description="When quotas were last computed (RFC 3339)."
+    )
+    tenant_count: int | None = Field(default=None, description="Number of tenants.")
+    sla_attainment: str | None = Field(
+        default=None, description="Tenants meeting their SLA / tenants with SLA and metrics."
+    )
+    tenants: list[TenantStatus] | None = Field(default=None, description="Per-tenant allocation.")
+    sidecars: SidecarStatus | None = Field(default=None, description="Sidecar membership.")
+    epochs: dict[str, int] | None = Field(
+        default=None, description="Current invalidation epoch per scope."
+    )
+    conditions: list[Condition] | None = Field(
+        default=None, description="Ready, Degraded and SLAViolated."
+    )
+
+
+class InferenceCache(_Model):
+    """A cache shared by a fleet of model-server pods, split among tenants by SLA."""
+
+    api_version: Literal["cachefleet.io/v1alpha1"] = "cachefleet.io/v1alpha1"
+    kind: Literal["InferenceCache"] = "InferenceCache"
+    spec: InferenceCacheSpec
+    status: InferenceCacheStatus | None = None
+
+
+# ----------------------------------------------------------------- CacheInvalidation
+
+
+class ScopeType(StrEnum):
+    """What an invalidation covers."""
+
+    CACHE = "Cache"
+    TENANT = "Tenant"
+    MODEL = "Model"
+
+
+class InvalidationScope(_Model):
+    """The entries to invalidate."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.type != 'Tenant' || has(self.tenant)",
+                    "scope Tenant needs tenant",
+                    ".tenant",
+                ),
+                _cel(
+                    "self.type != 'Model' || has(self.model)", "scope Model needs model", ".model"
+                ),
+            ]
+        }
+    )
+
+    type: ScopeType = Field(description="Cache (everything), Tenant or Model.")
+    tenant: str | None = Field(
+        default=None, description="Tenant id for scope Tenant.", pattern=_NAME_PATTERN
+    )
+    model: str | None = Field(default=None, description="Model name for scope Model.")
+
+    @model_validator(mode="after")
+    def _needs(self) -> InvalidationScope:
+        if self.type is ScopeType.TENANT and self.tenant is None:
+            raise ValueError("scope Tenant needs tenant")
+        if self.type is ScopeType.MODEL and self.model is None:
+            raise ValueError("scope Model needs model")
+        return self
+
+
+class CacheRef(_Model):
+    """An InferenceCache in the same namespace."""
+
+    name: str = Field(description="InferenceCache name.", min_length=1, max_length=253)
+
+
+class CacheInvalidationSpec(_Model):
+    """What to invalidate; one-shot like a Job."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [_cel(IMMUTABLE_RULE, IMMUTABLE_MESSAGE)]}
+    )
+
+    cache_ref: CacheRef = Field(description="The InferenceCache to invalidate.")
+    scope: InvalidationScope = Field(description="Which entries.")
+    reason: str | None = Field(default=None, description="Why (shown in Events).", max_length=1024)
+    timeout_seconds: int = Field(
+        default=DEFAULT_INVALIDATION_TIMEOUT_S,
+        ge=1,
+        le=3600,
+        description="How long to wait for every live sidecar to acknowledge.",
+    )
+
+
+class InvalidationPhase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    COMPLETED = "Completed"
+    FAILED = "Failed"
+
+
+class CacheInvalidationStatus(_Model):
+    """Progress and result of an invalidation."""
+
+    phase: InvalidationPhase | None = Field(default=None, description="Where it stands.")
+    epoch: int | None = Field(default=None, description="Epoch the invalidation advanced to.")
+    expected_acks: int | None = Field(default=None, description="Live sidecars at the start.")
+    acks: int | None = Field(default=None, description="Sidecars that acknowledged.")
+    propagation_seconds: float | None = Field(
+        default=None, description="From the epoch change to the last acknowledgement, seconds."
+    )
+    lagging_pods: list[str] | None = Field(
+        default=None, description="Pods that did not acknowledge in time."
+    )
+    start_time: str | None = Field(default=None, description="When it started (RFC 3339).")
+    completion_time: str | None = Field(default=None, description="When it ended (RFC 3339).")
+    message: str | None = Field(default=None, description="Human-readable detail.")
+    observed_generation: int | None = Field(default=None, description="Generation handled.")
+    conditions: list[Condition] | None = Field(default=None, description="Conditions.")
+
+
+class CacheInvalidation(_Model):
+    """A versioned, acknowledged invalidation of (part of) an InferenceCache."""
+
+    api_version: Literal["cachefleet.io/v1alpha1"] = "cachefleet.io/v1alpha1"
+    kind: Literal["CacheInvalidation"] = "CacheInvalidation"
+    spec: CacheInvalidationSpec
+    status: CacheInvalidationStatus | None = None
+
+
+# ------------------------------------------------------------------------ parsing
+
+
+def _loc(loc: tuple[int | str, ...], root: str) -> str:
+    out = root
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part and not part.startswith("function-") and part != "__root__":
+            out += f".{part}"
+    return out
+
+
+def parse_spec(raw: dict[str, Any]) -> InferenceCacheSpec:
+    """Parse an InferenceCache spec; raise :class:`SpecError` naming the first bad field."""
+    try:
+        return InferenceCacheSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = _loc(tuple(first["loc"]), "spec")
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise SpecError(field, message) from exc
+
+
+def parse_invalidation_spec(raw: dict[str, Any]) -> CacheInvalidationSpec:
+    """Parse a CacheInvalidation spec; raise :class:`SpecError` naming the first bad field."""
+    try:
+        return CacheInvalidationSpec.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise SpecError(
+            _loc(tuple(first["loc"]), "spec"), str(first["msg"]).removeprefix("Value error, ")
+        ) from exc

@@ -1,0 +1,162 @@
+"""kopf handlers of InferenceCache: thin glue between kopf and :mod:`reconcile`.
+
+Importing this module registers the handlers with kopf's default registry.
+Every dependency comes from the operator's memo (``memo.reconciler``, a
+:class:`~cachefleet_operator.reconcile.Reconciler`), set by ``run.py`` or by
+the tests. A per-object lock in the per-object memo keeps the change handler
+and the rebalance timer from reconciling the same object at once.
+
+Handlers (ids in parentheses): create / update / resume (``reconcile``),
+a timer that rebalances every ``spec.rebalanceIntervalSeconds``
+(``rebalance``), and a deletion handler behind kopf's finalizer that removes
+the cache's Redis state (``cleanup``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from cachefleet_operator.api import (
+    DEFAULT_REBALANCE_INTERVAL_S,
+    GROUP,
+    VERSION,
+    SpecError,
+    parse_spec,
+)
+from cachefleet_operator.publisher import ControlPlaneUnavailable
+from cachefleet_operator.reconcile import Outcome, Reconciler, SecretUnavailable, retry_delay
+
+PLURAL = "inferencecaches"
+#: Finalizer that guards the cleanup of Redis state.
+FINALIZER = "cachefleet.io/finalizer"
+#: How often the rebalance timer wakes to see whether a rebalance is due, seconds.
+TIMER_TICK_S = 1.0
+#: Attempts of the Redis cleanup on delete before the finalizer is released anyway.
+CLEANUP_RETRIES = 5
+
+
+def _reconciler(memo: Any) -> Reconciler:
+    reconciler = memo.get("reconciler")
+    if not isinstance(reconciler, Reconciler):
+        raise kopf.PermanentError("operator misconfigured: no reconciler in memo")
+    return reconciler
+
+
+def _lock(memo: Any) -> asyncio.Lock:
+    lock = memo.get("lock")
+    if lock is None:
+        lock = memo["lock"] = asyncio.Lock()
+    return lock  # type: ignore[no-any-return]
+
+
+def _emit(outcome: Outcome, body: kopf.Body, patch: kopf.Patch) -> None:
+    for key, value in outcome.status.items():
+        patch.status[key] = value
+    for event in outcome.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """Operator-wide settings: our finalizer name, quiet per-handler Events."""
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile")
+@kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile")
+@kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", field="spec")
+async def reconcile(
+    name: str,
+    namespace: str | None,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    memo: Any,
+    retry: int,
+    **_: Any,
+) -> None:
+    """Reconcile on every spec change (and when the operator starts)."""
+    reconciler = _reconciler(memo)
+    async with _lock(memo):
+        outcome = await reconciler.reconcile(
+            namespace or "", name, meta.get("generation"), dict(spec), dict(status), "change"
+        )
+        memo["last_attempt"] = time.monotonic()
+        memo["failures"] = 0 if outcome.failure is None else memo.get("failures", 0) + 1
+    _emit(outcome, body, patch)
+    if outcome.failure == "permanent":
+        raise kopf.PermanentError(outcome.failure_message)
+    if outcome.failure == "temporary":
+        raise kopf.TemporaryError(outcome.failure_message, delay=retry_delay(retry))
+
+
+@kopf.timer(
+    GROUP, VERSION, PLURAL, id="rebalance", interval=TIMER_TICK_S, initial_delay=TIMER_TICK_S
+)
+async def rebalance(
+    name: str,
+    namespace: str | None,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    memo: Any,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **_: Any,
+) -> None:
+    """Rebalance when ``rebalanceIntervalSeconds`` (or the fault backoff) has passed."""
+    try:
+        parsed = parse_spec(dict(spec))
+    except SpecError:
+        return  # the change handler reported it; nothing to rebalance until the spec is fixed
+    interval = float(parsed.rebalance_interval_seconds or DEFAULT_REBALANCE_INTERVAL_S)
+    failures = int(memo.get("failures", 0))
+    wait = min(interval, retry_delay(failures - 1)) if failures else interval
+    last = memo.get("last_attempt")
+    if last is not None and time.monotonic() - float(last) < wait:
+        return
+    reconciler = _reconciler(memo)
+    async with _lock(memo):
+        outcome = await reconciler.reconcile(
+            namespace or "", name, meta.get("generation"), dict(spec), dict(status), "timer"
+        )
+        memo["last_attempt"] = time.monotonic()
+        memo["failures"] = 0 if outcome.failure is None else failures + 1
+    if outcome.failure is not None:
+        logger.warning("rebalance degraded: %s", outcome.failure_message)
+    _emit(outcome, body, patch)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, id="cleanup", retries=CLEANUP_RETRIES)
+async def cleanup(
+    name: str,
+    namespace: str | None,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    memo: Any,
+    retry: int,
+    logger: logging.Logger | logging.LoggerAdapter[Any],
+    **_: Any,
+) -> None:
+    """Remove the cache's Redis control state (and L2 data) before the object goes."""
+    reconciler = _reconciler(memo)
+    try:
+        removed = await reconciler.cleanup(namespace or "", name, dict(spec))
+    except SpecError as exc:
+        logger.warning("no Redis cleanup, the spec is invalid: %s", exc)
+        return
+    except (ControlPlaneUnavailable, SecretUnavailable) as exc:
+        if retry + 1 >= CLEANUP_RETRIES:
+            kopf.warn(body, reason="CleanupFailed", message=f"Redis state left behind: {exc}")
+            return
+        raise kopf.TemporaryError(f"Redis cleanup failed: {exc}", delay=retry_delay(retry)) from exc
+    logger.info("removed %d Redis keys of %s/%s", removed, namespace, name)

@@ -1,0 +1,42 @@
+"""The operator's own Prometheus metrics (reconcile duration, errors, quota moves).
+
+One :class:`OperatorMetrics` per operator, built on an injected
+``CollectorRegistry`` so tests get a fresh one each time; ``run.py`` serves
+it on ``--metrics-port`` beside the ``/healthz`` liveness endpoint.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+#: Buckets of the reconcile duration histogram, seconds.
+RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+#: Bounded values of the ``result`` label.
+RESULTS = ("ok", "degraded", "invalid", "error")
+
+
+class OperatorMetrics:
+    """Metrics of the control loop; label values are bounded (result, reason, kind)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.reconcile_duration = Histogram(
+            "cachefleet_operator_reconcile_duration_seconds",
+            "Time to reconcile one InferenceCache (metrics, allocation, publish, status).",
+            ["trigger", "result"],
+            buckets=RECONCILE_BUCKETS,
+            registry=self.registry,
+        )
+        self.reconcile_errors = Counter(
+            "cachefleet_operator_reconcile_errors_total",
+            "Reconciles that could not complete, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.allocation_changes = Counter(
+            "cachefleet_operator_allocation_changes_total",
+            "Tenant quota moves published to the sidecars.",
+            ["direction"],
+            registry=self.registry,
+        )

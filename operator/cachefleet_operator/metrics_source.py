@@ -1,0 +1,104 @@
+"""Per-tenant metrics from Prometheus (thin adapter over prometheus-api-client).
+
+The operator asks one question per rebalance: for this cache, each tenant's
+p95 latency, hit ratio and request rate over a window. The PromQL comes from
+:mod:`cachefleet_sidecar.protocol` (the metric names are the sidecar's).
+prometheus-api-client is synchronous (``requests``), so queries run in a
+worker thread with a timeout; every failure becomes :class:`MetricsUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from cachefleet_operator.allocation import TenantMetrics
+from cachefleet_sidecar.protocol import promql_hit_ratio, promql_p95_seconds, promql_rps
+
+#: Default timeout of one PromQL query, seconds.
+DEFAULT_QUERY_TIMEOUT_S = 5.0
+
+
+class MetricsUnavailable(Exception):
+    """Prometheus could not answer; ``reason`` is a CamelCase condition reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class MetricsSource(Protocol):
+    """Where per-tenant metrics come from (injectable)."""
+
+    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+        """Tenant -> metrics; raises :class:`MetricsUnavailable`."""
+        ...
+
+
+#: Builds a source from (url, timeout seconds).
+MetricsSourceFactory = Callable[[str, float], MetricsSource]
+
+
+def _by_tenant(result: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for sample in result:
+        tenant = sample.get("metric", {}).get("tenant")
+        try:
+            value = float(sample["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if tenant and math.isfinite(value):
+            out[str(tenant)] = value
+    return out
+
+
+class PrometheusMetricsSource:
+    """Reads the sidecars' metrics through a Prometheus server."""
+
+    def __init__(self, url: str, timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> None:
+        from prometheus_api_client import PrometheusConnect
+
+        self.url = url
+        self.timeout_s = timeout_s
+        self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+
+    def _query(self, promql: str) -> dict[str, float]:
+        return _by_tenant(self._client.custom_query(query=promql))
+
+    async def _run(self, promql: str) -> dict[str, float]:
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(self._query, promql), timeout=self.timeout_s + 1.0
+            )
+        except TimeoutError as exc:
+            raise MetricsUnavailable(
+                "PrometheusUnavailable", f"Prometheus at {self.url} timed out"
+            ) from exc
+        except Exception as exc:  # requests / client errors of every kind
+            raise MetricsUnavailable(
+                "PrometheusUnavailable", f"Prometheus at {self.url}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+        p95, hit, rps = await asyncio.gather(
+            self._run(promql_p95_seconds(cache, window)),
+            self._run(promql_hit_ratio(cache, window)),
+            self._run(promql_rps(cache, window)),
+        )
+        tenants = set(p95) | set(hit) | set(rps)
+        if not tenants:
+            raise MetricsUnavailable(
+                "NoMetrics", f"Prometheus at {self.url} has no sidecar metrics for {cache}"
+            )
+        return {
+            t: TenantMetrics(p95_s=p95.get(t), hit_ratio=hit.get(t), rps=rps.get(t))
+            for t in tenants
+        }
+
+
+def prometheus_source(url: str, timeout_s: float) -> MetricsSource:
+    """The default :data:`MetricsSourceFactory`."""
+    return PrometheusMetricsSource(url, timeout_s)

@@ -1,0 +1,124 @@
+"""Publishing quotas to the sidecars and reading their membership (Redis adapter).
+
+Thin: every key, script and message comes from :mod:`cachefleet_sidecar.protocol`.
+A client is opened per operation with named timeouts and closed after it, so
+a cache whose Redis is down costs nothing between attempts. Every Redis or
+network failure becomes :class:`ControlPlaneUnavailable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Protocol
+
+from redis.exceptions import RedisError
+
+from cachefleet_sidecar import protocol
+from cachefleet_sidecar.protocol import Heartbeat, QuotaAssignment, RedisClient
+
+#: Connect and per-command timeouts of the operator's Redis clients, seconds.
+REDIS_CONNECT_TIMEOUT_S = 2.0
+REDIS_SOCKET_TIMEOUT_S = 5.0
+#: Keys per SCAN / UNLINK round trip during cleanup.
+CLEANUP_BATCH = 500
+#: Upper bound on keys removed by one cleanup (a later attempt continues).
+CLEANUP_MAX_KEYS = 1_000_000
+
+
+class ControlPlaneUnavailable(Exception):
+    """Redis could not be reached or refused the operation."""
+
+
+class ControlPlane(Protocol):
+    """What the operator does with a cache's Redis (injectable)."""
+
+    async def publish(self, cache: str, assignment: QuotaAssignment) -> int: ...
+
+    async def live_members(self, cache: str) -> list[Heartbeat]: ...
+
+    async def delete_cache_state(self, cache: str) -> int: ...
+
+
+#: Builds a control plane from a Redis URL.
+ControlPlaneFactory = Callable[[str], ControlPlane]
+
+
+class RedisControlPlane:
+    """The :class:`ControlPlane` over a standalone Redis or a Redis Cluster."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._where = _redacted(url)
+
+    @asynccontextmanager
+    async def _client(self) -> AsyncIterator[RedisClient]:
+        try:
+            client = protocol.redis_from_url(
+                self.url,
+                socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
+                socket_timeout=REDIS_SOCKET_TIMEOUT_S,
+            )
+        except ValueError as exc:
+            raise ControlPlaneUnavailable(f"bad Redis URL {self._where}: {exc}") from exc
+        try:
+            yield client
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ControlPlaneUnavailable(
+                f"Redis at {self._where}: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            with suppress(RedisError, OSError):
+                await client.aclose()
+
+    async def publish(self, cache: str, assignment: QuotaAssignment) -> int:
+        """Store and announce ``assignment``; returns the generation now stored."""
+        async with self._client() as client:
+            return await protocol.publish_quotas(client, cache, assignment)
+
+    async def live_members(self, cache: str) -> list[Heartbeat]:
+        async with self._client() as client:
+            return await protocol.live_members(client, cache)
+
+    async def delete_cache_state(self, cache: str) -> int:
+        """Remove the cache's control keys and its tenants' L2 data; returns keys removed."""
+        removed = 0
+        async with self._client() as client:
+            for pattern in (
+                _glob_escape(protocol.control_prefix(cache)) + "*",
+                protocol.tenant_data_pattern(cache),
+            ):
+                batch: list[str | bytes] = []
+                async for key in client.scan_iter(match=pattern, count=CLEANUP_BATCH):
+                    batch.append(key)
+                    if len(batch) >= CLEANUP_BATCH:
+                        removed += await _unlink(client, batch)
+                        batch = []
+                    if removed >= CLEANUP_MAX_KEYS:
+                        break
+                if batch:
+                    removed += await _unlink(client, batch)
+        return removed
+
+
+async def _unlink(client: RedisClient, keys: list[str | bytes]) -> int:
+    total = 0
+    for key in keys:  # keys of different tenants live in different cluster slots
+        total += int(await client.unlink(key))
+    return total
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def _redacted(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{rest}"
+
+
+def redis_control_plane(url: str) -> ControlPlane:
+    """The default :data:`ControlPlaneFactory`."""
+    return RedisControlPlane(url)

@@ -1,0 +1,473 @@
+"""One reconcile of an InferenceCache, independent of kopf.
+
+:class:`Reconciler` reads metrics, allocates, publishes to the sidecars and
+returns an :class:`Outcome`: the status patch, the Events to emit and the
+kind of failure, if any. ``handlers.py`` turns an Outcome into kopf terms
+(status patch, ``kopf.event``, ``TemporaryError`` / ``PermanentError``), so
+the logic here is tested with fakes and no Kubernetes at all.
+
+Fault policy: Prometheus unreachable or without data -> the last allocation
+is kept (or a class-based one on first sight), ``Degraded``; Redis
+unreachable -> nothing new is recorded as in force, ``Ready=False``,
+``Degraded``; both are temporary. An invalid spec -> ``Ready=False`` with the
+field named, a Warning Event, and a permanent failure (no retry storm).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal, Protocol
+
+from pydantic import ValidationError
+
+from cachefleet_operator.allocation import (
+    Allocation,
+    AllocationParams,
+    TenantDemand,
+    TenantMetrics,
+    allocate,
+    describe_moves,
+    hold,
+    quota_moves,
+)
+from cachefleet_operator.api import (
+    Condition,
+    ConditionStatus,
+    InferenceCacheSpec,
+    InferenceCacheStatus,
+    ObservedMetrics,
+    SidecarStatus,
+    SpecError,
+    TenantStatus,
+    parse_spec,
+)
+from cachefleet_operator.metrics import OperatorMetrics
+from cachefleet_operator.metrics_source import (
+    MetricsSourceFactory,
+    MetricsUnavailable,
+    prometheus_source,
+)
+from cachefleet_operator.publisher import (
+    ControlPlaneFactory,
+    ControlPlaneUnavailable,
+    redis_control_plane,
+)
+from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota, cache_ref
+
+#: Share moves smaller than this (fraction of capacity) are not announced as Events.
+EVENT_MIN_MOVE = 0.005
+#: First retry delay after a temporary fault, seconds; doubles per retry.
+RETRY_BASE_DELAY_S = 2.0
+#: Longest retry delay after a temporary fault, seconds.
+RETRY_MAX_DELAY_S = 60.0
+
+READY = "Ready"
+DEGRADED = "Degraded"
+SLA_VIOLATED = "SLAViolated"
+
+
+class SecretReader(Protocol):
+    """Reads one key of a Secret (injectable; the default uses the Kubernetes API)."""
+
+    async def read(self, namespace: str, name: str, key: str) -> str: ...
+
+
+class SecretUnavailable(Exception):
+    """The Secret or its key could not be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """A Kubernetes Event to emit on the object."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one reconcile did: status to patch, Events, and whether to retry."""
+
+    status: dict[str, Any]
+    events: list[Event] = field(default_factory=list)
+    failure: Literal["temporary", "permanent"] | None = None
+    failure_message: str = ""
+    result: str = "ok"
+
+
+def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
+    return datetime.fromtimestamp(clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def retry_delay(retry: int) -> float:
+    """Backoff before retry number ``retry`` (0-based)."""
+    return min(RETRY_MAX_DELAY_S, RETRY_BASE_DELAY_S * (2.0 ** max(0, min(retry, 16))))
+
+
+def set_condition(
+    conditions: list[Condition],
+    type_: str,
+    status: ConditionStatus,
+    reason: str,
+    message: str,
+    generation: int | None,
+    now: str,
+) -> list[Condition]:
+    """``conditions`` with ``type_`` set; the transition time moves only when status does."""
+    out: list[Condition] = []
+    found = False
+    for c in conditions:
+        if c.type == type_:
+            found = True
+            since = c.last_transition_time if c.status == status else now
+            out.append(
+                Condition(
+                    type=type_,
+                    status=status,
+                    reason=reason,
+                    message=message,
+                    last_transition_time=since or now,
+                    observed_generation=generation,
+                )
+            )
+        else:
+            out.append(c)
+    if not found:
+        out.append(
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=now,
+                observed_generation=generation,
+            )
+        )
+    return out
+
+
+def condition(conditions: list[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def demands_from_spec(spec: InferenceCacheSpec) -> list[TenantDemand]:
+    """The allocation view of a validated spec's tenants."""
+    return [
+        TenantDemand(
+            name=t.name,
+            priority_class=t.priority_class,
+            min_share=t.min_share,
+            max_share=t.max_share,
+            p95_target_s=t.sla.p95_latency_seconds if t.sla else None,
+            min_hit_ratio=t.sla.min_hit_ratio if t.sla else None,
+            min_rps=t.sla.min_rps if t.sla else None,
+        )
+        for t in spec.tenants
+    ]
+
+
+def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaAssignment:
+    """The quota table for the sidecars (generation 0; set by the caller)."""
+    policies = {t.name: t.policy for t in spec.tenants}
+    return QuotaAssignment(
+        generation=0,
+        default_policy=spec.default_policy,
+        model=spec.model.name,
+        model_version=spec.model.version,
+        tenants={
+            t.name: TenantQuota(l1_bytes=t.l1_bytes, l2_bytes=t.l2_bytes, policy=policies[t.name])
+            for t in allocation.tenants
+        },
+    )
+
+
+def assignment_digest(assignment: QuotaAssignment) -> str:
+    """Digest of what the sidecars act on (not generation or issue time)."""
+    body = assignment.model_dump(mode="json", exclude={"generation", "issued_at"})
+    raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _previous_status(raw: Mapping[str, Any] | None) -> InferenceCacheStatus:
+    try:
+        return InferenceCacheStatus.model_validate(dict(raw or {}))
+    except ValidationError:
+        return InferenceCacheStatus()
+
+
+def _tenant_status(allocation: Allocation) -> list[TenantStatus]:
+    out = []
+    for i, t in enumerate(allocation.tenants):
+        m = allocation.metrics.get(t.name) if allocation.metrics else None
+        observed = (
+            ObservedMetrics(p95_seconds=m.p95_s, hit_ratio=m.hit_ratio, rps=m.rps)
+            if m is not None
+            else None
+        )
+        out.append(
+            TenantStatus(
+                name=t.name,
+                priority_class=t.priority_class,
+                share=round(t.share, 6),
+                weight=round(t.weight, 6),
+                l1_bytes=t.l1_bytes,
+                l2_bytes=t.l2_bytes,
+                reason=allocation.reason(i),
+                observed=observed,
+                sla_met=t.sla_met,
+            )
+        )
+    return out
+
+
+def _sla_condition(allocation: Allocation) -> tuple[ConditionStatus, str, str, str]:
+    """(status, reason, message, attainment text) of SLAViolated."""
+    known = [t for t in allocation.tenants if t.sla_met is not None]
+    missing = [t.name for t in known if not t.sla_met]
+    attainment = f"{len(known) - len(missing)}/{len(known)}"
+    if not known:
+        return ConditionStatus.UNKNOWN, "NoObservations", "no SLA observations yet", "-"
+    if missing:
+        names = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
+        return ConditionStatus.TRUE, "TenantsMissSLA", f"SLA missed by: {names}", attainment
+    return (
+        ConditionStatus.FALSE,
+        "AllTenantsMeetSLA",
+        "every observed tenant meets its SLA",
+        attainment,
+    )
+
+
+class Reconciler:
+    """Reconciles InferenceCaches; every I/O dependency is injected."""
+
+    def __init__(
+        self,
+        *,
+        metrics_source: MetricsSourceFactory = prometheus_source,
+        control_plane: ControlPlaneFactory = redis_control_plane,
+        secrets: SecretReader | None = None,
+        metrics: OperatorMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.metrics_source = metrics_source
+        self.control_plane = control_plane
+        self.secrets = secrets
+        self.metrics = metrics or OperatorMetrics()
+        self.clock = clock
+
+    async def redis_url(self, namespace: str, spec: InferenceCacheSpec) -> str:
+        if spec.redis.url is not None:
+            return spec.redis.url
+        ref = spec.redis.secret_ref
+        if ref is None or self.secrets is None:
+            raise SecretUnavailable("no Secret reader configured for spec.redis.secretRef")
+        return await self.secrets.read(namespace, ref.name, ref.key)
+
+    async def reconcile(
+        self,
+        namespace: str,
+        name: str,
+        generation: int | None,
+        raw_spec: Mapping[str, Any],
+        raw_status: Mapping[str, Any] | None,
+        trigger: str = "change",
+    ) -> Outcome:
+        started = time.perf_counter()
+        outcome = await self._reconcile(namespace, name, generation, raw_spec, raw_status)
+        self.metrics.reconcile_duration.labels(trigger, outcome.result).observe(
+            time.perf_counter() - started
+        )
+        return outcome
+
+    async def _reconcile(
+        self,
+        namespace: str,
+        name: str,
+        generation: int | None,
+        raw_spec: Mapping[str, Any],
+        raw_status: Mapping[str, Any] | None,
+    ) -> Outcome:
+        now = now_rfc3339(self.clock)
+        previous = _previous_status(raw_status)
+        conditions = list(previous.conditions or [])
+        try:
+            spec = parse_spec(dict(raw_spec))
+        except SpecError as exc:
+            return self._invalid(exc, conditions, generation, now)
+
+        cache = cache_ref(namespace, name)
+        prev_shares = {t.name: t.share for t in previous.tenants or []}
+        demands = demands_from_spec(spec)
+        faults: list[tuple[str, str]] = []
+
+        metrics: dict[str, TenantMetrics] | None
+        try:
+            source = self.metrics_source(str(spec.prometheus.url), spec.prometheus.timeout_seconds)
+            metrics = await source.fetch(cache, spec.prometheus.window)
+        except MetricsUnavailable as exc:
+            metrics = None
+            faults.append((exc.reason, exc.message))
+            self.metrics.reconcile_errors.labels(exc.reason).inc()
+
+        capacity = spec.capacity
+        if metrics is not None:
+            params = AllocationParams(spec.allocation.smoothing, spec.allocation.hysteresis)
+            allocation = allocate(
+                demands,
+                metrics,
+                prev_shares or None,
+                capacity.l1_bytes_per_pod,
+                capacity.l2_bytes,
+                params,
+            )
+        elif prev_shares:
+            allocation = hold(demands, prev_shares, capacity.l1_bytes_per_pod, capacity.l2_bytes)
+        else:
+            allocation = allocate(demands, {}, None, capacity.l1_bytes_per_pod, capacity.l2_bytes)
+
+        assignment = build_assignment(spec, allocation)
+        digest = assignment_digest(assignment)
+        quota_generation = previous.quota_generation or 0
+        if digest != previous.quota_digest:
+            quota_generation += 1
+        published = False
+        sidecars: SidecarStatus | None = previous.sidecars
+        try:
+            url = await self.redis_url(namespace, spec)
+            plane = self.control_plane(url)
+            stored = await plane.publish(
+                cache, assignment.model_copy(update={"generation": quota_generation})
+            )
+            if stored > quota_generation:  # Redis knows a newer one (status was lost)
+                quota_generation = stored + 1
+                stored = await plane.publish(
+                    cache, assignment.model_copy(update={"generation": quota_generation})
+                )
+            published = stored == quota_generation
+            members = await plane.live_members(cache)
+            sidecars = SidecarStatus(
+                seen=len(members),
+                in_sync=sum(1 for m in members if m.quota_generation >= quota_generation),
+            )
+        except (ControlPlaneUnavailable, SecretUnavailable) as exc:
+            faults.append(("RedisUnavailable", str(exc)))
+            self.metrics.reconcile_errors.labels("RedisUnavailable").inc()
+
+        events: list[Event] = []
+        status: dict[str, Any] = {"observedGeneration": generation}
+        if published:
+            moves = quota_moves(prev_shares or None, allocation, EVENT_MIN_MOVE)
+            if moves and prev_shares:
+                gained = sum(1 for m in moves if (m.after or 0.0) >= (m.before or 0.0))
+                self.metrics.allocation_changes.labels("gained").inc(gained)
+                self.metrics.allocation_changes.labels("lost").inc(len(moves) - gained)
+                events.append(Event("Normal", "QuotasChanged", describe_moves(moves)))
+            elif not prev_shares and allocation.tenants:
+                events.append(
+                    Event("Normal", "QuotasAssigned", describe_moves(quota_moves(None, allocation)))
+                )
+            sla_status, sla_reason, sla_message, attainment = _sla_condition(allocation)
+            state = InferenceCacheStatus(
+                quota_generation=quota_generation,
+                quota_digest=digest,
+                last_rebalance_time=now,
+                tenant_count=len(allocation.tenants),
+                sla_attainment=attainment,
+                tenants=_tenant_status(allocation),
+                sidecars=sidecars,
+            )
+            status.update(state.wire())
+            if metrics is not None:
+                conditions = set_condition(
+                    conditions, SLA_VIOLATED, sla_status, sla_reason, sla_message, generation, now
+                )
+            ready_msg = f"quota generation {quota_generation} published"
+            if sidecars is not None:
+                ready_msg += f"; {sidecars.in_sync}/{sidecars.seen} sidecars in sync"
+            conditions = set_condition(
+                conditions,
+                READY,
+                ConditionStatus.TRUE,
+                "QuotasPublished",
+                ready_msg,
+                generation,
+                now,
+            )
+        else:
+            conditions = set_condition(
+                conditions,
+                READY,
+                ConditionStatus.FALSE,
+                "RedisUnavailable",
+                "quotas could not be published; sidecars keep the last ones",
+                generation,
+                now,
+            )
+
+        was_degraded = condition(conditions, DEGRADED)
+        if faults:
+            reason = faults[0][0] if len(faults) == 1 else "MultipleFaults"
+            message = "; ".join(f"{r}: {m}" for r, m in faults)
+            if metrics is None:
+                message += " (last allocation kept)" if prev_shares else " (class-based allocation)"
+            conditions = set_condition(
+                conditions, DEGRADED, ConditionStatus.TRUE, reason, message, generation, now
+            )
+            if (
+                was_degraded is None
+                or was_degraded.status != ConditionStatus.TRUE
+                or was_degraded.reason != reason
+            ):
+                events.append(Event("Warning", reason, message))
+        else:
+            conditions = set_condition(
+                conditions,
+                DEGRADED,
+                ConditionStatus.FALSE,
+                "Healthy",
+                "metrics read and quotas published",
+                generation,
+                now,
+            )
+        status["conditions"] = [c.wire() for c in conditions]
+        outcome = Outcome(status=status, events=events, result="ok")
+        if faults:
+            outcome.failure = "temporary"
+            outcome.failure_message = "; ".join(f"{r}: {m}" for r, m in faults)
+            outcome.result = "degraded"
+        return outcome
+
+    def _invalid(
+        self, exc: SpecError, conditions: list[Condition], generation: int | None, now: str
+    ) -> Outcome:
+        self.metrics.reconcile_errors.labels("InvalidSpec").inc()
+        message = f"{exc.field}: {exc.message}"
+        conditions = set_condition(
+            conditions, READY, ConditionStatus.FALSE, "InvalidSpec", message, generation, now
+        )
+        conditions = set_condition(
+            conditions, DEGRADED, ConditionStatus.TRUE, "InvalidSpec", message, generation, now
+        )
+        return Outcome(
+            status={
+                "observedGeneration": generation,
+                "conditions": [c.wire() for c in conditions],
+            },
+            events=[Event("Warning", "InvalidSpec", message)],
+            failure="permanent",
+            failure_message=message,
+            result="invalid",
+        )
+
+    async def cleanup(self, namespace: str, name: str, raw_spec: Mapping[str, Any]) -> int:
+        """Remove the cache's Redis state; raises ControlPlaneUnavailable / SpecError."""
+        spec = parse_spec(dict(raw_spec))
+        url = await self.redis_url(namespace, spec)
+        return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name))

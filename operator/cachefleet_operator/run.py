@@ -1,0 +1,114 @@
+"""``cachefleet operator``: run the kopf operator (CLI, metrics and liveness server).
+
+Connects with the in-cluster config or the kubeconfig (``--kubeconfig``),
+watches the given namespaces (``--namespace``, repeatable) or all of them
+(``--all-namespaces``), and with ``--peering NAME`` takes part in kopf
+peering so that only one of several replicas is active. Its own Prometheus
+metrics are served on ``--metrics-port`` at ``/metrics``, beside the
+``/healthz`` liveness endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cachefleet_operator.metrics import OperatorMetrics
+
+#: Default port of /metrics and /healthz.
+DEFAULT_METRICS_PORT = 8080
+#: Default bind address of /metrics and /healthz (all interfaces: Prometheus and the
+#: kubelet reach the pod from outside).
+DEFAULT_METRICS_HOST = "0.0.0.0"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cachefleet operator", description="Run the cachefleet kopf operator."
+    )
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube)")
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace", "-n", action="append", dest="namespaces", help="namespace to watch"
+    )
+    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
+    parser.add_argument("--peering", metavar="NAME", help="kopf peering name (HA: one active)")
+    parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST)
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
+    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    return parser
+
+
+def metrics_app(metrics: OperatorMetrics) -> web.Application:
+    """``/metrics`` (Prometheus text) and ``/healthz`` (200 while the event loop runs)."""
+
+    async def serve_metrics(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve_metrics)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+async def serve(args: argparse.Namespace, stop_flag: threading.Event | None = None) -> None:
+    import kopf
+
+    import cachefleet_operator.handlers  # noqa: F401  (registers the handlers)
+    from cachefleet_operator.k8s_secrets import KubernetesSecretReader, load_config
+    from cachefleet_operator.reconcile import Reconciler
+
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    load_config(args.kubeconfig)
+    metrics = OperatorMetrics()
+    reconciler = Reconciler(secrets=KubernetesSecretReader(), metrics=metrics)
+
+    runner = web.AppRunner(metrics_app(metrics))
+    await runner.setup()
+    site = web.TCPSite(runner, args.metrics_host, args.metrics_port)
+    await site.start()
+    kwargs: dict[str, Any] = {
+        "memo": kopf.Memo(reconciler=reconciler),
+        "standalone": args.peering is None,
+        "stop_flag": stop_flag,
+    }
+    if args.peering is not None:
+        kwargs["peering_name"] = args.peering
+    if args.all_namespaces:
+        kwargs["clusterwide"] = True
+    else:
+        kwargs["namespaces"] = args.namespaces
+    try:
+        await kopf.operator(**kwargs)
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

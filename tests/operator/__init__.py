@@ -1,0 +1,1 @@
+"""Operator tests: kopf against the Kubernetes emulator, Redis and Prometheus."""

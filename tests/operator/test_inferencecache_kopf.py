@@ -1,0 +1,279 @@
+"""kopf + our handlers against the Kubernetes emulator, with real Redis and a fake metrics source.
+
+What a user would notice: status and conditions after create, quotas in
+Redis, Events when quotas move, Degraded when Prometheus or Redis is down
+(last allocation kept), an invalid spec reported once with its field, and
+Redis state removed on delete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from cachefleet_operator.allocation import TenantMetrics
+from cachefleet_operator.metrics import OperatorMetrics
+from cachefleet_operator.metrics_source import MetricsUnavailable
+from cachefleet_operator.reconcile import Reconciler
+from cachefleet_sidecar import protocol
+from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory, wait_for
+
+pytestmark = [pytest.mark.k8s_emulator, pytest.mark.redis]
+
+#: Bound on waiting for the operator to act, seconds.
+ACT_TIMEOUT_S = 15.0
+L1 = 100 * 2**20
+L2 = 1000 * 2**20
+
+
+class FakeMetrics:
+    """A metrics source whose answers (or failure) the test sets."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, TenantMetrics] = {}
+        self.error: MetricsUnavailable | None = None
+        self.calls = 0
+
+    def factory(self, url: str, timeout_s: float) -> FakeMetrics:
+        return self
+
+    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+        self.calls += 1
+        await asyncio.sleep(0)
+        if self.error is not None:
+            raise self.error
+        return dict(self.data)
+
+
+def cache_body(name: str, redis_url: str, **spec_overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {"cachefleet.io/cache": name}},
+        "model": {"name": "llama", "version": "v1"},
+        "capacity": {"l1BytesPerPod": L1, "l2Bytes": L2},
+        "redis": {"url": redis_url},
+        "prometheus": {"url": "http://127.0.0.1:9", "window": "1m"},
+        "rebalanceIntervalSeconds": 1,
+        "tenants": [
+            {
+                "name": "gold",
+                "priorityClass": "Guaranteed",
+                "minShare": 0.3,
+                "sla": {"p95LatencySeconds": 0.2},
+            },
+            {"name": "silver", "priorityClass": "Standard", "sla": {"p95LatencySeconds": 0.5}},
+            {
+                "name": "bronze",
+                "priorityClass": "BestEffort",
+                "maxShare": 0.3,
+                "sla": {"p95LatencySeconds": 2.0},
+            },
+        ],
+    }
+    spec.update(spec_overrides)
+    return {
+        "apiVersion": "cachefleet.io/v1alpha1",
+        "kind": "InferenceCache",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": spec,
+    }
+
+
+def steady_metrics() -> dict[str, TenantMetrics]:
+    return {
+        "gold": TenantMetrics(p95_s=0.15, hit_ratio=0.5, rps=50.0),
+        "silver": TenantMetrics(p95_s=0.4, hit_ratio=0.5, rps=50.0),
+        "bronze": TenantMetrics(p95_s=1.5, hit_ratio=0.5, rps=50.0),
+    }
+
+
+def conditions(obj: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in ((obj or {}).get("status") or {}).get("conditions") or []}
+
+
+def shares(obj: dict[str, Any] | None) -> dict[str, float]:
+    return {t["name"]: t["share"] for t in ((obj or {}).get("status") or {}).get("tenants") or []}
+
+
+def stored_assignment(redis_url: str, cache: str) -> protocol.QuotaAssignment | None:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        raw = client.hget(protocol.quotas_key(cache), "assignment")
+    finally:
+        client.close()
+    return None if raw is None else protocol.QuotaAssignment.model_validate_json(raw)
+
+
+def make(fake: FakeMetrics) -> Reconciler:
+    return Reconciler(metrics_source=fake.factory, metrics=OperatorMetrics())
+
+
+def test_create_publishes_quotas_and_reports_status(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    emulator.create(IC_PATH, cache_body("chat", redis_url))
+
+    obj = wait_for(
+        lambda: (
+            (o := emulator.get(f"{IC_PATH}/chat"))
+            and conditions(o).get("Ready", {}).get("status") == "True"
+            and o
+        ),
+        ACT_TIMEOUT_S,
+        "Ready=True",
+    )
+    status = obj["status"]
+    assert status["tenantCount"] == 3
+    assert status["observedGeneration"] == 1
+    assert status["slaAttainment"] == "3/3"
+    assert conditions(obj)["Degraded"]["status"] == "False"
+    assert conditions(obj)["SLAViolated"]["status"] == "False"
+    assert shares(obj)["gold"] >= 0.3
+
+    assignment = stored_assignment(redis_url, f"{NAMESPACE}/chat")
+    assert assignment is not None
+    assert set(assignment.tenants) == {"gold", "silver", "bronze"}
+    assert sum(q.l1_bytes for q in assignment.tenants.values()) <= L1
+    assert assignment.model_version == "v1"
+    wait_for(
+        lambda: "QuotasAssigned" in {e.get("reason") for e in emulator.events()},
+        ACT_TIMEOUT_S,
+        "QuotasAssigned event",
+    )
+
+
+def wait_condition(
+    emulator: EmulatorHandle, name: str, type_: str, status: str, reason: str | None = None
+) -> dict[str, Any]:
+    def check() -> dict[str, Any] | None:
+        obj = emulator.get(f"{IC_PATH}/{name}")
+        cond = conditions(obj).get(type_, {})
+        if cond.get("status") == status and (reason is None or cond.get("reason") == reason):
+            return obj
+        return None
+
+    return wait_for(check, ACT_TIMEOUT_S, f"{type_}={status} ({reason})")  # type: ignore[no-any-return]
+
+
+def test_missed_p95_moves_quota_and_emits_event(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    emulator.create(IC_PATH, cache_body("chat", redis_url))
+    before = shares(wait_condition(emulator, "chat", "Ready", "True"))
+    generation = stored_assignment(redis_url, f"{NAMESPACE}/chat").generation  # type: ignore[union-attr]
+
+    fake.data["silver"] = TenantMetrics(p95_s=1.5, hit_ratio=0.5, rps=50.0)  # 3x its target
+    obj = wait_condition(emulator, "chat", "SLAViolated", "True")
+    assert "silver" in conditions(obj)["SLAViolated"]["message"]
+    after = wait_for(
+        lambda: (s := shares(emulator.get(f"{IC_PATH}/chat")))["silver"] > before["silver"] and s,
+        ACT_TIMEOUT_S,
+        "silver gains share",
+    )
+    assert after["gold"] >= 0.3
+    moved = wait_for(
+        lambda: [e for e in emulator.events() if e.get("reason") == "QuotasChanged"],
+        ACT_TIMEOUT_S,
+        "QuotasChanged event",
+    )
+    assert "gained: silver" in moved[-1]["message"]
+    assert "p95 1.5s > target 0.5s" in moved[-1]["message"]
+    newer = stored_assignment(redis_url, f"{NAMESPACE}/chat")
+    assert newer is not None
+    assert newer.generation > generation
+
+
+def test_prometheus_down_keeps_last_allocation_and_degrades(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    emulator.create(IC_PATH, cache_body("chat", redis_url))
+    before = shares(wait_condition(emulator, "chat", "Ready", "True"))
+
+    fake.error = MetricsUnavailable("PrometheusUnavailable", "connection refused")
+    obj = wait_condition(emulator, "chat", "Degraded", "True", "PrometheusUnavailable")
+    assert "last allocation kept" in conditions(obj)["Degraded"]["message"]
+    assert conditions(obj)["Ready"]["status"] == "True"
+    assert shares(obj) == before
+    warnings = wait_for(
+        lambda: [e for e in emulator.events() if e.get("reason") == "PrometheusUnavailable"],
+        ACT_TIMEOUT_S,
+        "PrometheusUnavailable event",
+    )
+    assert warnings[0]["type"] == "Warning"
+
+    fake.error = None
+    wait_condition(emulator, "chat", "Degraded", "False")
+
+
+def test_redis_down_is_not_ready_and_recovers(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    emulator.create(IC_PATH, cache_body("chat", "redis://127.0.0.1:1/0"))
+    obj = wait_condition(emulator, "chat", "Ready", "False", "RedisUnavailable")
+    assert conditions(obj)["Degraded"]["reason"] == "RedisUnavailable"
+    assert not shares(obj)  # nothing recorded as in force
+
+    emulator.patch(f"{IC_PATH}/chat", {"spec": {"redis": {"url": redis_url}}})
+    obj = wait_condition(emulator, "chat", "Ready", "True")
+    assert obj["status"]["observedGeneration"] == 2
+    assert stored_assignment(redis_url, f"{NAMESPACE}/chat") is not None
+
+
+def test_invalid_spec_is_reported_once_with_the_field(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    body = cache_body("chat", redis_url)
+    body["spec"]["tenants"][1]["minShare"] = 0.6
+    body["spec"]["tenants"][1]["maxShare"] = 0.5  # the CRD's CEL rule would refuse this
+    emulator.create(IC_PATH, body)
+    obj = wait_condition(emulator, "chat", "Ready", "False", "InvalidSpec")
+    message = conditions(obj)["Ready"]["message"]
+    assert message.startswith("spec.tenants[1]")
+    assert "minShare must not exceed maxShare" in message
+    wait_for(
+        lambda: [e for e in emulator.events() if e.get("reason") == "InvalidSpec"],
+        ACT_TIMEOUT_S,
+        "InvalidSpec event",
+    )
+    time.sleep(2.5)  # several timer ticks: no retries, no new events, no Prometheus queries
+    invalid_events = [e for e in emulator.events() if e.get("reason") == "InvalidSpec"]
+    assert len(invalid_events) == 1
+    assert fake.calls == 0
+
+
+def test_delete_removes_redis_control_state(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    emulator.create(IC_PATH, cache_body("chat", redis_url))
+    wait_condition(emulator, "chat", "Ready", "True")
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.set(protocol.usage_key(f"{NAMESPACE}/chat", "gold"), "1")
+        client.set(protocol.usage_key(f"{NAMESPACE}/other", "gold"), "1")
+        emulator.delete(f"{IC_PATH}/chat")
+        wait_for(lambda: emulator.get(f"{IC_PATH}/chat") is None, ACT_TIMEOUT_S, "object gone")
+        left = [k.decode() for k in client.scan_iter(match="cf:*")]
+    finally:
+        client.close()
+    assert left == [protocol.usage_key(f"{NAMESPACE}/other", "gold")]

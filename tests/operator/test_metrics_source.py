@@ -1,0 +1,87 @@
+"""PrometheusMetricsSource against a real Prometheus scraping a stand-in sidecar exporter."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+from cachefleet_operator.metrics_source import MetricsUnavailable, PrometheusMetricsSource
+from cachefleet_sidecar import protocol
+
+CACHE = "default/chat"
+#: Prometheus needs target discovery plus two scrapes before rate() answers.
+FIRST_DATA_TIMEOUT_S = 25.0
+
+
+async def test_unreachable_prometheus_is_metrics_unavailable() -> None:
+    source = PrometheusMetricsSource("http://127.0.0.1:1", timeout_s=1.0)
+    with pytest.raises(MetricsUnavailable) as info:
+        await source.fetch(CACHE, "1m")
+    assert info.value.reason == "PrometheusUnavailable"
+
+
+@pytest.fixture
+def exporter() -> Iterator[tuple[str, Histogram, Counter]]:
+    """The sidecar's metric names, with numbers the test controls."""
+    registry = CollectorRegistry()
+    latency = Histogram(
+        protocol.METRIC_REQUEST_DURATION.removesuffix("_seconds") + "_seconds",
+        "request latency",
+        ["cache", "tenant", "tier"],
+        buckets=(0.05, 0.1, 0.2, 0.4, 0.8, 1.6),
+        registry=registry,
+    )
+    requests = Counter(
+        protocol.METRIC_REQUESTS.removesuffix("_total"),
+        "requests",
+        ["cache", "tenant", "tier", "result"],
+        registry=registry,
+    )
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield f"127.0.0.1:{server.server_port}", latency, requests
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
+@pytest.mark.prometheus
+@pytest.mark.slow
+async def test_per_tenant_p95_hit_ratio_and_rate(
+    exporter: tuple[str, Histogram, Counter], prometheus_factory: object
+) -> None:
+    target, latency, requests = exporter
+    prom = prometheus_factory({"sidecars": [target]}, scrape_interval_s=0.5)  # type: ignore[operator]
+    source = PrometheusMetricsSource(prom.url, timeout_s=2.0)
+    # a tenant without hits still exports a zero hit series (protocol.promql_hit_ratio
+    # divides per-tenant hit rate by hit+miss rate; a missing numerator means no ratio)
+    requests.labels(CACHE, "slow", "l1", "hit")
+    deadline = time.monotonic() + FIRST_DATA_TIMEOUT_S
+    result = {}
+    while time.monotonic() < deadline:
+        for _ in range(20):
+            latency.labels(CACHE, "fast", "l1").observe(0.03)
+            latency.labels(CACHE, "slow", "upstream").observe(0.7)
+            requests.labels(CACHE, "fast", "l1", "hit").inc(3)
+            requests.labels(CACHE, "fast", "upstream", "miss").inc(1)
+            requests.labels(CACHE, "slow", "upstream", "miss").inc(1)
+        try:
+            result = await source.fetch(CACHE, "30s")
+        except MetricsUnavailable:
+            result = {}
+        if {"fast", "slow"} <= set(result) and result["slow"].p95_s is not None:
+            break
+        await asyncio.sleep(0.5)
+    assert {"fast", "slow"} <= set(result), "no per-tenant data from Prometheus in time"
+    assert result["fast"].p95_s is not None
+    assert result["fast"].p95_s <= 0.05
+    assert result["slow"].p95_s is not None
+    assert 0.4 < result["slow"].p95_s <= 0.8
+    assert result["fast"].hit_ratio == pytest.approx(0.75, abs=0.05)
+    assert result["slow"].hit_ratio == pytest.approx(0.0, abs=1e-9)
+    assert result["fast"].rps is not None
+    assert result["fast"].rps > result["slow"].rps  # type: ignore[operator]
