@@ -24,7 +24,7 @@ deps:
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,demo]'
 	@touch $(STAMP)
 
 venv: $(STAMP)
@@ -35,7 +35,7 @@ demo: deps venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/cachefleet_operator sidecar/cachefleet_sidecar
+	$(BIN)/mypy operator/cachefleet_operator sidecar/cachefleet_sidecar e2e/cachefleet_e2e
 	$(BIN)/lint-imports
 
 crds: venv

@@ -261,6 +261,20 @@ class TenantSpec(_Model):
     policy: Policy | None = Field(
         default=None, description="L1 policy of this tenant; empty = the cache default."
     )
+    collapse_whitespace: bool | None = Field(
+        default=None,
+        description=(
+            "Collapse whitespace runs inside message text when keying (right for prose, "
+            "wrong for code); empty = the sidecar's default (off)."
+        ),
+    )
+    cache_nondeterministic: bool | None = Field(
+        default=None,
+        description=(
+            "Also cache requests with temperature > 0 and no seed; empty = the sidecar's "
+            "default (off)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> TenantSpec:

@@ -174,14 +174,20 @@ def demands_from_spec(spec: InferenceCacheSpec) -> list[TenantDemand]:
 
 def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaAssignment:
     """The quota table for the sidecars (generation 0; set by the caller)."""
-    policies = {t.name: t.policy for t in spec.tenants}
+    by_name = {t.name: t for t in spec.tenants}
     return QuotaAssignment(
         generation=0,
         default_policy=spec.default_policy,
         model=spec.model.name,
         model_version=spec.model.version,
         tenants={
-            t.name: TenantQuota(l1_bytes=t.l1_bytes, l2_bytes=t.l2_bytes, policy=policies[t.name])
+            t.name: TenantQuota(
+                l1_bytes=t.l1_bytes,
+                l2_bytes=t.l2_bytes,
+                policy=by_name[t.name].policy,
+                collapse_whitespace=by_name[t.name].collapse_whitespace,
+                cache_nondeterministic=by_name[t.name].cache_nondeterministic,
+            )
             for t in allocation.tenants
         },
     )

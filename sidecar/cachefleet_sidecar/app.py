@@ -33,6 +33,7 @@ from .config import SidecarConfig, parse_args
 from .entry import HOP_BY_HOP, Entry, reason_phrase
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
+from .policies import available_policies
 from .server import Connection, Request, simple_response
 from .telemetry import GpuTelemetry
 from .upstream import UpstreamError, UpstreamPool
@@ -472,7 +473,7 @@ class Sidecar:
         if assignment.tenants:
             self.l1.set_quotas(
                 {
-                    t: (q.l1_bytes, (q.policy or assignment.default_policy).value)
+                    t: (q.l1_bytes, self._usable_policy(q.policy or assignment.default_policy))
                     for t, q in assignment.tenants.items()
                 }
             )
@@ -486,6 +487,14 @@ class Sidecar:
             assignment.generation,
             len(assignment.tenants),
         )
+
+    def _usable_policy(self, wanted: protocol.Policy) -> str:
+        """``wanted`` if this sidecar implements it, else LIRS (logged, counted)."""
+        if wanted.value in available_policies():
+            return wanted.value
+        log.warning("policy %r is not available in this sidecar; using lirs", wanted.value)
+        self.metrics.fault("policy_unavailable")
+        return protocol.Policy.LIRS.value
 
     def heartbeat(self) -> protocol.Heartbeat:
         stats = self.l1.stats()

@@ -360,3 +360,19 @@ async def test_admin_on_main_port_when_admin_listen_is_off(
     sc = await sidecar_factory(admin_listen=None)
     status = await sc.client.get("/status")
     assert json.loads(status.content)["cache"] == "test/cache"
+
+
+async def test_a_policy_this_sidecar_lacks_falls_back_to_lirs(sidecar: RunningSidecar) -> None:
+    sidecar.sidecar.apply_quotas(
+        protocol.QuotaAssignment(
+            generation=1,
+            tenants={
+                "t": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0, policy=protocol.Policy.SITS)
+            },
+        )
+    )
+    await sidecar.chat("x", tenant="t")
+    assert (await sidecar.chat("x", tenant="t")).headers["x-cache"] == "HIT-L1"
+    assert sidecar.sidecar.l1.stats()["t"].policy == "lirs"
+    text = (await sidecar.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_cache_faults_total", kind="policy_unavailable") == 1
