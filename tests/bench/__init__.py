@@ -1,0 +1,1 @@
+"""Benchmark smoke tests (marker ``bench``)."""

@@ -1,0 +1,423 @@
+"""Smoke tests of ``cachefleet bench proxy`` and of the ``cachefleet bench`` dispatcher.
+
+The ``bench``-marked tests run the real harness briefly (1 s per run, c=1 and
+c=16) against the real responder, nginx and ``cachefleet sidecar``: they fail
+when the sidecar's L1 hit path is not an L1 hit (``X-Cache``) or has fallen
+onto a slow path (under a quarter of the bare responder's req/s), and when
+the harness itself measures nothing or leaves processes behind. The
+unmarked tests check the harness's pure parts (wrk output, targets, table).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from cachefleet_bench import __main__ as dispatcher
+from cachefleet_bench import proxy
+from cachefleet_bench.responder import CHAT_COMPLETION_BODY, RESPONSE
+
+#: Bounds of the smoke run: generous, because CI machines have 2 noisy cores.
+SMOKE_DURATION_S = 1
+SMOKE_CONCURRENCY = 16
+#: An L1 hit must reach at least this share of the bare responder's req/s.
+MIN_L1_SHARE_OF_FLOOR = 0.25
+
+
+# ----------------------------------------------------------------- pure parts
+
+
+def _series(name: str, rps: dict[int, float], p50: dict[int, float]) -> proxy.SeriesResult:
+    result = proxy.SeriesResult(name=name, title=name)
+    for c in rps:
+        stats = proxy.WrkStats(
+            requests=int(rps[c]),
+            duration_s=1.0,
+            p50_us=p50[c],
+            p90_us=p50[c],
+            p99_us=p50[c] * 2,
+            max_us=p50[c] * 3,
+            mean_us=p50[c],
+            socket_errors=0,
+            non_2xx=0,
+            timeouts=0,
+        )
+        result.measurements[c] = proxy.make_measurement(c, stats, rps[c] * 10e-6, {}, None)
+    return result
+
+
+def test_wrk_result_line_is_parsed() -> None:
+    output = (
+        "Running 1s test @ http://127.0.0.1:1/v1/chat/completions\n"
+        "CFBENCH requests=5000 duration_us=2000000 p50_us=80.0 p90_us=95.5 p99_us=210.0 "
+        "max_us=900.0 mean_us=85.2 connect=0 read=2 write=0 status=3 timeout=1\n"
+    )
+    stats = proxy.parse_wrk_output(output)
+    assert stats.rps == pytest.approx(2500.0)
+    assert (stats.p50_us, stats.p99_us) == (80.0, 210.0)
+    assert (stats.socket_errors, stats.non_2xx, stats.timeouts) == (2, 3, 1)
+
+
+def test_wrk_output_without_result_line_is_an_error() -> None:
+    with pytest.raises(proxy.BenchError, match="CFBENCH"):
+        proxy.parse_wrk_output("unable to connect to 127.0.0.1:1 Connection refused\n")
+
+
+def test_cpu_per_request_is_server_cpu_over_requests() -> None:
+    stats = proxy.parse_wrk_output(
+        "CFBENCH requests=1000 duration_us=1000000 p50_us=1 p90_us=1 p99_us=1 max_us=1 "
+        "mean_us=1 connect=0 read=0 write=0 status=0 timeout=0"
+    )
+    m = proxy.make_measurement(64, stats, 0.02, {"redis": 0.005}, 0.01)
+    assert m.cpu_us_per_req == pytest.approx(20.0)
+    assert m.aux_cpu_us_per_req == {"redis": pytest.approx(5.0)}
+    assert m.wrk_cpu_us_per_req == pytest.approx(10.0)
+
+
+def test_targets_pass_fail_and_missing() -> None:
+    floor = _series("floor", {1: 10_000, 64: 100_000}, {1: 80, 64: 600})
+    nginx = _series("nginx", {1: 9_000, 64: 80_000}, {1: 100, 64: 700})
+    fast_l1 = _series("l1", {1: 9_000, 64: 70_000}, {1: 110, 64: 900})
+    targets = {t.name: t for t in proxy.compute_targets([floor, nginx, fast_l1], 1, 64)}
+    assert targets["l1_rps_vs_nginx"].passed is True  # 70k / 80k
+    assert targets["l1_p50_vs_nginx"].passed is True  # 110 / 100
+    assert targets["l1_p50_vs_floor"].value == pytest.approx(110 / 80)
+    assert targets["l1_rps_vs_floor"].passed is True  # 70k / 100k
+    assert targets["miss_overhead"].passed is None  # no miss rows measured
+
+    slow_l1 = _series("l1", {1: 2_000, 64: 20_000}, {1: 400, 64: 3000})
+    direct = _series("miss-direct", {1: 10_000, 64: 90_000}, {1: 90, 64: 700})
+    miss = _series("miss-sidecar", {1: 4_000, 64: 30_000}, {1: 250, 64: 2000})
+    targets = {
+        t.name: t for t in proxy.compute_targets([floor, nginx, slow_l1, direct, miss], 1, 64)
+    }
+    assert [t.passed for t in targets.values()] == [False] * 5
+    assert targets["miss_overhead"].value == pytest.approx(160.0)
+
+
+def test_table_shows_ratios_unmeasured_rows_and_verdicts() -> None:
+    floor = _series("floor", {1: 10_000, 64: 100_000}, {1: 80, 64: 600})
+    nginx = _series("nginx", {1: 9_000, 64: 80_000}, {1: 100, 64: 700})
+    broken = proxy.SeriesResult("l1", "sidecar L1 hit", error="the sidecar is not runnable\nlog")
+    result = proxy.BenchResult(
+        config={"duration_s": 1, "low_concurrency": 1, "high_concurrency": 64},
+        environment={"cpus": 2},
+        series=[floor, nginx, broken],
+        targets=proxy.compute_targets([floor, nginx, broken], 1, 64),
+    )
+    table = proxy.format_table(result)
+    nginx_line = next(line for line in table.splitlines() if line.startswith("nginx"))
+    assert "80,000" in nginx_line
+    assert "0.80x | 1.25x" in nginx_line  # vs the floor: req/s c=64 | p50 c=1
+    assert "l1           NOT MEASURED: the sidecar is not runnable" in table
+    assert "[n/a ] L1 hit req/s at c=64 >= 50% of nginx's: not measured" in table
+    assert json.loads(json.dumps(result.to_json()))["series"][2]["error"].startswith("the")
+
+
+def test_only_rejects_unknown_rows() -> None:
+    assert proxy._parse_only("l1, floor") == ("l1", "floor")
+    with pytest.raises(Exception, match="unknown rows bogus"):
+        proxy._parse_only("l1,bogus")
+
+
+# ------------------------------------------------------------ the responder
+
+
+@pytest.fixture
+def responder_port(tmp_path: Path) -> Iterator[int]:
+    port = proxy.free_port()
+    proc = proxy.ManagedProcess(
+        "responder",
+        [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)],
+        tmp_path,
+    )
+    try:
+        proc.wait_for_port(port)
+        yield port
+    finally:
+        proc.stop()
+
+
+@pytest.mark.bench
+def test_responder_answers_every_request_on_one_keep_alive_connection(
+    responder_port: int,
+) -> None:
+    body = json.loads(CHAT_COMPLETION_BODY)
+    assert body["object"] == "chat.completion"
+    assert 500 <= len(CHAT_COMPLETION_BODY) <= 800
+    conn = http.client.HTTPConnection(proxy.HOST, responder_port, timeout=5)
+    try:
+        for method, path, payload in [
+            ("POST", "/v1/chat/completions", proxy.hit_body()),
+            ("GET", "/anything/else", None),
+            ("POST", "/v1/completions", b"not json at all"),
+        ]:
+            conn.request(method, path, body=payload)
+            response = conn.getresponse()
+            assert response.status == 200
+            assert response.read() == CHAT_COMPLETION_BODY
+            assert not response.will_close
+        conn.request("GET", "/", headers={"Connection": "close"})
+        response = conn.getresponse()
+        assert response.read() == CHAT_COMPLETION_BODY
+        assert response.will_close  # the client asked to close: the server says so
+    finally:
+        conn.close()
+
+
+@pytest.mark.bench
+def test_responder_handles_pipelined_requests(responder_port: int) -> None:
+    import socket
+
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((proxy.HOST, responder_port), timeout=5) as sock:
+        sock.sendall(request * 3)
+        received = b""
+        while len(received) < 3 * len(RESPONSE):
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed early"
+            received += chunk
+    assert received == RESPONSE * 3
+
+
+# ------------------------------------------------------- wrk script, for real
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    bodies: list[bytes] = []
+    headers_seen: list[dict[str, str]] = []
+
+    def do_POST(self) -> None:
+        length = int(self.headers.get("Content-Length", "0"))
+        type(self).bodies.append(self.rfile.read(length))
+        type(self).headers_seen.append(dict(self.headers))
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.bench
+def test_wrk_script_sends_unique_deterministic_bodies_for_the_miss_rows(tmp_path: Path) -> None:
+    _Recorder.bodies, _Recorder.headers_seen = [], []
+    _Recorder.protocol_version = "HTTP/1.1"
+    server = ThreadingHTTPServer((proxy.HOST, 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        script = tmp_path / "unique.lua"
+        script.write_text(proxy.render_wrk_script(unique=True, nonce="n1", tenant=True))
+        stats, _ = proxy.run_wrk(server.server_address[1], script, 1, 1)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    bodies = _Recorder.bodies
+    assert stats.requests > 10
+    assert len(bodies) >= stats.requests
+    assert len(set(bodies)) == len(bodies), "miss rows must never repeat a body"
+    for body in bodies[:50]:
+        request = json.loads(body)
+        assert request["temperature"] == 0  # cacheable: a MISS, not a BYPASS
+        assert "[n1-" in request["messages"][1]["content"]
+    assert _Recorder.headers_seen[0][proxy.TENANT_HEADER] == proxy.TENANT
+
+
+@pytest.mark.bench
+def test_process_tree_cpu_counts_children() -> None:
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\n"
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            f"subprocess.Popen([sys.executable, '-c', {burn!r}]).wait()\n"
+            "time.sleep(30)\n",
+        ]
+    )
+    try:
+        before = proxy.process_tree_cpu_s(parent.pid)
+        deadline = time.monotonic() + 10.0
+        while proxy.process_tree_cpu_s(parent.pid) - before < 0.25:
+            assert time.monotonic() < deadline, "the child's CPU time was never counted"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait(5)
+
+
+@pytest.mark.bench
+def test_services_stop_everything_they_started(tmp_path: Path) -> None:
+    with proxy.Services(tmp_path, lambda _msg: None) as services:
+        services.nginx()  # starts the responder too
+        pids = [services.pid("responder"), services.pid("nginx")]
+        tree = [pid for pid in _descendants(pids[1])]
+        assert tree, "nginx runs a worker process"
+        pids += tree
+        assert all(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert not [pid for pid in pids if _alive(pid)], "a service outlived the benchmark"
+
+
+def _descendants(root: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == root:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ------------------------------------------------------- the benchmark smoke
+
+
+@pytest.fixture(scope="module")
+def smoke() -> proxy.BenchResult:
+    config = proxy.BenchConfig(
+        duration_s=SMOKE_DURATION_S,
+        warmup_s=1,
+        high_concurrency=SMOKE_CONCURRENCY,
+        only=("floor", "nginx", "l1"),
+    )
+    return proxy.run_benchmark(config)
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_floor_and_nginx_rows_are_measured_warm(smoke: proxy.BenchResult) -> None:
+    floor, nginx = smoke.get("floor"), smoke.get("nginx")
+    assert floor is not None
+    assert nginx is not None
+    assert floor.error is None, floor.error
+    assert nginx.error is None, nginx.error
+    assert nginx.checked == "X-Cache: HIT"  # proxy_cache really serves the POST from cache
+    for series in (floor, nginx):
+        for c in (1, SMOKE_CONCURRENCY):
+            m = series.measurements[c]
+            assert m.requests > 100
+            assert m.errors == 0
+            assert m.non_2xx == 0
+            assert m.cpu_us_per_req is not None
+            assert m.cpu_us_per_req > 0
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_sidecar_l1_hit_is_on_the_fast_path(smoke: proxy.BenchResult) -> None:
+    l1, floor = smoke.get("l1"), smoke.get("floor")
+    assert l1 is not None
+    assert floor is not None
+    assert l1.error is None, f"the L1 row was not measured: {l1.error}"
+    assert l1.checked == "X-Cache: HIT-L1"
+    hit = l1.measurements[SMOKE_CONCURRENCY]
+    base = floor.measurements[SMOKE_CONCURRENCY]
+    assert hit.errors == 0
+    assert hit.non_2xx == 0
+    share = hit.rps / base.rps
+    assert share >= MIN_L1_SHARE_OF_FLOOR, (
+        f"L1 hits at c={SMOKE_CONCURRENCY}: {hit.rps:,.0f} req/s = {share:.0%} of the bare "
+        f"responder's {base.rps:,.0f} (bound {MIN_L1_SHARE_OF_FLOOR:.0%}); sidecar CPU "
+        f"{hit.cpu_us_per_req:.1f} us/request vs the responder's {base.cpu_us_per_req:.1f}"
+    )
+
+
+@pytest.mark.bench
+@pytest.mark.slow
+def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    code = dispatcher.main(
+        [
+            "proxy",
+            "--duration",
+            "1",
+            "--only",
+            "floor",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "[bench proxy] floor: c=1" in printed
+    assert "[bench proxy] floor: c=64" in printed
+    data = json.loads(out_json.read_text())
+    floor = data["series"][0]
+    assert floor["name"] == "floor"
+    assert floor["error"] is None
+    assert floor["measurements"]["64"]["rps"] > 0
+    assert out_png.read_bytes().startswith(b"\x89PNG")
+
+
+# ------------------------------------------------------------ the dispatcher
+
+
+def test_dispatcher_reports_a_missing_benchmark(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(
+        dispatcher.BENCHMARKS, "future", ("cachefleet_bench._not_written_yet", "later", ())
+    )
+    assert dispatcher.main(["future", "--quick"]) == 2
+    assert "cachefleet bench future: not implemented yet" in capsys.readouterr().err
+    assert "future" in dispatcher._usage()
+    assert "(not implemented yet)" in dispatcher._usage()
+
+
+def test_dispatcher_rejects_unknown_names_and_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert dispatcher.main(["nonsense"]) == 2
+    assert "unknown benchmark 'nonsense'" in capsys.readouterr().err
+    assert dispatcher.main(["all", "--duration", "3"]) == 2
+    assert dispatcher.main(["proxy", "--only", "bogus"]) == 2  # argparse error, not a crash
+    assert dispatcher.main([]) == 2
+    assert dispatcher.main(["--help"]) == 0
+    assert "proxy" in capsys.readouterr().out
+
+
+def test_all_runs_what_exists_with_its_quick_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "fake_bench_ok.py").write_text(
+        "import json, sys\ndef main(argv):\n    print('ok-ran', json.dumps(argv))\n    return 0\n"
+    )
+    (tmp_path / "fake_bench_bad.py").write_text("def main(argv):\n    return 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(
+        dispatcher,
+        "BENCHMARKS",
+        {
+            "ok": ("fake_bench_ok", "works", ("--short", "1")),
+            "missing": ("fake_bench_not_there", "later", ()),
+            "bad": ("fake_bench_bad", "fails", ()),
+        },
+    )
+    assert dispatcher.main(["all", "--quick"]) == 3  # the worst exit code
+    out = capsys.readouterr().out
+    assert 'ok-ran ["--short", "1"]' in out
+    assert "missing       skipped (not implemented yet)" in out
+    assert "bad           exit 3" in out
+    assert dispatcher.main(["all"]) == 3
+    assert "ok-ran []" in capsys.readouterr().out
