@@ -22,6 +22,8 @@ DEFAULT_ADMIN_LISTEN = "0.0.0.0:8081"
 DEFAULT_UPSTREAM = "http://127.0.0.1:8000"
 DEFAULT_L1_BYTES = 256 * 1024 * 1024
 DEFAULT_L2_TTL_S = 3600.0
+#: Seconds the model server may stay silent before the request fails with 504.
+DEFAULT_UPSTREAM_TIMEOUT_S = 600.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_MAX_TENANTS = 64
 DEFAULT_CACHE = "default/default"
@@ -81,6 +83,7 @@ class SidecarConfig:
     collapse_whitespace: bool = False
     cache_nondeterministic: bool = False
     l2_ttl_s: float = DEFAULT_L2_TTL_S
+    upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     max_tenants: int = DEFAULT_MAX_TENANTS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
@@ -162,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
     )
     add("l2-ttl", "L2 entry TTL, seconds", default=str(DEFAULT_L2_TTL_S))
+    add(
+        "upstream-timeout",
+        "seconds the model server may stay silent mid-request (504 after that)",
+        default=str(DEFAULT_UPSTREAM_TIMEOUT_S),
+    )
     add("max-tenants", "most tenant partitions in L1", default=str(DEFAULT_MAX_TENANTS))
     add(
         "shutdown-grace",
@@ -223,6 +231,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         collapse_whitespace=bool(ns.collapse_whitespace),
         cache_nondeterministic=bool(ns.cache_nondeterministic),
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
+        upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
         max_tenants=int(conv("max-tenants", ns.max_tenants, int)),  # type: ignore[call-overload]
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,

@@ -15,6 +15,8 @@ response byte had arrived.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import cast
@@ -26,6 +28,8 @@ import httptools
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 #: Seconds the upstream may stay silent while we wait for headers or body.
 DEFAULT_READ_TIMEOUT_S = 600.0
+#: How often silent upstream connections are looked for, seconds (at most).
+SWEEP_INTERVAL_S = 0.5
 #: Idle keep-alive connections kept for reuse.
 DEFAULT_MAX_IDLE = 128
 
@@ -50,9 +54,10 @@ REQUEST_HOP_BY_HOP = frozenset(
 class UpstreamError(Exception):
     """The upstream could not give a complete answer."""
 
-    def __init__(self, message: str, *, started: bool = False) -> None:
+    def __init__(self, message: str, *, started: bool = False, timed_out: bool = False) -> None:
         super().__init__(message)
         self.started = started
+        self.timed_out = timed_out
 
 
 class _Connection(asyncio.Protocol):
@@ -61,6 +66,7 @@ class _Connection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
+        self.timeout_s = DEFAULT_READ_TIMEOUT_S
         self.closed = False
         self._reset()
 
@@ -74,6 +80,9 @@ class _Connection(asyncio.Protocol):
         self.error: str | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.received_any = False
+        self.timed_out = False
+        #: monotonic time after which a silent upstream is given up (set per request)
+        self.deadline = math.inf
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -82,6 +91,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
+        if self.deadline != math.inf:
+            self.deadline = time.monotonic() + self.timeout_s
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -117,17 +128,24 @@ class _Connection(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    async def wait(self, limit_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        self.waiter = loop.create_future()
+    async def wait(self) -> None:
+        """Until the parser has news (headers, body, end) or the connection failed.
+
+        There is no timer per wait: the pool's sweeper fails connections whose
+        :attr:`deadline` has passed (see :meth:`UpstreamPool._sweep`).
+        """
+        self.waiter = asyncio.get_running_loop().create_future()
         try:
-            async with asyncio.timeout(limit_s):
-                await self.waiter
-        except TimeoutError:
-            self.error = f"upstream silent for {limit_s:g}s"
-            self._close()
+            await self.waiter
         finally:
             self.waiter = None
+
+    def expire(self) -> None:
+        """Give up on a silent upstream (called by the sweeper)."""
+        self.error = f"upstream silent for {self.timeout_s:g}s"
+        self.timed_out = True
+        self._wake()
+        self._close()
 
     def _close(self) -> None:
         self.closed = True
@@ -138,10 +156,9 @@ class _Connection(asyncio.Protocol):
 class UpstreamResponse:
     """Status and headers of an upstream answer; the body is read with :meth:`chunks`."""
 
-    def __init__(self, conn: _Connection, pool: UpstreamPool, read_timeout_s: float) -> None:
+    def __init__(self, conn: _Connection, pool: UpstreamPool) -> None:
         self._conn = conn
         self._pool = pool
-        self._timeout = read_timeout_s
         self.status = conn.status
         self.headers = conn.headers
         self.complete = False
@@ -172,7 +189,7 @@ class UpstreamResponse:
                     return
                 if conn.error is not None:
                     raise UpstreamError(conn.error, started=True)
-                await conn.wait(self._timeout)
+                await conn.wait()
         finally:
             self._pool._release(conn)
 
@@ -204,6 +221,8 @@ class UpstreamPool:
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
         self._idle: deque[_Connection] = deque()
+        self._busy: set[_Connection] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
 
     async def _connect(self) -> _Connection:
@@ -224,7 +243,24 @@ class UpstreamPool:
                 return conn
         return None
 
+    def _sweep(self) -> None:
+        """Fail requests whose upstream stayed silent past the read timeout."""
+        self._sweeper = None
+        now = time.monotonic()
+        for conn in list(self._busy):
+            if now > conn.deadline:
+                self._busy.discard(conn)
+                conn.expire()
+        self._arm_sweeper()
+
+    def _arm_sweeper(self) -> None:
+        if self._busy and self._sweeper is None and not self._closed:
+            interval = min(SWEEP_INTERVAL_S, self.read_timeout_s / 4)
+            self._sweeper = asyncio.get_running_loop().call_later(interval, self._sweep)
+
     def _release(self, conn: _Connection) -> None:
+        self._busy.discard(conn)
+        conn.deadline = math.inf
         if (
             conn.complete
             and conn.keep_alive
@@ -262,18 +298,27 @@ class UpstreamPool:
             if conn is None:
                 conn = await self._connect()
             assert conn.transport is not None
+            conn.timeout_s = self.read_timeout_s
+            conn.deadline = time.monotonic() + self.read_timeout_s
+            self._busy.add(conn)
+            self._arm_sweeper()
             conn.transport.write(head + body if len(body) < 65536 else head)
             if len(body) >= 65536:
                 conn.transport.write(body)
             while not conn.headers_done and conn.error is None:
-                await conn.wait(self.read_timeout_s)
+                await conn.wait()
             if conn.headers_done:
-                return UpstreamResponse(conn, self, self.read_timeout_s)
+                return UpstreamResponse(conn, self)
+            self._release(conn)
             conn._close()
             # A reused keep-alive connection the server had already closed,
             # with no response byte seen: the request never reached it.
             if not (reused and not conn.received_any and attempt == 0):
-                raise UpstreamError(conn.error or "no response", started=conn.received_any)
+                raise UpstreamError(
+                    conn.error or "no response",
+                    started=conn.received_any,
+                    timed_out=conn.timed_out,
+                )
         raise UpstreamError("no usable connection to upstream")
 
     async def probe(self) -> bool:
@@ -287,5 +332,8 @@ class UpstreamPool:
 
     async def aclose(self) -> None:
         self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         while self._idle:
             self._idle.pop()._close()

@@ -376,3 +376,15 @@ async def test_a_policy_this_sidecar_lacks_falls_back_to_lirs(sidecar: RunningSi
     assert sidecar.sidecar.l1.stats()["t"].policy == "lirs"
     text = (await sidecar.admin.get("/metrics")).text
     assert metric(text, "cachefleet_cache_faults_total", kind="policy_unavailable") == 1
+
+
+async def test_a_silent_upstream_times_out_with_504(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    sc = await sidecar_factory(upstream_timeout_s=0.3)
+    upstream.default_latency_s = 1.5
+    resp = await sc.chat("slow")
+    assert resp.status_code == 504
+    assert "silent" in resp.json()["error"]["message"]
+    upstream.default_latency_s = 0
+    assert (await sc.chat("fast")).status_code == 200
