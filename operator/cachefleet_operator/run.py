@@ -21,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cachefleet_operator import webhook
 from cachefleet_operator.metrics import OperatorMetrics
 
 #: Default port of /metrics and /healthz.
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST)
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    webhook.add_arguments(parser)
     return parser
 
 
@@ -80,8 +82,12 @@ async def serve(args: argparse.Namespace, stop_flag: threading.Event | None = No
     await runner.setup()
     site = web.TCPSite(runner, args.metrics_host, args.metrics_port)
     await site.start()
+    memo = kopf.Memo(reconciler=reconciler)
+    if getattr(args, "webhook_port", None) is not None:
+        webhook.register()
+        memo["webhook"] = webhook.setup_from_args(args, webhook.KubernetesCacheReader())
     kwargs: dict[str, Any] = {
-        "memo": kopf.Memo(reconciler=reconciler),
+        "memo": memo,
         "standalone": args.peering is None,
         "stop_flag": stop_flag,
     }

@@ -8,6 +8,17 @@ endpoint with a deterministic JSON body):
 3. L1 (tenant partition) -> L2 (Redis, fills L1) -> upstream (fills both);
    concurrent identical misses share one upstream call (single-flight).
 
+Invalidation epochs (with Redis): keys are scoped by the (cache, tenant,
+model) epochs of :attr:`Sidecar.tracker`, kept by the control sync; when an
+epoch moves, :meth:`Sidecar.on_epochs` bumps a scope version and clears the
+key memo *before* the acknowledgement goes out, so after its ack a sidecar
+can no longer find an entry of an older epoch: a request keyed before the
+change is keyed again, an L2 reply that arrives after it is dropped, and L2
+itself refuses readers behind the tenant's fence. L1 hits are served only
+while the epochs were confirmed within the staleness bound (one float
+comparison on the hit path); otherwise the request falls through to L2 /
+upstream.
+
 Steps 1-3 up to an L1 hit run synchronously in :meth:`Sidecar.fast`; the
 rest is a task per request. Anything the sidecar cannot parse goes upstream
 untouched (``X-Cache: BYPASS``); any cache fault is counted and the request
@@ -19,11 +30,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import xxhash
@@ -31,6 +43,7 @@ import xxhash
 from . import keys, protocol
 from .config import SidecarConfig, parse_args
 from .entry import HOP_BY_HOP, Entry, reason_phrase
+from .epochs import DEFAULT_STALENESS_BOUND_S, EpochTracker, EpochVector
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
 from .policies import available_policies
@@ -44,6 +57,8 @@ log = logging.getLogger("cachefleet.sidecar")
 FORWARD_DROP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"x-cache", b"trailer"}
 )
+#: Largest sized upstream answer sent in one write once complete; larger ones stream.
+MAX_BUFFERED_BYTES = 1024 * 1024
 #: How long a successful upstream answer keeps /readyz green without a probe.
 READY_FRESH_S = 5.0
 #: Raw request bodies whose canonical key is remembered (cleared when full).
@@ -77,6 +92,8 @@ class Lookup:
     bypass_reason: str | None
     no_cache: bool
     no_store: bool
+    #: :attr:`Sidecar.scope_version` when the key was made.
+    version: int = 0
 
 
 class Sidecar:
@@ -89,6 +106,7 @@ class Sidecar:
         metrics: SidecarMetrics | None = None,
         l2: Any = None,
         telemetry: GpuTelemetry | None = None,
+        staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S,
     ) -> None:
         self.config = config
         self.metrics = metrics or SidecarMetrics(config.cache)
@@ -96,7 +114,7 @@ class Sidecar:
             config.l1_bytes, default_policy=config.policy.value, max_tenants=config.max_tenants
         )
         self.l2 = l2
-        self.upstream = UpstreamPool(config.upstream)
+        self.upstream = UpstreamPool(config.upstream, read_timeout_s=config.upstream_timeout_s)
         self.telemetry = telemetry or GpuTelemetry()
         self.tenant_header = config.tenant_header.lower().encode()
         self.known_tenants: set[str] = set(config.tenants)
@@ -105,6 +123,11 @@ class Sidecar:
         self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
         self._model_version = config.model_version
         self._epochs: tuple[int, ...] = ()
+        #: Invalidation epochs; until :meth:`enable_epochs` they do not gate L1.
+        self.tracker = EpochTracker(staleness_bound_s)
+        self.tracker.valid_until = math.inf
+        self._versioned = False
+        self._scope_version = 0
         self._key_options: dict[str, keys.KeyOptions] = {}
         self._default_options = keys.KeyOptions(
             collapse_whitespace=config.collapse_whitespace,
@@ -168,7 +191,11 @@ class Sidecar:
         if body is None:
             result = "body is not a JSON object"
         else:
-            scope = keys.Scope(tenant, self._model_version, self._epochs)
+            epochs = self._epochs
+            if self._versioned:
+                model = body.get("model")
+                epochs += self.tracker.values_for(tenant, model if isinstance(model, str) else "")
+            scope = keys.Scope(tenant, self._model_version, epochs)
             try:
                 result = keys.make_key(body, kind, scope, self.key_options(tenant))
             except keys.Uncacheable as exc:
@@ -186,10 +213,11 @@ class Sidecar:
             directives = {d.strip().split(b"=")[0] for d in cc.lower().split(b",")}
             no_cache = b"no-cache" in directives
             no_store = b"no-store" in directives
+        version = self._scope_version
         key = self._key_for(tenant, kind, request.body)
         if isinstance(key, str):
-            return Lookup(tenant, None, key, no_cache, no_store)
-        return Lookup(tenant, key, None, no_cache, no_store)
+            return Lookup(tenant, None, key, no_cache, no_store, version)
+        return Lookup(tenant, key, None, no_cache, no_store, version)
 
     # Everything that scopes keys goes through these, so the key memo stays true.
     @property
@@ -199,7 +227,7 @@ class Sidecar:
     @model_version.setter
     def model_version(self, value: str) -> None:
         self._model_version = value
-        self._key_memo.clear()
+        self._rescope()
 
     @property
     def epochs(self) -> tuple[int, ...]:
@@ -208,7 +236,27 @@ class Sidecar:
     @epochs.setter
     def epochs(self, value: tuple[int, ...]) -> None:
         self._epochs = value
+        self._rescope()
+
+    @property
+    def scope_version(self) -> int:
+        """Moves whenever anything that scopes keys changes."""
+        return self._scope_version
+
+    def _rescope(self) -> None:
+        self._scope_version += 1
         self._key_memo.clear()
+
+    def enable_epochs(self) -> None:
+        """Scope keys by the tracker's epochs and gate L1 on their confirmation."""
+        self._versioned = True
+        self.tracker.expire()
+        self._rescope()
+
+    def on_epochs(self) -> None:
+        """The tracker's epochs moved: stop using keys made under the old ones."""
+        self._rescope()
+        log.info("epochs now %s", self.tracker.known)
 
     def fast(self, request: Request) -> bytes | None:
         """Answer an L1 hit synchronously; None sends the request down the slow path."""
@@ -225,6 +273,8 @@ class Sidecar:
         request.memo = lookup
         if lookup.key is None or lookup.no_cache:
             return None
+        if self.tracker.valid_until <= time.monotonic():
+            return None  # epochs not confirmed within the bound: no L1 hits
         try:
             entry = self.l1.get(lookup.tenant, lookup.key.digest)
         except TenantLimitError:
@@ -250,7 +300,7 @@ class Sidecar:
             await self._passthrough(request, conn, tenant=None, reason="not a cached endpoint")
             return
         memo = request.memo
-        if memo is None:
+        if memo is None or (isinstance(memo, Lookup) and memo.version != self._scope_version):
             try:
                 memo = self._lookup(request, kind)
             except Refusal as exc:
@@ -271,7 +321,11 @@ class Sidecar:
         tm = self.metrics.tenant(tenant)
         if not lookup.no_cache:
             try:
-                entry = self.l1.get(tenant, key.digest)
+                entry = (
+                    self.l1.get(tenant, key.digest)
+                    if self.tracker.valid_until > time.monotonic()
+                    else None
+                )
             except TenantLimitError:
                 await self._passthrough(request, conn, tenant=tenant, reason="tenant limit")
                 return
@@ -279,7 +333,7 @@ class Sidecar:
                 conn.write(entry.hit_l1)
                 tm.request("l1", "hit", time.perf_counter() - request.started)
                 return
-            entry = await self._l2_get(tenant, key)
+            entry = await self._l2_get(lookup, key)
             if entry is not None:
                 self._l1_put(tenant, key, entry)
                 conn.write(entry.response(b"HIT-L2"))
@@ -322,7 +376,7 @@ class Sidecar:
         if 200 <= status < 300 and not lookup.no_store and self._storable(entry, resp_headers):
             self._l1_put(tenant, key, entry)
             if self.l2 is not None:
-                self._spawn(self._l2_put(tenant, key, entry))
+                self._spawn(self._l2_put(lookup, key, entry))
         return entry.response(b"MISS")
 
     @staticmethod
@@ -372,7 +426,10 @@ class Sidecar:
             )
             conn.write(
                 simple_response(
-                    502, body, content_type=b"application/json", extra=b"x-cache: %s\r\n" % x_cache
+                    504 if exc.timed_out else 502,
+                    body,
+                    content_type=b"application/json",
+                    extra=b"x-cache: %s\r\n" % x_cache,
                 )
             )
             if tenant is not None:
@@ -390,20 +447,43 @@ class Sidecar:
         elif chunked:
             head.append(b"transfer-encoding: chunked\r\n")
         head.append(b"x-cache: %s\r\n\r\n" % x_cache)
-        conn.write(b"".join(head))
+        # A sized answer that fits is sent in one write once complete (one syscall,
+        # and a truncated body can still become a clean 502); anything else
+        # (SSE, chunked, large) is relayed as it arrives, the head with the first bytes.
+        buffered = length is not None and length <= MAX_BUFFERED_BYTES
+        pending = b"".join(head)
         parts: list[bytes] = []
         try:
             async for chunk in resp.chunks():
                 parts.append(chunk)
-                conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+                if buffered:
+                    continue
+                data = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk
+                conn.write(pending + data if pending else data)
+                pending = b""
         except UpstreamError as exc:
             log.warning("upstream broke mid-response for %s: %s", request.url, exc)
-            conn.abort()
+            if buffered:
+                message = f"upstream answer incomplete: {exc}"
+                conn.write(
+                    simple_response(
+                        502,
+                        orjson.dumps(
+                            {"error": {"message": message, "type": "cachefleet_upstream"}}
+                        ),
+                        content_type=b"application/json",
+                        extra=b"x-cache: %s\r\n" % x_cache,
+                    )
+                )
+            else:
+                conn.abort()
             if tenant is not None:
                 self.metrics.tenant(tenant).request(
                     "upstream", "error", time.perf_counter() - request.started
                 )
             return None
+        if buffered or pending:
+            conn.write(pending + b"".join(parts) if buffered else pending)
         if chunked:
             conn.write(b"0\r\n\r\n")
         self._last_upstream_ok = time.monotonic()
@@ -423,12 +503,26 @@ class Sidecar:
             return
         self.metrics.tenant(tenant).evicted("l1", evicted)
 
-    async def _l2_get(self, tenant: str, key: keys.CacheKey) -> Entry | None:
+    def _vector(self, lookup: Lookup, key: keys.CacheKey) -> EpochVector | Literal[False] | None:
+        """The epochs to check in L2; None when unversioned; False when the key is outdated."""
+        if not self._versioned:
+            return None
+        if lookup.version != self._scope_version:
+            return False
+        return self.tracker.vector(lookup.tenant, key.model)
+
+    async def _l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:
         if self.l2 is None:
             return None
-        data = await self.l2.get(tenant, key.sha256_hex)
+        tenant = lookup.tenant
+        vector = self._vector(lookup, key)
+        if vector is False:
+            return None
+        data = await self.l2.get(tenant, key.sha256_hex, vector)
         if data is None:
             return None
+        if vector is not None and lookup.version != self._scope_version:
+            return None  # the epochs moved while the read was out: do not serve it
         try:
             entry = Entry.loads(data)
         except ValueError:
@@ -439,9 +533,12 @@ class Sidecar:
             return None
         return entry
 
-    async def _l2_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
+    async def _l2_put(self, lookup: Lookup, key: keys.CacheKey, entry: Entry) -> None:
         assert self.l2 is not None
-        await self.l2.put(tenant, key.sha256_hex, entry.dumps())
+        vector = self._vector(lookup, key)
+        if vector is False:
+            return  # keyed under epochs that have moved on: nobody can read it
+        await self.l2.put(lookup.tenant, key.sha256_hex, entry.dumps(), vector)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -526,6 +623,8 @@ class Sidecar:
             "quota_generation": self.quota_generation,
             "model_version": self.model_version,
             "epochs": list(self.epochs),
+            "invalidation_epochs": self.tracker.known,
+            "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
             "l1": {
                 "capacity_bytes": self.config.l1_bytes,
                 "default_policy": self.config.policy.value,
@@ -627,13 +726,20 @@ class SidecarServer:
         if cfg.redis_url:
             from .control import ControlSync
 
+            l2 = self.sidecar.l2
+            self.sidecar.enable_epochs()
             self.control = ControlSync(
                 cfg.redis_url,
                 cfg.cache,
                 cfg.pod,
                 self.sidecar.apply_quotas,
                 heartbeat=self.sidecar.heartbeat,
+                tracker=self.sidecar.tracker,
+                on_epochs=self.sidecar.on_epochs,
+                on_redis_reset=getattr(l2, "forget_registrations", None),
             )
+            if l2 is not None and hasattr(l2, "on_behind"):
+                l2.on_behind = self.control.poke
             await self.control.start()
         main = await loop.create_server(
             lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True

@@ -1,0 +1,204 @@
+"""The chart's PrometheusRule and Grafana dashboard against promtool and the exported metrics.
+
+``promtool test rules`` runs the rendered recording rules and alerts over
+synthetic series shaped like the sidecar's, and checks that the recorded
+hit ratio and p95 equal what :mod:`cachefleet_sidecar.protocol`'s PromQL (the
+operator's own queries) gives for one cache.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cachefleet_operator.metrics import OperatorMetrics
+from cachefleet_sidecar import protocol
+from cachefleet_sidecar.metrics import SidecarMetrics, TierUsage
+
+from .test_chart import CHART, kinds, render
+
+#: Timeout of one promtool run, seconds.
+PROMTOOL_TIMEOUT_S = 30
+CACHE = "inference/llama"
+
+
+def rules_file(tmp_path: Path) -> Path:
+    (rule,) = kinds(render({"monitoring": {"prometheusOperator": True}})["docs"])["PrometheusRule"]
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump(rule["spec"]))
+    return path
+
+
+def promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("promtool")
+    assert exe, "promtool not found: install the Debian prometheus package (make deps)"
+    return subprocess.run(
+        [exe, *args], capture_output=True, text=True, timeout=PROMTOOL_TIMEOUT_S, check=False
+    )
+
+
+@pytest.mark.prometheus
+def test_rules_pass_promtool_check(tmp_path: Path) -> None:
+    result = promtool("check", "rules", str(rules_file(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 9 rules found" in result.stdout
+
+
+def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": values}
+
+
+@pytest.mark.prometheus
+def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
+    t = {"cache": CACHE, "tenant": "acme", "namespace": "inference", "pod": "vllm-0"}
+    reqs = protocol.METRIC_REQUESTS
+    bucket = protocol.METRIC_REQUEST_DURATION + "_bucket"
+    series = [
+        # 40 hits and 40 misses a minute: hit ratio 0.5; 10 bypasses do not count
+        _series(reqs, {**t, "tier": "l1", "result": "hit"}, "0+40x30"),
+        _series(reqs, {**t, "tier": "upstream", "result": "miss"}, "0+40x30"),
+        _series(reqs, {**t, "tier": "upstream", "result": "bypass"}, "0+10x30"),
+        # every request between 1 s and 2.5 s: p95 = 1 + 1.5 * 0.95 = 2.425 s
+        _series(bucket, {**t, "tier": "upstream", "le": "1.0"}, "0x30"),
+        _series(bucket, {**t, "tier": "upstream", "le": "2.5"}, "0+30x30"),
+        _series(bucket, {**t, "tier": "upstream", "le": "+Inf"}, "0+30x30"),
+        _series("cachefleet_cross_tenant_hits_total", {"cache": CACHE}, "0 0 0 1 1 1 1 1 1 1"),
+        _series("cachefleet_redis_errors_total", {"cache": CACHE}, "0x30"),
+        _series(
+            "cachefleet_gpu_telemetry_available", {"namespace": "inference", "pod": "p"}, "0x30"
+        ),
+    ]
+    labels = f'{{cache="{CACHE}",tenant="acme"}}'
+    tests: dict[str, Any] = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            {
+                "expr": f'cachefleet:tenant_hit_ratio:rate5m{{cache="{CACHE}"}}',
+                "eval_time": "10m",
+                "exp_samples": [
+                    {"labels": f"cachefleet:tenant_hit_ratio:rate5m{labels}", "value": 0.5}
+                ],
+            },
+            # the operator's own query gives the same number
+            {
+                "expr": protocol.promql_hit_ratio(CACHE, "5m"),
+                "eval_time": "10m",
+                "exp_samples": [{"labels": '{tenant="acme"}', "value": 0.5}],
+            },
+            {
+                "expr": "cachefleet:tenant_latency_p95_seconds:rate5m",
+                "eval_time": "10m",
+                "exp_samples": [
+                    {
+                        "labels": f"cachefleet:tenant_latency_p95_seconds:rate5m{labels}",
+                        "value": 2.425,
+                    }
+                ],
+            },
+            {
+                "expr": protocol.promql_p95_seconds(CACHE, "5m"),
+                "eval_time": "10m",
+                "exp_samples": [{"labels": '{tenant="acme"}', "value": 2.425}],
+            },
+        ],
+        "alert_rule_test": [
+            {
+                "eval_time": "20m",
+                "alertname": "CachefleetSLALatencyBreach",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "warning", "cache": CACHE, "tenant": "acme"},
+                        "exp_annotations": {
+                            "summary": f"p95 latency of tenant acme in {CACHE} is 2.425s",
+                            "description": "Above the 1s SLA for 10m.",
+                        },
+                    }
+                ],
+            },
+            {"eval_time": "20m", "alertname": "CachefleetHitRatioDrop", "exp_alerts": []},
+            {"eval_time": "20m", "alertname": "CachefleetRedisErrors", "exp_alerts": []},
+            {
+                "eval_time": "5m",
+                "alertname": "CachefleetCrossTenantHits",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "critical", "cache": CACHE},
+                        "exp_annotations": {
+                            "summary": f"{CACHE}: a lookup found another tenant's entry "
+                            "(refused, must never happen)"
+                        },
+                    }
+                ],
+            },
+            {"eval_time": "5m", "alertname": "CachefleetGPUTelemetryMissing", "exp_alerts": []},
+            {
+                "eval_time": "20m",
+                "alertname": "CachefleetGPUTelemetryMissing",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "info", "namespace": "inference", "pod": "p"},
+                        "exp_annotations": {
+                            "summary": "sidecar inference/p has no GPU telemetry (NVML unavailable)"
+                        },
+                    }
+                ],
+            },
+        ],
+    }
+    rules = rules_file(tmp_path)
+    test_file = tmp_path / "rules_test.yaml"
+    test_file.write_text(
+        yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [tests]})
+    )
+    result = promtool("test", "rules", str(test_file))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def exported_metric_names() -> set[str]:
+    """Sample names the sidecar and operator expose, read from their real registries."""
+    sidecar = SidecarMetrics("ns/c")
+    tm = sidecar.tenant("t")
+    tm.request("l1", "hit", 0.001)
+    tm.evicted("l1", 1)
+    sidecar.usage_source = lambda: [TierUsage("t", "l1", 1, 2, "lru")]
+    operator = OperatorMetrics()
+    operator.reconcile_duration.labels(trigger="t", result="ok").observe(0.1)
+    operator.reconcile_errors.labels(reason="r").inc()
+    names = {
+        s.name
+        for reg in (sidecar.registry, operator.registry)
+        for fam in reg.collect()
+        for s in fam.samples
+    }
+    # gauges that only appear with a GPU: names from their definitions
+    source = (Path(protocol.__file__).parent / "telemetry.py").read_text()
+    names |= set(re.findall(r'"(cachefleet_gpu_[a-z_]+)"', source))
+    return names
+
+
+def test_dashboard_parses_and_uses_only_exported_or_recorded_metrics() -> None:
+    dash = json.loads((CHART / "dashboards" / "cachefleet.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(dash["panels"]) >= 8
+    (rule,) = kinds(render({"monitoring": {"prometheusOperator": True}})["docs"])["PrometheusRule"]
+    recorded = {r["record"] for g in rule["spec"]["groups"] for r in g["rules"] if "record" in r}
+    known = exported_metric_names() | recorded
+    used = {m for e in exprs for m in re.findall(r"\b(cachefleet[:_][a-z0-9_:]+)", e)}
+    assert used - known == set()
+    titles = " ".join(p["title"] for p in dash["panels"]).lower()
+    for needed in ("hit ratio", "p99", "evictions", "quota", "gpu"):
+        assert needed in titles
+    # the ConfigMap carries the same JSON
+    (cm,) = [
+        c for c in kinds(render()["docs"])["ConfigMap"] if "cachefleet.json" in c.get("data", {})
+    ]
+    assert json.loads(cm["data"]["cachefleet.json"]) == dash
