@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import random
 import sys
@@ -324,6 +325,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.pods < 1:
         parser.error("--duration must be > 0 and --pods >= 1")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # kopf runs in a thread here: its notice that OS signals are not its to handle is noise.
+    logging.getLogger("kopf").setLevel(logging.ERROR)
     try:
         import uvloop
 

@@ -388,6 +388,9 @@ class SidecarStatus(_Model):
 
     seen: int = Field(description="Live sidecars (fresh heartbeat).")
     in_sync: int = Field(description="Live sidecars that applied the current quota generation.")
+    epochs_in_sync: int | None = Field(
+        default=None, description="Live sidecars that acknowledged the current epochs."
+    )
 
 
 class InferenceCacheStatus(_Model):
@@ -413,6 +416,10 @@ class InferenceCacheStatus(_Model):
     sidecars: SidecarStatus | None = Field(default=None, description="Sidecar membership.")
     epochs: dict[str, int] | None = Field(
         default=None, description="Current invalidation epoch per scope."
+    )
+    model_version: str | None = Field(
+        default=None,
+        description="spec.model.version last acted on (a change advances the model's epoch).",
     )
     conditions: list[Condition] | None = Field(
         default=None, description="Ready, Degraded and SLAViolated."

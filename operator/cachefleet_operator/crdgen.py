@@ -233,6 +233,13 @@ def cache_invalidation_crd() -> dict[str, Any]:
             {"name": "Scope", "type": "string", "jsonPath": ".spec.scope.type"},
             {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
             {"name": "Acks", "type": "integer", "jsonPath": ".status.acks"},
+            {"name": "Epoch", "type": "integer", "jsonPath": ".status.epoch"},
+            {
+                "name": "Propagation",
+                "type": "number",
+                "description": "From the epoch change to the last acknowledgement, seconds.",
+                "jsonPath": ".status.propagationSeconds",
+            },
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     )

@@ -1,4 +1,5 @@
-"""kopf handlers of InferenceCache: thin glue between kopf and :mod:`reconcile`.
+"""kopf handlers of InferenceCache and CacheInvalidation: thin glue to :mod:`reconcile`
+and :mod:`invalidation`.
 
 Importing this module registers the handlers with kopf's default registry.
 Every dependency comes from the operator's memo (``memo.reconciler``, a
@@ -10,6 +11,13 @@ Handlers (ids in parentheses): create / update / resume (``reconcile``),
 a timer that rebalances every ``spec.rebalanceIntervalSeconds``
 (``rebalance``), and a deletion handler behind kopf's finalizer that removes
 the cache's Redis state (``cleanup``).
+
+CacheInvalidation: an index of InferenceCaches by (namespace, name)
+(``caches``: spec and status, so the handler needs no API client) and a
+create handler (``invalidate``) that runs an
+:class:`~cachefleet_operator.invalidation.InvalidationRunner` (from
+``memo.invalidations``, or one built on ``memo.reconciler``) and writes its
+status; it never runs twice for one object (the phase is final).
 """
 
 from __future__ import annotations
@@ -28,10 +36,12 @@ from cachefleet_operator.api import (
     SpecError,
     parse_spec,
 )
+from cachefleet_operator.invalidation import InvalidationRunner
 from cachefleet_operator.publisher import ControlPlaneUnavailable
 from cachefleet_operator.reconcile import Outcome, Reconciler, SecretUnavailable, retry_delay
 
 PLURAL = "inferencecaches"
+INVALIDATION_PLURAL = "cacheinvalidations"
 #: Finalizer that guards the cleanup of Redis state.
 FINALIZER = "cachefleet.io/finalizer"
 #: How often the rebalance timer wakes to see whether a rebalance is due, seconds.
@@ -160,3 +170,46 @@ async def cleanup(
             return
         raise kopf.TemporaryError(f"Redis cleanup failed: {exc}", delay=retry_delay(retry)) from exc
     logger.info("removed %d Redis keys of %s/%s", removed, namespace, name)
+
+
+# ---------------------------------------------------------------- CacheInvalidation
+
+
+@kopf.index(GROUP, VERSION, PLURAL, id="caches")
+async def caches(
+    name: str, namespace: str | None, spec: kopf.Spec, status: kopf.Status, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """InferenceCaches by (namespace, name): what an invalidation needs to know."""
+    return {(namespace or "", name): {"spec": dict(spec), "status": dict(status)}}
+
+
+def _runner(memo: Any) -> InvalidationRunner:
+    runner = memo.get("invalidations")
+    if not isinstance(runner, InvalidationRunner):
+        runner = memo["invalidations"] = InvalidationRunner(_reconciler(memo))
+    return runner
+
+
+@kopf.on.create(GROUP, VERSION, INVALIDATION_PLURAL, id="invalidate")
+async def invalidate(
+    namespace: str | None,
+    body: kopf.Body,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    meta: kopf.Meta,
+    patch: kopf.Patch,
+    memo: Any,
+    retry: int,
+    **kwargs: Any,
+) -> None:
+    """CAS, fence, announce, wait for every live sidecar; Completed or Failed."""
+    caches: kopf.Index[tuple[str, str], dict[str, Any]] = kwargs["caches"]  # the index above
+    ns = namespace or ""
+    ref = (spec.get("cacheRef") or {}).get("name")
+    found = next(iter(caches.get((ns, str(ref)), [])), None)
+    outcome = await _runner(memo).run(
+        ns, meta.get("generation"), dict(spec), dict(status), found, retry
+    )
+    _emit(outcome, body, patch)
+    if outcome.failure == "temporary":
+        raise kopf.TemporaryError(outcome.failure_message, delay=retry_delay(retry))

@@ -6,6 +6,16 @@ kind of failure, if any. ``handlers.py`` turns an Outcome into kopf terms
 (status patch, ``kopf.event``, ``TemporaryError`` / ``PermanentError``), so
 the logic here is tested with fakes and no Kubernetes at all.
 
+Model version: when ``spec.model.version`` differs from the version in the
+status, the model scope's epoch is advanced (CAS, fence, announce, see
+:mod:`cachefleet_operator.invalidation`) and the reconcile waits up to
+:data:`~cachefleet_operator.invalidation.MODEL_ACK_WAIT_S` for the
+acknowledgements; status then shows ``modelVersion``, the epochs and
+``sidecars.epochsInSync`` (re-read on every reconcile, so convergence shows
+up even when it took longer). Every reconcile also merges the epochs of the
+status back into Redis (max only), so a Redis that restarted without
+persistence never goes back to older epochs.
+
 Fault policy: Prometheus unreachable or without data -> the last allocation
 is kept (or a class-based one on first sight), ``Degraded``; Redis
 unreachable -> nothing new is recorded as in force, ``Ready=False``,
@@ -21,9 +31,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import ValidationError
+from redis.exceptions import RedisError
 
 from cachefleet_operator.allocation import (
     Allocation,
@@ -57,7 +68,12 @@ from cachefleet_operator.publisher import (
     ControlPlaneUnavailable,
     redis_control_plane,
 )
+from cachefleet_sidecar import protocol
+from cachefleet_sidecar.epochs import model_scope
 from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota, cache_ref
+
+if TYPE_CHECKING:
+    from cachefleet_operator.invalidation import InvalidatorFactory
 
 #: Share moves smaller than this (fraction of capacity) are not announced as Events.
 EVENT_MIN_MOVE = 0.005
@@ -261,7 +277,14 @@ class Reconciler:
         secrets: SecretReader | None = None,
         metrics: OperatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
+        invalidator: InvalidatorFactory | None = None,
     ) -> None:
+        if invalidator is None:
+            # imported here: invalidation builds on this module's Outcome and Event
+            from cachefleet_operator.invalidation import redis_invalidator
+
+            invalidator = redis_invalidator
+        self.invalidator = invalidator
         self.metrics_source = metrics_source
         self.control_plane = control_plane
         self.secrets = secrets
@@ -345,6 +368,8 @@ class Reconciler:
             quota_generation += 1
         published = False
         sidecars: SidecarStatus | None = previous.sidecars
+        epoch_status: dict[str, Any] = {}
+        epoch_events: list[Event] = []
         try:
             url = await self.redis_url(namespace, spec)
             plane = self.control_plane(url)
@@ -358,16 +383,20 @@ class Reconciler:
                 )
             published = stored == quota_generation
             members = await plane.live_members(cache)
+            epoch_status, epochs_in_sync, epoch_events = await self._epochs(
+                url, cache, spec, previous
+            )
             sidecars = SidecarStatus(
                 seen=len(members),
                 in_sync=sum(1 for m in members if m.quota_generation >= quota_generation),
+                epochs_in_sync=epochs_in_sync,
             )
-        except (ControlPlaneUnavailable, SecretUnavailable) as exc:
+        except (ControlPlaneUnavailable, SecretUnavailable, RedisError, OSError) as exc:
             faults.append(("RedisUnavailable", str(exc)))
             self.metrics.reconcile_errors.labels("RedisUnavailable").inc()
 
-        events: list[Event] = []
-        status: dict[str, Any] = {"observedGeneration": generation}
+        events: list[Event] = list(epoch_events)
+        status: dict[str, Any] = {"observedGeneration": generation, **epoch_status}
         if published:
             moves = quota_moves(prev_shares or None, allocation, EVENT_MIN_MOVE)
             if moves and prev_shares:
@@ -449,6 +478,44 @@ class Reconciler:
             outcome.failure_message = "; ".join(f"{r}: {m}" for r, m in faults)
             outcome.result = "degraded"
         return outcome
+
+    async def _epochs(
+        self, url: str, cache: str, spec: InferenceCacheSpec, previous: InferenceCacheStatus
+    ) -> tuple[dict[str, Any], int, list[Event]]:
+        """Restore, advance on a model-version change, and measure convergence.
+
+        Returns (status fields, live sidecars that acknowledged the current
+        epochs, Events).
+        """
+        events: list[Event] = []
+        known = dict(previous.epochs or {})
+        scope = model_scope(spec.model.name)
+        invalidator = self.invalidator(url, cache)
+        try:
+            if known:
+                await protocol.restore_epochs(invalidator.client, cache, known)
+            old_version = previous.model_version
+            if old_version is not None and old_version != spec.model.version:
+                from cachefleet_operator.invalidation import MODEL_ACK_WAIT_S
+
+                result = await invalidator.invalidate(
+                    scope, timeout_s=MODEL_ACK_WAIT_S, floor=known.get(scope, 0)
+                )
+                message = (
+                    f"model {spec.model.name} {old_version} -> {spec.model.version}: "
+                    f"{scope} advanced to epoch {result.epoch}; "
+                    f"{result.acks}/{result.expected} sidecars acknowledged"
+                )
+                if result.propagation_s is not None:
+                    message += f" in {result.propagation_s * 1000:.1f} ms"
+                else:
+                    message += f", still waiting for {', '.join(result.lagging)}"
+                events.append(Event("Normal", "ModelVersionChanged", message))
+            epochs = await protocol.read_epochs(invalidator.client, cache)
+            acked, _lagging = await invalidator.progress(epochs)
+        finally:
+            await invalidator.aclose()
+        return {"modelVersion": spec.model.version, "epochs": epochs}, len(acked), events
 
     def _invalid(
         self, exc: SpecError, conditions: list[Condition], generation: int | None, now: str

@@ -1,4 +1,4 @@
-"""The sidecar's side of the control plane: quota sync and heartbeats.
+"""The sidecar's side of the control plane: quota sync, epoch sync and heartbeats.
 
 :class:`ControlSync` keeps one sidecar in step with the operator through
 Redis, level-triggered as the protocol prescribes:
@@ -10,6 +10,19 @@ Redis, level-triggered as the protocol prescribes:
   last one it applied; an older or equal generation is ignored;
 * it writes a heartbeat every ``heartbeat_ttl_s / 3`` seconds so the operator
   sees it in :func:`cachefleet_sidecar.protocol.live_members`;
+* with an :class:`~cachefleet_sidecar.epochs.EpochTracker` it also keeps the
+  invalidation epochs: an ``epochs`` notice on the control channel is
+  max-merged into the tracker at once (duplicates and late notices are
+  harmless) and acknowledged; independently of the pub/sub connection, a
+  bounded poll every ``epoch_poll_s`` (default a quarter of the staleness
+  bound) reads the whole epoch hash, which *confirms* the tracker (keeps L1
+  hits allowed), catches up on lost notices and, when Redis is behind what
+  the sidecar knows (it restarted), writes the known epochs back. Every
+  change is acknowledged with :func:`~cachefleet_sidecar.protocol.write_ack`
+  (acks are serialised and always carry the newest epochs, so they never go
+  backwards); ``on_epochs`` is called first, so the sidecar has stopped using
+  the old epochs before the ack says so. ``poke()`` asks for a poll now (the
+  L2 tier calls it when a read was refused for being behind the fence);
 * when Redis goes away it reconnects with a bounded exponential backoff and
   re-reads the quotas right after re-subscribing, so nothing published while
   it was away is lost.
@@ -34,8 +47,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cachefleet_sidecar import protocol
+from cachefleet_sidecar.epochs import EpochTracker
 from cachefleet_sidecar.protocol import (
     ControlMessage,
+    EpochAck,
     Heartbeat,
     QuotaAssignment,
     RedisClient,
@@ -53,6 +68,8 @@ RECONNECT_BACKOFF_MAX_S = 2.0
 MESSAGE_POLL_S = 1.0
 #: How long stop() waits for the background tasks to finish, seconds.
 STOP_TIMEOUT_S = 5.0
+#: Shortest pause between two epoch polls, even when poked, seconds.
+EPOCH_POLL_MIN_GAP_S = 0.01
 
 T = TypeVar("T")
 
@@ -73,6 +90,10 @@ class ControlSync:
         on_message: Callable[[ControlMessage], None] | None = None,
         cluster: bool | None = None,
         op_timeout_s: float = DEFAULT_CONTROL_OP_TIMEOUT_S,
+        tracker: EpochTracker | None = None,
+        on_epochs: Callable[[], None] | None = None,
+        on_redis_reset: Callable[[], None] | None = None,
+        epoch_poll_s: float | None = None,
     ) -> None:
         if not protocol.valid_name(pod):
             raise ValueError(f"invalid pod name {pod!r}")
@@ -96,6 +117,20 @@ class ControlSync:
         self.applied_count = 0
         #: time.time() of the last successful re-read of the quotas hash.
         self.last_sync_at: float | None = None
+        self.tracker = tracker
+        self._on_epochs = on_epochs
+        self._on_redis_reset = on_redis_reset
+        default_poll = (
+            protocol.DEFAULT_RESYNC_INTERVAL_S if tracker is None else tracker.bound_s / 4
+        )
+        self.epoch_poll_s = epoch_poll_s if epoch_poll_s is not None else default_poll
+        self._acked: dict[str, int] | None = None
+        self._ack_lock = asyncio.Lock()
+        self._poke = asyncio.Event()
+        #: Acknowledgements written.
+        self.acks_written = 0
+        #: Epoch polls that found Redis behind the tracker (and restored it).
+        self.restores = 0
 
     # ------------------------------------------------------------ properties
 
@@ -129,6 +164,10 @@ class ControlSync:
             asyncio.create_task(self._listen_loop(), name=f"control-listen-{self.pod}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"control-heartbeat-{self.pod}"),
         ]
+        if self.tracker is not None:
+            self._tasks.append(
+                asyncio.create_task(self._epoch_loop(), name=f"control-epochs-{self.pod}")
+            )
 
     async def stop(self, *, leave: bool = True) -> None:
         """Stop both loops and close the connections.
@@ -201,6 +240,7 @@ class ControlSync:
                 async with pubsub_client.pubsub() as pubsub:
                     await self._bounded(pubsub.subscribe(protocol.control_channel(self.cache)))
                     self._subscribed = True
+                    self.poke()  # notices may have been missed while away
                     await self.resync()
                     backoff = RECONNECT_BACKOFF_MIN_S
                     await self._consume(pubsub)
@@ -234,21 +274,119 @@ class ControlSync:
             )
             if message is None or message.get("type") != "message":
                 continue
-            self._notify(message.get("data"))
+            parsed = self._notify(message.get("data"))
+            if parsed is not None and parsed.kind == "epochs":
+                await self._epoch_notice(parsed)
+                continue
             await self.resync()
             next_sync = time.monotonic() + self.resync_interval_s
 
-    def _notify(self, data: Any) -> None:
+    def _notify(self, data: Any) -> ControlMessage | None:
         try:
             parsed = ControlMessage.model_validate_json(data)
         except (ValidationError, TypeError, ValueError):
             log.warning("control %s: ignoring malformed control message", self.cache)
-            return
+            return None
         if self._on_message is not None:
             try:
                 self._on_message(parsed)
             except Exception:
                 log.exception("control %s: on_message failed", self.cache)
+        return parsed
+
+    # --------------------------------------------------------------- epochs
+
+    def poke(self) -> None:
+        """Ask for an epoch poll now (bounded by :data:`EPOCH_POLL_MIN_GAP_S`)."""
+        self._poke.set()
+
+    async def _epoch_notice(self, message: ControlMessage) -> None:
+        """Apply an ``epochs`` notice: merge, then acknowledge; a poll confirms later."""
+        if self.tracker is None:
+            return
+        if message.epochs and self.tracker.merge(message.epochs):
+            self._applied_epochs()
+        else:
+            self.poke()  # a notice without news: make sure by reading the hash
+        try:
+            await self.ack()
+        except Exception as exc:  # the poll acknowledges later
+            self.errors += 1
+            log.warning("control %s: ack failed: %s", self.cache, str(exc) or type(exc).__name__)
+
+    def _applied_epochs(self) -> None:
+        if self._on_epochs is None:
+            return
+        try:
+            self._on_epochs()
+        except Exception:
+            log.exception("control %s: on_epochs failed", self.cache)
+
+    async def sync_epochs(self) -> bool:
+        """Read the epoch hash now: confirm, catch up, restore Redis, acknowledge.
+
+        Returns True if a known epoch moved forward. Raises on Redis faults.
+        """
+        tracker = self.tracker
+        if tracker is None:
+            raise RuntimeError("ControlSync has no epoch tracker")
+        client = self._require_client()
+        sent_at = tracker.clock()
+        current = await self._bounded(protocol.read_epochs(client, self.cache))
+        confirmation = tracker.confirm(current, sent_at)
+        if confirmation.changed:
+            self._applied_epochs()
+        if confirmation.redis_behind:
+            self.restores += 1
+            log.warning(
+                "control %s: Redis lost epochs %s; restoring what this sidecar knows",
+                self.cache,
+                confirmation.redis_behind,
+            )
+            await self._bounded(
+                protocol.restore_epochs(client, self.cache, confirmation.redis_behind)
+            )
+            if self._on_redis_reset is not None:
+                self._on_redis_reset()
+        await self.ack()
+        return confirmation.changed
+
+    async def ack(self) -> bool:
+        """Acknowledge the tracker's epochs if they moved since the last ack; True if written."""
+        tracker = self.tracker
+        if tracker is None:
+            return False
+        client = self._require_client()
+        async with self._ack_lock:
+            known = tracker.known
+            if known == self._acked:
+                return False
+            await self._bounded(
+                protocol.write_ack(client, self.cache, EpochAck(pod=self.pod, epochs=known))
+            )
+            self._acked = known
+            self.acks_written += 1
+            return True
+
+    async def _epoch_loop(self) -> None:
+        backoff = RECONNECT_BACKOFF_MIN_S
+        while True:
+            wait = self.epoch_poll_s
+            self._poke.clear()
+            try:
+                await self.sync_epochs()
+                backoff = RECONNECT_BACKOFF_MIN_S
+            except Exception as exc:  # the loop must outlive any fault
+                self.errors += 1
+                self._acked = None  # write the ack again once Redis is back
+                log.warning(
+                    "control %s: epoch poll failed: %s", self.cache, str(exc) or type(exc).__name__
+                )
+                wait = min(wait, backoff)
+                backoff = min(backoff * 2, RECONNECT_BACKOFF_MAX_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poke.wait(), wait)
+            await asyncio.sleep(EPOCH_POLL_MIN_GAP_S)
 
     # ------------------------------------------------------------ heartbeat
 
@@ -306,4 +444,6 @@ class ControlSync:
         )
 
     async def _bounded(self, awaitable: Awaitable[T], extra_s: float = 0.0) -> T:
-        return await asyncio.wait_for(awaitable, self.op_timeout_s + extra_s)
+        # asyncio.timeout, not wait_for: no extra task per call (the ack path is hot)
+        async with asyncio.timeout(self.op_timeout_s + extra_s):
+            return await awaitable

@@ -17,6 +17,17 @@ of :func:`cachefleet_sidecar.protocol.parse_redis_url`: ``redis://host:port/db``
 is a standalone server, ``redis+cluster://h1:p1,h2:p2`` a Redis Cluster
 (``cluster=True/False`` overrides the scheme).
 
+Epochs (versioned invalidation, see the protocol docstring): ``get`` and
+``put`` take the reader's / writer's :data:`~cachefleet_sidecar.epochs.EpochVector`
+and then run the versioned scripts, which compare it with the tenant slot's
+fence in the same round trip: a reader behind an invalidation gets a miss
+(counted in ``stale_refused``, and ``on_behind`` is called so the sidecar
+re-reads its epochs at once), a writer behind one stores nothing. Before the
+first versioned write of a tenant the tier registers the tenant
+(:func:`~cachefleet_sidecar.protocol.register_tenant`) so invalidators fence
+its slot; :meth:`RedisL2.forget_registrations` makes it register again (after
+Redis lost its state).
+
 Quota: ``set_limit(tenant, n)`` stores the tenant's limit in Redis (shared by
 every sidecar); a limit of 0 or none at all means ``default_limit_bytes``
 given at construction (:data:`DEFAULT_LIMIT_BYTES` unless changed).
@@ -38,6 +49,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from cachefleet_sidecar import protocol
+from cachefleet_sidecar.epochs import EpochVector
 from cachefleet_sidecar.protocol import RedisClient
 
 log = logging.getLogger(__name__)
@@ -52,12 +64,19 @@ DEFAULT_LIMIT_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_EVICT = 64
 #: Upper bound of :meth:`RedisL2.connect` (start-up warm-up), seconds.
 DEFAULT_WARMUP_TIMEOUT_S = 2.0
+#: Upper bound of registering a tenant for invalidation fencing (once per tenant), s.
+DEFAULT_REGISTER_TIMEOUT_S = 1.0
 #: Consecutive failures that open the breaker.
 DEFAULT_FAILURE_THRESHOLD = 3
 #: How long an open breaker refuses calls before letting one probe through, s.
 DEFAULT_COOLDOWN_S = 1.0
 #: Socket connect timeout of the client, seconds (the op timeout bounds it too).
 DEFAULT_CONNECT_TIMEOUT_S = 0.25
+
+#: What a versioned read returns for a stored value that is not an entry of
+#: the reader's epochs (it is dropped from Redis): no entry is empty, so the
+#: caller's decoder treats it as a corrupt entry.
+CORRUPT: Final = b""
 
 State = Literal["ok", "degraded", "down"]
 T = TypeVar("T")
@@ -132,6 +151,8 @@ class L2Counters:
     errors: int = 0
     timeouts: int = 0
     short_circuited: int = 0
+    #: Reads and writes refused because their epochs were behind the fence.
+    stale_refused: int = 0
 
 
 class _Script:
@@ -165,6 +186,8 @@ def _ints3(reply: Any) -> tuple[int, int, int]:
 _GET = _Script(protocol.L2_GET_LUA)
 _PUT = _Script(protocol.L2_PUT_LUA)
 _USAGE = _Script(protocol.L2_USAGE_LUA)
+_GET_V = _Script(protocol.L2_GET_VERSIONED_LUA)
+_PUT_V = _Script(protocol.L2_PUT_VERSIONED_LUA)
 
 
 class RedisL2:
@@ -191,6 +214,9 @@ class RedisL2:
         self.counters = L2Counters()
         self._last_error: str | None = None
         self._abandoned: set[asyncio.Future[Any]] = set()
+        self._registered: set[str] = set()
+        #: Called (synchronously) when a read was refused for being behind the fence.
+        self.on_behind: Callable[[], None] | None = None
 
     @classmethod
     def from_url(
@@ -250,7 +276,7 @@ class RedisL2:
         """
         try:
             async with asyncio.timeout(timeout_s):
-                for script in (_GET, _PUT, _USAGE):
+                for script in (_GET, _PUT, _USAGE, _GET_V, _PUT_V):
                     await self._client.script_load(script.source)
         except Exception as exc:  # a cache fault must never fail start-up
             self.counters.errors += 1
@@ -259,8 +285,18 @@ class RedisL2:
         self.breaker.success()
         return True
 
-    async def get(self, tenant: str, digest_hex: str) -> bytes | None:
-        """The cached value or None (miss, Redis down, slow or broken)."""
+    async def get(
+        self, tenant: str, digest_hex: str, vector: EpochVector | None = None
+    ) -> bytes | None:
+        """The cached value or None (miss, Redis down, slow or broken).
+
+        With ``vector`` the read is versioned: it is refused (None) when the
+        tenant's fence is ahead of the vector, and only an entry written under
+        exactly ``vector`` is returned; a stored value that is not such an
+        entry is dropped and reported as :data:`CORRUPT`.
+        """
+        if vector is not None:
+            return await self._get_versioned(tenant, digest_hex, vector)
         keys = protocol.l2_keys(self.cache, tenant, digest_hex)
 
         async def call() -> bytes | None:
@@ -276,18 +312,76 @@ class RedisL2:
         self.counters.hits += 1
         return found
 
-    async def put(self, tenant: str, digest_hex: str, value: bytes) -> bool:
-        """Store ``value``; False when the quota, the breaker or an error refused it."""
-        keys = protocol.l2_keys(self.cache, tenant, digest_hex)
+    async def _get_versioned(
+        self, tenant: str, digest_hex: str, vector: EpochVector
+    ) -> bytes | None:
+        keys = protocol.l2_versioned_keys(self.cache, tenant, digest_hex)
+        args = protocol.vector_args(vector)
+
+        async def call() -> tuple[int, bytes | None]:
+            reply = await _GET_V(self._client, keys, args)
+            status = int(reply[0])
+            return status, (bytes(reply[1]) if status == 1 else None)
+
+        found = await self._guarded(call)
+        if found is _FAILED:
+            return None
+        status, value = found
+        if status == -1:
+            self.counters.stale_refused += 1
+            if self.on_behind is not None:
+                self.on_behind()
+            return None
+        if status == 2:
+            self.counters.misses += 1
+            return CORRUPT
+        if value is None:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        return value
+
+    def forget_registrations(self) -> None:
+        """Register every tenant again before its next versioned write."""
+        self._registered.clear()
+
+    async def put(
+        self, tenant: str, digest_hex: str, value: bytes, vector: EpochVector | None = None
+    ) -> bool:
+        """Store ``value``; False when the quota, the fence, the breaker or an error refused it.
+
+        With ``vector`` the write is versioned (see :meth:`get`); the tenant is
+        registered for invalidation fencing first.
+        """
+        versioned = vector is not None
+        keys = (
+            protocol.l2_versioned_keys(self.cache, tenant, digest_hex)
+            if versioned
+            else protocol.l2_keys(self.cache, tenant, digest_hex)
+        )
         args: list[Any] = [
             value,
             max(1, int(self.ttl_s * 1000)),
             self.default_limit_bytes,
             self.max_evict,
         ]
+        if vector is not None:
+            args += protocol.vector_args(vector)
+
+        if versioned and tenant not in self._registered:
+            # Once per tenant, off the request path (puts run in the background):
+            # a few round trips to two slots, so it gets a longer bound.
+            async def register() -> bool:
+                await protocol.register_tenant(self._client, self.cache, tenant)
+                return True
+
+            if await self._guarded(register, DEFAULT_REGISTER_TIMEOUT_S) is not True:
+                return False
+            self._registered.add(tenant)
 
         async def call() -> tuple[int, int, int]:
-            return _ints3(await _PUT(self._client, keys, args))
+            script = _PUT_V if versioned else _PUT
+            return _ints3(await script(self._client, keys, args))
 
         reply = await self._guarded(call)
         if reply is _FAILED:
@@ -298,6 +392,9 @@ class RedisL2:
         if status == 1:
             self.counters.stores += 1
             return True
+        if status == -2:
+            self.counters.stale_refused += 1
+            return False
         self.counters.refused += 1
         return False
 
@@ -356,7 +453,7 @@ class RedisL2:
     # --------------------------------------------------------------- guards
 
     async def _guarded(
-        self, call: Callable[[], Coroutine[Any, Any, T]]
+        self, call: Callable[[], Coroutine[Any, Any, T]], timeout_s: float | None = None
     ) -> T | Literal[_Failed.FAILED]:
         """Run ``call`` through the breaker and the timeout; never raises."""
         if not self.breaker.allow():
@@ -367,7 +464,7 @@ class RedisL2:
         # timeout. The call is abandoned instead and finishes in the background.
         task = asyncio.ensure_future(call())
         try:
-            await asyncio.wait({task}, timeout=self.op_timeout_s)
+            await asyncio.wait({task}, timeout=timeout_s or self.op_timeout_s)
         except asyncio.CancelledError:
             task.cancel()
             raise

@@ -28,6 +28,38 @@ different tenants spread across a cluster:
 * ``cf:{cf:<cache>|<tenant>}:exp``             sorted set: entry key -> expiry
   (unix ms, server clock), so expired entries are reclaimed exactly.
 
+Invalidation epochs (see :mod:`cachefleet_sidecar.epochs` for scopes and the
+sidecar's tracker; functions and scripts in the "epochs" section below):
+
+* ``cf:{cf:<cache>}:epochs``   hash: scope -> epoch. The *sequencer*: only
+  :data:`EPOCH_CAS_LUA` advances a scope (read, CAS to +1, retry on
+  conflict, so concurrent invalidators never lose a step);
+  :data:`EPOCH_MERGE_LUA` restores values after a Redis restart (max only).
+* ``cf:{cf:<cache>}:tenants``  set: tenants that have L2 data (a sidecar adds
+  a tenant before its first L2 write, see :func:`register_tenant`).
+* ``cf:{cf:<cache>}:acks``     hash: pod -> JSON :class:`EpochAck`, the epochs
+  the pod has applied; each write is also published on
+  ``cf:{cf:<cache>}:acked`` (:func:`ack_channel`) so waiters need not poll hard.
+* ``cf:{cf:<cache>|<tenant>}:epochs`` hash: scope -> epoch, the *fence* of one
+  tenant's data slot. An invalidator max-merges the new epoch into the fence
+  of every registered tenant after the CAS and before announcing it; the
+  versioned L2 scripts refuse a reader or writer whose epochs are below the
+  fence, in the same round trip as the read or write. That keeps every
+  script single-slot on Redis Cluster (sequencer in the control slot, fence
+  in each data slot) and still makes an L2 read check the epoch atomically.
+* Versioned entries (:data:`L2_GET_VERSIONED_LUA` / :data:`L2_PUT_VERSIONED_LUA`)
+  are stored as ``<vector>\n<value>``: each records the epochs it was written
+  under (:func:`cachefleet_sidecar.epochs.encode_vector`), and a read serves
+  it only under exactly those epochs.
+
+Redis restart: without persistence the epoch hash is lost. Epochs never go
+backwards anyway: a sidecar that finds Redis behind what it knows writes its
+known epochs back (:func:`restore_epochs`), the operator merges the epochs in
+its status before every CAS (``floor``) and on every reconcile, and a sidecar's
+own tracker only ever max-merges. Data written while Redis was behind is new
+data (the old data went with the restart), keyed by the epochs it was
+written under.
+
 L2 quota rules (enforced by :data:`L2_PUT_LUA` in one round trip): an entry
 costs ``len(value)`` bytes; the tenant's limit is ``usage.limit`` or, when that
 is 0 or absent, the default limit the client passes; a put first reclaims
@@ -44,6 +76,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -52,6 +85,12 @@ from urllib.parse import unquote, urlsplit
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
+
+from cachefleet_sidecar.epochs import CACHE_SCOPE as CACHE_SCOPE
+from cachefleet_sidecar.epochs import EpochVector, encode_vector, parse_epochs
+from cachefleet_sidecar.epochs import model_scope as model_scope
+from cachefleet_sidecar.epochs import tenant_scope as tenant_scope
+from cachefleet_sidecar.epochs import valid_scope as valid_scope
 
 PROTOCOL_VERSION = 1
 
@@ -191,11 +230,17 @@ class QuotaAssignment(_Model):
 
 
 class ControlMessage(_Model):
-    """A "look now" notice on the control channel."""
+    """A "look now" notice on the control channel.
+
+    A ``kind="epochs"`` notice also carries the epochs just advanced (``epochs``,
+    {scope: epoch}); receivers max-merge them, so a duplicate or a late one is
+    harmless, and still confirm by reading :func:`epochs_key`.
+    """
 
     protocol: int = PROTOCOL_VERSION
     kind: Literal["quotas", "epochs", "ping"]
     generation: int = 0
+    epochs: dict[str, int] | None = None
     sent_at: float = Field(default_factory=time.time)
 
 
@@ -274,6 +319,37 @@ local function limit_of(meta, default)
   if limit <= 0 then limit = tonumber(default) end
   return limit
 end
+-- Store value under key within the tenant's quota; returns {status, evicted, reclaimed}.
+local function store(key, meta, value, ttl_ms, default_limit, max_n)
+  local size = string.len(value)
+  local limit = limit_of(meta, default_limit)
+  if size > limit then return {-1, 0, 0} end
+  local now = now_us()
+  local reclaimed = reap(meta, math.floor(now / 1000), max_n)
+  if redis.call('HEXISTS', meta[3], key) == 1 then forget(meta, key) end
+  local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+  local evicted = 0
+  local steps = 0
+  while used + size > limit and steps < max_n do
+    local oldest = redis.call('ZRANGE', meta[2], 0, 0)
+    if #oldest == 0 then
+      -- nothing left to evict: whatever is still counted is stale accounting
+      redis.call('HSET', meta[1], 'bytes', 0)
+      used = 0
+      break
+    end
+    if forget(meta, oldest[1]) == 1 then evicted = evicted + 1 else reclaimed = reclaimed + 1 end
+    steps = steps + 1
+    used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+  end
+  if used + size > limit then return {0, evicted, reclaimed} end
+  redis.call('SET', key, value, 'PX', ttl_ms)
+  redis.call('HSET', meta[3], key, size)
+  redis.call('ZADD', meta[2], stamp(meta[2], now), key)
+  redis.call('ZADD', meta[4], math.floor(now / 1000) + ttl_ms, key)
+  redis.call('HINCRBY', meta[1], 'bytes', size)
+  return {1, evicted, reclaimed}
+end
 """
 
 #: KEYS = :func:`l2_keys`; no ARGV. Returns the value (and touches the LRU) or
@@ -302,36 +378,7 @@ L2_PUT_LUA = (
     _L2_LUA_PRELUDE
     + """
 local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
-local size = string.len(ARGV[1])
-local ttl_ms = tonumber(ARGV[2])
-local max_n = tonumber(ARGV[4])
-local limit = limit_of(meta, ARGV[3])
-if size > limit then return {-1, 0, 0} end
-local now = now_us()
-local reclaimed = reap(meta, math.floor(now / 1000), max_n)
-if redis.call('HEXISTS', meta[3], KEYS[1]) == 1 then forget(meta, KEYS[1]) end
-local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
-local evicted = 0
-local steps = 0
-while used + size > limit and steps < max_n do
-  local oldest = redis.call('ZRANGE', meta[2], 0, 0)
-  if #oldest == 0 then
-    -- nothing left to evict: whatever is still counted is stale accounting
-    redis.call('HSET', meta[1], 'bytes', 0)
-    used = 0
-    break
-  end
-  if forget(meta, oldest[1]) == 1 then evicted = evicted + 1 else reclaimed = reclaimed + 1 end
-  steps = steps + 1
-  used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
-end
-if used + size > limit then return {0, evicted, reclaimed} end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ttl_ms)
-redis.call('HSET', meta[3], KEYS[1], size)
-redis.call('ZADD', meta[2], stamp(meta[2], now), KEYS[1])
-redis.call('ZADD', meta[4], math.floor(now / 1000) + ttl_ms, KEYS[1])
-redis.call('HINCRBY', meta[1], 'bytes', size)
-return {1, evicted, reclaimed}
+return store(KEYS[1], meta, ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]))
 """
 )
 
@@ -528,6 +575,7 @@ async def remove_member(client: RedisClient, cache: str, pod: str) -> None:
     """Drop ``pod`` from the members at once (a sidecar shutting down cleanly)."""
     await client.zrem(members_key(cache), pod)
     await client.delete(member_key(cache, pod))
+    await client.hdel(acks_key(cache), pod)
 
 
 async def live_members(client: RedisClient, cache: str) -> list[Heartbeat]:
@@ -538,3 +586,262 @@ async def live_members(client: RedisClient, cache: str) -> list[Heartbeat]:
         return []
     raws = await client.mget([member_key(cache, pod) for pod in names])
     return [Heartbeat.model_validate_json(raw) for raw in raws if raw is not None]
+
+
+# ------------------------------------------------------------------------ epochs
+# Scope names and vector encoding are pure and live in cachefleet_sidecar.epochs;
+# they are re-exported here because they are part of the contract.
+
+#: Most CAS attempts of one :func:`advance_epoch` before it gives up.
+MAX_CAS_ATTEMPTS = 1000
+
+
+def epochs_key(cache: str) -> str:
+    """The sequencer: scope -> epoch (control slot)."""
+    return f"{_control(cache)}:epochs"
+
+
+def l2_tenants_key(cache: str) -> str:
+    """Set of tenants with L2 data (control slot)."""
+    return f"{_control(cache)}:tenants"
+
+
+def acks_key(cache: str) -> str:
+    """Hash pod -> JSON :class:`EpochAck` (control slot)."""
+    return f"{_control(cache)}:acks"
+
+
+def ack_channel(cache: str) -> str:
+    """Pub/sub channel on which every acknowledgement is also announced."""
+    return f"{_control(cache)}:acked"
+
+
+def tenant_epochs_key(cache: str, tenant: str) -> str:
+    """The fence of one tenant's data slot: scope -> epoch."""
+    return f"{_tenant(cache, tenant)}:epochs"
+
+
+def l2_versioned_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
+    """KEYS of the versioned L2 scripts: :func:`l2_keys` plus the tenant's fence."""
+    return [*l2_keys(cache, tenant, digest_hex), tenant_epochs_key(cache, tenant)]
+
+
+def vector_args(vector: EpochVector) -> list[str]:
+    """ARGV tail of the versioned L2 scripts: the encoded vector, then scope, epoch pairs."""
+    args = [encode_vector(vector)]
+    for scope, epoch in vector:
+        args += [scope, str(epoch)]
+    return args
+
+
+class EpochConflict(Exception):
+    """:func:`advance_epoch` lost the CAS race :data:`MAX_CAS_ATTEMPTS` times in a row."""
+
+
+class EpochAck(_Model):
+    """A sidecar's acknowledgement: the epochs it has applied, and when."""
+
+    protocol: int = PROTOCOL_VERSION
+    pod: str
+    epochs: dict[str, int] = Field(default_factory=dict)
+    acked_at: float = Field(default_factory=time.time)
+
+
+#: KEYS[1] = epochs_key; ARGV[1] = scope, ARGV[2] = the epoch the caller read.
+#: Returns {1, new epoch} when the epoch was still ARGV[2] (now +1), else
+#: {0, current epoch} (someone else advanced it: read again and retry).
+EPOCH_CAS_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if cur ~= tonumber(ARGV[2]) then return {0, cur} end
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%d', cur + 1))
+return {1, cur + 1}
+"""
+
+#: KEYS[1] = an epoch hash (sequencer or fence); ARGV = scope, epoch pairs.
+#: Raises each scope to at least the given epoch, never lowers one. Returns
+#: how many scopes moved.
+EPOCH_MERGE_LUA = """
+local moved = 0
+for i = 1, #ARGV, 2 do
+  local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if tonumber(ARGV[i + 1]) > cur then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+    moved = moved + 1
+  end
+end
+return moved
+"""
+
+#: KEYS[1] = acks_key; ARGV[1] = pod, ARGV[2] = JSON EpochAck, ARGV[3] = ack_channel.
+ACK_LUA = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[2])
+return 1
+"""
+
+# 1 when every (scope, epoch) pair of ARGV from index `first` is at least the fence.
+_FENCE_LUA = """
+local function current(fence, first)
+  for i = first, #ARGV, 2 do
+    local f = tonumber(redis.call('HGET', fence, ARGV[i]) or '0')
+    if f > tonumber(ARGV[i + 1]) then return 0 end
+  end
+  return 1
+end
+"""
+
+#: KEYS = :func:`l2_versioned_keys`; ARGV = :func:`vector_args` of the reader.
+#: Returns {1, value} (hit, written under exactly the reader's epochs), {0}
+#: (miss), {2} (a value that is not an entry of these epochs: corrupt, dropped)
+#: or {-1} (the reader's epochs are below the fence: it is behind an
+#: invalidation and must not be served).
+L2_GET_VERSIONED_LUA = (
+    _L2_LUA_PRELUDE
+    + _FENCE_LUA
+    + """
+local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+if current(KEYS[6], 2) == 0 then return {-1} end
+local value = redis.call('GET', KEYS[1])
+if not value then
+  if redis.call('HEXISTS', meta[3], KEYS[1]) == 1 then forget(meta, KEYS[1]) end
+  return {0}
+end
+local head = ARGV[1] .. '\\n'
+if string.sub(value, 1, string.len(head)) ~= head then
+  forget(meta, KEYS[1])
+  return {2}
+end
+if redis.call('ZSCORE', meta[2], KEYS[1]) then
+  redis.call('ZADD', meta[2], stamp(meta[2], now_us()), KEYS[1])
+end
+return {1, string.sub(value, string.len(head) + 1)}
+"""
+)
+
+#: KEYS = :func:`l2_versioned_keys`; ARGV[1] = value, ARGV[2] = ttl (ms),
+#: ARGV[3] = default limit, ARGV[4] = max evicted, ARGV[5..] = :func:`vector_args`
+#: of the writer. Returns {status, evicted, reclaimed} as :data:`L2_PUT_LUA`,
+#: plus status -2: refused, the writer's epochs are below the fence.
+L2_PUT_VERSIONED_LUA = (
+    _L2_LUA_PRELUDE
+    + _FENCE_LUA
+    + """
+local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+if current(KEYS[6], 6) == 0 then return {-2, 0, 0} end
+local value = ARGV[5] .. '\\n' .. ARGV[1]
+return store(KEYS[1], meta, value, tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]))
+"""
+)
+
+
+def _merge_args(epochs: Mapping[str, int]) -> list[str]:
+    args: list[str] = []
+    for scope, epoch in sorted(epochs.items()):
+        if not valid_scope(scope):
+            raise ValueError(f"invalid epoch scope {scope!r}")
+        args += [scope, str(int(epoch))]
+    return args
+
+
+async def read_epochs(client: RedisClient, cache: str) -> dict[str, int]:
+    """The sequencer's epochs of ``cache`` (scopes never advanced are absent = 0)."""
+    return parse_epochs(await client.hgetall(epochs_key(cache)))
+
+
+async def restore_epochs(client: RedisClient, cache: str, epochs: Mapping[str, int]) -> int:
+    """Raise the sequencer to at least ``epochs`` (never lowers); returns scopes moved."""
+    if not epochs:
+        return 0
+    return int(await client.eval(EPOCH_MERGE_LUA, 1, epochs_key(cache), *_merge_args(epochs)))
+
+
+async def advance_epoch(
+    client: RedisClient,
+    cache: str,
+    scope: str,
+    *,
+    floor: int = 0,
+    max_attempts: int = MAX_CAS_ATTEMPTS,
+) -> int:
+    """Advance ``scope`` by exactly one step with CAS; returns the new epoch.
+
+    ``floor`` (e.g. the epoch the operator recorded in a status) is merged
+    first, so a sequencer that lost its state never hands out an epoch that
+    was already used. Raises :class:`EpochConflict` after ``max_attempts``
+    lost races, ValueError on an invalid scope.
+    """
+    if not valid_scope(scope):
+        raise ValueError(f"invalid epoch scope {scope!r}")
+    key = epochs_key(cache)
+    if floor > 0:
+        await client.eval(EPOCH_MERGE_LUA, 1, key, scope, str(int(floor)))
+    for _ in range(max_attempts):
+        raw = await client.hget(key, scope)
+        seen = int(raw) if raw is not None else 0
+        ok, epoch = (int(x) for x in await client.eval(EPOCH_CAS_LUA, 1, key, scope, str(seen)))
+        if ok == 1:
+            return epoch
+    raise EpochConflict(f"{cache} {scope}: lost the CAS {max_attempts} times")
+
+
+async def register_tenant(client: RedisClient, cache: str, tenant: str) -> None:
+    """Make ``tenant``'s data slot known to invalidators; call before its first L2 write.
+
+    Adds the tenant to :func:`l2_tenants_key`, then copies the sequencer's
+    epochs into the tenant's fence. Whichever order this races with an
+    invalidator (CAS, then read the set, then fence), the fence ends up at
+    the new epoch before this sidecar writes: either the invalidator saw the
+    tenant, or this call read the sequencer after the CAS.
+    """
+    await client.sadd(l2_tenants_key(cache), tenant)
+    epochs = await read_epochs(client, cache)
+    if epochs:
+        await client.eval(
+            EPOCH_MERGE_LUA, 1, tenant_epochs_key(cache, tenant), *_merge_args(epochs)
+        )
+
+
+async def fence_tenants(
+    client: RedisClient, cache: str, epochs: Mapping[str, int], tenants: Iterable[str] | None = None
+) -> int:
+    """Raise the fence of ``tenants`` (default: every registered tenant) to ``epochs``.
+
+    Returns how many tenant slots were fenced.
+    """
+    if tenants is None:
+        raw = await client.smembers(l2_tenants_key(cache))
+        names = sorted(t.decode() if isinstance(t, bytes) else str(t) for t in raw)
+    else:
+        names = sorted(set(tenants))
+    args = _merge_args(epochs)
+    if not args:
+        return 0
+    for tenant in names:
+        await client.eval(EPOCH_MERGE_LUA, 1, tenant_epochs_key(cache, tenant), *args)
+    return len(names)
+
+
+async def publish_epochs(client: RedisClient, cache: str, epochs: Mapping[str, int]) -> None:
+    """Announce advanced epochs on the control channel (receivers max-merge them)."""
+    top = max(epochs.values(), default=0)
+    message = ControlMessage(kind="epochs", generation=top, epochs=dict(epochs))
+    await client.publish(control_channel(cache), message.model_dump_json())
+
+
+async def write_ack(client: RedisClient, cache: str, ack: EpochAck) -> None:
+    """Record ``ack`` and announce it on :func:`ack_channel` (one round trip)."""
+    await client.eval(
+        ACK_LUA, 1, acks_key(cache), ack.pod, ack.model_dump_json(), ack_channel(cache)
+    )
+
+
+async def read_acks(client: RedisClient, cache: str) -> dict[str, EpochAck]:
+    """Every recorded acknowledgement of ``cache``, by pod (unreadable ones skipped)."""
+    out: dict[str, EpochAck] = {}
+    for pod, raw in (await client.hgetall(acks_key(cache))).items():
+        try:
+            ack = EpochAck.model_validate_json(raw)
+        except ValueError:
+            continue
+        out[pod.decode() if isinstance(pod, bytes) else str(pod)] = ack
+    return out

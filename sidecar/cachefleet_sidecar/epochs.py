@@ -1,0 +1,191 @@
+"""Invalidation epochs as one sidecar knows them (pure: no I/O, no Redis).
+
+An *epoch* is a counter per *scope* that only moves forward; advancing it
+invalidates every cache entry written under the old value. Three kinds of
+scope exist (their names are hash fields in Redis, see
+:mod:`cachefleet_sidecar.protocol`):
+
+* ``cache``         the whole cache;
+* ``tenant:<t>``    one tenant's entries;
+* ``model:<m>``     one model's entries (a new model version bumps it).
+
+Every cache key carries the three epochs that apply to it (cache, its
+tenant, its model), so once a sidecar knows a newer epoch it can no longer
+even *find* an older entry, in L1 or in L2.
+
+:class:`EpochTracker` holds the epochs one sidecar knows and when it last
+*confirmed* them, i.e. read the whole epoch hash from Redis (the sequencer):
+
+* :meth:`EpochTracker.merge` takes epochs from a pub/sub notice: max-merge,
+  so a duplicated or reordered message changes nothing and never moves an
+  epoch back; it does not count as a confirmation (a notice says "at least
+  this", not "nothing else moved");
+* :meth:`EpochTracker.confirm` takes the authoritative hash read at
+  ``sent_at`` (the time the read was *sent*, so the bound is conservative);
+  it reports scopes where Redis is *behind* what the sidecar knows (Redis
+  restarted without persistence) so the caller can put them back;
+* :attr:`EpochTracker.valid_until` = last confirmation + staleness bound. The
+  request path compares it with the clock (one float comparison): past it,
+  L1 hits are not served (they fall through to L2, whose script checks the
+  epoch itself, or upstream) until a confirmation succeeds again;
+* :attr:`EpochTracker.version` moves whenever a known epoch moves, so callers
+  can tell a key computed before a change from one computed after it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+#: How long confirmed epochs stay good for serving L1 hits, seconds.
+DEFAULT_STALENESS_BOUND_S = 2.0
+#: Scope name of the whole cache.
+CACHE_SCOPE = "cache"
+_TENANT_PREFIX = "tenant:"
+_MODEL_PREFIX = "model:"
+
+#: The epochs an entry is written under: ((scope, epoch), ...) in a fixed order.
+EpochVector = tuple[tuple[str, int], ...]
+
+
+def tenant_scope(tenant: str) -> str:
+    """Scope name of one tenant."""
+    return f"{_TENANT_PREFIX}{tenant}"
+
+
+def model_scope(model: str) -> str:
+    """Scope name of one model."""
+    return f"{_MODEL_PREFIX}{model}"
+
+
+def valid_scope(scope: str) -> bool:
+    """True for ``cache``, ``tenant:<non-empty>`` and ``model:<non-empty>``."""
+    if scope == CACHE_SCOPE:
+        return True
+    for prefix in (_TENANT_PREFIX, _MODEL_PREFIX):
+        if scope.startswith(prefix) and len(scope) > len(prefix):
+            return True
+    return False
+
+
+def encode_vector(vector: EpochVector) -> str:
+    """Wire form of a vector, as L2 stores it next to an entry: ``cache=3;tenant:a=1``."""
+    return ";".join(f"{scope}={epoch}" for scope, epoch in vector)
+
+
+def parse_epochs(raw: Mapping[bytes | str, bytes | str | int]) -> dict[str, int]:
+    """An epoch hash as Redis returns it -> {scope: epoch}; junk fields are dropped."""
+    out: dict[str, int] = {}
+    for name, value in raw.items():
+        scope = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            epoch = int(value)
+        except (TypeError, ValueError):
+            continue
+        if valid_scope(scope) and epoch >= 0:
+            out[scope] = epoch
+    return out
+
+
+def covers(known: Mapping[str, int], wanted: Mapping[str, int]) -> bool:
+    """True when ``known`` is at least ``wanted`` in every scope of ``wanted``."""
+    return all(known.get(scope, 0) >= epoch for scope, epoch in wanted.items())
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmation:
+    """What one authoritative read changed."""
+
+    #: A known epoch moved forward.
+    changed: bool
+    #: Scopes where Redis holds less than the sidecar knows: {scope: known epoch}.
+    redis_behind: dict[str, int] = field(default_factory=dict)
+
+
+class EpochTracker:
+    """The epochs one sidecar knows, monotone, with the time they were last confirmed."""
+
+    def __init__(
+        self,
+        bound_s: float = DEFAULT_STALENESS_BOUND_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if bound_s <= 0:
+            raise ValueError("the staleness bound must be positive")
+        self.bound_s = bound_s
+        self.clock = clock
+        self._known: dict[str, int] = {}
+        #: Moves whenever a known epoch moves forward.
+        self.version = 0
+        #: clock() at which the last confirmed read was sent; None before the first.
+        self.confirmed_at: float | None = None
+        #: L1 hits may be served while clock() < valid_until.
+        self.valid_until = -math.inf
+
+    @property
+    def known(self) -> dict[str, int]:
+        """A copy of the known epochs (scopes never seen are 0)."""
+        return dict(self._known)
+
+    def epoch(self, scope: str) -> int:
+        return self._known.get(scope, 0)
+
+    def fresh(self, now: float | None = None) -> bool:
+        """True while the last confirmation is within the staleness bound."""
+        return (self.clock() if now is None else now) < self.valid_until
+
+    def merge(self, epochs: Mapping[str, int]) -> bool:
+        """Max-merge ``epochs`` (a notice); True if anything moved forward."""
+        changed = False
+        for scope, epoch in epochs.items():
+            if not valid_scope(scope):
+                continue
+            if epoch > self._known.get(scope, 0):
+                self._known[scope] = int(epoch)
+                changed = True
+        if changed:
+            self.version += 1
+        return changed
+
+    def confirm(self, authoritative: Mapping[str, int], sent_at: float) -> Confirmation:
+        """Apply the whole epoch hash, read by a request sent at ``sent_at`` (clock time)."""
+        changed = self.merge(authoritative)
+        behind = {
+            scope: epoch
+            for scope, epoch in self._known.items()
+            if epoch > authoritative.get(scope, 0)
+        }
+        if self.confirmed_at is None or sent_at > self.confirmed_at:
+            self.confirmed_at = sent_at
+            self.valid_until = sent_at + self.bound_s
+        return Confirmation(changed, behind)
+
+    def expire(self) -> None:
+        """Forget the last confirmation (L1 is off until the next one)."""
+        self.confirmed_at = None
+        self.valid_until = -math.inf
+
+    def values_for(self, tenant: str, model: str) -> tuple[int, int, int]:
+        """(cache, tenant, model) epochs that scope a key of ``tenant`` and ``model``."""
+        known = self._known
+        return (
+            known.get(CACHE_SCOPE, 0),
+            known.get(_TENANT_PREFIX + tenant, 0),
+            known.get(_MODEL_PREFIX + model, 0),
+        )
+
+    def vector(self, tenant: str, model: str) -> EpochVector:
+        """The same epochs with their scope names (what L2 checks and records)."""
+        cache_epoch, tenant_epoch, model_epoch = self.values_for(tenant, model)
+        return (
+            (CACHE_SCOPE, cache_epoch),
+            (tenant_scope(tenant), tenant_epoch),
+            (model_scope(model), model_epoch),
+        )
+
+
+def scopes_of(vector: Iterable[tuple[str, int]]) -> list[str]:
+    """The scope names of a vector, in order."""
+    return [scope for scope, _ in vector]

@@ -1,0 +1,149 @@
+"""The epoch tracker and the acknowledgement arithmetic, without I/O."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cachefleet_operator.api import InvalidationScope, ScopeType
+from cachefleet_operator.invalidation import ack_progress, scope_name
+from cachefleet_sidecar.epochs import (
+    CACHE_SCOPE,
+    EpochTracker,
+    covers,
+    encode_vector,
+    model_scope,
+    parse_epochs,
+    tenant_scope,
+    valid_scope,
+)
+from cachefleet_sidecar.protocol import EpochAck
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_scope_names_and_validation() -> None:
+    assert tenant_scope("acme") == "tenant:acme"
+    assert model_scope("llama") == "model:llama"
+    assert valid_scope(CACHE_SCOPE)
+    assert valid_scope("tenant:a")
+    assert valid_scope("model:m")
+    assert not valid_scope("tenant:")
+    assert not valid_scope("nonsense")
+    assert not valid_scope("")
+
+
+def test_parse_epochs_drops_junk() -> None:
+    raw = {b"cache": b"3", b"tenant:a": b"1", b"bogus": b"7", b"model:m": b"x", "model:n": 2}
+    assert parse_epochs(raw) == {"cache": 3, "tenant:a": 1, "model:n": 2}
+
+
+def test_vector_order_and_encoding() -> None:
+    tracker = EpochTracker()
+    tracker.merge({"cache": 2, "tenant:a": 5, "model:m": 1, "tenant:b": 9})
+    assert tracker.values_for("a", "m") == (2, 5, 1)
+    assert tracker.values_for("c", "other") == (2, 0, 0)
+    vector = tracker.vector("a", "m")
+    assert vector == (("cache", 2), ("tenant:a", 5), ("model:m", 1))
+    assert encode_vector(vector) == "cache=2;tenant:a=5;model:m=1"
+
+
+def test_merge_is_monotone_duplicates_and_reordering_change_nothing() -> None:
+    tracker = EpochTracker()
+    assert tracker.merge({"cache": 3})
+    version = tracker.version
+    assert not tracker.merge({"cache": 3})  # duplicate
+    assert not tracker.merge({"cache": 2})  # late, older notice
+    assert tracker.known == {"cache": 3}
+    assert tracker.version == version
+    assert not tracker.merge({"junk": 99})
+    assert tracker.known == {"cache": 3}
+
+
+@given(st.lists(st.tuples(st.sampled_from(["cache", "tenant:a", "model:m"]), st.integers(0, 50))))
+def test_any_message_order_ends_at_the_max(messages: list[tuple[str, int]]) -> None:
+    forward, backward = EpochTracker(), EpochTracker()
+    for scope, epoch in messages:
+        forward.merge({scope: epoch})
+    for scope, epoch in reversed(messages):
+        backward.merge({scope: epoch})
+    expected: dict[str, int] = {}
+    for scope, epoch in messages:
+        if epoch > 0:
+            expected[scope] = max(epoch, expected.get(scope, 0))
+    assert forward.known == backward.known == expected
+
+
+def test_staleness_bound_gates_l1() -> None:
+    clock = Clock()
+    tracker = EpochTracker(bound_s=2.0, clock=clock)
+    assert not tracker.fresh()  # never confirmed
+    assert tracker.valid_until == -math.inf
+    tracker.confirm({"cache": 1}, sent_at=clock.now)
+    assert tracker.fresh()
+    clock.now += 1.9
+    assert tracker.fresh()
+    clock.now += 0.2
+    assert not tracker.fresh()  # 2.1 s without confirmation: no L1 hits
+    tracker.confirm({"cache": 1}, sent_at=clock.now)
+    assert tracker.fresh()
+
+
+def test_a_notice_does_not_confirm_and_a_late_read_does_not_extend() -> None:
+    clock = Clock()
+    tracker = EpochTracker(bound_s=2.0, clock=clock)
+    tracker.merge({"cache": 4})
+    assert not tracker.fresh()
+    tracker.confirm({"cache": 4}, sent_at=clock.now)
+    until = tracker.valid_until
+    tracker.confirm({"cache": 4}, sent_at=clock.now - 1.0)  # a slow, older read
+    assert tracker.valid_until == until
+
+
+def test_confirm_reports_redis_behind_and_never_goes_back() -> None:
+    tracker = EpochTracker()
+    tracker.merge({"cache": 5, "tenant:a": 2})
+    confirmation = tracker.confirm({"cache": 1}, sent_at=0.0)  # Redis restarted
+    assert not confirmation.changed
+    assert confirmation.redis_behind == {"cache": 5, "tenant:a": 2}
+    assert tracker.known == {"cache": 5, "tenant:a": 2}
+    assert tracker.confirm({"cache": 6, "tenant:a": 2}, sent_at=1.0).changed
+
+
+def test_invalid_bound() -> None:
+    with pytest.raises(ValueError):
+        EpochTracker(bound_s=0)
+
+
+def test_covers() -> None:
+    assert covers({"cache": 3}, {"cache": 3})
+    assert not covers({"cache": 2}, {"cache": 3})
+    assert covers({"cache": 2}, {})
+    assert not covers({}, {"tenant:a": 1})
+
+
+def test_ack_progress_names_lagging_pods() -> None:
+    acks = {
+        "a": EpochAck(pod="a", epochs={"cache": 3}),
+        "b": EpochAck(pod="b", epochs={"cache": 2}),
+        "gone": EpochAck(pod="gone", epochs={"cache": 9}),
+    }
+    acked, lagging = ack_progress(["c", "b", "a"], acks, {"cache": 3})
+    assert acked == ["a"]
+    assert lagging == ["b", "c"]  # b is behind, c never acknowledged; "gone" is no member
+    assert ack_progress([], acks, {"cache": 3}) == ([], [])
+
+
+def test_scope_name_of_a_spec() -> None:
+    assert scope_name(InvalidationScope(type=ScopeType.CACHE)) == "cache"
+    assert scope_name(InvalidationScope(type=ScopeType.TENANT, tenant="t1")) == "tenant:t1"
+    assert scope_name(InvalidationScope(type=ScopeType.MODEL, model="llama")) == "model:llama"
