@@ -369,8 +369,11 @@ class InvalidationRunner:
             "completionTime": now_rfc3339(self.clock),
             "observedGeneration": generation,
         }
+        metrics = self.reconciler.metrics
+        metrics.invalidations.labels("completed" if result.completed else "failed").inc()
         if result.completed:
             assert result.propagation_s is not None
+            metrics.invalidation_propagation.observe(result.propagation_s)
             status["phase"] = InvalidationPhase.COMPLETED.value
             status["propagationSeconds"] = round(result.propagation_s, 6)
             status["laggingPods"] = []

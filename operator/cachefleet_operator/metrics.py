@@ -16,6 +16,10 @@ RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 RESULTS = ("ok", "degraded", "invalid", "error")
 
 
+#: Invalidation propagation buckets, seconds (a loopback fleet acks in milliseconds).
+PROPAGATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 class OperatorMetrics:
     """Metrics of the control loop; label values are bounded (result, reason, kind)."""
 
@@ -32,6 +36,18 @@ class OperatorMetrics:
             "cachefleet_operator_reconcile_errors_total",
             "Reconciles that could not complete, by reason.",
             ["reason"],
+            registry=self.registry,
+        )
+        self.invalidations = Counter(
+            "cachefleet_operator_invalidations_total",
+            "CacheInvalidations finished, by result (completed | failed).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.invalidation_propagation = Histogram(
+            "cachefleet_operator_invalidation_propagation_seconds",
+            "Time from the epoch CAS to the last sidecar acknowledgement.",
+            buckets=PROPAGATION_BUCKETS,
             registry=self.registry,
         )
         self.allocation_changes = Counter(

@@ -34,16 +34,18 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 import xxhash
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from . import keys, protocol
 from .config import SidecarConfig, parse_args
 from .entry import HOP_BY_HOP, Entry, reason_phrase
-from .epochs import DEFAULT_STALENESS_BOUND_S, EpochTracker, EpochVector
+from .epochs import EpochTracker, EpochVector
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
 from .policies import available_policies
@@ -57,6 +59,8 @@ log = logging.getLogger("cachefleet.sidecar")
 FORWARD_DROP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"x-cache", b"trailer"}
 )
+#: How often the L2 bytes of each tenant are read for /metrics and /status, seconds.
+L2_USAGE_REFRESH_S = 10.0
 #: Largest sized upstream answer sent in one write once complete; larger ones stream.
 MAX_BUFFERED_BYTES = 1024 * 1024
 #: How long a successful upstream answer keeps /readyz green without a probe.
@@ -106,9 +110,11 @@ class Sidecar:
         metrics: SidecarMetrics | None = None,
         l2: Any = None,
         telemetry: GpuTelemetry | None = None,
-        staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S,
+        staleness_bound_s: float | None = None,
     ) -> None:
         self.config = config
+        if staleness_bound_s is None:
+            staleness_bound_s = config.staleness_bound_s
         self.metrics = metrics or SidecarMetrics(config.cache)
         self.l1: TenantL1[int, Entry] = TenantL1(
             config.l1_bytes, default_policy=config.policy.value, max_tenants=config.max_tenants
@@ -138,8 +144,11 @@ class Sidecar:
         self._background: set[asyncio.Task[Any]] = set()
         self._last_upstream_ok = 0.0
         self.started_at = time.time()
+        #: (bytes, limit) per tenant in L2, refreshed in the background by the server.
+        self.l2_usage: dict[str, tuple[int, int]] = {}
         self.metrics.usage_source = self._usage
         self.metrics.gauge_sources.append(self.telemetry.collect)
+        self.metrics.gauge_sources.append(self._redis_families)
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
@@ -608,10 +617,55 @@ class Sidecar:
             TierUsage(t, "l1", s.used_bytes, s.capacity_bytes, s.policy)
             for t, s in self.l1.stats().items()
         ]
-        out += [
-            TierUsage(t, "l2", 0, q.l2_bytes) for t, q in self.quotas.items() if self.l2 is not None
-        ]
+        out += [TierUsage(t, "l2", used, limit) for t, (used, limit) in self.l2_usage.items()]
         return out
+
+    def _redis_families(self) -> Iterator[Metric]:
+        """L2 and epoch state, read at scrape time from their owners."""
+        cache = self.config.cache
+        if self.l2 is not None:
+            counters = self.l2.counters
+            up = GaugeMetricFamily(
+                "cachefleet_redis_up", "1 while the L2 Redis answers.", labels=["cache"]
+            )
+            up.add_metric([cache], 1.0 if self.l2.state == "ok" else 0.0)
+            errors = CounterMetricFamily(
+                "cachefleet_redis_errors",
+                "Redis operations of the L2 tier that failed or timed out.",
+                labels=["cache"],
+            )
+            errors.add_metric([cache], counters.errors + counters.timeouts)
+            stale = CounterMetricFamily(
+                "cachefleet_l2_stale_refused",
+                "L2 reads and writes refused because their epochs were behind the fence.",
+                labels=["cache"],
+            )
+            stale.add_metric([cache], counters.stale_refused)
+            yield from (up, errors, stale)
+        if self._versioned:
+            epoch = GaugeMetricFamily(
+                "cachefleet_epoch",
+                "Invalidation epoch this sidecar knows, by scope (cache, tenant:<t>, model:<m>).",
+                labels=["cache", "scope"],
+            )
+            for scope, value in self.tracker.known.items():
+                epoch.add_metric([cache, scope], value)
+            confirmed = GaugeMetricFamily(
+                "cachefleet_epochs_confirmed",
+                "1 while the epochs were confirmed within the staleness bound (L1 may serve).",
+                labels=["cache"],
+            )
+            confirmed.add_metric([cache], 1.0 if self.tracker.fresh() else 0.0)
+            yield from (epoch, confirmed)
+
+    async def refresh_l2_usage(self) -> None:
+        """Read each tenant's L2 bytes and limit (for /metrics and /status)."""
+        if self.l2 is None:
+            return
+        for tenant in set(self.quotas) | set(self.l1.stats()):
+            used, limit = await self.l2.usage(tenant)
+            if limit:
+                self.l2_usage[tenant] = (used, limit)
 
     def status(self) -> dict[str, Any]:
         stats = self.l1.stats()
@@ -637,6 +691,7 @@ class Sidecar:
                     "l1_entries": s.entries,
                     "l1_evictions": s.evictions,
                     "l2_quota_bytes": self.quotas[t].l2_bytes if t in self.quotas else None,
+                    "l2_bytes": self.l2_usage[t][0] if t in self.l2_usage else None,
                 }
                 for t, s in stats.items()
             },
@@ -714,6 +769,7 @@ class SidecarServer:
         self.connections: set[Connection] = set()
         self.servers: list[asyncio.Server] = []
         self.control: Any = None
+        self._usage_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -741,6 +797,7 @@ class SidecarServer:
             if l2 is not None and hasattr(l2, "on_behind"):
                 l2.on_behind = self.control.poke
             await self.control.start()
+            self._usage_task = loop.create_task(self._refresh_usage())
         main = await loop.create_server(
             lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True
         )
@@ -763,6 +820,14 @@ class SidecarServer:
             "on" if cfg.redis_url else "off",
         )
 
+    async def _refresh_usage(self) -> None:
+        while True:
+            await asyncio.sleep(L2_USAGE_REFRESH_S)
+            try:
+                await self.sidecar.refresh_l2_usage()
+            except Exception as exc:  # never fatal: the gauges just stay older
+                log.debug("L2 usage refresh failed: %s", exc)
+
     @property
     def ports(self) -> list[int]:
         return [int(s.sockets[0].getsockname()[1]) for s in self.servers]
@@ -782,6 +847,10 @@ class SidecarServer:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
+        if self._usage_task is not None:
+            self._usage_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._usage_task
         if self.control is not None:
             await self.control.stop()
         await self.sidecar.aclose()

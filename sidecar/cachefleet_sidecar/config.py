@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 
 from . import protocol
+from .epochs import DEFAULT_STALENESS_BOUND_S
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_ADMIN_LISTEN = "0.0.0.0:8081"
@@ -84,6 +85,7 @@ class SidecarConfig:
     cache_nondeterministic: bool = False
     l2_ttl_s: float = DEFAULT_L2_TTL_S
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+    staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
     max_tenants: int = DEFAULT_MAX_TENANTS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
@@ -166,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("l2-ttl", "L2 entry TTL, seconds", default=str(DEFAULT_L2_TTL_S))
     add(
+        "staleness-bound",
+        "seconds without confirmed invalidation epochs after which L1 hits stop",
+        default=str(DEFAULT_STALENESS_BOUND_S),
+    )
+    add(
         "upstream-timeout",
         "seconds the model server may stay silent mid-request (504 after that)",
         default=str(DEFAULT_UPSTREAM_TIMEOUT_S),
@@ -232,6 +239,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         cache_nondeterministic=bool(ns.cache_nondeterministic),
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
+        staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
         max_tenants=int(conv("max-tenants", ns.max_tenants, int)),  # type: ignore[call-overload]
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,

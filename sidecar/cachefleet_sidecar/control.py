@@ -228,6 +228,11 @@ class ControlSync:
         self._applied = assignment.generation
         self.applied_count += 1
         log.info("control %s: applied quota generation %d", self.cache, assignment.generation)
+        try:
+            await self.beat()  # tell the operator now, not at the next heartbeat tick
+        except Exception as exc:  # the heartbeat loop says it again shortly
+            self.errors += 1
+            log.debug("control %s: heartbeat after quotas failed: %s", self.cache, exc)
         return True
 
     async def _listen_loop(self) -> None:

@@ -116,7 +116,6 @@ class SidecarMetrics:
     def __init__(self, cache: str) -> None:
         self.cache = cache
         self.tenants: dict[str, TenantMetrics] = {}
-        self.redis_errors = 0
         self.cache_faults: dict[str, int] = {}
         self.single_flight_joins = 0
         self.cross_tenant_hits = 0
@@ -212,12 +211,6 @@ class _Collector(Collector):
         )
         for (tenant, old, new), count in list(m.policy_switches.items()):
             switches.add_metric([cache, tenant, old, new], count)
-        redis_err = CounterMetricFamily(
-            "cachefleet_redis_errors",
-            "Redis operations that failed or timed out.",
-            labels=["cache"],
-        )
-        redis_err.add_metric([cache], m.redis_errors)
         faults = CounterMetricFamily(
             "cachefleet_cache_faults",
             "Cache faults absorbed by serving from upstream, by kind.",
@@ -237,6 +230,6 @@ class _Collector(Collector):
             labels=["cache"],
         )
         contamination.add_metric([cache], m.cross_tenant_hits)
-        yield from (switches, redis_err, faults, joins, contamination)
+        yield from (switches, faults, joins, contamination)
         for source in m.gauge_sources:
             yield from source()

@@ -20,7 +20,10 @@ import yaml
 
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.metrics import SidecarMetrics, TierUsage
+from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.l2 import L2Counters
+from cachefleet_sidecar.metrics import TierUsage
 
 from .test_chart import CHART, kinds, render
 
@@ -165,7 +168,15 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
 
 def exported_metric_names() -> set[str]:
     """Sample names the sidecar and operator expose, read from their real registries."""
-    sidecar = SidecarMetrics("ns/c")
+
+    class FakeL2:
+        counters = L2Counters()
+        state = "ok"
+
+    app = Sidecar(SidecarConfig(cache="ns/c", admin_listen=None), l2=FakeL2())
+    app.enable_epochs()
+    app.tracker.merge({"cache": 1})
+    sidecar = app.metrics
     tm = sidecar.tenant("t")
     tm.request("l1", "hit", 0.001)
     tm.evicted("l1", 1)

@@ -177,3 +177,29 @@ async def test_quotas_published_by_the_operator_reach_the_sidecar(
         await wait_until(heartbeat_seen, 10.0)
     finally:
         await client.aclose()
+
+
+async def test_redis_and_epoch_state_are_metrics(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    pod = await sidecar_factory(redis_url=redis_url)
+    await pod.chat("counted")
+    await asyncio.sleep(0.1)
+    await pod.sidecar.refresh_l2_usage()
+    text = (await pod.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_redis_up") == 1
+    assert metric(text, "cachefleet_redis_errors_total") == 0
+    assert metric(text, "cachefleet_epochs_confirmed") == 1
+    client = protocol.redis_from_url(redis_url)
+    try:
+        epoch = await protocol.advance_epoch(client, "test/cache", "cache")
+        await protocol.publish_epochs(client, "test/cache", {"cache": epoch})
+    finally:
+        await client.aclose()
+    await wait_until(lambda: pod.sidecar.tracker.known.get("cache") == epoch)
+    text = (await pod.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_epoch", scope="cache") == epoch
+    used = metric(text, "cachefleet_cache_bytes", tenant="acme", tier="l2")
+    assert used is not None
+    assert used > 0
+    assert (await pod.admin.get("/status")).json()["tenants"]["acme"]["l2_bytes"] == used
