@@ -105,6 +105,7 @@ SERIES: dict[str, tuple[str, str]] = {
     "l2": ("l2", "sidecar L2 hit (Redis, --l1-bytes 0)"),
     "miss-direct": ("miss", "unique requests, responder directly"),
     "miss-sidecar": ("miss", "unique requests through the sidecar (miss)"),
+    "miss-nginx": ("miss", "unique requests through nginx proxy_cache (its miss, for reference)"),
 }
 
 #: The deterministic chat request of the hit rows (``temperature`` 0).
@@ -424,6 +425,13 @@ def compute_targets(series: Sequence[SeriesResult], low: int, high: int) -> list
     ]
 
 
+def miss_reference(series: Sequence[SeriesResult], low: int) -> float | None:
+    """nginx's own miss overhead (p50 at ``low``, nginx - direct), for context."""
+    via = _metric(series, "miss-nginx", low, "p50_us")
+    direct = _metric(series, "miss-direct", low, "p50_us")
+    return None if via is None or direct is None else via - direct
+
+
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -493,6 +501,12 @@ def format_table(result: BenchResult) -> str:
         else:
             shown = f"{t.value:.0f} {t.unit} (limit {t.limit:g} {t.unit})"
         lines.append(f"  [{verdict}] {t.description}: {shown}")
+    reference = miss_reference(result.series, low)
+    if reference is not None:
+        lines.append(
+            "  (for reference: nginx proxy_cache's own miss overhead, same run: "
+            f"{reference:.0f} us)"
+        )
     return "\n".join(lines)
 
 
@@ -889,10 +903,10 @@ def _warm_until(port: int, body: bytes, tenant: bool, header: str, expected: str
         time.sleep(POLL_INTERVAL_S)
 
 
-def _check_miss(port: int) -> str:
-    """A fresh unique request through the sidecar must be a MISS with the upstream's body."""
+def _check_miss(port: int, tenant: bool = True) -> str:
+    """A fresh unique request through the proxy must be a MISS with the upstream's body."""
     body = unique_body(f"check{uuid.uuid4().hex[:8]}", 0)
-    status, headers, data = http_post(port, body, _headers(True))
+    status, headers, data = http_post(port, body, _headers(tenant))
     value = headers.get("x-cache", "<absent>")
     if status != 200 or data != CHAT_COMPLETION_BODY or value != "MISS":
         raise BenchError(f"{_CHECK_FAILED}a unique request got status {status}, X-Cache {value}")
@@ -917,6 +931,9 @@ def _measure_series(
         elif name == "nginx":
             port, server = services.nginx(), "nginx"
             result.checked = _warm_until(port, hit_body(), False, "X-Cache", "HIT")
+        elif name == "miss-nginx":
+            port, server = services.nginx(), "nginx"
+            result.checked = _check_miss(port, tenant=False)
         elif name in {"l1", "miss-sidecar"}:
             port, server = services.sidecar("sidecar-l1", SIDECAR_L1_BYTES, False), "sidecar-l1"
             if name == "l1":

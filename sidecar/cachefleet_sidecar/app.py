@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import signal
@@ -44,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from . import keys, protocol
 from .config import SidecarConfig, parse_args
-from .entry import HOP_BY_HOP, Entry, reason_phrase
+from .entry import HOP_BY_HOP, Entry, L1Value, reason_phrase
 from .epochs import EpochTracker, EpochVector
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
@@ -66,7 +67,7 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 #: How long a successful upstream answer keeps /readyz green without a probe.
 READY_FRESH_S = 5.0
 #: Raw request bodies whose canonical key is remembered (cleared when full).
-KEY_MEMO_MAX = 65536
+KEY_MEMO_MAX = 16384
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
@@ -116,7 +117,7 @@ class Sidecar:
         if staleness_bound_s is None:
             staleness_bound_s = config.staleness_bound_s
         self.metrics = metrics or SidecarMetrics(config.cache)
-        self.l1: TenantL1[int, Entry] = TenantL1(
+        self.l1: TenantL1[int, L1Value] = TenantL1(
             config.l1_bytes, default_policy=config.policy.value, max_tenants=config.max_tenants
         )
         self.l2 = l2
@@ -285,18 +286,18 @@ class Sidecar:
         if self.tracker.valid_until <= time.monotonic():
             return None  # epochs not confirmed within the bound: no L1 hits
         try:
-            entry = self.l1.get(lookup.tenant, lookup.key.digest)
+            hit = self.l1.get(lookup.tenant, lookup.key.digest)
         except TenantLimitError:
             return None
-        if entry is None:
+        if hit is None:
             return None
-        if entry.tenant != lookup.tenant:
+        if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
         self.metrics.tenant(lookup.tenant).request(
             "l1", "hit", time.perf_counter() - request.started
         )
-        return entry.hit_l1
+        return hit[1]
 
     # ---------------------------------------------------------------- slow path
     async def handle(self, request: Request, conn: Connection) -> None:
@@ -330,7 +331,7 @@ class Sidecar:
         tm = self.metrics.tenant(tenant)
         if not lookup.no_cache:
             try:
-                entry = (
+                hit = (
                     self.l1.get(tenant, key.digest)
                     if self.tracker.valid_until > time.monotonic()
                     else None
@@ -338,8 +339,8 @@ class Sidecar:
             except TenantLimitError:
                 await self._passthrough(request, conn, tenant=tenant, reason="tenant limit")
                 return
-            if entry is not None and entry.tenant == tenant:
-                conn.write(entry.hit_l1)
+            if hit is not None and hit[0] == tenant:
+                conn.write(hit[1])
                 tm.request("l1", "hit", time.perf_counter() - request.started)
                 return
             entry = await self._l2_get(lookup, key)
@@ -505,8 +506,9 @@ class Sidecar:
 
     # -------------------------------------------------------------- cache tiers
     def _l1_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
+        value, size = entry.l1_value()
         try:
-            evicted = self.l1.put(tenant, key.digest, entry, entry.size)
+            evicted = self.l1.put(tenant, key.digest, value, size)
         except TenantLimitError:
             self.metrics.fault("tenant_limit")
             return
@@ -861,6 +863,9 @@ class SidecarServer:
 async def serve(config: SidecarConfig) -> None:
     server = SidecarServer(config)
     await server.start()
+    # Everything allocated so far lives as long as the process: keep it out of
+    # the cyclic GC's full collections, whose pauses would land on requests.
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

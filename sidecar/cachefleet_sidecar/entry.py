@@ -35,6 +35,11 @@ HOP_BY_HOP = frozenset(
     }
 )
 
+#: An L1 value: (tenant, the complete HIT-L1 response).
+L1Value = tuple[str, bytes]
+#: Bytes an L1 value costs beyond its response bytes (dict slot, tuple, key).
+L1_OVERHEAD_BYTES = 160
+
 _MAGIC = b"CF1"
 _HEAD = struct.Struct("!3sBHBII")  # magic, flags, status, tenant len, headers len, body len
 _FLAG_STREAM = 1
@@ -61,7 +66,7 @@ def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
 class Entry:
     """One cached response."""
 
-    __slots__ = ("_hit_l1", "body", "headers", "status", "stream", "tenant")
+    __slots__ = ("body", "headers", "status", "stream", "tenant")
 
     def __init__(
         self, status: int, headers: bytes, body: bytes, *, stream: bool, tenant: str
@@ -71,12 +76,6 @@ class Entry:
         self.headers = headers
         self.body = body
         self.stream = stream
-        self._hit_l1: bytes | None = None
-
-    @property
-    def size(self) -> int:
-        """Bytes this entry costs in L1 (body, headers and the built response)."""
-        return 2 * (len(self.body) + len(self.headers)) + 128
 
     def response(self, x_cache: bytes) -> bytes:
         """The complete HTTP/1.1 response with ``X-Cache: <x_cache>``."""
@@ -88,10 +87,18 @@ class Entry:
 
     @property
     def hit_l1(self) -> bytes:
-        """The ready-to-send bytes of an L1 hit, built once."""
-        if self._hit_l1 is None:
-            self._hit_l1 = self.response(b"HIT-L1")
-        return self._hit_l1
+        """The ready-to-send bytes of an L1 hit."""
+        return self.response(b"HIT-L1")
+
+    def l1_value(self) -> tuple[L1Value, int]:
+        """What L1 keeps of this entry, and what it costs there in bytes.
+
+        L1 holds a plain ``(tenant, ready-to-send bytes)`` tuple, not the
+        entry: a tuple of atomic values is untracked by Python's cyclic GC, so
+        a large L1 adds nothing to collection pauses.
+        """
+        hit = self.hit_l1
+        return (self.tenant, hit), len(hit) + L1_OVERHEAD_BYTES
 
     def dumps(self) -> bytes:
         flags = _FLAG_STREAM if self.stream else 0
