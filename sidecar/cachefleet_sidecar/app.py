@@ -129,7 +129,6 @@ class Sidecar:
         self.quotas: dict[str, protocol.TenantQuota] = {}
         self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
         self._model_version = config.model_version
-        self._epochs: tuple[int, ...] = ()
         #: Invalidation epochs; until :meth:`enable_epochs` they do not gate L1.
         self.tracker = EpochTracker(staleness_bound_s)
         self.tracker.valid_until = math.inf
@@ -201,7 +200,7 @@ class Sidecar:
         if body is None:
             result = "body is not a JSON object"
         else:
-            epochs = self._epochs
+            epochs: tuple[int, ...] = ()
             if self._versioned:
                 model = body.get("model")
                 epochs += self.tracker.values_for(tenant, model if isinstance(model, str) else "")
@@ -237,15 +236,6 @@ class Sidecar:
     @model_version.setter
     def model_version(self, value: str) -> None:
         self._model_version = value
-        self._rescope()
-
-    @property
-    def epochs(self) -> tuple[int, ...]:
-        return self._epochs
-
-    @epochs.setter
-    def epochs(self, value: tuple[int, ...]) -> None:
-        self._epochs = value
         self._rescope()
 
     @property
@@ -678,7 +668,6 @@ class Sidecar:
             "uptime_s": round(time.time() - self.started_at, 3),
             "quota_generation": self.quota_generation,
             "model_version": self.model_version,
-            "epochs": list(self.epochs),
             "invalidation_epochs": self.tracker.known,
             "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
             "l1": {
