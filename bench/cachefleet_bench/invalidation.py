@@ -40,15 +40,15 @@ import multiprocessing
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-import orjson
-from aiohttp import web
 
-from cachefleet_e2e.services import RedisServer, free_port
+from cachefleet_e2e.services import RedisServer
+from cachefleet_e2e.truth import Read, VersionedUpstream
+from cachefleet_e2e.truth import stale_reads as find_stale
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import SidecarServer
@@ -198,50 +198,6 @@ async def propagation(
 # --------------------------------------------------------------- phase 2
 
 
-class TruthUpstream:
-    """A stand-in model server whose answers carry the current truth version."""
-
-    def __init__(self) -> None:
-        self.version = 1
-        self.url = ""
-        self._runner: web.AppRunner | None = None
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        doc = {
-            "object": "chat.completion",
-            "version": self.version,
-            "choices": [{"index": 0, "message": {"content": str(body["messages"])}}],
-        }
-        return web.Response(body=orjson.dumps(doc), content_type="application/json")
-
-    @contextlib.asynccontextmanager
-    async def running(self) -> AsyncIterator[TruthUpstream]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-        try:
-            yield self
-        finally:
-            await self._runner.cleanup()
-
-
-@dataclass
-class _Read:
-    started: float
-    tenant: str
-    version: int
-    tier: str
-
-
-def _covers(scope: str, tenant: str) -> bool:
-    return scope in ("cache", "model:m1", tenant_scope(tenant))
-
-
 async def _inject(
     fault: str, url: str, server: RedisServer | None, inv: Invalidator, scope: str
 ) -> bool:
@@ -268,14 +224,14 @@ async def _inject(
 
 async def stale_reads(
     url: str, server: RedisServer | None, rounds: int, seed: int = 11
-) -> tuple[list[_Read], int, dict[str, int], int]:
+) -> tuple[list[Read], int, dict[str, int], int]:
     """(reads, stale reads, rounds per fault, incomplete invalidations)."""
     rng = random.Random(seed)
-    reads: list[_Read] = []
+    reads: list[Read] = []
     done: list[tuple[float, str, int]] = []
     per_fault: dict[str, int] = {}
     incomplete = 0
-    async with TruthUpstream().running() as truth:
+    async with VersionedUpstream() as truth:
         servers: list[SidecarServer] = []
         clients: list[httpx.AsyncClient] = []
         stop = asyncio.Event()
@@ -298,7 +254,7 @@ async def stale_reads(
                     continue
                 if resp.status_code == 200:
                     version = int(resp.json()["version"])
-                    reads.append(_Read(started, tenant, version, resp.headers["x-cache"]))
+                    reads.append(Read(started, tenant, version, resp.headers["x-cache"]))
 
         try:
             for i in range(2):
@@ -326,8 +282,7 @@ async def stale_reads(
                     fault = FAULTS[k % len(FAULTS)]
                     scope = rng.choice(["cache", "model:m1", *(tenant_scope(t) for t in TENANTS)])
                     await asyncio.sleep(0.1)
-                    truth.version += 1
-                    guaranteed = truth.version
+                    guaranteed = truth.bump()
                     if await _inject(fault, url, server, inv, scope):
                         done.append((time.perf_counter(), scope, guaranteed))
                     else:
@@ -341,11 +296,7 @@ async def stale_reads(
                 await c.aclose()
             for s in servers:
                 await s.stop(grace_s=1.0)
-    stale = sum(
-        1
-        for r in reads
-        if any(r.started > at and _covers(sc, r.tenant) and r.version < v for at, sc, v in done)
-    )
+    stale = len({id(r) for r, _, _ in find_stale(reads, done)})
     return reads, stale, per_fault, incomplete
 
 

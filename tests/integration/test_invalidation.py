@@ -28,14 +28,12 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import pytest
-from aiohttp import web
 
 from cachefleet_e2e.services import RedisServer, free_port
+from cachefleet_e2e.truth import Read, VersionedUpstream, stale_reads
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.epochs import tenant_scope
@@ -50,52 +48,10 @@ ACK_TIMEOUT_S = 5.0
 POLL_S = 0.05
 
 
-class TruthUpstream:
-    """An OpenAI-ish upstream answering with the current truth version."""
-
-    def __init__(self) -> None:
-        self.version = 1
-        self.calls = 0
-        self._runner: web.AppRunner | None = None
-        self.url = ""
-
-    def bump(self) -> int:
-        self.version += 1
-        return self.version
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.calls += 1
-        version = self.version
-        content = f"{body['messages'][0]['content']}@v{version}"
-        doc = {
-            "id": f"r{self.calls}",
-            "object": "chat.completion",
-            "version": version,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}}],
-        }
-        return web.Response(body=orjson.dumps(doc), content_type="application/json")
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", port).start()
-        self.url = f"http://127.0.0.1:{port}"
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-
 @pytest.fixture
-async def truth() -> AsyncIterator[TruthUpstream]:
-    up = TruthUpstream()
-    await up.start()
-    yield up
-    await up.stop()
+async def truth() -> AsyncIterator[VersionedUpstream]:
+    async with VersionedUpstream() as up:
+        yield up
 
 
 @pytest.fixture(params=["standalone", "cluster"])
@@ -161,7 +117,7 @@ async def test_concurrent_invalidators_never_lose_a_step(any_redis: str) -> None
 
 
 async def test_acknowledged_invalidation_hides_old_answers_on_every_pod(
-    sidecar_factory: SidecarFactory, truth: TruthUpstream, any_redis: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
     a, b = await fleet(sidecar_factory, any_redis, truth.url, 2)
     assert await ask(a, "q") == (1, "MISS")
@@ -184,7 +140,7 @@ async def test_acknowledged_invalidation_hides_old_answers_on_every_pod(
 
 
 async def test_tenant_scope_leaves_other_tenants_cached(
-    sidecar_factory: SidecarFactory, truth: TruthUpstream, any_redis: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
     (a,) = await fleet(sidecar_factory, any_redis, truth.url, 1)
     await ask(a, "q", tenant="t1")
@@ -222,22 +178,8 @@ async def test_l2_refuses_a_reader_behind_the_fence(any_redis: str) -> None:
 # ------------------------------------------------------------- the checker
 
 
-@dataclass
-class Read:
-    started: float
-    ended: float
-    tenant: str
-    version: int
-    tier: str
-
-
-def covers(scope: str, tenant: str) -> bool:
-    """Does an invalidation of ``scope`` cover a read of ``tenant`` (model m1)?"""
-    return scope in ("cache", "model:m1", tenant_scope(tenant))
-
-
 async def test_no_read_after_an_acknowledged_invalidation_is_older(
-    sidecar_factory: SidecarFactory, truth: TruthUpstream, any_redis: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
     pods = await fleet(sidecar_factory, any_redis, truth.url, 2)
     reads: list[Read] = []
@@ -254,7 +196,7 @@ async def test_no_read_after_an_acknowledged_invalidation_is_older(
             started = time.perf_counter()
             tenant = rng.choice(tenants)
             version, tier = await ask(sc, rng.choice(prompts), tenant)
-            reads.append(Read(started, time.perf_counter(), tenant, version, tier))
+            reads.append(Read(started, tenant, version, tier))
 
     async def invalidate(scopes: list[str]) -> None:
         async with invalidator(any_redis) as inv:
@@ -274,12 +216,7 @@ async def test_no_read_after_an_acknowledged_invalidation_is_older(
     stop.set()
     await asyncio.gather(*clients)
 
-    stale = [
-        (r, scope, v)
-        for r in reads
-        for at, scope, v in done
-        if r.started > at and covers(scope, r.tenant) and r.version < v
-    ]
+    stale = stale_reads(reads, done)
     assert not stale, f"{len(stale)} stale reads, first: {stale[0]}"
     tiers = {r.tier for r in reads}
     assert {"HIT-L1", "HIT-L2", "MISS"} <= tiers, tiers  # every tier was exercised
@@ -290,7 +227,7 @@ async def test_no_read_after_an_acknowledged_invalidation_is_older(
 
 
 async def test_lost_notice_and_dropped_pubsub_are_caught_up_by_the_poll(
-    sidecar_factory: SidecarFactory, truth: TruthUpstream, redis_url: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
 ) -> None:
     (a,) = await fleet(sidecar_factory, redis_url, truth.url, 1)
     client = protocol.redis_from_url(redis_url)
@@ -314,7 +251,7 @@ async def test_lost_notice_and_dropped_pubsub_are_caught_up_by_the_poll(
 
 
 async def test_duplicated_and_reordered_notices_change_nothing(
-    sidecar_factory: SidecarFactory, truth: TruthUpstream, redis_url: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
 ) -> None:
     (a,) = await fleet(sidecar_factory, redis_url, truth.url, 1)
     async with invalidator(redis_url) as inv:
@@ -338,7 +275,7 @@ async def test_duplicated_and_reordered_notices_change_nothing(
 
 
 async def test_redis_restart_never_sends_epochs_back_and_l1_stops_when_unconfirmed(
-    sidecar_factory: SidecarFactory, truth: TruthUpstream
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream
 ) -> None:
     with RedisServer() as redis:
         (a,) = await fleet(sidecar_factory, redis.url, truth.url, 1)
@@ -373,7 +310,7 @@ async def test_redis_restart_never_sends_epochs_back_and_l1_stops_when_unconfirm
 
 
 @pytest.fixture
-def sidecar_process(truth: TruthUpstream, redis_url: str) -> Iterator[subprocess.Popen[bytes]]:
+def sidecar_process(truth: VersionedUpstream, redis_url: str) -> Iterator[subprocess.Popen[bytes]]:
     port, admin = free_port(), free_port()
     proc = subprocess.Popen(
         [
