@@ -103,6 +103,10 @@ class FakeUpstream:
 class _Handler(BaseHTTPRequestHandler):
     upstream: FakeUpstream
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes: without TCP_NODELAY, Nagle holds
+    # the body until the client's delayed ACK (~40 ms), an artefact no real
+    # model server has.
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:
         return
