@@ -33,6 +33,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "operator allocation time for many tenants",
         (),
     ),
+    "gain": (
+        "cachefleet_bench.gain",
+        "allocation by measured gain: trace replays vs class-only / equal / oracle",
+        ("--quick",),
+    ),
     "invalidation": (
         "cachefleet_bench.invalidation",
         "invalidation propagation across sidecars, stale reads under faults",

@@ -102,6 +102,7 @@ SERIES: dict[str, tuple[str, str]] = {
     "floor": ("floor", "raw uvloop responder (the floor)"),
     "nginx": ("nginx", "nginx proxy_cache, 1 worker, warm"),
     "l1": ("l1", "sidecar L1 hit"),
+    "l1-nocurves": ("l1", "sidecar L1 hit, miss-ratio curves off (--mrc-samples 0)"),
     "l2": ("l2", "sidecar L2 hit (Redis, --l1-bytes 0)"),
     "miss-direct": ("miss", "unique requests, responder directly"),
     "miss-sidecar": ("miss", "unique requests through the sidecar (miss)"),
@@ -421,6 +422,13 @@ def compute_targets(series: Sequence[SeriesResult], low: int, high: int) -> list
             overhead,
             100.0,
             "us",
+        ),
+        at_least(
+            "curves_cost",
+            f"L1 hit req/s at c={high} with miss-ratio curves >= 97% of without",
+            _ratio(l1_rps, _metric(series, "l1-nocurves", high, "rps")),
+            0.97,
+            "x",
         ),
     ]
 
@@ -834,8 +842,8 @@ class Services:
 
         return self._get("redis", start)
 
-    def sidecar(self, name: str, l1_bytes: int, with_redis: bool) -> int:
-        """A ``cachefleet sidecar`` in front of the responder."""
+    def sidecar(self, name: str, l1_bytes: int, with_redis: bool, extra: Sequence[str] = ()) -> int:
+        """A ``cachefleet sidecar`` in front of the responder (``extra``: more flags)."""
 
         def start() -> None:
             upstream = self.responder()
@@ -846,6 +854,7 @@ class Services:
             argv += ["--l1-bytes", str(l1_bytes)]
             if with_redis:
                 argv += ["--redis-url", f"redis://{HOST}:{self.redis()}/0"]
+            argv += list(extra)
             self.progress(f"starting {name}: cachefleet {' '.join(argv[3:])}")
             try:
                 self._start(name, argv, port, env=_clean_env())
@@ -922,7 +931,7 @@ def _measure_series(
     title = SERIES[name][1]
     result = SeriesResult(name=name, title=title)
     unique = name.startswith("miss")
-    tenant = name in {"l1", "l2", "miss-sidecar"}
+    tenant = name in {"l1", "l1-nocurves", "l2", "miss-sidecar"}
     server: str | None = None
     try:
         aux: list[str] = []
@@ -940,6 +949,10 @@ def _measure_series(
                 result.checked = _warm_until(port, hit_body(), True, "X-Cache", "HIT-L1")
             else:
                 result.checked = _check_miss(port)
+        elif name == "l1-nocurves":
+            server = "sidecar-l1-nocurves"
+            port = services.sidecar(server, SIDECAR_L1_BYTES, False, ("--mrc-samples", "0"))
+            result.checked = _warm_until(port, hit_body(), True, "X-Cache", "HIT-L1")
         elif name == "l2":
             port, server = services.sidecar("sidecar-l2", 0, True), "sidecar-l2"
             aux.append("redis")

@@ -92,6 +92,8 @@ class LocalFleet:
     model_version: str = "v1"
     default_policy: str = "lirs"
     with_operator: bool = True
+    #: Extra flags for every sidecar process.
+    sidecar_args: tuple[str, ...] = ()
     # filled in by run()
     redis: RedisServer | None = field(default=None, init=False)
     upstream: FakeUpstream | None = field(default=None, init=False)
@@ -187,6 +189,7 @@ class LocalFleet:
                     self.model_version,
                     "--log-level",
                     "warning",
+                    *self.sidecar_args,
                 ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,

@@ -1,33 +1,37 @@
-"""SLA-weighted allocation of cache capacity among tenants (pure: no I/O).
+"""Allocation of cache capacity among tenants by measured gain, under SLA constraints (pure).
 
 Input: the tenants of an InferenceCache (class, SLA, share bounds), their
-observed metrics (p95 latency, hit ratio, request rate; any may be missing)
-and the shares currently in force. Output: a share of capacity per tenant,
-turned into L1 bytes per pod and L2 bytes, with a reason for each.
+observed metrics (p95 latency, hit ratio, request rate, and what makes the
+allocation cache-aware: the miss-ratio curve the sidecars measure, and the
+latency of hits and of misses) and the shares currently in force. Output:
+a share of capacity per tenant, as L1 bytes per pod and L2 bytes, with a
+reason for each. ``docs/allocation.md`` gives the model and its reasoning.
 
-How a share is found:
+1. **Floors** (``minShare``; none for BestEffort) are reserved first.
+2. **SLA feasibility**, in class order (Guaranteed, Standard, BestEffort),
+   cheapest first within a class: the smallest share at which the predicted
+   hit ratio (the tenant's curve) meets ``minHitRatio`` and the predicted
+   p95 (the hit/miss latency mix at that hit ratio) meets the target. A
+   tenant whose SLA no cache size meets (a flat curve, compulsory misses, a
+   slow model server) keeps its floor and is reported (``cannot_meet``).
+3. **Marginal utility**: the rest goes greedily to the largest gain per
+   share: class weight x SLA pressure x request rate x upstream seconds per
+   miss x hit-ratio gain, on the concave hull of each curve (so a working
+   set that pays off only once it fits is seen), within ``maxShare``.
+4. **What nobody gains from** is spread by class weight over tenants that
+   show reuse or have no curve yet; a tenant with no reuse holds its floor.
+5. **Stability**: with shares in force, the allocation moves only when the
+   predicted gain exceeds ``min_gain`` of the current utility (or an SLA
+   that cache can meet is missed), and then by ``smoothing`` of the way,
+   tenant shares within ``hysteresis`` held.
 
-1. **Demand weight** per tenant = class weight x traffic x SLA pressure x
-   benefit. *Traffic* is the tenant's request rate (or its promised
-   ``minRps`` if higher) relative to the fleet mean. *Pressure* is above 1
-   when a target is missed (it grows with the shortfall), exactly 1 at the
-   target and falls to 1/2 when the tenant is comfortably inside every
-   target (it gives share back). *Benefit* is the expected gain from more
-   cache: higher when the miss ratio is high. All three are continuous, so
-   small metric noise makes small weight changes.
-2. **Target shares**: every tenant first gets its floor (``minShare``; none
-   for BestEffort). The rest of the capacity is handed out by weight, in
-   class order (Guaranteed, then Standard, then BestEffort from what is
-   left), never above ``maxShare``; capacity nobody wanted is water-filled
-   by weight among tenants below their cap.
-3. **Smoothing and hysteresis**: a share moves only when its target differs
-   from it by more than ``hysteresis`` x the current share, and then only
-   ``smoothing`` of the way (EWMA). If that overbooks capacity, the slack
-   above floors is trimmed, BestEffort first; capacity freed by tenants
-   that moved down goes to tenants held below their target.
+Without any metrics (first sight, Prometheus down on the first reconcile)
+shares follow classes: floors, then the rest by class weight
+(:func:`class_shares`).
 
 Invariants (property-tested): shares and bytes never exceed capacity,
-floors and caps always hold.
+floors and caps always hold, a flat curve never earns more than its floor,
+scaling every tenant's traffic by k changes nothing.
 """
 
 from __future__ import annotations
@@ -41,10 +45,14 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from cachefleet_operator.curves import HitCurve, LatencyDist, predicted_p95
+
 #: EWMA weight of the newest target share (1 = no smoothing).
 DEFAULT_SMOOTHING = 0.5
 #: A share moves only if its target differs by more than this fraction of it.
 DEFAULT_HYSTERESIS = 0.2
+#: Shares move only when the predicted utility gain exceeds this fraction of the current one.
+DEFAULT_MIN_GAIN = 0.005
 
 
 FloatArray = npt.NDArray[np.float64]
@@ -78,12 +86,16 @@ MAX_SHORTFALL_RATIO = 4.0
 #: Traffic factor bounds (request rate relative to the fleet mean).
 MIN_TRAFFIC = 0.1
 MAX_TRAFFIC = 10.0
-#: Benefit of more cache for a tenant that never misses (1 for one that always misses).
-BENEFIT_FLOOR = 0.25
+#: A curve whose best hit ratio is below this shows no reuse.
+NO_REUSE_HIT_RATIO = 0.001
+#: Upstream seconds per miss assumed when no latency is known.
+DEFAULT_MISS_COST_S = 1.0
 #: A share change smaller than this (fraction of capacity) is never worth a move.
 ABSOLUTE_DEADBAND = 0.001
 #: Tolerance for floating-point comparisons of shares.
 EPS = 1e-12
+#: A share within this of the one in force is the one in force (float rounding).
+SNAP = 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +118,12 @@ class TenantMetrics:
     p95_s: float | None = None
     hit_ratio: float | None = None
     rps: float | None = None
+    #: Hit ratio by L1 bytes per pod (the sidecars' reuse-distance histogram).
+    curve: HitCurve | None = None
+    #: Upstream seconds of a miss.
+    miss_latency: LatencyDist | None = None
+    #: Latency of a hit (L1 and L2).
+    hit_latency: LatencyDist | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,10 +132,16 @@ class AllocationParams:
 
     smoothing: float = DEFAULT_SMOOTHING
     hysteresis: float = DEFAULT_HYSTERESIS
+    min_gain: float = DEFAULT_MIN_GAIN
 
 
 class TenantAllocation(NamedTuple):
-    """One tenant's result; ``note`` is ``floor``, ``cap``, ``held`` or empty."""
+    """One tenant's result; ``note`` is ``floor``, ``cap``, ``held`` or empty.
+
+    ``cannot_meet`` says why no share within bounds meets the tenant's SLA
+    (empty when one does, or when nothing is known); ``predicted_hit_ratio``
+    is the curve's hit ratio at the share (None without a curve).
+    """
 
     name: str
     priority_class: PriorityClass
@@ -128,6 +152,8 @@ class TenantAllocation(NamedTuple):
     l2_bytes: int
     sla_met: bool | None
     note: str
+    cannot_meet: str = ""
+    predicted_hit_ratio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +190,11 @@ class Allocation:
         elif t.note == "held" and not self.metrics:
             text = "metrics unavailable: last allocation kept"
         elif t.note == "held":
-            text += f"; held (target {t.target:.1%} within hysteresis)"
+            text += f"; held (target {t.target:.1%}: gain below threshold)"
+        if t.predicted_hit_ratio is not None:
+            text += f"; predicted hit ratio {t.predicted_hit_ratio:.2f}"
+        if t.cannot_meet:
+            text += f"; {t.cannot_meet}"
         return text
 
     def reasons(self) -> dict[str, str]:
@@ -267,41 +297,101 @@ def _pressure(ratio: FloatArray) -> FloatArray:
     return np.where(ratio > 1.0, above, inside)
 
 
-def _weights(
-    tenants: Sequence[TenantDemand], metrics: Mapping[str, TenantMetrics], classes: IntArray
+def _pressures(
+    tenants: Sequence[TenantDemand], metrics: Mapping[str, TenantMetrics]
 ) -> tuple[FloatArray, list[bool | None]]:
-    """Demand weight and SLA attainment of every tenant (vectorised)."""
+    """SLA pressure (continuous, 1 at target) and attainment of every tenant."""
     get = metrics.get
     ms = [get(d.name, _NO_METRICS) for d in tenants]
-    present = np.array([m is not _NO_METRICS for m in ms])
     p95 = _floats([m.p95_s for m in ms])
     hit = _floats([m.hit_ratio for m in ms])
-    rps = _floats([m.rps for m in ms])
     p95_target = _floats([d.p95_target_s for d in tenants])
     min_hit = _floats([d.min_hit_ratio for d in tenants])
-    min_rps = _floats([d.min_rps for d in tenants])
-
-    rate = np.fmax(rps, np.where(np.isnan(rps), np.nan, min_rps))
-    known = ~np.isnan(rate)
-    mean_rate = float(rate[known].mean()) if known.any() else 0.0
-    if mean_rate > 0.0:
-        traffic = np.where(known, np.clip(rate / mean_rate, MIN_TRAFFIC, MAX_TRAFFIC), 1.0)
-    else:
-        traffic = np.ones(len(tenants))
-    # a tenant with no series at all has no traffic when others have data
-    traffic = np.where(present, traffic, MIN_TRAFFIC if metrics else 1.0)
-
     with np.errstate(divide="ignore", invalid="ignore"):
         lat_ratio = p95 / p95_target
         hit_ratio = np.where(min_hit > 0.0, min_hit / np.maximum(hit, 1e-6), 0.0)
     hit_ratio = np.where(np.isnan(hit) | np.isnan(min_hit), np.nan, hit_ratio)
     worst = np.fmax(lat_ratio, hit_ratio)
     pressure = np.where(np.isnan(worst), 1.0, _pressure(np.nan_to_num(worst, nan=1.0)))
-    miss = 1.0 - np.clip(hit, 0.0, 1.0)
-    benefit = np.where(np.isnan(hit), 1.0, BENEFIT_FLOOR + (1.0 - BENEFIT_FLOOR) * miss)
-    weights = _CLASS_WEIGHTS[classes] * traffic * pressure * benefit
     met: list[bool | None] = [None if math.isnan(w) else w <= 1.0 + 1e-9 for w in worst.tolist()]
-    return weights, met
+    return pressure, met
+
+
+def _rate(d: TenantDemand, m: TenantMetrics) -> float:
+    """Requests per second the allocation plans for (observed, or the promised minimum)."""
+    rates = [r for r in (m.rps, d.min_rps) if r is not None and math.isfinite(r)]
+    return max(rates) if rates else 0.0
+
+
+def _miss_cost(m: TenantMetrics) -> float:
+    """Upstream seconds a hit saves (the mean miss latency)."""
+    if m.miss_latency is not None:
+        return max(m.miss_latency.mean(), 1e-6)
+    if m.p95_s is not None and math.isfinite(m.p95_s) and m.p95_s > 0:
+        return m.p95_s
+    return DEFAULT_MISS_COST_S
+
+
+def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
+    """The lowest hit ratio at which the tenant's SLA is predicted met (None: none is).
+
+    ``minHitRatio`` directly; the p95 target through the hit/miss latency mix
+    (bisection: the predicted p95 falls as the hit ratio rises).
+    """
+    need = d.min_hit_ratio or 0.0
+    target = d.p95_target_s
+    if target is None or m.miss_latency is None:
+        return need
+    if (predicted_p95(need, m.hit_latency, m.miss_latency) or 0.0) <= target:
+        return need
+    if (predicted_p95(1.0, m.hit_latency, m.miss_latency) or 0.0) > target:
+        return None
+    lo, hi = need, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2.0
+        if (predicted_p95(mid, m.hit_latency, m.miss_latency) or 0.0) <= target:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _share_for_hit_ratio(curve: HitCurve, hit: float, capacity: int) -> float | None:
+    """The smallest share of ``capacity`` whose predicted hit ratio reaches ``hit``."""
+    if hit <= 0.0:
+        return 0.0
+    prev_x, prev_y = 0.0, 0.0
+    for x, y in curve.points:
+        if y >= hit - 1e-12:
+            size = x if y <= prev_y else prev_x + (x - prev_x) * (hit - prev_y) / (y - prev_y)
+            return size / capacity if capacity > 0 else None
+        prev_x, prev_y = x, y
+    return None
+
+
+def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
+    """Why no cache size meets the tenant's SLA, in words."""
+    goals = []
+    if d.p95_target_s is not None:
+        goals.append(f"p95 {d.p95_target_s:.3g} s")
+    if d.min_hit_ratio:
+        goals.append(f"hit ratio {d.min_hit_ratio:.2f}")
+    goal = " and ".join(goals) or "its SLA"
+    slow = ""
+    if m.miss_latency is not None and d.p95_target_s is not None:
+        slow = f", a miss takes {m.miss_latency.mean():.3g} s on average"
+    return (
+        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time "
+        f"(at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
+        f"no cache size meets {goal}"
+    )
+
+
+def class_shares(
+    tenants: Sequence[TenantDemand], classes: IntArray
+) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """Shares by priority class alone (no metrics): floors, then class weight in class order."""
+    return target_shares(tenants, _CLASS_WEIGHTS[classes].astype(np.float64), classes)
 
 
 def _bounds(tenants: Sequence[TenantDemand], classes: IntArray) -> tuple[FloatArray, FloatArray]:
@@ -373,6 +463,8 @@ def target_shares(
 def _trim_overbooking(shares: FloatArray, floors: FloatArray, classes: IntArray) -> None:
     """Bring the sum back to capacity by cutting slack above floors, BestEffort first."""
     excess = float(shares.sum()) - 1.0
+    if excess <= EPS:  # rounding, not overbooking: leave settled shares exactly as they are
+        return
     for cls in reversed(CLASS_ORDER):
         if excess <= 0.0:
             return
@@ -414,6 +506,189 @@ def _to_bytes(shares: FloatArray, floors: FloatArray, capacity: int) -> list[int
 # --------------------------------------------------------------------------- API
 
 
+@dataclass(slots=True)
+class _Plan:
+    """Per-tenant working state of one allocation."""
+
+    value: float  # utility per unit of hit ratio (class x pressure x rate x miss cost)
+    curve: HitCurve | None
+    cannot_meet: str = ""
+
+
+def _plans(
+    tenants: Sequence[TenantDemand],
+    metrics: Mapping[str, TenantMetrics],
+    pressure: FloatArray,
+) -> list[_Plan]:
+    out = []
+    for i, d in enumerate(tenants):
+        m = metrics.get(d.name, _NO_METRICS)
+        curve = m.curve if m.curve is not None and m.curve.requests > 0 else None
+        value = CLASS_WEIGHT[d.priority_class] * float(pressure[i]) * _rate(d, m) * _miss_cost(m)
+        out.append(_Plan(value, curve))
+    return out
+
+
+def _undecided(plan: _Plan, share: float, capacity: int) -> bool:
+    """No curve yet, or no reuse yet while all the data seen still fits in ``share``.
+
+    A working set whose first round is not over looks like a scan. Until the
+    tenant has shown more distinct bytes than its share holds, reuse within
+    that share may still come; once it has, any reuse it has would have shown.
+    """
+    curve = plan.curve
+    if curve is None:
+        return True
+    return (
+        curve.max_hit_ratio < NO_REUSE_HIT_RATIO
+        and curve.footprint_bytes is not None
+        and curve.footprint_bytes <= share * capacity
+    )
+
+
+def _protected(
+    tenants: Sequence[TenantDemand],
+    metrics: Mapping[str, TenantMetrics],
+    plans: Sequence[_Plan],
+    previous: Mapping[str, float] | None,
+    classes: IntArray,
+    capacity: int,
+) -> FloatArray:
+    """Shares not to cut yet: min(share in force, class share) of undecided tenants."""
+    class_targets, _, _ = class_shares(tenants, classes)
+    out = np.zeros(len(tenants))
+    if not previous:
+        return out
+    for i, (d, p) in enumerate(zip(tenants, plans, strict=True)):
+        prev = previous.get(d.name)
+        if prev is not None and d.name in metrics and _undecided(p, prev, capacity):
+            out[i] = min(prev, float(class_targets[i]))
+    return out
+
+
+def _utility(plans: Sequence[_Plan], shares: FloatArray, capacity: int) -> float:
+    return sum(
+        p.value * p.curve.at(float(s) * capacity)
+        for p, s in zip(plans, shares.tolist(), strict=True)
+        if p.curve is not None
+    )
+
+
+def _meet_slas(
+    tenants: Sequence[TenantDemand],
+    metrics: Mapping[str, TenantMetrics],
+    plans: list[_Plan],
+    shares: FloatArray,
+    caps: FloatArray,
+    classes: IntArray,
+    capacity: int,
+) -> None:
+    """Raise tenants to the smallest share that meets their SLA, class by class (in place)."""
+    for cls in CLASS_ORDER:
+        wants: list[tuple[float, int]] = []
+        for i in np.flatnonzero(classes == _CLASS_INDEX[cls]).tolist():
+            d, plan = tenants[i], plans[i]
+            if plan.curve is None or (d.p95_target_s is None and not d.min_hit_ratio):
+                continue
+            m = metrics.get(d.name, _NO_METRICS)
+            need = needed_hit_ratio(d, m)
+            share = None if need is None else _share_for_hit_ratio(plan.curve, need, capacity)
+            if share is None:
+                plan.cannot_meet = _why_not(d, m, plan.curve)
+                continue
+            if share > caps[i] + EPS:
+                plan.cannot_meet = (
+                    f"its SLA needs {share:.1%} of the cache, above maxShare {caps[i]:.1%}"
+                )
+                continue
+            if share > shares[i]:
+                wants.append((share - float(shares[i]), i))
+        for extra, i in sorted(wants):
+            left = 1.0 - float(shares.sum())
+            if extra <= left + EPS:
+                shares[i] += min(extra, max(0.0, left))
+            else:
+                plans[i].cannot_meet = (
+                    f"its SLA needs {shares[i] + extra:.1%} of the cache; "
+                    "higher classes and floors leave too little"
+                )
+
+
+def _greedy(plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, capacity: int) -> None:
+    """Hand out what is left by marginal utility, looking ahead over cliffs (in place).
+
+    UCP's lookahead (Qureshi & Patt, MICRO'06): each step gives the tenant
+    with the best utility *per share* over any extension that still fits
+    the extension that achieves it, so a working set that pays off only once
+    it fits whole competes with its average gain up to the cliff (the slope
+    of its concave hull) and is never left half-built on the cliff's side.
+    """
+    left = 1.0 - float(shares.sum())
+    if left <= EPS or capacity <= 0:
+        return
+    active = [i for i, p in enumerate(plans) if p.curve is not None and p.value > 0.0]
+    top_value = max((plans[i].value for i in active), default=0.0)
+    while left > EPS and active:
+        best_per, best_i, best_to = 0.0, -1, 0.0
+        for i in active:
+            curve, value = plans[i].curve, plans[i].value
+            assert curve is not None
+            lo = float(shares[i])
+            hi = min(float(caps[i]), lo + left)
+            if hi - lo <= EPS:
+                continue
+            base = curve.at(lo * capacity)
+            ends = [x / capacity for x, _ in curve.points if lo * capacity < x < hi * capacity]
+            for to in (*ends, hi):
+                if to - lo <= EPS:
+                    continue
+                per = value * (curve.at(to * capacity) - base) / (to - lo)
+                if per > best_per * (1.0 + 1e-9):
+                    best_per, best_i, best_to = per, i, to
+        # gains this small relative to the largest tenant's value are noise
+        if best_i < 0 or best_per <= top_value * 1e-9:
+            return
+        left -= best_to - float(shares[best_i])
+        shares[best_i] = best_to
+
+
+def _spread_rest(
+    plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, classes: IntArray
+) -> None:
+    """Capacity no curve gains from: by class weight to tenants with reuse or no curve yet."""
+    left = 1.0 - float(shares.sum())
+    if left <= EPS:
+        return
+    eligible = np.array(
+        [p.curve is None or p.curve.max_hit_ratio >= NO_REUSE_HIT_RATIO for p in plans]
+    )
+    weights = np.where(eligible, _CLASS_WEIGHTS[classes], 0.0)
+    _water_fill(shares, caps, weights, left)
+
+
+def _move(
+    targets: FloatArray,
+    prev: FloatArray,
+    floors: FloatArray,
+    classes: IntArray,
+    params: AllocationParams,
+    measured: npt.NDArray[np.bool_],
+) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+    """Shares one bounded step from ``prev`` towards ``targets``; (shares, held).
+
+    A tenant with a curve moves whenever the move was found worth it (the
+    gain test in :func:`allocate`); one without a curve keeps the older rule:
+    it moves only when its target differs by more than ``hysteresis``.
+    """
+    delta = targets - prev
+    band = np.where(measured, ABSOLUTE_DEADBAND, params.hysteresis * prev)
+    inside = np.abs(delta) <= np.maximum(ABSOLUTE_DEADBAND, band)
+    shares = np.where(inside, prev, prev + params.smoothing * delta)
+    _trim_overbooking(shares, floors, classes)
+    _refill(shares, targets)
+    return shares, inside & (np.abs(delta) > EPS)
+
+
 def allocate(
     tenants: Sequence[TenantDemand],
     metrics: Mapping[str, TenantMetrics],
@@ -427,35 +702,85 @@ def allocate(
     ``metrics`` maps tenant -> observations (empty when none are available:
     shares then follow classes and floors only; a tenant missing from a
     non-empty map is taken to have no traffic). ``previous`` maps tenant ->
-    share in force (``None`` or missing tenants: no smoothing for them).
+    share in force (``None`` or missing tenants: the target at once).
+    Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
+    read at; L2 bytes follow the same shares.
     """
     params = params or AllocationParams()
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
     classes = np.array([_CLASS_INDEX[d.priority_class] for d in tenants], dtype=np.int64)
-    weights, met = _weights(tenants, metrics, classes)
-    targets, floors, caps = target_shares(tenants, weights, classes)
+    pressure, met = _pressures(tenants, metrics)
+    if not metrics:
+        targets, floors, caps = class_shares(tenants, classes)
+        plans = [_Plan(0.0, None) for _ in tenants]
+    else:
+        floors, caps = _bounds(tenants, classes)
+        plans = _plans(tenants, metrics, pressure)
+        keep = _protected(tenants, metrics, plans, previous, classes, l1_capacity)
+        targets = np.minimum(caps, np.maximum(floors, keep))
+        _trim_overbooking(targets, floors, classes)
+        _meet_slas(tenants, metrics, plans, targets, caps, classes, l1_capacity)
+        _greedy(plans, targets, caps, l1_capacity)
+        _spread_rest(plans, targets, caps, classes)
 
     shares = targets.copy()
     held = np.zeros(len(tenants), dtype=bool)
     if previous:
-        prev = _floats([previous.get(d.name) for d in tenants])
-        has_prev = ~np.isnan(prev)
-        prev = np.clip(np.where(has_prev, prev, targets), floors, caps)
-        delta = targets - prev
-        inside = np.abs(delta) <= np.maximum(ABSOLUTE_DEADBAND, params.hysteresis * prev)
-        moved = prev + params.smoothing * delta
-        shares = np.where(has_prev, np.where(inside, prev, moved), targets)
-        held = has_prev & inside & (np.abs(delta) > EPS)
+        raw_prev = _floats([previous.get(d.name) for d in tenants])
+        has_prev = ~np.isnan(raw_prev)
+        prev = np.clip(np.where(has_prev, raw_prev, targets), floors, caps)
+        _trim_overbooking(prev, floors, classes)
+        # the spec's bounds moved a share in force: that change is applied, not held
+        bounds_moved = bool(np.any(has_prev & (np.abs(prev - raw_prev) > EPS)))
+        now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
+        gain = target_u - now_u
+        # An SLA that the target meets and the shares in force do not is always worth a move.
+        sla_fix = any(
+            p.curve is not None and not p.cannot_meet and t > s + EPS and met[i] is False
+            for i, (p, t, s) in enumerate(zip(plans, targets.tolist(), prev.tolist(), strict=True))
+        )
+        worth = (
+            not metrics
+            or sla_fix
+            or bounds_moved
+            or not has_prev.all()
+            or gain > params.min_gain * max(now_u, EPS)
+        )
+        measured = np.array([p.curve is not None for p in plans])
+        if worth:
+            shares, held = _move(targets, prev, floors, classes, params, measured)
+        else:
+            shares, held = prev.copy(), np.abs(targets - prev) > EPS
+        # A tenant without reuse never keeps more than its target (its floor), gain or not.
+        no_reuse = np.array(
+            [
+                p.curve is not None
+                and p.curve.max_hit_ratio < NO_REUSE_HIT_RATIO
+                and not _undecided(p, s, l1_capacity)
+                for p, s in zip(plans, prev.tolist(), strict=True)
+            ]
+        )
+        shrink = no_reuse & (shares > targets + EPS)
+        if shrink.any():
+            shares[shrink] = targets[shrink]
+            held[shrink] = False
+            _refill(shares, targets)
+        shares = np.where(has_prev, shares, targets)
         _trim_overbooking(shares, floors, classes)
-        _refill(shares, targets)
+        # a settled allocation is a fixed point: rounding must not make it wander
+        shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
     l2 = _to_bytes(shares, floors, l2_capacity)
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     notes = np.where(at_floor, "floor", np.where(at_cap, "cap", np.where(held, "held", "")))
+    predicted = [
+        None if p.curve is None else round(p.curve.at(s * l1_capacity), 4)
+        for p, s in zip(plans, shares.tolist(), strict=True)
+    ]
     out = tuple(
         map(
             TenantAllocation,
@@ -463,11 +788,13 @@ def allocate(
             [d.priority_class for d in tenants],
             shares.tolist(),
             targets.tolist(),
-            weights.tolist(),
+            [p.value for p in plans],
             l1,
             l2,
             met,
             notes.tolist(),
+            [p.cannot_meet for p in plans],
+            predicted,
         )
     )
     return Allocation(out, l1_capacity, l2_capacity, tenants, metrics)

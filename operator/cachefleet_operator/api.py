@@ -21,7 +21,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from cachefleet_operator.allocation import DEFAULT_HYSTERESIS, DEFAULT_SMOOTHING, PriorityClass
+from cachefleet_operator.allocation import (
+    DEFAULT_HYSTERESIS,
+    DEFAULT_MIN_GAIN,
+    DEFAULT_SMOOTHING,
+    PriorityClass,
+)
 from cachefleet_sidecar.protocol import NAME_RE, Policy
 
 GROUP = "cachefleet.io"
@@ -38,6 +43,9 @@ DEFAULT_REBALANCE_INTERVAL_S = 30
 DEFAULT_PROMETHEUS_TIMEOUT_S = 5.0
 #: Rate window of the PromQL queries when the spec does not say.
 DEFAULT_METRICS_WINDOW = "2m"
+#: Window of the reuse-distance (miss-ratio curve) query when the spec does not say:
+#: longer than the rate window, so reuse at long distances (minutes apart) is seen.
+DEFAULT_CURVE_WINDOW = "10m"
 #: Invalidation acknowledgement timeout when the spec does not say, seconds.
 DEFAULT_INVALIDATION_TIMEOUT_S = 60
 
@@ -188,6 +196,14 @@ class PrometheusEndpoint(_Model):
         description="Rate window of the queries, e.g. 2m.",
         pattern=_DURATION_PATTERN,
     )
+    curve_window: str = Field(
+        default=DEFAULT_CURVE_WINDOW,
+        description=(
+            "Window of the miss-ratio-curve query (reuse distances), e.g. 10m; longer than "
+            "window so that reuse minutes apart counts."
+        ),
+        pattern=_DURATION_PATTERN,
+    )
     timeout_seconds: float = Field(
         default=DEFAULT_PROMETHEUS_TIMEOUT_S,
         gt=0,
@@ -210,6 +226,15 @@ class AllocationTuning(_Model):
         ge=0,
         le=1,
         description="A share moves only when its target differs by more than this fraction.",
+    )
+    min_gain: float = Field(
+        default=DEFAULT_MIN_GAIN,
+        ge=0,
+        le=1,
+        description=(
+            "Shares move only when the predicted gain (upstream seconds saved, weighted) "
+            "exceeds this fraction of the current one, or an SLA cache can meet is missed."
+        ),
     )
 
 
@@ -312,7 +337,8 @@ class InferenceCacheSpec(_Model):
         description="How often quotas are recomputed from the metrics, seconds.",
     )
     allocation: AllocationTuning = Field(
-        default_factory=AllocationTuning, description="Smoothing and hysteresis of the quotas."
+        default_factory=AllocationTuning,
+        description="How eagerly quotas follow the metrics: smoothing, hysteresis, minimum gain.",
     )
     tenants: list[TenantSpec] = Field(
         default_factory=list,

@@ -17,6 +17,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "crds": ("cachefleet_operator.crdgen", "main", "write crds/*.yaml from the models"),
     "demo": ("cachefleet_e2e.demo", "main", "run the whole fleet locally"),
     "bench": ("cachefleet_bench.__main__", "main", "run a benchmark (proxy, ...)"),
+    "simulate": (
+        "cachefleet_bench.simulate",
+        "main",
+        "replay a multi-tenant trace with each allocator in the loop",
+    ),
 }
 
 

@@ -1,7 +1,10 @@
 """Per-tenant metrics from Prometheus (thin adapter over prometheus-api-client).
 
 The operator asks one question per rebalance: for this cache, each tenant's
-p95 latency, hit ratio and request rate over a window. The PromQL comes from
+p95 latency, hit ratio and request rate over a window, and what allocation by
+gain needs: the reuse-distance histogram (the tenant's miss-ratio curve), the
+latency of its misses (upstream) and of its hits, and its lookup rate (the
+curve's true total, for the SHARDS-adj correction). The PromQL comes from
 :mod:`cachefleet_sidecar.protocol` (the metric names are the sidecar's).
 prometheus-api-client is synchronous (``requests``), so queries run in a
 worker thread with a timeout; every failure becomes :class:`MetricsUnavailable`.
@@ -15,7 +18,19 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cachefleet_operator.allocation import TenantMetrics
-from cachefleet_sidecar.protocol import promql_hit_ratio, promql_p95_seconds, promql_rps
+from cachefleet_operator.curves import HitCurve, LatencyDist
+from cachefleet_sidecar.protocol import (
+    promql_cold_bytes,
+    promql_hit_buckets,
+    promql_hit_ratio,
+    promql_lookups,
+    promql_p95_seconds,
+    promql_policy_hits,
+    promql_policy_requests,
+    promql_reuse_buckets,
+    promql_rps,
+    promql_upstream_buckets,
+)
 
 #: Default timeout of one PromQL query, seconds.
 DEFAULT_QUERY_TIMEOUT_S = 5.0
@@ -33,8 +48,13 @@ class MetricsUnavailable(Exception):
 class MetricsSource(Protocol):
     """Where per-tenant metrics come from (injectable)."""
 
-    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
-        """Tenant -> metrics; raises :class:`MetricsUnavailable`."""
+    async def fetch(
+        self, cache: str, window: str, curve_window: str | None = None
+    ) -> dict[str, TenantMetrics]:
+        """Tenant -> metrics (curves over ``curve_window``, default ``window``).
+
+        Raises :class:`MetricsUnavailable`.
+        """
         ...
 
 
@@ -55,6 +75,99 @@ def _by_tenant(result: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _buckets_by_tenant(result: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """tenant -> [(le, cumulative count)] from a ``sum by (tenant, le)`` vector."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for sample in result:
+        labels = sample.get("metric", {})
+        tenant = labels.get("tenant")
+        try:
+            le = float(labels["le"])  # "+Inf" parses as inf
+            value = float(sample["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if tenant and math.isfinite(value):
+            out.setdefault(str(tenant), []).append((le, value))
+    return out
+
+
+def _by_tenant_policy(
+    result: list[dict[str, Any]], label: str
+) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """tenant -> policy -> [(label value, value)] from a ``sum by (tenant, policy, label)``."""
+    out: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for sample in result:
+        labels = sample.get("metric", {})
+        try:
+            x = float(labels[label])
+            value = float(sample["value"][1])
+            tenant, policy = str(labels["tenant"]), str(labels["policy"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out.setdefault(tenant, {}).setdefault(policy, []).append((x, value))
+    return out
+
+
+def _by_tenant_policy_scalar(result: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """tenant -> policy -> value from a ``sum by (tenant, policy)`` vector."""
+    out: dict[str, dict[str, float]] = {}
+    for sample in result:
+        labels = sample.get("metric", {})
+        try:
+            value = float(sample["value"][1])
+            tenant, policy = str(labels["tenant"]), str(labels["policy"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if math.isfinite(value):
+            out.setdefault(tenant, {})[policy] = value
+    return out
+
+
+def tenant_metrics(
+    p95: dict[str, float],
+    hit: dict[str, float],
+    rps: dict[str, float],
+    reuse: dict[str, list[tuple[float, float]]],
+    upstream: dict[str, list[tuple[float, float]]],
+    hits: dict[str, list[tuple[float, float]]],
+    lookups: dict[str, float],
+    cold_bytes: dict[str, float] | None = None,
+    policy_hits: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
+    policy_requests: dict[str, dict[str, float]] | None = None,
+) -> dict[str, TenantMetrics]:
+    """Assemble per-tenant metrics from the query results (pure; tested without Prometheus).
+
+    A tenant's curve is its own policy's (mini-simulation) where the sidecars
+    measure one — the policy with the most requests, i.e. the one most pods
+    run — and the LRU curve of the reuse histogram otherwise.
+    """
+    tenants = set(p95) | set(hit) | set(rps)
+    out = {}
+    for t in tenants:
+        footprint = (cold_bytes or {}).get(t)
+        curve = HitCurve.from_histogram(reuse[t], lookups.get(t), footprint) if t in reuse else None
+        by_policy = (policy_requests or {}).get(t) or {}
+        if by_policy:
+            policy = max(by_policy, key=lambda name: by_policy[name])
+            simulated = HitCurve.from_hits(
+                ((policy_hits or {}).get(t) or {}).get(policy, []),
+                by_policy[policy],
+                cold_ratio=None if curve is None else curve.cold_ratio,
+                footprint_bytes=footprint,
+            )
+            curve = simulated or curve
+        out[t] = TenantMetrics(
+            p95_s=p95.get(t),
+            hit_ratio=hit.get(t),
+            rps=rps.get(t),
+            curve=curve,
+            miss_latency=LatencyDist.from_buckets(upstream[t]) if t in upstream else None,
+            hit_latency=LatencyDist.from_buckets(hits[t]) if t in hits else None,
+        )
+    return out
+
+
 class PrometheusMetricsSource:
     """Reads the sidecars' metrics through a Prometheus server."""
 
@@ -65,10 +178,11 @@ class PrometheusMetricsSource:
         self.timeout_s = timeout_s
         self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
 
-    def _query(self, promql: str) -> dict[str, float]:
-        return _by_tenant(self._client.custom_query(query=promql))
+    def _query(self, promql: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = self._client.custom_query(query=promql)
+        return result
 
-    async def _run(self, promql: str) -> dict[str, float]:
+    async def _run(self, promql: str) -> list[dict[str, Any]]:
         try:
             return await asyncio.wait_for(
                 asyncio.to_thread(self._query, promql), timeout=self.timeout_s + 1.0
@@ -82,21 +196,42 @@ class PrometheusMetricsSource:
                 "PrometheusUnavailable", f"Prometheus at {self.url}: {type(exc).__name__}: {exc}"
             ) from exc
 
-    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
-        p95, hit, rps = await asyncio.gather(
+    async def fetch(
+        self, cache: str, window: str, curve_window: str | None = None
+    ) -> dict[str, TenantMetrics]:
+        curve_window = curve_window or window
+        results = await asyncio.gather(
             self._run(promql_p95_seconds(cache, window)),
             self._run(promql_hit_ratio(cache, window)),
             self._run(promql_rps(cache, window)),
+            self._run(promql_reuse_buckets(cache, curve_window)),
+            self._run(promql_upstream_buckets(cache, window)),
+            self._run(promql_hit_buckets(cache, window)),
+            self._run(promql_lookups(cache, curve_window)),
+            self._run(promql_cold_bytes(cache, curve_window)),
+            self._run(promql_policy_hits(cache, curve_window)),
+            self._run(promql_policy_requests(cache, curve_window)),
         )
-        tenants = set(p95) | set(hit) | set(rps)
-        if not tenants:
+        p95, hit, rps = (_by_tenant(r) for r in results[:3])
+        reuse, upstream, hits = (_buckets_by_tenant(r) for r in results[3:6])
+        lookups, cold = _by_tenant(results[6]), _by_tenant(results[7])
+        metrics = tenant_metrics(
+            p95,
+            hit,
+            rps,
+            reuse,
+            upstream,
+            hits,
+            lookups,
+            cold,
+            _by_tenant_policy(results[8], "size_bytes"),
+            _by_tenant_policy_scalar(results[9]),
+        )
+        if not metrics:
             raise MetricsUnavailable(
                 "NoMetrics", f"Prometheus at {self.url} has no sidecar metrics for {cache}"
             )
-        return {
-            t: TenantMetrics(p95_s=p95.get(t), hit_ratio=hit.get(t), rps=rps.get(t))
-            for t in tenants
-        }
+        return metrics
 
 
 def prometheus_source(url: str, timeout_s: float) -> MetricsSource:

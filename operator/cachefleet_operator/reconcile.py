@@ -85,6 +85,8 @@ RETRY_MAX_DELAY_S = 60.0
 READY = "Ready"
 DEGRADED = "Degraded"
 SLA_VIOLATED = "SLAViolated"
+#: True while some tenant's SLA is out of cache's reach (no share within bounds meets it).
+CACHE_CANNOT_MEET_SLA = "CacheCannotMeetSLA"
 
 
 class SecretReader(Protocol):
@@ -266,6 +268,19 @@ def _sla_condition(allocation: Allocation) -> tuple[ConditionStatus, str, str, s
     )
 
 
+def _reach_condition(allocation: Allocation) -> tuple[ConditionStatus, str, str]:
+    """(status, reason, message) of CacheCannotMeetSLA: which tenants and why."""
+    out = [f"{t.name}: {t.cannot_meet}" for t in allocation.tenants if t.cannot_meet]
+    if not out:
+        return ConditionStatus.FALSE, "WithinReach", "cache can meet every observed SLA"
+    more = f" (and {len(out) - 5} more)" if len(out) > 5 else ""
+    return ConditionStatus.TRUE, "SLAOutOfReach", "; ".join(out[:5]) + more
+
+
+def _tenants_named(message: str | None) -> set[str]:
+    return {part.split(":", 1)[0] for part in (message or "").split("; ")}
+
+
 class Reconciler:
     """Reconciles InferenceCaches; every I/O dependency is injected."""
 
@@ -339,7 +354,9 @@ class Reconciler:
         metrics: dict[str, TenantMetrics] | None
         try:
             source = self.metrics_source(str(spec.prometheus.url), spec.prometheus.timeout_seconds)
-            metrics = await source.fetch(cache, spec.prometheus.window)
+            metrics = await source.fetch(
+                cache, spec.prometheus.window, spec.prometheus.curve_window
+            )
         except MetricsUnavailable as exc:
             metrics = None
             faults.append((exc.reason, exc.message))
@@ -347,7 +364,9 @@ class Reconciler:
 
         capacity = spec.capacity
         if metrics is not None:
-            params = AllocationParams(spec.allocation.smoothing, spec.allocation.hysteresis)
+            params = AllocationParams(
+                spec.allocation.smoothing, spec.allocation.hysteresis, spec.allocation.min_gain
+            )
             allocation = allocate(
                 demands,
                 metrics,
@@ -423,6 +442,18 @@ class Reconciler:
                 conditions = set_condition(
                     conditions, SLA_VIOLATED, sla_status, sla_reason, sla_message, generation, now
                 )
+                reach = _reach_condition(allocation)
+                before = condition(conditions, CACHE_CANNOT_MEET_SLA)
+                conditions = set_condition(
+                    conditions, CACHE_CANNOT_MEET_SLA, *reach, generation, now
+                )
+                # an Event when the set of tenants out of reach changes, not on every number
+                if reach[0] == ConditionStatus.TRUE and (
+                    before is None
+                    or before.status != ConditionStatus.TRUE
+                    or _tenants_named(before.message) != _tenants_named(reach[2])
+                ):
+                    events.append(Event("Warning", reach[1], reach[2]))
             ready_msg = f"quota generation {quota_generation} published"
             if sidecars is not None:
                 ready_msg += f"; {sidecars.in_sync}/{sidecars.seen} sidecars in sync"

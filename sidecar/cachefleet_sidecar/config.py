@@ -17,6 +17,7 @@ import orjson
 
 from . import protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
+from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_ADMIN_LISTEN = "0.0.0.0:8081"
@@ -27,6 +28,7 @@ DEFAULT_L2_TTL_S = 3600.0
 DEFAULT_UPSTREAM_TIMEOUT_S = 600.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_MAX_TENANTS = 64
+DEFAULT_MRC_SAMPLES = DEFAULT_MAX_SAMPLES
 DEFAULT_CACHE = "default/default"
 ENV_PREFIX = "CACHEFLEET_"
 
@@ -58,6 +60,20 @@ def _cache(value: str) -> str:
     return value
 
 
+def _non_negative(value: str) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError(f"must be >= 0, got {number}")
+    return number
+
+
+def _rate(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {number}")
+    return number
+
+
 def _tenant(value: str) -> str:
     if not protocol.valid_name(value):
         raise argparse.ArgumentTypeError(
@@ -87,6 +103,10 @@ class SidecarConfig:
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
     max_tenants: int = DEFAULT_MAX_TENANTS
+    #: Keys tracked per tenant for its miss-ratio curve (0: no curves).
+    mrc_samples: int = DEFAULT_MRC_SAMPLES
+    #: Highest share of a tenant's keys its curve samples (the hit path's cost bound).
+    mrc_max_rate: float = DEFAULT_MAX_RATE
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
 
@@ -179,6 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("max-tenants", "most tenant partitions in L1", default=str(DEFAULT_MAX_TENANTS))
     add(
+        "mrc-samples",
+        "keys sampled per tenant for its miss-ratio curve (0 turns curves off)",
+        default=str(DEFAULT_MRC_SAMPLES),
+    )
+    add(
+        "mrc-max-rate",
+        "highest share of a tenant's keys sampled for its curve, in (0, 1]; bounds the "
+        "hit path's cost (1 measures small tenants exactly)",
+        default=str(DEFAULT_MAX_RATE),
+    )
+    add(
         "shutdown-grace",
         "seconds to finish in-flight requests on SIGTERM",
         default=str(DEFAULT_SHUTDOWN_GRACE_S),
@@ -241,6 +272,8 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
         staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
         max_tenants=int(conv("max-tenants", ns.max_tenants, int)),  # type: ignore[call-overload]
+        mrc_samples=int(conv("mrc-samples", ns.mrc_samples, _non_negative)),  # type: ignore[call-overload]
+        mrc_max_rate=float(conv("mrc-max-rate", ns.mrc_max_rate, _rate)),  # type: ignore[arg-type]
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,
     )

@@ -27,6 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from . import protocol
+from .mrc import MissRatioCurves
 
 #: Latency buckets (seconds): from an L1 hit (tens of µs) to a long generation.
 BUCKETS: tuple[float, ...] = (
@@ -233,3 +234,47 @@ class _Collector(Collector):
         yield from (switches, faults, joins, contamination)
         for source in m.gauge_sources:
             yield from source()
+
+
+def reuse_families(cache: str, curves: MissRatioCurves) -> Iterator[Metric]:
+    """The per-tenant reuse-distance histograms (:data:`protocol.METRIC_REUSE_DISTANCE`)."""
+    family = HistogramMetricFamily(
+        protocol.METRIC_REUSE_DISTANCE,
+        "Estimated cacheable requests by the LRU partition bytes that would have made them "
+        "hits (SHARDS sample; first accesses only in +Inf).",
+        labels=["cache", "tenant"],
+    )
+    cold = CounterMetricFamily(
+        protocol.METRIC_REUSE_COLD_BYTES.removesuffix("_total"),
+        "Estimated bytes of first accesses: how much distinct data a tenant has shown.",
+        labels=["cache", "tenant"],
+    )
+    sampled = GaugeMetricFamily(
+        "cachefleet_mrc_sampling_ratio",
+        "Share of a tenant's keys its miss-ratio curve tracks (SHARDS rate).",
+        labels=["cache", "tenant"],
+    )
+    for tenant, snap in curves.snapshots():
+        buckets = [
+            ("+Inf" if bound == float("inf") else repr(bound), count)
+            for bound, count in snap.cumulative()
+        ]
+        family.add_metric([cache, tenant], buckets, snap.sum_bytes)
+        sampled.add_metric([cache, tenant], snap.rate)
+        cold.add_metric([cache, tenant], snap.cold_bytes)
+    yield from (family, cold, sampled)
+    hits = CounterMetricFamily(
+        protocol.METRIC_POLICY_CURVE_HITS.removesuffix("_total"),
+        "Estimated hits of the tenant's own policy simulated at size_bytes (mini-simulation).",
+        labels=["cache", "tenant", "policy", "size_bytes"],
+    )
+    looked = CounterMetricFamily(
+        protocol.METRIC_POLICY_CURVE_REQUESTS.removesuffix("_total"),
+        "Estimated requests behind the mini-simulation's hits.",
+        labels=["cache", "tenant", "policy"],
+    )
+    for tenant, curve in curves.policy_curves():
+        for size, count in zip(curve.sizes, curve.hits, strict=True):
+            hits.add_metric([cache, tenant, curve.policy, str(size)], count)
+        looked.add_metric([cache, tenant, curve.policy], curve.requests)
+    yield from (hits, looked)

@@ -410,6 +410,75 @@ METRIC_REQUEST_DURATION = "cachefleet_request_duration_seconds"
 METRIC_UPSTREAM_DURATION = "cachefleet_upstream_duration_seconds"
 
 
+#: Histogram (bytes of cache), labels cache, tenant: estimated requests by the
+#: LRU partition size that would have made them hits (SHARDS-sampled reuse
+#: distances, :mod:`cachefleet_sidecar.mrc`); first accesses only in ``+Inf``.
+METRIC_REUSE_DISTANCE = "cachefleet_reuse_distance_bytes"
+
+
+#: Counter (bytes), labels cache, tenant: estimated bytes of first accesses (the
+#: distinct data a tenant has shown; with no reuse yet, whether it could still fit).
+METRIC_REUSE_COLD_BYTES = "cachefleet_reuse_cold_bytes_total"
+
+
+def promql_cold_bytes(cache: str, window: str) -> str:
+    """Per-tenant bytes of first accesses over ``window``, added over pods."""
+    return f'sum by (tenant) (increase({METRIC_REUSE_COLD_BYTES}{{cache="{cache}"}}[{window}]))'
+
+
+#: Counter, labels cache, tenant, policy, size_bytes: estimated hits of a tenant's own
+#: (non-LRU) policy simulated at ``size_bytes`` on the SHARDS sample.
+METRIC_POLICY_CURVE_HITS = "cachefleet_policy_curve_hits_total"
+#: Counter, labels cache, tenant, policy: estimated requests behind those hits.
+METRIC_POLICY_CURVE_REQUESTS = "cachefleet_policy_curve_requests_total"
+
+
+def promql_policy_hits(cache: str, window: str) -> str:
+    """Per-tenant, per-policy mini-simulation hits by size, added over pods."""
+    return (
+        "sum by (tenant, policy, size_bytes) "
+        f'(rate({METRIC_POLICY_CURVE_HITS}{{cache="{cache}"}}[{window}]))'
+    )
+
+
+def promql_policy_requests(cache: str, window: str) -> str:
+    """Per-tenant, per-policy mini-simulation requests, added over pods."""
+    return (
+        "sum by (tenant, policy) "
+        f'(rate({METRIC_POLICY_CURVE_REQUESTS}{{cache="{cache}"}}[{window}]))'
+    )
+
+
+def promql_reuse_buckets(cache: str, window: str) -> str:
+    """Per-tenant reuse-distance buckets, added over pods (the miss-ratio curve's data)."""
+    return (
+        f'sum by (tenant, le) (rate({METRIC_REUSE_DISTANCE}_bucket{{cache="{cache}"}}[{window}]))'
+    )
+
+
+def promql_upstream_buckets(cache: str, window: str) -> str:
+    """Per-tenant upstream latency buckets (what a miss costs)."""
+    return (
+        "sum by (tenant, le) "
+        f'(rate({METRIC_UPSTREAM_DURATION}_bucket{{cache="{cache}"}}[{window}]))'
+    )
+
+
+def promql_hit_buckets(cache: str, window: str) -> str:
+    """Per-tenant latency buckets of hits (L1 and L2)."""
+    return (
+        "sum by (tenant, le) (rate("
+        f'{METRIC_REQUEST_DURATION}_bucket{{cache="{cache}",tier=~"l1|l2"}}[{window}]))'
+    )
+
+
+def promql_lookups(cache: str, window: str) -> str:
+    """Per-tenant cacheable lookups per second (hits and misses): the curve's true total."""
+    return (
+        f'sum by (tenant) (rate({METRIC_REQUESTS}{{cache="{cache}",result=~"hit|miss"}}[{window}]))'
+    )
+
+
 def promql_p95_seconds(cache: str, window: str) -> str:
     """Per-tenant p95 of request latency over ``window`` (e.g. ``"1m"``)."""
     return (

@@ -9,6 +9,7 @@ Redis state removed on delete.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import redis
 
 from cachefleet_operator.allocation import TenantMetrics
+from cachefleet_operator.curves import HitCurve
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import MetricsUnavailable
 from cachefleet_operator.reconcile import Reconciler
@@ -41,7 +43,9 @@ class FakeMetrics:
     def factory(self, url: str, timeout_s: float) -> FakeMetrics:
         return self
 
-    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+    async def fetch(
+        self, cache: str, window: str, curve_window: str | None = None
+    ) -> dict[str, TenantMetrics]:
         self.calls += 1
         await asyncio.sleep(0)
         if self.error is not None:
@@ -82,11 +86,19 @@ def cache_body(name: str, redis_url: str, **spec_overrides: Any) -> dict[str, An
     }
 
 
+def concave() -> HitCurve:
+    """Every tenant's curve: more cache always helps, less and less."""
+    points = [(0.1 * L1, 300.0), (0.3 * L1, 600.0), (0.6 * L1, 800.0), (L1, 900.0)]
+    curve = HitCurve.from_histogram([*points, (math.inf, 1000.0)])
+    assert curve is not None
+    return curve
+
+
 def steady_metrics() -> dict[str, TenantMetrics]:
     return {
-        "gold": TenantMetrics(p95_s=0.15, hit_ratio=0.5, rps=50.0),
-        "silver": TenantMetrics(p95_s=0.4, hit_ratio=0.5, rps=50.0),
-        "bronze": TenantMetrics(p95_s=1.5, hit_ratio=0.5, rps=50.0),
+        "gold": TenantMetrics(p95_s=0.15, hit_ratio=0.5, rps=50.0, curve=concave()),
+        "silver": TenantMetrics(p95_s=0.4, hit_ratio=0.5, rps=50.0, curve=concave()),
+        "bronze": TenantMetrics(p95_s=1.5, hit_ratio=0.5, rps=50.0, curve=concave()),
     }
 
 
@@ -171,7 +183,8 @@ def test_missed_p95_moves_quota_and_emits_event(
     before = shares(wait_condition(emulator, "chat", "Ready", "True"))
     generation = stored_assignment(redis_url, f"{NAMESPACE}/chat").generation  # type: ignore[union-attr]
 
-    fake.data["silver"] = TenantMetrics(p95_s=1.5, hit_ratio=0.5, rps=50.0)  # 3x its target
+    # 3x its target: its hits are worth more now, and its curve says more cache gives more
+    fake.data["silver"] = TenantMetrics(p95_s=1.5, hit_ratio=0.5, rps=50.0, curve=concave())
     obj = wait_condition(emulator, "chat", "SLAViolated", "True")
     assert "silver" in conditions(obj)["SLAViolated"]["message"]
     after = wait_for(

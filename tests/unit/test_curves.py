@@ -1,0 +1,83 @@
+"""Curves the allocator reads: hit ratio by size, latency quantiles, the p95 of a mix."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from cachefleet_operator.curves import HitCurve, LatencyDist, predicted_p95
+from cachefleet_operator.metrics_source import tenant_metrics
+
+INF = math.inf
+
+
+def test_a_hit_curve_interpolates_and_saturates() -> None:
+    curve = HitCurve.from_histogram([(1000.0, 10.0), (2000.0, 30.0), (INF, 100.0)])
+    assert curve is not None
+    assert curve.at(0) == 0.0
+    assert curve.at(500) == pytest.approx(0.05)
+    assert curve.at(1500) == pytest.approx(0.2)
+    assert curve.at(10**9) == pytest.approx(0.3)
+    assert curve.cold_ratio == pytest.approx(0.7)
+
+
+def test_the_true_total_corrects_sampling_like_shards_adj() -> None:
+    # the sample saw 100 requests; 120 really happened: 20 more hits at the smallest size
+    curve = HitCurve.from_histogram([(1000.0, 10.0), (INF, 100.0)], total_requests=120.0)
+    assert curve is not None
+    assert curve.at(1000) == pytest.approx(30 / 120)
+    assert curve.requests == 120.0
+
+
+def test_dented_buckets_are_made_monotone_and_empty_ones_give_no_curve() -> None:
+    curve = HitCurve.from_histogram([(1000.0, 10.0), (2000.0, 9.0), (INF, 20.0)])
+    assert curve is not None
+    assert curve.at(2000) == pytest.approx(0.5)
+    assert HitCurve.from_histogram([(1000.0, 0.0), (INF, 0.0)]) is None
+    assert HitCurve.from_histogram([(1000.0, 5.0)]) is None  # no +Inf
+
+
+def test_the_hull_bridges_a_cliff() -> None:
+    curve = HitCurve.from_histogram([(900.0, 0.0), (1000.0, 80.0), (INF, 100.0)])
+    assert curve is not None
+    hull = curve.hull([0.0, 500.0, 900.0, 1000.0, 2000.0])
+    assert [x for x, _ in hull] == [0.0, 1000.0, 2000.0]
+
+
+def test_latency_quantiles_match_histogram_quantile() -> None:
+    dist = LatencyDist.from_buckets([(0.1, 50.0), (0.5, 90.0), (1.0, 100.0), (INF, 100.0)])
+    assert dist is not None
+    assert dist.quantile(0.5) == pytest.approx(0.1)
+    assert dist.quantile(0.7) == pytest.approx(0.3)
+    assert dist.quantile(0.95) == pytest.approx(0.75)
+    assert dist.mean() == pytest.approx((50 * 0.05 + 40 * 0.3 + 10 * 0.75) / 100)
+
+
+def test_predicted_p95_falls_as_the_hit_ratio_rises() -> None:
+    hits = LatencyDist.from_buckets([(0.001, 100.0), (INF, 100.0)])
+    misses = LatencyDist.from_buckets([(0.5, 0.0), (1.0, 100.0), (INF, 100.0)])
+    p95s = [predicted_p95(h, hits, misses) for h in (0.0, 0.5, 0.9, 0.96)]
+    assert p95s[0] == pytest.approx(0.975)
+    assert p95s[0] > p95s[1] > p95s[2] >= 0.5
+    assert p95s[3] is not None
+    assert p95s[3] <= 0.001
+    assert predicted_p95(0.5, hits, None) is None
+
+
+def test_tenant_metrics_are_assembled_from_query_results() -> None:
+    out = tenant_metrics(
+        p95={"a": 0.2},
+        hit={"a": 0.5},
+        rps={"a": 10.0, "b": 1.0},
+        reuse={"a": [(1000.0, 5.0), (INF, 10.0)]},
+        upstream={"a": [(0.5, 1.0), (INF, 1.0)]},
+        hits={},
+        lookups={"a": 10.0},
+    )
+    assert set(out) == {"a", "b"}
+    assert out["a"].curve is not None
+    assert out["a"].curve.at(1000) == pytest.approx(0.5)
+    assert out["a"].miss_latency is not None
+    assert out["a"].hit_latency is None
+    assert out["b"].curve is None
