@@ -187,6 +187,9 @@ class LocalFleet:
                     self.model_version,
                     "--log-level",
                     "warning",
+                    # The load generator names tenants by header from loopback.
+                    "--trusted-proxies",
+                    "127.0.0.1/32",
                 ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,

@@ -82,6 +82,11 @@ class SidecarSettings(BaseModel):
     admin_port: int = Field(default=8081, ge=1, le=65535, alias="adminPort")
     upstream: str = Field(default="http://127.0.0.1:8000", pattern=r"^https?://")
     tenant_header: str = Field(default="X-Tenant-ID", min_length=1, alias="tenantHeader")
+    trusted_proxies: str = Field(
+        default="",
+        alias="trustedProxies",
+        description="CIDRs whose tenant header the sidecar believes (empty: none).",
+    )
     default_tenant: str | None = Field(default=None, alias="defaultTenant")
     log_level: str = Field(default="info", alias="logLevel")
     resources: Resources = Field(default_factory=Resources)
@@ -168,6 +173,8 @@ def sidecar_container(
     ]
     if settings.default_tenant:
         env.append(_env("default-tenant", settings.default_tenant))
+    if settings.trusted_proxies:
+        env.append(_env("trusted-proxies", settings.trusted_proxies))
     if cache.redis_secret is not None:
         secret, key = cache.redis_secret
         env.append(

@@ -47,6 +47,7 @@ from . import keys, protocol
 from .config import SidecarConfig, parse_args
 from .entry import HOP_BY_HOP, Entry, L1Value, reason_phrase
 from .epochs import EpochTracker, EpochVector
+from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
 from .policies import available_policies
@@ -74,17 +75,21 @@ ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 class Refusal(Exception):
     """A request the sidecar must refuse, with a status and a reason."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, *, extra: bytes = b"") -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.extra = extra
 
     def response(self) -> bytes:
         body = orjson.dumps(
             {"error": {"message": self.reason, "type": "cachefleet_refused", "code": self.status}}
         )
         return simple_response(
-            self.status, body, content_type=b"application/json", extra=b"x-cache: BYPASS\r\n"
+            self.status,
+            body,
+            content_type=b"application/json",
+            extra=b"x-cache: BYPASS\r\n" + self.extra,
         )
 
 
@@ -125,6 +130,12 @@ class Sidecar:
         self.telemetry = telemetry or GpuTelemetry()
         self.tenant_header = config.tenant_header.lower().encode()
         self.known_tenants: set[str] = set(config.tenants)
+        self.api_keys: ApiKeys | None = None
+        if config.api_keys_file:
+            self.api_keys = ApiKeys.from_file(config.api_keys_file)
+        elif config.api_keys:
+            self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
+        self.trusted = TrustedNetworks(parse_networks(config.trusted_proxies))
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
         self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
@@ -152,23 +163,46 @@ class Sidecar:
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
-        raw = request.header(self.tenant_header)
-        if raw is None and self.config.api_keys:
-            auth = request.header(b"authorization")
-            if auth is not None and auth[:7].lower() == b"bearer ":
-                mapped = self.config.api_keys.get(auth[7:].strip().decode("latin-1"))
-                if mapped is not None:
-                    raw = mapped.encode()
-        if raw is None:
+        """The request's tenant, by the rules of docs/security.md; :class:`Refusal` otherwise.
+
+        With an API-keys table the key alone decides (a tenant header that
+        disagrees is ignored and counted); without one the tenant header is
+        believed only from a trusted proxy network. Only request headers are
+        read: the server drops chunked-body trailers before they get here.
+        """
+        name = self.tenant_header
+        claimed: bytes | None = None
+        auth: bytes | None = None
+        for hname, value in request.headers:
+            if hname == name:
+                if claimed is not None and claimed != value:
+                    raise self._refuse(
+                        "ambiguous", 400, f"more than one {self.config.tenant_header} header"
+                    )
+                claimed = value
+            elif hname == b"authorization":
+                if auth is not None and auth != value and self.api_keys is not None:
+                    raise self._refuse("ambiguous", 400, "more than one Authorization header")
+                auth = value
+        if self.api_keys is not None:
+            return self._tenant_by_key(auth, claimed)
+        if claimed is None:
             if self.config.default_tenant is not None:
                 return self.config.default_tenant
             raise Refusal(
                 403, f"no tenant: set the {self.config.tenant_header} header (or a mapped API key)"
             )
-        tenant = self._tenant_memo.get(raw)
+        if not self.trusted.trusts(request.peer):
+            raise self._refuse(
+                "untrusted_header",
+                403,
+                f"the {self.config.tenant_header} header is believed only from the "
+                f"--trusted-proxies networks, and this connection comes from {request.peer}",
+            )
+        tenant = self._tenant_memo.get(claimed)
         if tenant is not None:
             return tenant
-        text = raw.decode("latin-1")
+        text = claimed.decode("latin-1")
         if not protocol.valid_name(text):
             raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
         if self.known_tenants and text not in self.known_tenants:
@@ -176,8 +210,45 @@ class Sidecar:
                 return self.config.default_tenant
             raise Refusal(403, f"unknown tenant {text!r}")
         if len(self._tenant_memo) < 4096:
-            self._tenant_memo[raw] = text
+            self._tenant_memo[claimed] = text
         return text
+
+    def _tenant_by_key(self, auth: bytes | None, claimed: bytes | None) -> str:
+        assert self.api_keys is not None
+        if auth is None:
+            if self.config.default_tenant is None:
+                raise self._refuse(
+                    "missing_key", 401, "an API key is required: Authorization: Bearer <key>"
+                )
+            tenant = self.config.default_tenant
+        else:
+            scheme, _, token = auth.strip().partition(b" ")
+            found = self.api_keys.lookup(token.strip()) if scheme.lower() == b"bearer" else None
+            if found is None:
+                raise self._refuse(
+                    "invalid_key", 401, "invalid API key (expected Authorization: Bearer <key>)"
+                )
+            tenant = found
+        if claimed is not None and claimed != tenant.encode():
+            # The key decides; the header is ignored, and counted: it names someone else.
+            self.metrics.identity_mismatch("header_ignored")
+        return tenant
+
+    def _refuse(self, reason: str, status: int, message: str) -> Refusal:
+        self.metrics.identity_mismatch(reason)
+        extra = b'www-authenticate: Bearer realm="cachefleet"\r\n' if status == 401 else b""
+        return Refusal(status, message, extra=extra)
+
+    def poll_api_keys(self) -> bool:
+        """Re-read the API-keys file if it changed (called periodically by the server)."""
+        if self.api_keys is None or not self.api_keys.poll():
+            return False
+        self._tenants_changed()
+        return True
+
+    def _tenants_changed(self) -> None:
+        """Known/reserved tenants moved: forget memoised tenant decisions."""
+        self._tenant_memo.clear()
 
     def key_options(self, tenant: str) -> keys.KeyOptions:
         return self._key_options.get(tenant, self._default_options)
@@ -364,7 +435,7 @@ class Sidecar:
     ) -> bytes | None:
         """Call upstream, forward, store when complete; returns the answer for joiners."""
         tenant = lookup.tenant
-        headers = [(n, v) for n, v in request.headers if n != b"accept-encoding"]
+        headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
         captured = await self._forward(request, conn, headers, b"MISS", tenant=tenant)
         if captured is None:
             return None
@@ -378,6 +449,15 @@ class Sidecar:
             if self.l2 is not None:
                 self._spawn(self._l2_put(lookup, key, entry))
         return entry.response(b"MISS")
+
+    def _upstream_headers(
+        self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
+    ) -> list[tuple[bytes, bytes]]:
+        """Request headers for upstream, the tenant header saying the tenant that was decided."""
+        name = self.tenant_header
+        out = [(n, v) for n, v in headers if n != name and n != drop]
+        out.append((name, tenant.encode()))
+        return out
 
     @staticmethod
     def _storable(entry: Entry, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -393,7 +473,10 @@ class Sidecar:
     async def _passthrough(
         self, request: Request, conn: Connection, *, tenant: str | None, reason: str | None
     ) -> None:
-        captured = await self._forward(request, conn, request.headers, b"BYPASS", tenant=tenant)
+        headers = request.headers
+        if tenant is not None:
+            headers = self._upstream_headers(headers, tenant)
+        captured = await self._forward(request, conn, headers, b"BYPASS", tenant=tenant)
         if tenant is not None:
             result = "bypass" if captured is not None else "error"
             self.metrics.tenant(tenant).request(
@@ -761,6 +844,7 @@ class SidecarServer:
         self.servers: list[asyncio.Server] = []
         self.control: Any = None
         self._usage_task: asyncio.Task[None] | None = None
+        self._keys_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -789,6 +873,8 @@ class SidecarServer:
                 l2.on_behind = self.control.poke
             await self.control.start()
             self._usage_task = loop.create_task(self._refresh_usage())
+        if self.sidecar.api_keys is not None and self.sidecar.api_keys.path is not None:
+            self._keys_task = loop.create_task(self._poll_api_keys())
         main = await loop.create_server(
             lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True
         )
@@ -819,6 +905,14 @@ class SidecarServer:
             except Exception as exc:  # never fatal: the gauges just stay older
                 log.debug("L2 usage refresh failed: %s", exc)
 
+    async def _poll_api_keys(self) -> None:
+        while True:
+            await asyncio.sleep(API_KEYS_POLL_S)
+            try:
+                self.sidecar.poll_api_keys()
+            except Exception as exc:  # never fatal: the old keys stay in force
+                log.warning("API-keys reload failed: %s", type(exc).__name__)
+
     @property
     def ports(self) -> list[int]:
         return [int(s.sockets[0].getsockname()[1]) for s in self.servers]
@@ -838,10 +932,11 @@ class SidecarServer:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
-        if self._usage_task is not None:
-            self._usage_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._usage_task
+        for task in (self._usage_task, self._keys_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.control is not None:
             await self.control.stop()
         await self.sidecar.aclose()

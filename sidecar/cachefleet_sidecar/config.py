@@ -13,9 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from . import protocol
+from . import identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
@@ -79,7 +77,12 @@ class SidecarConfig:
     tenant_header: str = "X-Tenant-ID"
     default_tenant: str | None = None
     tenants: tuple[str, ...] = ()
+    #: API key (or ``sha256:<hex>`` digest) -> tenant, given directly (tests, embedding).
     api_keys: dict[str, str] = field(default_factory=dict)
+    #: JSON file of the same, re-read when it changes (a mounted Secret).
+    api_keys_file: str | None = None
+    #: CIDRs whose tenant header is believed; empty: the header is never believed.
+    trusted_proxies: tuple[str, ...] = ()
     model_version: str = ""
     collapse_whitespace: bool = False
     cache_nondeterministic: bool = False
@@ -137,7 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("l1-bytes", "L1 size in bytes (256Mi, 1Gi, ...)", default=str(DEFAULT_L1_BYTES))
     add("policy", "default L1 policy: lru | lirs", default="lru")
-    add("tenant-header", "request header that names the tenant", default="X-Tenant-ID")
+    add(
+        "tenant-header",
+        "request header that names the tenant (believed only from --trusted-proxies, "
+        "and never when API keys are configured)",
+        default="X-Tenant-ID",
+    )
+    add(
+        "trusted-proxies",
+        "comma-separated CIDRs (e.g. 10.0.0.0/8,127.0.0.1/32) whose --tenant-header is "
+        "believed; default none: the header is refused from everyone",
+        default="",
+    )
     add(
         "default-tenant",
         "tenant for requests that name none (or an unknown one); without it they get 403",
@@ -150,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "api-keys-file",
-        "JSON file mapping API keys (Authorization: Bearer) to tenants",
+        "JSON file mapping API keys (Authorization: Bearer), plain or as sha256:<hex>, to "
+        "tenants; re-read when it changes; with it the key alone decides the tenant",
         default=None,
     )
     add("model-version", "model version that scopes cache keys", default="")
@@ -198,19 +213,15 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         except (argparse.ArgumentTypeError, ValueError) as exc:
             parser.error(f"--{flag}: {exc}")
 
-    api_keys: dict[str, str] = {}
     if ns.api_keys_file:
         try:
-            with open(ns.api_keys_file, "rb") as fh:
-                loaded = orjson.loads(fh.read())
-        except (OSError, orjson.JSONDecodeError) as exc:
+            identity.ApiKeys.from_file(ns.api_keys_file)
+        except identity.KeyFileError as exc:
             parser.error(f"--api-keys-file: {exc}")
-        if not isinstance(loaded, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and protocol.valid_name(v)
-            for k, v in loaded.items()
-        ):
-            parser.error("--api-keys-file: expected a JSON object of api-key -> tenant name")
-        api_keys = loaded
+    try:
+        trusted = identity.parse_networks(str(ns.trusted_proxies))
+    except ValueError as exc:
+        parser.error(f"--trusted-proxies: {exc}")
     try:
         policy = protocol.Policy(ns.policy)
     except ValueError:
@@ -233,7 +244,8 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         if not ns.default_tenant
         else str(conv("default-tenant", ns.default_tenant, _tenant)),
         tenants=tenants,
-        api_keys=api_keys,
+        api_keys_file=ns.api_keys_file or None,
+        trusted_proxies=tuple(str(n) for n in trusted),
         model_version=ns.model_version,
         collapse_whitespace=bool(ns.collapse_whitespace),
         cache_nondeterministic=bool(ns.cache_nondeterministic),

@@ -119,6 +119,8 @@ class SidecarMetrics:
         self.cache_faults: dict[str, int] = {}
         self.single_flight_joins = 0
         self.cross_tenant_hits = 0
+        #: Requests whose identity was refused or overridden, by reason.
+        self.identity_mismatches: dict[str, int] = {}
         self.policy_switches: dict[tuple[str, str, str], int] = {}
         self.usage_source: Callable[[], Iterable[TierUsage]] = list
         self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
@@ -134,6 +136,10 @@ class SidecarMetrics:
     def fault(self, kind: str) -> None:
         """Count a cache fault that was absorbed (request served upstream)."""
         self.cache_faults[kind] = self.cache_faults.get(kind, 0) + 1
+
+    def identity_mismatch(self, reason: str) -> None:
+        """Count a request whose claimed identity was refused or overridden (docs/security.md)."""
+        self.identity_mismatches[reason] = self.identity_mismatches.get(reason, 0) + 1
 
     def policy_switch(self, tenant: str, old: str, new: str) -> None:
         key = (tenant, old, new)
@@ -226,10 +232,19 @@ class _Collector(Collector):
         joins.add_metric([cache], m.single_flight_joins)
         contamination = CounterMetricFamily(
             "cachefleet_cross_tenant_hits",
-            "Lookups that found another tenant's entry; refused and served upstream (must be 0).",
+            "Cache hits whose entry belongs to another tenant than the authenticated requester "
+            "(the CTCCI numerator); caught by the owner check, not served (must be 0).",
             labels=["cache"],
         )
         contamination.add_metric([cache], m.cross_tenant_hits)
-        yield from (switches, faults, joins, contamination)
+        mismatches = CounterMetricFamily(
+            "cachefleet_identity_mismatches",
+            "Requests whose claimed tenant was refused or overridden, by reason "
+            "(header_ignored, untrusted_header, missing_key, invalid_key, ambiguous).",
+            labels=["cache", "reason"],
+        )
+        for reason, count in list(m.identity_mismatches.items()):
+            mismatches.add_metric([cache, reason], count)
+        yield from (switches, faults, joins, contamination, mismatches)
         for source in m.gauge_sources:
             yield from source()
