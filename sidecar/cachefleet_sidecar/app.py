@@ -69,6 +69,8 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 READY_FRESH_S = 5.0
 #: Raw request bodies whose canonical key is remembered (cleared when full).
 KEY_MEMO_MAX = 16384
+#: Tick of the tenant idleness clock, seconds (expiry is counted in ticks of this).
+IDLE_TICK_S = 5.0
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
@@ -121,9 +123,12 @@ class Sidecar:
         self.config = config
         if staleness_bound_s is None:
             staleness_bound_s = config.staleness_bound_s
-        self.metrics = metrics or SidecarMetrics(config.cache)
+        self.metrics = metrics or SidecarMetrics(config.cache, config.max_tenants)
         self.l1: TenantL1[int, L1Value] = TenantL1(
-            config.l1_bytes, default_policy=config.policy.value, max_tenants=config.max_tenants
+            config.l1_bytes,
+            default_policy=config.policy.value,
+            max_tenants=config.max_tenants,
+            guest_share=config.guest_share,
         )
         self.l2 = l2
         self.upstream = UpstreamPool(config.upstream, read_timeout_s=config.upstream_timeout_s)
@@ -136,6 +141,7 @@ class Sidecar:
         elif config.api_keys:
             self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
         self.trusted = TrustedNetworks(parse_networks(config.trusted_proxies))
+        self._update_reserved()
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
         self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
@@ -206,9 +212,12 @@ class Sidecar:
         if not protocol.valid_name(text):
             raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
         if self.known_tenants and text not in self.known_tenants:
-            if self.config.default_tenant is not None:
+            if self.config.guest_share > 0:
+                pass  # admitted as a guest: its bytes come from the guest share only
+            elif self.config.default_tenant is not None:
                 return self.config.default_tenant
-            raise Refusal(403, f"unknown tenant {text!r}")
+            else:
+                raise Refusal(403, f"unknown tenant {text!r}")
         if len(self._tenant_memo) < 4096:
             self._tenant_memo[claimed] = text
         return text
@@ -249,6 +258,34 @@ class Sidecar:
     def _tenants_changed(self) -> None:
         """Known/reserved tenants moved: forget memoised tenant decisions."""
         self._tenant_memo.clear()
+        self._update_reserved()
+
+    def _update_reserved(self) -> None:
+        """Known tenants (configured, keyed, with quotas, the default) keep shares and series."""
+        reserved = set(self.known_tenants)
+        if self.api_keys is not None:
+            reserved |= self.api_keys.tenants
+        if self.config.default_tenant is not None:
+            reserved.add(self.config.default_tenant)
+        self.l1.set_reserved(reserved)
+        self.metrics.set_reserved(reserved)
+
+    def expire_idle(self, max_idle_ticks: int) -> list[str]:
+        """One tick of the idleness clock: drop tenants idle for longer (L1, series, L2 gauges).
+
+        Called every :data:`IDLE_TICK_S` by the server; returns the tenants whose
+        L1 partition expired.
+        """
+        self.l1.advance()
+        gone = self.l1.expire_idle(max_idle_ticks)
+        for tenant in self.metrics.expire_idle(max_idle_ticks):
+            self.l2_usage.pop(tenant, None)
+        for tenant in gone:
+            self.metrics.forget(tenant)
+            self.l2_usage.pop(tenant, None)
+        if gone:
+            log.info("%d idle tenants expired from L1", len(gone))
+        return gone
 
     def key_options(self, tenant: str) -> keys.KeyOptions:
         return self._key_options.get(tenant, self._default_options)
@@ -637,7 +674,7 @@ class Sidecar:
         self.quota_generation = assignment.generation
         self.quotas = dict(assignment.tenants)
         self.known_tenants = set(self.config.tenants) | set(assignment.tenants)
-        self._tenant_memo.clear()
+        self._tenants_changed()
         base = self._default_options
         self._key_options = {
             t: keys.KeyOptions(
@@ -806,10 +843,13 @@ class Sidecar:
                 )
             )
         elif path == b"/metrics":
+            # Piece by piece, giving the loop back in between: hits are not held up by a scrape.
+            pieces: list[bytes] = []
+            for piece in self.metrics.exposition():
+                pieces.append(piece)
+                await asyncio.sleep(0)
             conn.write(
-                simple_response(
-                    200, self.metrics.render(), content_type=b"text/plain; version=0.0.4"
-                )
+                simple_response(200, b"".join(pieces), content_type=b"text/plain; version=0.0.4")
             )
         else:
             conn.write(simple_response(404, b"not found\n"))
@@ -845,6 +885,7 @@ class SidecarServer:
         self.control: Any = None
         self._usage_task: asyncio.Task[None] | None = None
         self._keys_task: asyncio.Task[None] | None = None
+        self._idle_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -875,6 +916,8 @@ class SidecarServer:
             self._usage_task = loop.create_task(self._refresh_usage())
         if self.sidecar.api_keys is not None and self.sidecar.api_keys.path is not None:
             self._keys_task = loop.create_task(self._poll_api_keys())
+        if cfg.tenant_idle_expiry_s > 0:
+            self._idle_task = loop.create_task(self._expire_idle())
         main = await loop.create_server(
             lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True
         )
@@ -905,6 +948,12 @@ class SidecarServer:
             except Exception as exc:  # never fatal: the gauges just stay older
                 log.debug("L2 usage refresh failed: %s", exc)
 
+    async def _expire_idle(self) -> None:
+        ticks = max(1, math.ceil(self.config.tenant_idle_expiry_s / IDLE_TICK_S))
+        while True:
+            await asyncio.sleep(IDLE_TICK_S)
+            self.sidecar.expire_idle(ticks)
+
     async def _poll_api_keys(self) -> None:
         while True:
             await asyncio.sleep(API_KEYS_POLL_S)
@@ -932,7 +981,7 @@ class SidecarServer:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
-        for task in (self._usage_task, self._keys_task):
+        for task in (self._usage_task, self._keys_task, self._idle_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

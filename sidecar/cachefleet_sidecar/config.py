@@ -25,6 +25,7 @@ DEFAULT_L2_TTL_S = 3600.0
 DEFAULT_UPSTREAM_TIMEOUT_S = 600.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_MAX_TENANTS = 64
+DEFAULT_TENANT_IDLE_EXPIRY_S = 600.0
 DEFAULT_CACHE = "default/default"
 ENV_PREFIX = "CACHEFLEET_"
 
@@ -64,6 +65,27 @@ def _tenant(value: str) -> str:
     return value
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _guest_share(value: str) -> float:
+    number = float(value)
+    if not 0.0 <= number <= 0.9:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 0.9, got {value!r}")
+    return number
+
+
+def _non_negative(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class SidecarConfig:
     listen: tuple[str, int] = ("0.0.0.0", 8080)
@@ -90,6 +112,10 @@ class SidecarConfig:
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
     max_tenants: int = DEFAULT_MAX_TENANTS
+    #: Share of L1 for tenants that are not known (0: they are sized like everyone else).
+    guest_share: float = 0.0
+    #: Seconds without a request after which a tenant's L1 partition and series go (0: never).
+    tenant_idle_expiry_s: float = DEFAULT_TENANT_IDLE_EXPIRY_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
 
@@ -192,7 +218,25 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds the model server may stay silent mid-request (504 after that)",
         default=str(DEFAULT_UPSTREAM_TIMEOUT_S),
     )
-    add("max-tenants", "most tenant partitions in L1", default=str(DEFAULT_MAX_TENANTS))
+    add(
+        "max-tenants",
+        "most tenant partitions in L1, and most tenants with their own metric series beyond "
+        'the known ones (the rest are counted as tenant="_other")',
+        default=str(DEFAULT_MAX_TENANTS),
+    )
+    add(
+        "guest-share",
+        "fraction of L1 (0-0.9) for tenants not named by --tenants, the API keys, the "
+        "operator's quotas or --default-tenant; with it such tenants are admitted as guests "
+        "instead of being refused, and never take bytes from known tenants",
+        default="0",
+    )
+    add(
+        "tenant-idle-expiry",
+        "seconds without a request after which a tenant's L1 entries, slot and metric series "
+        "are dropped (0: never)",
+        default=str(DEFAULT_TENANT_IDLE_EXPIRY_S),
+    )
     add(
         "shutdown-grace",
         "seconds to finish in-flight requests on SIGTERM",
@@ -252,7 +296,11 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
         staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
-        max_tenants=int(conv("max-tenants", ns.max_tenants, int)),  # type: ignore[call-overload]
+        max_tenants=int(conv("max-tenants", ns.max_tenants, _positive_int)),  # type: ignore[call-overload]
+        guest_share=float(conv("guest-share", ns.guest_share, _guest_share)),  # type: ignore[arg-type]
+        tenant_idle_expiry_s=float(
+            conv("tenant-idle-expiry", ns.tenant_idle_expiry, _non_negative)  # type: ignore[arg-type]
+        ),
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,
     )

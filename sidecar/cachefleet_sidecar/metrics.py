@@ -9,12 +9,21 @@ source of truth for each. Every series carries ``cache="<ns>/<name>"``.
 
 Each :class:`SidecarMetrics` owns a fresh ``CollectorRegistry``: no process
 singletons, nothing for tests to reset.
+
+Tenant label values are bounded: known tenants (:meth:`SidecarMetrics.set_reserved`)
+always get their own series; other tenants get one until ``max_tenant_series``
+tenants have series, after which they are counted together under
+``tenant="_other"`` (a name no tenant can have: tenant names start with a
+letter or digit). Series of tenants idle for a while are dropped
+(:meth:`SidecarMetrics.expire_idle`). :meth:`SidecarMetrics.exposition` yields
+the text a few tenants at a time, so the admin server can give the event loop
+back between pieces: a scrape never holds the hit path for long.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -49,6 +58,13 @@ BUCKETS: tuple[float, ...] = (
     30.0,
     60.0,
 )
+
+#: Label value of the tenants beyond ``max_tenant_series`` (not a valid tenant name).
+OTHER_TENANT = "_other"
+#: Default bound on tenants with their own series (known tenants come on top).
+DEFAULT_MAX_TENANT_SERIES = 64
+#: Tenants per piece of the exposition (each piece is rendered without yielding).
+TENANTS_PER_PIECE = 16
 
 TIERS = ("l1", "l2", "l3", "upstream")
 RESULTS = ("hit", "miss", "bypass", "error")
@@ -113,9 +129,14 @@ class TierUsage:
 class SidecarMetrics:
     """All sidecar metrics for one cache, with its own registry."""
 
-    def __init__(self, cache: str) -> None:
+    def __init__(self, cache: str, max_tenant_series: int = DEFAULT_MAX_TENANT_SERIES) -> None:
         self.cache = cache
+        self.max_tenant_series = max_tenant_series
+        self.reserved: frozenset[str] = frozenset()
         self.tenants: dict[str, TenantMetrics] = {}
+        #: Coarse clock for idleness (advanced with :meth:`expire_idle`) and last use per tenant.
+        self.tick = 0
+        self._seen: dict[str, int] = {}
         self.cache_faults: dict[str, int] = {}
         self.single_flight_joins = 0
         self.cross_tenant_hits = 0
@@ -130,8 +151,31 @@ class SidecarMetrics:
     def tenant(self, tenant: str) -> TenantMetrics:
         tm = self.tenants.get(tenant)
         if tm is None:
-            tm = self.tenants[tenant] = TenantMetrics()
+            if len(self.tenants) >= self.max_tenant_series and tenant not in self.reserved:
+                tenant = OTHER_TENANT
+                tm = self.tenants.get(tenant)
+            if tm is None:
+                tm = self.tenants[tenant] = TenantMetrics()
+        self._seen[tenant] = self.tick
         return tm
+
+    def set_reserved(self, tenants: Iterable[str]) -> None:
+        """Tenants that always get their own series (the known ones: a bounded set)."""
+        self.reserved = frozenset(tenants)
+
+    def forget(self, tenant: str) -> None:
+        """Drop a tenant's series (it expired; a later request starts them again from 0)."""
+        self.tenants.pop(tenant, None)
+        self._seen.pop(tenant, None)
+
+    def expire_idle(self, max_idle_ticks: int) -> list[str]:
+        """Advance the clock; drop series of tenants unused for more than ``max_idle_ticks``."""
+        self.tick += 1
+        limit = self.tick - max_idle_ticks
+        gone = [t for t, seen in self._seen.items() if seen < limit]
+        for tenant in gone:
+            self.forget(tenant)
+        return gone
 
     def fault(self, kind: str) -> None:
         """Count a cache fault that was absorbed (request served upstream)."""
@@ -146,7 +190,91 @@ class SidecarMetrics:
         self.policy_switches[key] = self.policy_switches.get(key, 0) + 1
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(self.exposition())
+
+    def exposition(self) -> Iterator[bytes]:
+        """The text exposition in pieces of at most :data:`TENANTS_PER_PIECE` tenants.
+
+        Each per-tenant family is written once with its HELP/TYPE lines, its
+        samples spread over several pieces; the rest comes last in one piece.
+        """
+        tenants = list(self.tenants.items())
+        for build in _TENANT_FAMILIES:
+            for start in range(0, max(len(tenants), 1), TENANTS_PER_PIECE):
+                family = build(self.cache, tenants[start : start + TENANTS_PER_PIECE])
+                text = generate_latest(_Families([family]))
+                yield text.split(b"\n", 2)[2] if start else text
+        yield generate_latest(_Families(_Collector(self).shared()))
+
+
+class _Families:
+    """A registry stand-in that collects given families (for ``generate_latest``)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+TenantItems = Sequence[tuple[str, TenantMetrics]]
+
+
+def _requests(cache: str, tenants: TenantItems) -> Metric:
+    reqs = CounterMetricFamily(
+        protocol.METRIC_REQUESTS.removesuffix("_total"),
+        "Requests by tenant, the tier that answered and the result.",
+        labels=["cache", "tenant", "tier", "result"],
+    )
+    for tenant, tm in tenants:
+        for (tier, result), count in list(tm.requests.items()):
+            reqs.add_metric([cache, tenant, tier, result], count)
+    return reqs
+
+
+def _latency(cache: str, tenants: TenantItems) -> Metric:
+    lat = HistogramMetricFamily(
+        protocol.METRIC_REQUEST_DURATION,
+        "Request latency as the client saw it, by tier that answered.",
+        labels=["cache", "tenant", "tier"],
+        unit="",
+    )
+    for tenant, tm in tenants:
+        for tier, hist in list(tm.latency.items()):
+            lat.add_metric([cache, tenant, tier], hist.cumulative(), hist.sum)
+    return lat
+
+
+def _upstream(cache: str, tenants: TenantItems) -> Metric:
+    up = HistogramMetricFamily(
+        protocol.METRIC_UPSTREAM_DURATION,
+        "Latency of upstream (model server) calls.",
+        labels=["cache", "tenant"],
+    )
+    for tenant, tm in tenants:
+        if any(tm.upstream.counts):
+            up.add_metric([cache, tenant], tm.upstream.cumulative(), tm.upstream.sum)
+    return up
+
+
+def _evictions(cache: str, tenants: TenantItems) -> Metric:
+    ev = CounterMetricFamily(
+        "cachefleet_evictions",
+        "Entries evicted to stay within a tenant's quota.",
+        labels=["cache", "tenant", "tier"],
+    )
+    for tenant, tm in tenants:
+        for tier, count in list(tm.evictions.items()):
+            ev.add_metric([cache, tenant, tier], count)
+    return ev
+
+
+_TENANT_FAMILIES: tuple[Callable[[str, TenantItems], Metric], ...] = (
+    _requests,
+    _latency,
+    _upstream,
+    _evictions,
+)
 
 
 class _Collector(Collector):
@@ -154,39 +282,15 @@ class _Collector(Collector):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
+        tenants = list(self.m.tenants.items())
+        for build in _TENANT_FAMILIES:
+            yield build(self.m.cache, tenants)
+        yield from self.shared()
+
+    def shared(self) -> Iterator[Metric]:
+        """Every family that is not a per-tenant request counter or histogram."""
         m = self.m
         cache = m.cache
-        reqs = CounterMetricFamily(
-            protocol.METRIC_REQUESTS.removesuffix("_total"),
-            "Requests by tenant, the tier that answered and the result.",
-            labels=["cache", "tenant", "tier", "result"],
-        )
-        lat = HistogramMetricFamily(
-            protocol.METRIC_REQUEST_DURATION,
-            "Request latency as the client saw it, by tier that answered.",
-            labels=["cache", "tenant", "tier"],
-            unit="",
-        )
-        up = HistogramMetricFamily(
-            protocol.METRIC_UPSTREAM_DURATION,
-            "Latency of upstream (model server) calls.",
-            labels=["cache", "tenant"],
-        )
-        ev = CounterMetricFamily(
-            "cachefleet_evictions",
-            "Entries evicted to stay within a tenant's quota.",
-            labels=["cache", "tenant", "tier"],
-        )
-        for tenant, tm in list(m.tenants.items()):
-            for (tier, result), count in list(tm.requests.items()):
-                reqs.add_metric([cache, tenant, tier, result], count)
-            for tier, hist in list(tm.latency.items()):
-                lat.add_metric([cache, tenant, tier], hist.cumulative(), hist.sum)
-            if tm.upstream.counts[-1] or any(tm.upstream.counts):
-                up.add_metric([cache, tenant], tm.upstream.cumulative(), tm.upstream.sum)
-            for tier, count in list(tm.evictions.items()):
-                ev.add_metric([cache, tenant, tier], count)
-        yield from (reqs, lat, up, ev)
 
         used = GaugeMetricFamily(
             "cachefleet_cache_bytes",
