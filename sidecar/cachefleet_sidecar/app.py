@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import math
 import signal
@@ -784,7 +785,7 @@ class Sidecar:
         return {
             "cache": self.config.cache,
             "pod": self.config.pod,
-            "upstream": self.config.upstream,
+            "upstream": protocol.redact_url(self.config.upstream),
             "uptime_s": round(time.time() - self.started_at, 3),
             "quota_generation": self.quota_generation,
             "model_version": self.model_version,
@@ -835,10 +836,13 @@ class Sidecar:
                 else simple_response(503, b"upstream unreachable\n")
             )
         elif path == b"/status":
+            status = self.status()
+            if not _is_loopback(request.peer):
+                status = public_status(status)
             conn.write(
                 simple_response(
                     200,
-                    orjson.dumps(self.status(), option=orjson.OPT_INDENT_2),
+                    orjson.dumps(status, option=orjson.OPT_INDENT_2),
                     content_type=b"application/json",
                 )
             )
@@ -859,6 +863,30 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 1.0)
         await self.upstream.aclose()
+
+
+#: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
+TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs")
+
+
+def public_status(status: dict[str, Any]) -> dict[str, Any]:
+    """/status for a peer that is not on loopback: tenant names replaced by counts."""
+    out = {k: v for k, v in status.items() if k not in TENANT_FIELDS}
+    out["tenant_count"] = len(status.get("tenants") or {})
+    out["tenants_hidden"] = "tenant details are shown to loopback peers only (kubectl port-forward)"
+    return out
+
+
+def _is_loopback(peer: str | None) -> bool:
+    if peer is None:
+        return False
+    try:
+        addr = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
 
 
 class AdminHandler:
@@ -934,7 +962,7 @@ class SidecarServer:
         log.info(
             "cachefleet sidecar on %s:%d -> %s (L1 %d bytes, policy %s, redis %s)",
             *cfg.listen,
-            cfg.upstream,
+            protocol.redact_url(cfg.upstream),
             cfg.l1_bytes,
             cfg.policy.value,
             "on" if cfg.redis_url else "off",

@@ -17,7 +17,8 @@ from . import identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
-DEFAULT_ADMIN_LISTEN = "0.0.0.0:8081"
+#: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
+DEFAULT_ADMIN_LISTEN = "127.0.0.1:8081"
 DEFAULT_UPSTREAM = "http://127.0.0.1:8000"
 DEFAULT_L1_BYTES = 256 * 1024 * 1024
 DEFAULT_L2_TTL_S = 3600.0
@@ -89,7 +90,7 @@ def _non_negative(value: str) -> float:
 @dataclass(frozen=True)
 class SidecarConfig:
     listen: tuple[str, int] = ("0.0.0.0", 8080)
-    admin_listen: tuple[str, int] | None = ("0.0.0.0", 8081)
+    admin_listen: tuple[str, int] | None = ("127.0.0.1", 8081)
     upstream: str = DEFAULT_UPSTREAM
     redis_url: str | None = None
     cache: str = DEFAULT_CACHE
@@ -144,14 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("listen", "HOST:PORT of the proxy", default=DEFAULT_LISTEN)
     add(
         "admin-listen",
-        "HOST:PORT of /healthz /readyz /status /metrics ('off' to serve them on --listen)",
+        "HOST:PORT of /healthz /readyz /status /metrics ('off' to serve them on --listen); "
+        "loopback by default, tenant names in /status only to loopback peers",
         default=DEFAULT_ADMIN_LISTEN,
     )
-    add("upstream", "URL of the model server", default=DEFAULT_UPSTREAM)
+    add(
+        "upstream",
+        "URL of the model server; user:password@ in it is sent as Authorization: Basic "
+        "(replacing the client's) and never shown",
+        default=DEFAULT_UPSTREAM,
+    )
     add(
         "redis-url",
-        "Redis for L2 and quotas (redis://H:P, rediss://, redis+cluster://H1:P1,H2:P2); "
-        "without it the sidecar runs L1 only",
+        "Redis for L2 and quotas (redis://[USER:PASSWORD@]H:P/DB, rediss://...?ssl_ca_certs=CA, "
+        "redis+cluster://H1:P1,H2:P2); without it the sidecar runs L1 only",
         default=None,
     )
     add(
