@@ -106,6 +106,7 @@ class CacheInfo:
     model_version: str | None = None
     l1_bytes_per_pod: int | None = None
     policy: str | None = None
+    outage_staleness_s: int = 0
 
     @property
     def ref(self) -> str:
@@ -128,6 +129,7 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         model_version=(spec.get("model") or {}).get("version") or None,
         l1_bytes_per_pod=int(l1) if l1 is not None else None,
         policy=spec.get("defaultPolicy") or None,
+        outage_staleness_s=int(redis.get("outageStalenessSeconds") or 0),
     )
 
 
@@ -191,6 +193,8 @@ def sidecar_container(
         env.append(_env("l1-bytes", str(cache.l1_bytes_per_pod)))
     if cache.policy:
         env.append(_env("policy", cache.policy))
+    if cache.outage_staleness_s:
+        env.append(_env("redis-outage-staleness", str(cache.outage_staleness_s)))
     set_names = {e["name"] for e in env}
     env.extend(
         {"name": k, "value": v} for k, v in sorted(settings.env.items()) if k not in set_names

@@ -124,6 +124,10 @@ class Sidecar:
         self.config = config
         if staleness_bound_s is None:
             staleness_bound_s = config.staleness_bound_s
+        # Serve-stale (the InferenceCache's outage choice) is a longer, stated bound: while
+        # Redis answers, epochs are confirmed every poll and invalidations arrive as fast
+        # as in strict mode; only when confirmations stop does the longer bound matter.
+        staleness_bound_s = max(staleness_bound_s, config.redis_outage_staleness_s)
         self.metrics = metrics or SidecarMetrics(config.cache, config.max_tenants)
         self.l1: TenantL1[int, L1Value] = TenantL1(
             config.l1_bytes,
@@ -791,6 +795,7 @@ class Sidecar:
             "model_version": self.model_version,
             "invalidation_epochs": self.tracker.known,
             "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
+            "redis_outage": self.outage_mode(),
             "l1": {
                 "capacity_bytes": self.config.l1_bytes,
                 "default_policy": self.config.policy.value,
@@ -814,6 +819,22 @@ class Sidecar:
                 "redis": self.l2 is not None and self.l2.state != "ok",
                 "gpu_telemetry": not self.telemetry.available,
             },
+        }
+
+    def outage_mode(self) -> dict[str, Any]:
+        """What this sidecar does while Redis is unreachable (the InferenceCache's choice)."""
+        bound = self.config.redis_outage_staleness_s
+        if bound > 0:
+            return {
+                "mode": "serve-stale",
+                "max_staleness_s": self.tracker.bound_s,
+                "says": f"L1 hits go on for up to {self.tracker.bound_s:g} s after the last "
+                "confirmed epochs; requests that miss L1 go upstream",
+            }
+        return {
+            "mode": "strict",
+            "max_staleness_s": self.tracker.bound_s,
+            "says": "L1 hits stop once the epochs cannot be confirmed; requests go upstream",
         }
 
     async def ready(self) -> bool:
@@ -937,6 +958,8 @@ class SidecarServer:
                 tracker=self.sidecar.tracker,
                 on_epochs=self.sidecar.on_epochs,
                 on_redis_reset=getattr(l2, "forget_registrations", None),
+                # The poll keeps the strict cadence even when serve-stale lengthens the bound.
+                epoch_poll_s=cfg.staleness_bound_s / 4,
             )
             if l2 is not None and hasattr(l2, "on_behind"):
                 l2.on_behind = self.control.poke

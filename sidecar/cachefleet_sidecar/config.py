@@ -112,6 +112,8 @@ class SidecarConfig:
     l2_ttl_s: float = DEFAULT_L2_TTL_S
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
+    #: 0: strict (no L1 hits once epochs are unconfirmed); N: L1 hits up to N s into an outage.
+    redis_outage_staleness_s: float = 0.0
     max_tenants: int = DEFAULT_MAX_TENANTS
     #: Share of L1 for tenants that are not known (0: they are sized like everyone else).
     guest_share: float = 0.0
@@ -221,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_STALENESS_BOUND_S),
     )
     add(
+        "redis-outage-staleness",
+        "0 (strict): while Redis is unreachable, L1 hits stop after --staleness-bound; "
+        "N > 0: they go on for up to N seconds after the last confirmed epochs",
+        default="0",
+    )
+    add(
         "upstream-timeout",
         "seconds the model server may stay silent mid-request (504 after that)",
         default=str(DEFAULT_UPSTREAM_TIMEOUT_S),
@@ -303,6 +311,9 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
         staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
+        redis_outage_staleness_s=float(
+            conv("redis-outage-staleness", ns.redis_outage_staleness, _non_negative)  # type: ignore[arg-type]
+        ),
         max_tenants=int(conv("max-tenants", ns.max_tenants, _positive_int)),  # type: ignore[call-overload]
         guest_share=float(conv("guest-share", ns.guest_share, _guest_share)),  # type: ignore[arg-type]
         tenant_idle_expiry_s=float(
