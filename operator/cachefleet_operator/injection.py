@@ -17,6 +17,9 @@ Rules a user can rely on:
 * the sidecar is configured through ``CACHEFLEET_<FLAG>`` environment
   variables (see :mod:`cachefleet_sidecar.config`); a Redis URL held in a
   Secret stays in the Secret (``valueFrom.secretKeyRef``);
+* ``cachefleet.io/api-keys-secret: <secret>`` mounts that Secret's
+  ``keys.json`` read-only into the sidecar as its API-keys file (the key then
+  decides the tenant, see docs/security.md);
 * a port clash with another container is refused with a message naming it,
   rather than injecting a sidecar that cannot bind.
 """
@@ -36,6 +39,12 @@ CACHE_LABEL = "cachefleet.io/cache"
 INJECT_ANNOTATION = "cachefleet.io/inject"
 #: Annotation that overrides the sidecar's upstream (the model server URL) for one Pod.
 UPSTREAM_ANNOTATION = "cachefleet.io/upstream"
+#: Annotation naming a Secret (Pod's namespace) whose key ``keys.json`` is the sidecar's
+#: API-keys file; mounted read-only, so a Secret update reaches the sidecar's reload.
+API_KEYS_ANNOTATION = "cachefleet.io/api-keys-secret"
+API_KEYS_VOLUME = "cachefleet-api-keys"
+API_KEYS_DIR = "/etc/cachefleet/api-keys"
+API_KEYS_FILE = "keys.json"
 #: Annotation the webhook sets on an injected Pod: ``<namespace>/<name>`` of its cache.
 INJECTED_ANNOTATION = "cachefleet.io/injected"
 #: Name of the injected container.
@@ -158,7 +167,11 @@ def _env(flag: str, value: str) -> dict[str, Any]:
 
 
 def sidecar_container(
-    cache: CacheInfo, settings: SidecarSettings, *, upstream: str | None = None
+    cache: CacheInfo,
+    settings: SidecarSettings,
+    *,
+    upstream: str | None = None,
+    api_keys_secret: str | None = None,
 ) -> dict[str, Any]:
     """The sidecar container of a Pod that belongs to ``cache``."""
     env: list[dict[str, Any]] = [
@@ -195,6 +208,8 @@ def sidecar_container(
         env.append(_env("policy", cache.policy))
     if cache.outage_staleness_s:
         env.append(_env("redis-outage-staleness", str(cache.outage_staleness_s)))
+    if api_keys_secret:
+        env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}
     env.extend(
         {"name": k, "value": v} for k, v in sorted(settings.env.items()) if k not in set_names
@@ -209,8 +224,10 @@ def sidecar_container(
             "failureThreshold": failures,
         }
 
+    mounts = [{"name": API_KEYS_VOLUME, "mountPath": API_KEYS_DIR, "readOnly": True}]
     return {
         "name": SIDECAR_NAME,
+        **({"volumeMounts": mounts} if api_keys_secret else {}),
         "image": settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["cachefleet", "sidecar"],
@@ -278,13 +295,32 @@ def injection_patch(
         cache = CacheInfo(namespace=namespace, name=name)
     annotations = (pod.get("metadata") or {}).get("annotations")
     upstream = (annotations or {}).get(UPSTREAM_ANNOTATION) or None
+    keys_secret = (annotations or {}).get(API_KEYS_ANNOTATION) or None
+    if keys_secret is not None and not _NAME_RE.match(str(keys_secret)):
+        raise InjectionError(
+            f"cachefleet: annotation {API_KEYS_ANNOTATION}={keys_secret!r} is not a Secret name"
+        )
     ops: list[dict[str, Any]] = [
         {
             "op": "add",
             "path": "/spec/containers/-",
-            "value": sidecar_container(cache, settings, upstream=upstream),
+            "value": sidecar_container(
+                cache, settings, upstream=upstream, api_keys_secret=keys_secret
+            ),
         }
     ]
+    if keys_secret is not None:
+        volume = {
+            "name": API_KEYS_VOLUME,
+            "secret": {
+                "secretName": keys_secret,
+                "items": [{"key": API_KEYS_FILE, "path": API_KEYS_FILE}],
+            },
+        }
+        if (pod.get("spec") or {}).get("volumes") is None:
+            ops.append({"op": "add", "path": "/spec/volumes", "value": [volume]})
+        else:
+            ops.append({"op": "add", "path": "/spec/volumes/-", "value": volume})
     if annotations is None:
         ops.append(
             {

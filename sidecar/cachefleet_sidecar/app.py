@@ -488,7 +488,7 @@ class Sidecar:
         entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
         if 200 <= status < 300 and not lookup.no_store and self._storable(entry, resp_headers):
             self._l1_put(tenant, key, entry)
-            if self.l2 is not None:
+            if self.l2 is not None and self._l2_allowed(tenant):
                 self._spawn(self._l2_put(lookup, key, entry))
         return entry.response(b"MISS")
 
@@ -637,8 +637,16 @@ class Sidecar:
             return False
         return self.tracker.vector(lookup.tenant, key.model)
 
+    def _l2_allowed(self, tenant: str) -> bool:
+        """Guests admitted by --guest-share stay in L1: they never read or write Redis."""
+        return (
+            self.config.guest_share <= 0
+            or not self.l1.is_guest(tenant)
+            or not (self.l1.reserved or self.quotas)
+        )
+
     async def _l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:
-        if self.l2 is None:
+        if self.l2 is None or not self._l2_allowed(lookup.tenant):
             return None
         tenant = lookup.tenant
         vector = self._vector(lookup, key)

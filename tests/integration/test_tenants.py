@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import Sidecar
 from cachefleet_sidecar.metrics import OTHER_TENANT, TENANTS_PER_PIECE
 from cachefleet_sidecar.server import Request
@@ -150,3 +152,20 @@ async def test_a_scrape_gives_the_loop_back_between_pieces(
     # Other work ran between the pieces, not only before and after the whole scrape.
     assert turns >= pieces - 1
     assert tenant_labels(sink.data.split(b"\r\n\r\n", 1)[1].decode()) >= {"junk-0", "junk-63"}
+
+
+@pytest.mark.redis
+async def test_guests_never_write_redis(sidecar_factory: SidecarFactory, redis_url: str) -> None:
+    sc = await sidecar_factory(tenants=("alpha",), guest_share=0.25, redis_url=redis_url)
+    await fill(sc, "alpha", 3)
+    answers = await flood(sc, 30)
+    assert {r.status_code for r in answers} == {200}
+    await asyncio.sleep(0.3)  # L2 writes are in the background
+    client = protocol.redis_from_url(redis_url)
+    try:
+        found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
+    finally:
+        await client.aclose()
+    names = b"\n".join(k if isinstance(k, bytes) else k.encode() for k in found)
+    assert b"|alpha}" in names
+    assert b"junk" not in names
