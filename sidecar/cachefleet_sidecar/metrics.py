@@ -16,12 +16,14 @@ tenants have series, after which they are counted together under
 ``tenant="_other"`` (a name no tenant can have: tenant names start with a
 letter or digit). Series of tenants idle for a while are dropped
 (:meth:`SidecarMetrics.expire_idle`). :meth:`SidecarMetrics.exposition` yields
-the text a few tenants at a time, so the admin server can give the event loop
-back between pieces: a scrape never holds the hit path for long.
+the text in pieces of about half a millisecond of work each, so the admin
+server can give the event loop back between pieces: a scrape never holds the
+hit path for long.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +65,8 @@ BUCKETS: tuple[float, ...] = (
 OTHER_TENANT = "_other"
 #: Default bound on tenants with their own series (known tenants come on top).
 DEFAULT_MAX_TENANT_SERIES = 64
-#: Tenants per piece of the exposition (each piece is rendered without yielding).
-TENANTS_PER_PIECE = 16
+#: CPU time one piece of the /metrics text may take before the loop gets a turn, seconds.
+PIECE_BUDGET_S = 0.0005
 
 TIERS = ("l1", "l2", "l3", "upstream")
 RESULTS = ("hit", "miss", "bypass", "error")
@@ -192,19 +194,88 @@ class SidecarMetrics:
     def render(self) -> bytes:
         return b"".join(self.exposition())
 
-    def exposition(self) -> Iterator[bytes]:
-        """The text exposition in pieces of at most :data:`TENANTS_PER_PIECE` tenants.
+    def exposition(self, budget_s: float = PIECE_BUDGET_S) -> Iterator[bytes]:
+        """The text exposition in pieces, each made in about ``budget_s`` of CPU.
 
-        Each per-tenant family is written once with its HELP/TYPE lines, its
-        samples spread over several pieces; the rest comes last in one piece.
+        The per-tenant families (the bulk) are formatted here directly, a
+        tenant at a time, and a piece is cut whenever its budget is spent;
+        each family keeps one HELP/TYPE header. Everything else comes last,
+        in one piece from ``prometheus_client``.
         """
         tenants = list(self.tenants.items())
-        for build in _TENANT_FAMILIES:
-            for start in range(0, max(len(tenants), 1), TENANTS_PER_PIECE):
-                family = build(self.cache, tenants[start : start + TENANTS_PER_PIECE])
-                text = generate_latest(_Families([family]))
-                yield text.split(b"\n", 2)[2] if start else text
+        clock = time.perf_counter
+        for name, kind, help_text, lines_of in _TENANT_TEXT:
+            out = [f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"]
+            started = clock()
+            for tenant, tm in tenants:
+                out += lines_of(f'cache="{_esc(self.cache)}",tenant="{_esc(tenant)}"', tm)
+                if clock() - started >= budget_s:
+                    yield "".join(out).encode()
+                    out = []
+                    started = clock()
+            if out:
+                yield "".join(out).encode()
         yield generate_latest(_Families(_Collector(self).shared()))
+
+
+def _esc(value: str) -> str:
+    """A label value escaped for the text format."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+_LE = (*(repr(bound) for bound in BUCKETS), "+Inf")
+
+
+def _histogram_lines(name: str, labels: str, hist: Histogram) -> list[str]:
+    out = []
+    acc = 0
+    for le, count in zip(_LE, hist.counts, strict=True):
+        acc += count
+        out.append(f'{name}_bucket{{{labels},le="{le}"}} {acc}\n')
+    out.append(f"{name}_count{{{labels}}} {acc}\n")
+    out.append(f"{name}_sum{{{labels}}} {hist.sum!r}\n")
+    return out
+
+
+def _requests_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'{protocol.METRIC_REQUESTS}{{{labels},tier="{tier}",result="{result}"}} {count}\n'
+        for (tier, result), count in list(tm.requests.items())
+    ]
+
+
+def _latency_text(labels: str, tm: TenantMetrics) -> list[str]:
+    out: list[str] = []
+    for tier, hist in list(tm.latency.items()):
+        out += _histogram_lines(protocol.METRIC_REQUEST_DURATION, f'{labels},tier="{tier}"', hist)
+    return out
+
+
+def _upstream_text(labels: str, tm: TenantMetrics) -> list[str]:
+    if not any(tm.upstream.counts):
+        return []
+    return _histogram_lines(protocol.METRIC_UPSTREAM_DURATION, labels, tm.upstream)
+
+
+def _evictions_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'cachefleet_evictions_total{{{labels},tier="{tier}"}} {count}\n'
+        for tier, count in list(tm.evictions.items())
+    ]
+
+
+HELP_REQUESTS = "Requests by tenant, the tier that answered and the result."
+HELP_LATENCY = "Request latency as the client saw it, by tier that answered."
+HELP_UPSTREAM = "Latency of upstream (model server) calls."
+HELP_EVICTIONS = "Entries evicted to stay within a tenant's quota."
+
+#: The per-tenant families as text: (name, type, help, lines of one tenant).
+_TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str]]], ...] = (
+    (protocol.METRIC_REQUESTS, "counter", HELP_REQUESTS, _requests_text),
+    (protocol.METRIC_REQUEST_DURATION, "histogram", HELP_LATENCY, _latency_text),
+    (protocol.METRIC_UPSTREAM_DURATION, "histogram", HELP_UPSTREAM, _upstream_text),
+    ("cachefleet_evictions_total", "counter", HELP_EVICTIONS, _evictions_text),
+)
 
 
 class _Families:
@@ -223,7 +294,7 @@ TenantItems = Sequence[tuple[str, TenantMetrics]]
 def _requests(cache: str, tenants: TenantItems) -> Metric:
     reqs = CounterMetricFamily(
         protocol.METRIC_REQUESTS.removesuffix("_total"),
-        "Requests by tenant, the tier that answered and the result.",
+        HELP_REQUESTS,
         labels=["cache", "tenant", "tier", "result"],
     )
     for tenant, tm in tenants:
@@ -235,7 +306,7 @@ def _requests(cache: str, tenants: TenantItems) -> Metric:
 def _latency(cache: str, tenants: TenantItems) -> Metric:
     lat = HistogramMetricFamily(
         protocol.METRIC_REQUEST_DURATION,
-        "Request latency as the client saw it, by tier that answered.",
+        HELP_LATENCY,
         labels=["cache", "tenant", "tier"],
         unit="",
     )
@@ -248,7 +319,7 @@ def _latency(cache: str, tenants: TenantItems) -> Metric:
 def _upstream(cache: str, tenants: TenantItems) -> Metric:
     up = HistogramMetricFamily(
         protocol.METRIC_UPSTREAM_DURATION,
-        "Latency of upstream (model server) calls.",
+        HELP_UPSTREAM,
         labels=["cache", "tenant"],
     )
     for tenant, tm in tenants:
@@ -260,7 +331,7 @@ def _upstream(cache: str, tenants: TenantItems) -> Metric:
 def _evictions(cache: str, tenants: TenantItems) -> Metric:
     ev = CounterMetricFamily(
         "cachefleet_evictions",
-        "Entries evicted to stay within a tenant's quota.",
+        HELP_EVICTIONS,
         labels=["cache", "tenant", "tier"],
     )
     for tenant, tm in tenants:
