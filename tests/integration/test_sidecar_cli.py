@@ -92,6 +92,17 @@ def test_bad_flags_name_the_flag() -> None:
     assert proc.returncode == 2
     assert "--trusted-proxies" in out
     assert "'gateway'" in out
+    for flag, value, words in (
+        ("--guest-share", "0.95", "fraction from 0 to 0.9"),
+        ("--tenant-idle-expiry", "-1", "seconds >= 0"),
+        ("--redis-outage-staleness", "soon", "--redis-outage-staleness"),
+        ("--max-tenants", "0", "positive integer"),
+    ):
+        proc = cachefleet("sidecar", flag, value)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 2
+        assert flag in out
+        assert words in out
 
 
 def test_a_bad_keys_file_is_refused_without_printing_keys(tmp_path: Path) -> None:
