@@ -119,6 +119,16 @@ async def test_header_is_believed_only_from_trusted_networks(
     assert "--trusted-proxies" in refused.json()["error"]["message"]
     assert await mismatches(elsewhere, "untrusted_header") == 1
 
+    # Two tenant headers, even from a trusted peer, are ambiguous: refused, not "first wins".
+    raw = await raw_request(
+        trusting,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: alpha\r\n"
+        b"X-Tenant-ID: beta\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s",
+        json.dumps(chat_body("q")).encode(),
+    )
+    assert raw.startswith(b"HTTP/1.1 400"), raw[:200]
+    assert await mismatches(trusting, "ambiguous") == 1
+
     nobody = await sidecar_factory(trusted_proxies=(), default_tenant="public")
     # No header: the default tenant. A header from an untrusted peer: refused, not defaulted.
     assert (await nobody.chat("q", tenant=None)).status_code == 200
@@ -247,6 +257,16 @@ async def test_l2_forged_identities_never_read_the_victims_entries(
         refused = await pod_c.chat("in L2", tenant="beta", headers=attempt)
         assert refused.status_code == 401
     assert "beta" not in pod_c.sidecar.l1.stats()
+
+    # A trailer carrying beta's key, against the same L2: not a credential.
+    body = json.dumps(chat_body("in L2")).encode()
+    reply = await raw_request(
+        pod_c,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n"
+        + chunked(body, b"Authorization: Bearer sk-beta-0123456789\r\nX-Tenant-ID: beta\r\n"),
+    )
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
 
     # Header mode from an untrusted source, against the same L2.
     header_pod = await sidecar_factory(
