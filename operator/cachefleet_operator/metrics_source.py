@@ -15,7 +15,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from cachefleet_operator.allocation import TenantMetrics
-from cachefleet_sidecar.protocol import promql_hit_ratio, promql_p95_seconds, promql_rps
+from cachefleet_sidecar.protocol import (
+    promql_hit_ratio,
+    promql_p95_seconds,
+    promql_rps,
+    redact_url,
+)
 
 #: Default timeout of one PromQL query, seconds.
 DEFAULT_QUERY_TIMEOUT_S = 5.0
@@ -62,6 +67,8 @@ class PrometheusMetricsSource:
         from prometheus_api_client import PrometheusConnect
 
         self.url = url
+        #: The URL as messages (conditions, Events, logs) show it: without credentials.
+        self.where = redact_url(url)
         self.timeout_s = timeout_s
         self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
 
@@ -75,11 +82,11 @@ class PrometheusMetricsSource:
             )
         except TimeoutError as exc:
             raise MetricsUnavailable(
-                "PrometheusUnavailable", f"Prometheus at {self.url} timed out"
+                "PrometheusUnavailable", f"Prometheus at {self.where} timed out"
             ) from exc
         except Exception as exc:  # requests / client errors of every kind
             raise MetricsUnavailable(
-                "PrometheusUnavailable", f"Prometheus at {self.url}: {type(exc).__name__}: {exc}"
+                "PrometheusUnavailable", f"Prometheus at {self.where}: {type(exc).__name__}: {exc}"
             ) from exc
 
     async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
@@ -91,7 +98,7 @@ class PrometheusMetricsSource:
         tenants = set(p95) | set(hit) | set(rps)
         if not tenants:
             raise MetricsUnavailable(
-                "NoMetrics", f"Prometheus at {self.url} has no sidecar metrics for {cache}"
+                "NoMetrics", f"Prometheus at {self.where} has no sidecar metrics for {cache}"
             )
         return {
             t: TenantMetrics(p95_s=p95.get(t), hit_ratio=hit.get(t), rps=rps.get(t))

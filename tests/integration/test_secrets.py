@@ -81,3 +81,14 @@ async def test_status_names_tenants_only_to_loopback_peers(sidecar_factory: Side
         assert b"acme" not in sink.data
         assert b'"tenant_count": 1' in sink.data
     assert public_status(full)["redis"] == full["redis"]
+
+
+async def test_prometheus_credentials_never_reach_conditions() -> None:
+    from cachefleet_operator.metrics_source import MetricsUnavailable, PrometheusMetricsSource
+
+    # Nothing listens on port 9 of loopback: the query fails at once.
+    source = PrometheusMetricsSource("http://ops:prom-s3cret@127.0.0.1:9", timeout_s=2.0)
+    with pytest.raises(MetricsUnavailable) as info:
+        await source.fetch("ns/chat", "5m")
+    assert "prom-s3cret" not in str(info.value)
+    assert "ops:***@127.0.0.1:9" in str(info.value)
