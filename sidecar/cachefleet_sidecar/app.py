@@ -327,8 +327,10 @@ class Sidecar:
         self._key_memo[memo_key] = result
         return result
 
-    def _lookup(self, request: Request, kind: str) -> Lookup:
-        tenant = self.resolve_tenant(request)
+    def _lookup(self, request: Request, kind: str, tenant: str | None = None) -> Lookup:
+        """Tenant, key and cache directives of a request (``tenant`` when already decided)."""
+        if tenant is None:
+            tenant = self.resolve_tenant(request)
         no_cache = no_store = False
         cc = request.header(b"cache-control")
         if cc is not None:
@@ -414,8 +416,11 @@ class Sidecar:
             return
         memo = request.memo
         if memo is None or (isinstance(memo, Lookup) and memo.version != self._scope_version):
+            # Keys moved since the fast path (new epochs): key again, but the identity
+            # was decided once for this request (and its mismatches counted once).
+            known = memo.tenant if isinstance(memo, Lookup) else None
             try:
-                memo = self._lookup(request, kind)
+                memo = self._lookup(request, kind, known)
             except Refusal as exc:
                 memo = exc
         if isinstance(memo, Refusal):
