@@ -266,6 +266,7 @@ async def stale_reads(
                     cache=CACHE,
                     pod=f"sidecar-{i}",
                     l1_bytes=8 * 2**20,
+                    trusted_proxies=("127.0.0.1/32",),
                 )
                 servers.append(SidecarServer(config))
                 await servers[-1].start()

@@ -851,6 +851,7 @@ class Services:
             argv = [sys.executable, "-m", "cachefleet_operator.cli", "sidecar"]
             argv += ["--listen", f"{HOST}:{port}", "--upstream", f"http://{HOST}:{upstream}"]
             argv += ["--admin-listen", f"{HOST}:{free_port()}"]
+            argv += ["--trusted-proxies", f"{HOST}/32"]  # wrk names the tenant by header
             argv += ["--l1-bytes", str(l1_bytes)]
             if with_redis:
                 argv += ["--redis-url", f"redis://{HOST}:{self.redis()}/0"]

@@ -190,6 +190,9 @@ class LocalFleet:
                     "--log-level",
                     "warning",
                     *self.sidecar_args,
+                    # The load generator names tenants by header from loopback.
+                    "--trusted-proxies",
+                    "127.0.0.1/32",
                 ],
                 stdout=sink,
                 stderr=subprocess.STDOUT,

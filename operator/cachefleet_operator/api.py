@@ -179,6 +179,18 @@ class RedisEndpoint(_Model):
     secret_ref: SecretKeyRef | None = Field(
         default=None, description="Secret key holding the URL (use this when it has a password)."
     )
+    outage_staleness_seconds: int = Field(
+        default=0,
+        ge=0,
+        le=86400,
+        description=(
+            "What the sidecars do while Redis is unreachable. 0 (strict): L1 hits stop once "
+            "the invalidation epochs cannot be confirmed (within the staleness bound, 2 s) and "
+            "every request goes to the model server. N > 0: L1 hits go on for up to N seconds "
+            "after the last confirmation, so an answer may be up to N seconds older than an "
+            "invalidation that completed during the outage."
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_of(self) -> RedisEndpoint:

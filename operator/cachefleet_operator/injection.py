@@ -17,6 +17,9 @@ Rules a user can rely on:
 * the sidecar is configured through ``CACHEFLEET_<FLAG>`` environment
   variables (see :mod:`cachefleet_sidecar.config`); a Redis URL held in a
   Secret stays in the Secret (``valueFrom.secretKeyRef``);
+* ``cachefleet.io/api-keys-secret: <secret>`` mounts that Secret's
+  ``keys.json`` read-only into the sidecar as its API-keys file (the key then
+  decides the tenant, see docs/security.md);
 * a port clash with another container is refused with a message naming it,
   rather than injecting a sidecar that cannot bind.
 """
@@ -36,6 +39,12 @@ CACHE_LABEL = "cachefleet.io/cache"
 INJECT_ANNOTATION = "cachefleet.io/inject"
 #: Annotation that overrides the sidecar's upstream (the model server URL) for one Pod.
 UPSTREAM_ANNOTATION = "cachefleet.io/upstream"
+#: Annotation naming a Secret (Pod's namespace) whose key ``keys.json`` is the sidecar's
+#: API-keys file; mounted read-only, so a Secret update reaches the sidecar's reload.
+API_KEYS_ANNOTATION = "cachefleet.io/api-keys-secret"
+API_KEYS_VOLUME = "cachefleet-api-keys"
+API_KEYS_DIR = "/etc/cachefleet/api-keys"
+API_KEYS_FILE = "keys.json"
 #: Annotation the webhook sets on an injected Pod: ``<namespace>/<name>`` of its cache.
 INJECTED_ANNOTATION = "cachefleet.io/injected"
 #: Name of the injected container.
@@ -82,6 +91,11 @@ class SidecarSettings(BaseModel):
     admin_port: int = Field(default=8081, ge=1, le=65535, alias="adminPort")
     upstream: str = Field(default="http://127.0.0.1:8000", pattern=r"^https?://")
     tenant_header: str = Field(default="X-Tenant-ID", min_length=1, alias="tenantHeader")
+    trusted_proxies: str = Field(
+        default="",
+        alias="trustedProxies",
+        description="CIDRs whose tenant header the sidecar believes (empty: none).",
+    )
     default_tenant: str | None = Field(default=None, alias="defaultTenant")
     log_level: str = Field(default="info", alias="logLevel")
     resources: Resources = Field(default_factory=Resources)
@@ -101,6 +115,7 @@ class CacheInfo:
     model_version: str | None = None
     l1_bytes_per_pod: int | None = None
     policy: str | None = None
+    outage_staleness_s: int = 0
 
     @property
     def ref(self) -> str:
@@ -123,6 +138,7 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         model_version=(spec.get("model") or {}).get("version") or None,
         l1_bytes_per_pod=int(l1) if l1 is not None else None,
         policy=spec.get("defaultPolicy") or None,
+        outage_staleness_s=int(redis.get("outageStalenessSeconds") or 0),
     )
 
 
@@ -151,7 +167,11 @@ def _env(flag: str, value: str) -> dict[str, Any]:
 
 
 def sidecar_container(
-    cache: CacheInfo, settings: SidecarSettings, *, upstream: str | None = None
+    cache: CacheInfo,
+    settings: SidecarSettings,
+    *,
+    upstream: str | None = None,
+    api_keys_secret: str | None = None,
 ) -> dict[str, Any]:
     """The sidecar container of a Pod that belongs to ``cache``."""
     env: list[dict[str, Any]] = [
@@ -168,6 +188,8 @@ def sidecar_container(
     ]
     if settings.default_tenant:
         env.append(_env("default-tenant", settings.default_tenant))
+    if settings.trusted_proxies:
+        env.append(_env("trusted-proxies", settings.trusted_proxies))
     if cache.redis_secret is not None:
         secret, key = cache.redis_secret
         env.append(
@@ -184,6 +206,10 @@ def sidecar_container(
         env.append(_env("l1-bytes", str(cache.l1_bytes_per_pod)))
     if cache.policy:
         env.append(_env("policy", cache.policy))
+    if cache.outage_staleness_s:
+        env.append(_env("redis-outage-staleness", str(cache.outage_staleness_s)))
+    if api_keys_secret:
+        env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}
     env.extend(
         {"name": k, "value": v} for k, v in sorted(settings.env.items()) if k not in set_names
@@ -198,8 +224,10 @@ def sidecar_container(
             "failureThreshold": failures,
         }
 
+    mounts = [{"name": API_KEYS_VOLUME, "mountPath": API_KEYS_DIR, "readOnly": True}]
     return {
         "name": SIDECAR_NAME,
+        **({"volumeMounts": mounts} if api_keys_secret else {}),
         "image": settings.image,
         "imagePullPolicy": settings.image_pull_policy,
         "command": ["cachefleet", "sidecar"],
@@ -267,13 +295,32 @@ def injection_patch(
         cache = CacheInfo(namespace=namespace, name=name)
     annotations = (pod.get("metadata") or {}).get("annotations")
     upstream = (annotations or {}).get(UPSTREAM_ANNOTATION) or None
+    keys_secret = (annotations or {}).get(API_KEYS_ANNOTATION) or None
+    if keys_secret is not None and not _NAME_RE.match(str(keys_secret)):
+        raise InjectionError(
+            f"cachefleet: annotation {API_KEYS_ANNOTATION}={keys_secret!r} is not a Secret name"
+        )
     ops: list[dict[str, Any]] = [
         {
             "op": "add",
             "path": "/spec/containers/-",
-            "value": sidecar_container(cache, settings, upstream=upstream),
+            "value": sidecar_container(
+                cache, settings, upstream=upstream, api_keys_secret=keys_secret
+            ),
         }
     ]
+    if keys_secret is not None:
+        volume = {
+            "name": API_KEYS_VOLUME,
+            "secret": {
+                "secretName": keys_secret,
+                "items": [{"key": API_KEYS_FILE, "path": API_KEYS_FILE}],
+            },
+        }
+        if (pod.get("spec") or {}).get("volumes") is None:
+            ops.append({"op": "add", "path": "/spec/volumes", "value": [volume]})
+        else:
+            ops.append({"op": "add", "path": "/spec/volumes/-", "value": volume})
     if annotations is None:
         ops.append(
             {

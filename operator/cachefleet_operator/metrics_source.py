@@ -30,6 +30,7 @@ from cachefleet_sidecar.protocol import (
     promql_reuse_buckets,
     promql_rps,
     promql_upstream_buckets,
+    redact_url,
 )
 
 #: Default timeout of one PromQL query, seconds.
@@ -175,6 +176,8 @@ class PrometheusMetricsSource:
         from prometheus_api_client import PrometheusConnect
 
         self.url = url
+        #: The URL as messages (conditions, Events, logs) show it: without credentials.
+        self.where = redact_url(url)
         self.timeout_s = timeout_s
         self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
 
@@ -189,11 +192,11 @@ class PrometheusMetricsSource:
             )
         except TimeoutError as exc:
             raise MetricsUnavailable(
-                "PrometheusUnavailable", f"Prometheus at {self.url} timed out"
+                "PrometheusUnavailable", f"Prometheus at {self.where} timed out"
             ) from exc
         except Exception as exc:  # requests / client errors of every kind
             raise MetricsUnavailable(
-                "PrometheusUnavailable", f"Prometheus at {self.url}: {type(exc).__name__}: {exc}"
+                "PrometheusUnavailable", f"Prometheus at {self.where}: {type(exc).__name__}: {exc}"
             ) from exc
 
     async def fetch(
@@ -229,7 +232,7 @@ class PrometheusMetricsSource:
         )
         if not metrics:
             raise MetricsUnavailable(
-                "NoMetrics", f"Prometheus at {self.url} has no sidecar metrics for {cache}"
+                "NoMetrics", f"Prometheus at {self.where} has no sidecar metrics for {cache}"
             )
         return metrics
 

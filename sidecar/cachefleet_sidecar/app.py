@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import math
 import signal
@@ -48,6 +49,7 @@ from . import keys, mrc, protocol
 from .config import SidecarConfig, parse_args
 from .entry import HOP_BY_HOP, Entry, L1Value, reason_phrase
 from .epochs import EpochTracker, EpochVector
+from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage, reuse_families
 from .mrc import MissRatioCurves
@@ -70,23 +72,29 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 READY_FRESH_S = 5.0
 #: Raw request bodies whose canonical key is remembered (cleared when full).
 KEY_MEMO_MAX = 16384
+#: Tick of the tenant idleness clock, seconds (expiry is counted in ticks of this).
+IDLE_TICK_S = 5.0
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
 class Refusal(Exception):
     """A request the sidecar must refuse, with a status and a reason."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, *, extra: bytes = b"") -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.extra = extra
 
     def response(self) -> bytes:
         body = orjson.dumps(
             {"error": {"message": self.reason, "type": "cachefleet_refused", "code": self.status}}
         )
         return simple_response(
-            self.status, body, content_type=b"application/json", extra=b"x-cache: BYPASS\r\n"
+            self.status,
+            body,
+            content_type=b"application/json",
+            extra=b"x-cache: BYPASS\r\n" + self.extra,
         )
 
 
@@ -118,15 +126,41 @@ class Sidecar:
         self.config = config
         if staleness_bound_s is None:
             staleness_bound_s = config.staleness_bound_s
-        self.metrics = metrics or SidecarMetrics(config.cache)
+        # Serve-stale (the InferenceCache's outage choice) is a longer, stated bound: while
+        # Redis answers, epochs are confirmed every poll and invalidations arrive as fast
+        # as in strict mode; only when confirmations stop does the longer bound matter.
+        staleness_bound_s = max(staleness_bound_s, config.redis_outage_staleness_s)
+        self.metrics = metrics or SidecarMetrics(config.cache, config.max_tenants)
         self.l1: TenantL1[int, L1Value] = TenantL1(
-            config.l1_bytes, default_policy=config.policy.value, max_tenants=config.max_tenants
+            config.l1_bytes,
+            default_policy=config.policy.value,
+            max_tenants=config.max_tenants,
+            guest_share=config.guest_share,
         )
         self.l2 = l2
         self.upstream = UpstreamPool(config.upstream, read_timeout_s=config.upstream_timeout_s)
         self.telemetry = telemetry or GpuTelemetry()
         self.tenant_header = config.tenant_header.lower().encode()
         self.known_tenants: set[str] = set(config.tenants)
+        self.api_keys: ApiKeys | None = None
+        if config.api_keys_file:
+            self.api_keys = ApiKeys.from_file(config.api_keys_file)
+        elif config.api_keys:
+            self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
+        self.trusted = TrustedNetworks(parse_networks(config.trusted_proxies))
+        #: Per-tenant miss-ratio curves (None: off).
+        self.mrc = (
+            MissRatioCurves(
+                config.mrc_samples,
+                config.mrc_max_rate,
+                policy_sizes=tuple(int(f * config.l1_bytes) for f in mrc.MINI_SIM_FRACTIONS),
+                default_policy=config.policy.value,
+            )
+            if config.mrc_samples > 0
+            else None
+        )
+        self._mrc_gate = int(mrc.HASH_SPACE * config.mrc_max_rate) if self.mrc else 0
+        self._update_reserved()
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
         self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
@@ -151,49 +185,132 @@ class Sidecar:
         self.metrics.usage_source = self._usage
         self.metrics.gauge_sources.append(self.telemetry.collect)
         self.metrics.gauge_sources.append(self._redis_families)
-        #: Per-tenant miss-ratio curves (None: off).
-        self.mrc = (
-            MissRatioCurves(
-                config.mrc_samples,
-                config.mrc_max_rate,
-                policy_sizes=tuple(int(f * config.l1_bytes) for f in mrc.MINI_SIM_FRACTIONS),
-                default_policy=config.policy.value,
-            )
-            if config.mrc_samples > 0
-            else None
-        )
-        self._mrc_gate = int(mrc.HASH_SPACE * config.mrc_max_rate) if self.mrc else 0
         if self.mrc is not None:
             self.metrics.gauge_sources.append(partial(reuse_families, config.cache, self.mrc))
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
-        raw = request.header(self.tenant_header)
-        if raw is None and self.config.api_keys:
-            auth = request.header(b"authorization")
-            if auth is not None and auth[:7].lower() == b"bearer ":
-                mapped = self.config.api_keys.get(auth[7:].strip().decode("latin-1"))
-                if mapped is not None:
-                    raw = mapped.encode()
-        if raw is None:
+        """The request's tenant, by the rules of docs/security.md; :class:`Refusal` otherwise.
+
+        With an API-keys table the key alone decides (a tenant header that
+        disagrees is ignored and counted); without one the tenant header is
+        believed only from a trusted proxy network. Only request headers are
+        read: the server drops chunked-body trailers before they get here.
+        """
+        name = self.tenant_header
+        claimed: bytes | None = None
+        auth: bytes | None = None
+        for hname, value in request.headers:
+            if hname == name:
+                if claimed is not None and claimed != value:
+                    raise self._refuse(
+                        "ambiguous", 400, f"more than one {self.config.tenant_header} header"
+                    )
+                claimed = value
+            elif hname == b"authorization":
+                if auth is not None and auth != value and self.api_keys is not None:
+                    raise self._refuse("ambiguous", 400, "more than one Authorization header")
+                auth = value
+        if self.api_keys is not None:
+            return self._tenant_by_key(auth, claimed)
+        if claimed is None:
             if self.config.default_tenant is not None:
                 return self.config.default_tenant
             raise Refusal(
                 403, f"no tenant: set the {self.config.tenant_header} header (or a mapped API key)"
             )
-        tenant = self._tenant_memo.get(raw)
+        if not self.trusted.trusts(request.peer):
+            raise self._refuse(
+                "untrusted_header",
+                403,
+                f"the {self.config.tenant_header} header is believed only from the "
+                f"--trusted-proxies networks, and this connection comes from {request.peer}",
+            )
+        tenant = self._tenant_memo.get(claimed)
         if tenant is not None:
             return tenant
-        text = raw.decode("latin-1")
+        text = claimed.decode("latin-1")
         if not protocol.valid_name(text):
             raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
         if self.known_tenants and text not in self.known_tenants:
-            if self.config.default_tenant is not None:
+            if self.config.guest_share > 0:
+                pass  # admitted as a guest: its bytes come from the guest share only
+            elif self.config.default_tenant is not None:
                 return self.config.default_tenant
-            raise Refusal(403, f"unknown tenant {text!r}")
+            else:
+                raise Refusal(403, f"unknown tenant {text!r}")
         if len(self._tenant_memo) < 4096:
-            self._tenant_memo[raw] = text
+            self._tenant_memo[claimed] = text
         return text
+
+    def _tenant_by_key(self, auth: bytes | None, claimed: bytes | None) -> str:
+        assert self.api_keys is not None
+        if auth is None:
+            if self.config.default_tenant is None:
+                raise self._refuse(
+                    "missing_key", 401, "an API key is required: Authorization: Bearer <key>"
+                )
+            tenant = self.config.default_tenant
+        else:
+            scheme, _, token = auth.strip().partition(b" ")
+            found = self.api_keys.lookup(token.strip()) if scheme.lower() == b"bearer" else None
+            if found is None:
+                raise self._refuse(
+                    "invalid_key", 401, "invalid API key (expected Authorization: Bearer <key>)"
+                )
+            tenant = found
+        if claimed is not None and claimed != tenant.encode():
+            # The key decides; the header is ignored, and counted: it names someone else.
+            self.metrics.identity_mismatch("header_ignored")
+        return tenant
+
+    def _refuse(self, reason: str, status: int, message: str) -> Refusal:
+        self.metrics.identity_mismatch(reason)
+        extra = b'www-authenticate: Bearer realm="cachefleet"\r\n' if status == 401 else b""
+        return Refusal(status, message, extra=extra)
+
+    def poll_api_keys(self) -> bool:
+        """Re-read the API-keys file if it changed (called periodically by the server)."""
+        if self.api_keys is None or not self.api_keys.poll():
+            return False
+        self._tenants_changed()
+        return True
+
+    def _tenants_changed(self) -> None:
+        """Known/reserved tenants moved: forget memoised tenant decisions."""
+        self._tenant_memo.clear()
+        self._update_reserved()
+
+    def _update_reserved(self) -> None:
+        """Known tenants (configured, keyed, with quotas, the default) keep shares and series."""
+        reserved = set(self.known_tenants)
+        if self.api_keys is not None:
+            reserved |= self.api_keys.tenants
+        if self.config.default_tenant is not None:
+            reserved.add(self.config.default_tenant)
+        self.l1.set_reserved(reserved)
+        self.metrics.set_reserved(reserved)
+        if self.mrc is not None:
+            self.mrc.limit_to(frozenset(reserved) if reserved else None)
+
+    def expire_idle(self, max_idle_ticks: int) -> list[str]:
+        """One tick of the idleness clock: drop tenants idle for longer (L1, series, L2 gauges).
+
+        Called every :data:`IDLE_TICK_S` by the server; returns the tenants whose
+        L1 partition expired.
+        """
+        self.l1.advance()
+        gone = self.l1.expire_idle(max_idle_ticks)
+        for tenant in self.metrics.expire_idle(max_idle_ticks):
+            self.l2_usage.pop(tenant, None)
+        for tenant in gone:
+            self.metrics.forget(tenant)
+            self.l2_usage.pop(tenant, None)
+            if self.mrc is not None:
+                self.mrc.forget(tenant)
+        if gone:
+            log.info("%d idle tenants expired from L1", len(gone))
+        return gone
 
     def key_options(self, tenant: str) -> keys.KeyOptions:
         return self._key_options.get(tenant, self._default_options)
@@ -230,8 +347,10 @@ class Sidecar:
         self._key_memo[memo_key] = result
         return result
 
-    def _lookup(self, request: Request, kind: str) -> Lookup:
-        tenant = self.resolve_tenant(request)
+    def _lookup(self, request: Request, kind: str, tenant: str | None = None) -> Lookup:
+        """Tenant, key and cache directives of a request (``tenant`` when already decided)."""
+        if tenant is None:
+            tenant = self.resolve_tenant(request)
         no_cache = no_store = False
         cc = request.header(b"cache-control")
         if cc is not None:
@@ -321,8 +440,11 @@ class Sidecar:
             return
         memo = request.memo
         if memo is None or (isinstance(memo, Lookup) and memo.version != self._scope_version):
+            # Keys moved since the fast path (new epochs): key again, but the identity
+            # was decided once for this request (and its mismatches counted once).
+            known = memo.tenant if isinstance(memo, Lookup) else None
             try:
-                memo = self._lookup(request, kind)
+                memo = self._lookup(request, kind, known)
             except Refusal as exc:
                 memo = exc
         if isinstance(memo, Refusal):
@@ -386,7 +508,7 @@ class Sidecar:
     ) -> bytes | None:
         """Call upstream, forward, store when complete; returns the answer for joiners."""
         tenant = lookup.tenant
-        headers = [(n, v) for n, v in request.headers if n != b"accept-encoding"]
+        headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
         captured = await self._forward(request, conn, headers, b"MISS", tenant=tenant)
         if captured is None:
             return None
@@ -397,9 +519,18 @@ class Sidecar:
         entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
         if 200 <= status < 300 and not lookup.no_store and self._storable(entry, resp_headers):
             self._l1_put(tenant, key, entry)
-            if self.l2 is not None:
+            if self.l2 is not None and self._l2_allowed(tenant):
                 self._spawn(self._l2_put(lookup, key, entry))
         return entry.response(b"MISS")
+
+    def _upstream_headers(
+        self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
+    ) -> list[tuple[bytes, bytes]]:
+        """Request headers for upstream, the tenant header saying the tenant that was decided."""
+        name = self.tenant_header
+        out = [(n, v) for n, v in headers if n != name and n != drop]
+        out.append((name, tenant.encode()))
+        return out
 
     @staticmethod
     def _storable(entry: Entry, headers: list[tuple[bytes, bytes]]) -> bool:
@@ -415,7 +546,10 @@ class Sidecar:
     async def _passthrough(
         self, request: Request, conn: Connection, *, tenant: str | None, reason: str | None
     ) -> None:
-        captured = await self._forward(request, conn, request.headers, b"BYPASS", tenant=tenant)
+        headers = request.headers
+        if tenant is not None:
+            headers = self._upstream_headers(headers, tenant)
+        captured = await self._forward(request, conn, headers, b"BYPASS", tenant=tenant)
         if tenant is not None:
             result = "bypass" if captured is not None else "error"
             self.metrics.tenant(tenant).request(
@@ -537,8 +671,16 @@ class Sidecar:
             return False
         return self.tracker.vector(lookup.tenant, key.model)
 
+    def _l2_allowed(self, tenant: str) -> bool:
+        """Guests admitted by --guest-share stay in L1: they never read or write Redis."""
+        return (
+            self.config.guest_share <= 0
+            or not self.l1.is_guest(tenant)
+            or not (self.l1.reserved or self.quotas)
+        )
+
     async def _l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:
-        if self.l2 is None:
+        if self.l2 is None or not self._l2_allowed(lookup.tenant):
             return None
         tenant = lookup.tenant
         vector = self._vector(lookup, key)
@@ -579,7 +721,7 @@ class Sidecar:
         self.quota_generation = assignment.generation
         self.quotas = dict(assignment.tenants)
         self.known_tenants = set(self.config.tenants) | set(assignment.tenants)
-        self._tenant_memo.clear()
+        self._tenants_changed()
         base = self._default_options
         self._key_options = {
             t: keys.KeyOptions(
@@ -693,12 +835,13 @@ class Sidecar:
         return {
             "cache": self.config.cache,
             "pod": self.config.pod,
-            "upstream": self.config.upstream,
+            "upstream": protocol.redact_url(self.config.upstream),
             "uptime_s": round(time.time() - self.started_at, 3),
             "quota_generation": self.quota_generation,
             "model_version": self.model_version,
             "invalidation_epochs": self.tracker.known,
             "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
+            "redis_outage": self.outage_mode(),
             "l1": {
                 "capacity_bytes": self.config.l1_bytes,
                 "default_policy": self.config.policy.value,
@@ -724,6 +867,22 @@ class Sidecar:
             },
         }
 
+    def outage_mode(self) -> dict[str, Any]:
+        """What this sidecar does while Redis is unreachable (the InferenceCache's choice)."""
+        bound = self.config.redis_outage_staleness_s
+        if bound > 0:
+            return {
+                "mode": "serve-stale",
+                "max_staleness_s": self.tracker.bound_s,
+                "says": f"L1 hits go on for up to {self.tracker.bound_s:g} s after the last "
+                "confirmed epochs; requests that miss L1 go upstream",
+            }
+        return {
+            "mode": "strict",
+            "max_staleness_s": self.tracker.bound_s,
+            "says": "L1 hits stop once the epochs cannot be confirmed; requests go upstream",
+        }
+
     async def ready(self) -> bool:
         if time.monotonic() - self._last_upstream_ok < READY_FRESH_S:
             return True
@@ -744,18 +903,24 @@ class Sidecar:
                 else simple_response(503, b"upstream unreachable\n")
             )
         elif path == b"/status":
+            status = self.status()
+            if not _is_loopback(request.peer):
+                status = public_status(status)
             conn.write(
                 simple_response(
                     200,
-                    orjson.dumps(self.status(), option=orjson.OPT_INDENT_2),
+                    orjson.dumps(status, option=orjson.OPT_INDENT_2),
                     content_type=b"application/json",
                 )
             )
         elif path == b"/metrics":
+            # Piece by piece, giving the loop back in between: hits are not held up by a scrape.
+            pieces: list[bytes] = []
+            for piece in self.metrics.exposition():
+                pieces.append(piece)
+                await asyncio.sleep(0)
             conn.write(
-                simple_response(
-                    200, self.metrics.render(), content_type=b"text/plain; version=0.0.4"
-                )
+                simple_response(200, b"".join(pieces), content_type=b"text/plain; version=0.0.4")
             )
         else:
             conn.write(simple_response(404, b"not found\n"))
@@ -765,6 +930,30 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 1.0)
         await self.upstream.aclose()
+
+
+#: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
+TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs")
+
+
+def public_status(status: dict[str, Any]) -> dict[str, Any]:
+    """/status for a peer that is not on loopback: tenant names replaced by counts."""
+    out = {k: v for k, v in status.items() if k not in TENANT_FIELDS}
+    out["tenant_count"] = len(status.get("tenants") or {})
+    out["tenants_hidden"] = "tenant details are shown to loopback peers only (kubectl port-forward)"
+    return out
+
+
+def _is_loopback(peer: str | None) -> bool:
+    if peer is None:
+        return False
+    try:
+        addr = ipaddress.ip_address(peer.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
 
 
 class AdminHandler:
@@ -790,6 +979,8 @@ class SidecarServer:
         self.servers: list[asyncio.Server] = []
         self.control: Any = None
         self._usage_task: asyncio.Task[None] | None = None
+        self._keys_task: asyncio.Task[None] | None = None
+        self._idle_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -813,11 +1004,17 @@ class SidecarServer:
                 tracker=self.sidecar.tracker,
                 on_epochs=self.sidecar.on_epochs,
                 on_redis_reset=getattr(l2, "forget_registrations", None),
+                # The poll keeps the strict cadence even when serve-stale lengthens the bound.
+                epoch_poll_s=cfg.staleness_bound_s / 4,
             )
             if l2 is not None and hasattr(l2, "on_behind"):
                 l2.on_behind = self.control.poke
             await self.control.start()
             self._usage_task = loop.create_task(self._refresh_usage())
+        if self.sidecar.api_keys is not None and self.sidecar.api_keys.path is not None:
+            self._keys_task = loop.create_task(self._poll_api_keys())
+        if cfg.tenant_idle_expiry_s > 0:
+            self._idle_task = loop.create_task(self._expire_idle())
         main = await loop.create_server(
             lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True
         )
@@ -834,7 +1031,7 @@ class SidecarServer:
         log.info(
             "cachefleet sidecar on %s:%d -> %s (L1 %d bytes, policy %s, redis %s)",
             *cfg.listen,
-            cfg.upstream,
+            protocol.redact_url(cfg.upstream),
             cfg.l1_bytes,
             cfg.policy.value,
             "on" if cfg.redis_url else "off",
@@ -847,6 +1044,20 @@ class SidecarServer:
                 await self.sidecar.refresh_l2_usage()
             except Exception as exc:  # never fatal: the gauges just stay older
                 log.debug("L2 usage refresh failed: %s", exc)
+
+    async def _expire_idle(self) -> None:
+        ticks = max(1, math.ceil(self.config.tenant_idle_expiry_s / IDLE_TICK_S))
+        while True:
+            await asyncio.sleep(IDLE_TICK_S)
+            self.sidecar.expire_idle(ticks)
+
+    async def _poll_api_keys(self) -> None:
+        while True:
+            await asyncio.sleep(API_KEYS_POLL_S)
+            try:
+                self.sidecar.poll_api_keys()
+            except Exception as exc:  # never fatal: the old keys stay in force
+                log.warning("API-keys reload failed: %s", type(exc).__name__)
 
     @property
     def ports(self) -> list[int]:
@@ -867,10 +1078,11 @@ class SidecarServer:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
-        if self._usage_task is not None:
-            self._usage_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._usage_task
+        for task in (self._usage_task, self._keys_task, self._idle_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.control is not None:
             await self.control.stop()
         await self.sidecar.aclose()

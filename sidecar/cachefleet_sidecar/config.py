@@ -13,14 +13,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from . import protocol
+from . import identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
-DEFAULT_ADMIN_LISTEN = "0.0.0.0:8081"
+#: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
+DEFAULT_ADMIN_LISTEN = "127.0.0.1:8081"
 DEFAULT_UPSTREAM = "http://127.0.0.1:8000"
 DEFAULT_L1_BYTES = 256 * 1024 * 1024
 DEFAULT_L2_TTL_S = 3600.0
@@ -29,6 +28,7 @@ DEFAULT_UPSTREAM_TIMEOUT_S = 600.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_MAX_TENANTS = 64
 DEFAULT_MRC_SAMPLES = DEFAULT_MAX_SAMPLES
+DEFAULT_TENANT_IDLE_EXPIRY_S = 600.0
 DEFAULT_CACHE = "default/default"
 ENV_PREFIX = "CACHEFLEET_"
 
@@ -60,7 +60,8 @@ def _cache(value: str) -> str:
     return value
 
 
-def _non_negative(value: str) -> int:
+def _count(value: str) -> int:
+    """A whole number >= 0."""
     number = int(value)
     if number < 0:
         raise ValueError(f"must be >= 0, got {number}")
@@ -82,10 +83,31 @@ def _tenant(value: str) -> str:
     return value
 
 
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _guest_share(value: str) -> float:
+    number = float(value)
+    if not 0.0 <= number <= 0.9:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 0.9, got {value!r}")
+    return number
+
+
+def _non_negative(value: str) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value!r}")
+    return number
+
+
 @dataclass(frozen=True)
 class SidecarConfig:
     listen: tuple[str, int] = ("0.0.0.0", 8080)
-    admin_listen: tuple[str, int] | None = ("0.0.0.0", 8081)
+    admin_listen: tuple[str, int] | None = ("127.0.0.1", 8081)
     upstream: str = DEFAULT_UPSTREAM
     redis_url: str | None = None
     cache: str = DEFAULT_CACHE
@@ -95,18 +117,29 @@ class SidecarConfig:
     tenant_header: str = "X-Tenant-ID"
     default_tenant: str | None = None
     tenants: tuple[str, ...] = ()
+    #: API key (or ``sha256:<hex>`` digest) -> tenant, given directly (tests, embedding).
     api_keys: dict[str, str] = field(default_factory=dict)
+    #: JSON file of the same, re-read when it changes (a mounted Secret).
+    api_keys_file: str | None = None
+    #: CIDRs whose tenant header is believed; empty: the header is never believed.
+    trusted_proxies: tuple[str, ...] = ()
     model_version: str = ""
     collapse_whitespace: bool = False
     cache_nondeterministic: bool = False
     l2_ttl_s: float = DEFAULT_L2_TTL_S
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
+    #: 0: strict (no L1 hits once epochs are unconfirmed); N: L1 hits up to N s into an outage.
+    redis_outage_staleness_s: float = 0.0
     max_tenants: int = DEFAULT_MAX_TENANTS
     #: Keys tracked per tenant for its miss-ratio curve (0: no curves).
     mrc_samples: int = DEFAULT_MRC_SAMPLES
     #: Highest share of a tenant's keys its curve samples (the hit path's cost bound).
     mrc_max_rate: float = DEFAULT_MAX_RATE
+    #: Share of L1 for tenants that are not known (0: they are sized like everyone else).
+    guest_share: float = 0.0
+    #: Seconds without a request after which a tenant's L1 partition and series go (0: never).
+    tenant_idle_expiry_s: float = DEFAULT_TENANT_IDLE_EXPIRY_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
 
@@ -135,14 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("listen", "HOST:PORT of the proxy", default=DEFAULT_LISTEN)
     add(
         "admin-listen",
-        "HOST:PORT of /healthz /readyz /status /metrics ('off' to serve them on --listen)",
+        "HOST:PORT of /healthz /readyz /status /metrics ('off' to serve them on --listen); "
+        "loopback by default, tenant names in /status only to loopback peers",
         default=DEFAULT_ADMIN_LISTEN,
     )
-    add("upstream", "URL of the model server", default=DEFAULT_UPSTREAM)
+    add(
+        "upstream",
+        "URL of the model server; user:password@ in it is sent as Authorization: Basic "
+        "(replacing the client's) and never shown",
+        default=DEFAULT_UPSTREAM,
+    )
     add(
         "redis-url",
-        "Redis for L2 and quotas (redis://H:P, rediss://, redis+cluster://H1:P1,H2:P2); "
-        "without it the sidecar runs L1 only",
+        "Redis for L2 and quotas (redis://[USER:PASSWORD@]H:P/DB, rediss://...?ssl_ca_certs=CA, "
+        "redis+cluster://H1:P1,H2:P2); without it the sidecar runs L1 only",
         default=None,
     )
     add(
@@ -157,7 +196,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("l1-bytes", "L1 size in bytes (256Mi, 1Gi, ...)", default=str(DEFAULT_L1_BYTES))
     add("policy", "default L1 policy: lru | lirs", default="lru")
-    add("tenant-header", "request header that names the tenant", default="X-Tenant-ID")
+    add(
+        "tenant-header",
+        "request header that names the tenant (believed only from --trusted-proxies, "
+        "and never when API keys are configured)",
+        default="X-Tenant-ID",
+    )
+    add(
+        "trusted-proxies",
+        "comma-separated CIDRs (e.g. 10.0.0.0/8,127.0.0.1/32) whose --tenant-header is "
+        "believed; default none: the header is refused from everyone",
+        default="",
+    )
     add(
         "default-tenant",
         "tenant for requests that name none (or an unknown one); without it they get 403",
@@ -170,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "api-keys-file",
-        "JSON file mapping API keys (Authorization: Bearer) to tenants",
+        "JSON file mapping API keys (Authorization: Bearer), plain or as sha256:<hex>, to "
+        "tenants; re-read when it changes; with it the key alone decides the tenant",
         default=None,
     )
     add("model-version", "model version that scopes cache keys", default="")
@@ -193,11 +244,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_STALENESS_BOUND_S),
     )
     add(
+        "redis-outage-staleness",
+        "0 (strict): while Redis is unreachable, L1 hits stop after --staleness-bound; "
+        "N > 0: they go on for up to N seconds after the last confirmed epochs",
+        default="0",
+    )
+    add(
         "upstream-timeout",
         "seconds the model server may stay silent mid-request (504 after that)",
         default=str(DEFAULT_UPSTREAM_TIMEOUT_S),
     )
-    add("max-tenants", "most tenant partitions in L1", default=str(DEFAULT_MAX_TENANTS))
+    add(
+        "max-tenants",
+        "most tenant partitions in L1, and most tenants with their own metric series beyond "
+        'the known ones (the rest are counted as tenant="_other")',
+        default=str(DEFAULT_MAX_TENANTS),
+    )
+    add(
+        "guest-share",
+        "fraction of L1 (0-0.9) for tenants not named by --tenants, the API keys, the "
+        "operator's quotas or --default-tenant; with it such tenants are admitted as guests "
+        "instead of being refused, and never take bytes from known tenants",
+        default="0",
+    )
+    add(
+        "tenant-idle-expiry",
+        "seconds without a request after which a tenant's L1 entries, slot and metric series "
+        "are dropped (0: never)",
+        default=str(DEFAULT_TENANT_IDLE_EXPIRY_S),
+    )
     add(
         "mrc-samples",
         "keys sampled per tenant for its miss-ratio curve (0 turns curves off)",
@@ -229,19 +304,15 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         except (argparse.ArgumentTypeError, ValueError) as exc:
             parser.error(f"--{flag}: {exc}")
 
-    api_keys: dict[str, str] = {}
     if ns.api_keys_file:
         try:
-            with open(ns.api_keys_file, "rb") as fh:
-                loaded = orjson.loads(fh.read())
-        except (OSError, orjson.JSONDecodeError) as exc:
+            identity.ApiKeys.from_file(ns.api_keys_file)
+        except identity.KeyFileError as exc:
             parser.error(f"--api-keys-file: {exc}")
-        if not isinstance(loaded, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and protocol.valid_name(v)
-            for k, v in loaded.items()
-        ):
-            parser.error("--api-keys-file: expected a JSON object of api-key -> tenant name")
-        api_keys = loaded
+    try:
+        trusted = identity.parse_networks(str(ns.trusted_proxies))
+    except ValueError as exc:
+        parser.error(f"--trusted-proxies: {exc}")
     try:
         policy = protocol.Policy(ns.policy)
     except ValueError:
@@ -264,16 +335,24 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         if not ns.default_tenant
         else str(conv("default-tenant", ns.default_tenant, _tenant)),
         tenants=tenants,
-        api_keys=api_keys,
+        api_keys_file=ns.api_keys_file or None,
+        trusted_proxies=tuple(str(n) for n in trusted),
         model_version=ns.model_version,
         collapse_whitespace=bool(ns.collapse_whitespace),
         cache_nondeterministic=bool(ns.cache_nondeterministic),
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
         staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
-        max_tenants=int(conv("max-tenants", ns.max_tenants, int)),  # type: ignore[call-overload]
-        mrc_samples=int(conv("mrc-samples", ns.mrc_samples, _non_negative)),  # type: ignore[call-overload]
+        mrc_samples=int(conv("mrc-samples", ns.mrc_samples, _count)),  # type: ignore[call-overload]
         mrc_max_rate=float(conv("mrc-max-rate", ns.mrc_max_rate, _rate)),  # type: ignore[arg-type]
+        redis_outage_staleness_s=float(
+            conv("redis-outage-staleness", ns.redis_outage_staleness, _non_negative)  # type: ignore[arg-type]
+        ),
+        max_tenants=int(conv("max-tenants", ns.max_tenants, _positive_int)),  # type: ignore[call-overload]
+        guest_share=float(conv("guest-share", ns.guest_share, _guest_share)),  # type: ignore[arg-type]
+        tenant_idle_expiry_s=float(
+            conv("tenant-idle-expiry", ns.tenant_idle_expiry, _non_negative)  # type: ignore[arg-type]
+        ),
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,
     )

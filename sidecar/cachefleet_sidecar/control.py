@@ -443,6 +443,7 @@ class ControlSync:
             username=target.username,
             password=target.password,
             ssl=target.tls,
+            ssl_ca_certs=target.ca_file if target.tls else None,
             socket_connect_timeout=self.op_timeout_s,
             socket_timeout=self.op_timeout_s,
             retry=Retry(NoBackoff(), 0),

@@ -14,6 +14,19 @@ tenant's entries. Partition sizes:
   tenant not in the map gets an equal share of what the map leaves
   unassigned (possibly 0: such a tenant caches nothing).
 
+*Known* tenants (:meth:`TenantL1.set_reserved`: those named by configuration,
+API keys or quotas) and *guests* (any other active tenant): with a guest
+share ``F`` > 0 and any known tenant, guests together get ``F`` of the
+budget, split equally among the active guests, and known tenants share the
+rest, so no number of guest names can shrink a known tenant's partition.
+With ``F`` = 0 guests are sized like every other tenant without a quota.
+
+Partitions are bounded by ``max_tenants``: a new guest beyond it raises
+:class:`TenantLimitError` (it is served uncached), a new known tenant takes
+the slot of the guest seen least recently. :meth:`TenantL1.expire_idle`
+drops partitions not used for a number of :meth:`TenantL1.advance` ticks
+(entries, share and slot), so slots come back.
+
 A partition's policy is, in order: an explicit :meth:`TenantL1.set_policy`
 override, the quota's policy, the L1's default policy. Changing it migrates
 the entries into a fresh policy instance coldest first (so the hottest end up
@@ -71,11 +84,15 @@ class TenantL1(Generic[K, V]):
     __slots__ = (
         "_default_policy",
         "_evictions_before",
+        "_guest_share",
         "_max_tenants",
         "_overrides",
         "_parts",
         "_quotas",
+        "_reserved",
+        "_seen",
         "_total",
+        "tick",
     )
 
     def __init__(
@@ -83,12 +100,20 @@ class TenantL1(Generic[K, V]):
         total_bytes: int,
         default_policy: str = "lru",
         max_tenants: int = DEFAULT_MAX_TENANTS,
+        guest_share: float = 0.0,
     ) -> None:
         if total_bytes < 0:
             raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
         if max_tenants < 1:
             raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        if not 0.0 <= guest_share < 1.0:
+            raise ValueError(f"guest_share must be in [0, 1), got {guest_share}")
         self._total = total_bytes
+        self._guest_share = guest_share
+        self._reserved: frozenset[str] = frozenset()
+        #: Coarse clock for idleness, advanced by the owner (:meth:`advance`).
+        self.tick = 0
+        self._seen: dict[str, int] = {}
         self._default_policy = _check_policy(default_policy)
         self._max_tenants = max_tenants
         self._parts: dict[str, ReplacementPolicy[K, V]] = {}
@@ -108,6 +133,7 @@ class TenantL1(Generic[K, V]):
         part = self._parts.get(tenant)
         if part is None:
             part = self._activate(tenant)
+        self._seen[tenant] = self.tick
         return part.get(key)
 
     def put(self, tenant: str, key: K, value: V, size: int) -> int:
@@ -120,6 +146,7 @@ class TenantL1(Generic[K, V]):
         part = self._parts.get(tenant)
         if part is None:
             part = self._activate(tenant)
+        self._seen[tenant] = self.tick
         return len(part.put(key, value, size))
 
     def remove(self, tenant: str, key: K) -> bool:
@@ -206,11 +233,50 @@ class TenantL1(Generic[K, V]):
 
     def remove_tenant(self, tenant: str) -> bool:
         """Drop ``tenant``'s partition and give its share back; True if active."""
+        if not self._drop(tenant):
+            return False
+        self._apply(self._parts)
+        return True
+
+    def _drop(self, tenant: str) -> bool:
         if self._parts.pop(tenant, None) is None:
             return False
         self._evictions_before.pop(tenant, None)
-        self._apply(self._parts)
+        self._seen.pop(tenant, None)
         return True
+
+    @property
+    def reserved(self) -> frozenset[str]:
+        return self._reserved
+
+    @property
+    def guest_share(self) -> float:
+        return self._guest_share
+
+    def set_reserved(self, tenants: Iterable[str]) -> None:
+        """The known tenants: guests can never take bytes from them (see the module doc)."""
+        reserved = frozenset(tenants)
+        if reserved != self._reserved:
+            self._reserved = reserved
+            self._apply(self._parts)
+
+    def is_guest(self, tenant: str) -> bool:
+        return tenant not in self._reserved and (self._quotas is None or tenant not in self._quotas)
+
+    def advance(self) -> int:
+        """Move the idleness clock one tick; returns the new tick."""
+        self.tick += 1
+        return self.tick
+
+    def expire_idle(self, max_idle_ticks: int) -> list[str]:
+        """Drop every partition unused for more than ``max_idle_ticks`` ticks; their names."""
+        limit = self.tick - max_idle_ticks
+        gone = [t for t in self._parts if self._seen.get(t, self.tick) < limit]
+        for tenant in gone:
+            self._drop(tenant)
+        if gone:
+            self._apply(self._parts)
+        return gone
 
     def stats(self) -> dict[str, TenantStats]:
         """Per active tenant: policy, capacity, bytes used, entries, evictions."""
@@ -228,6 +294,11 @@ class TenantL1(Generic[K, V]):
     # ------------------------------------------------------------ internals
 
     def _activate(self, tenant: str) -> ReplacementPolicy[K, V]:
+        if len(self._parts) >= self._max_tenants and not self.is_guest(tenant):
+            # A known tenant always gets a slot: the guest seen least recently gives its up.
+            guests = [t for t in self._parts if self.is_guest(t)]
+            if guests:
+                self._drop(min(guests, key=lambda t: self._seen.get(t, -1)))
         if len(self._parts) >= self._max_tenants:
             raise TenantLimitError(
                 f"L1 already holds {self._max_tenants} tenant partitions; "
@@ -255,17 +326,27 @@ class TenantL1(Generic[K, V]):
         """Partition sizes for the active ``tenants``."""
         tenants = list(tenants)
         quotas = self._quotas
+        guest_pool = 0
+        guests: list[str] = []
+        if self._guest_share > 0 and (self._reserved or quotas):
+            guest_pool = int(self._total * self._guest_share)
+            guests = [t for t in tenants if self.is_guest(t)]
+        budget = self._total - guest_pool
+        out = dict.fromkeys(guests, guest_pool // len(guests) if guests else 0)
+        members = [t for t in tenants if t not in out]
         if quotas is None:
-            share = self._total // len(tenants) if tenants else 0
-            return dict.fromkeys(tenants, share)
+            share = budget // len(members) if members else 0
+            out.update(dict.fromkeys(members, share))
+            return out
         asked = sum(l1_bytes for l1_bytes, _ in quotas.values())
-        if asked > self._total:
-            granted = {t: q * self._total // asked for t, (q, _) in quotas.items()}
+        if asked > budget:
+            granted = {t: q * budget // asked for t, (q, _) in quotas.items()}
         else:
             granted = {t: q for t, (q, _) in quotas.items()}
-        rest = [t for t in tenants if t not in granted]
-        share = (self._total - sum(granted.values())) // len(rest) if rest else 0
-        return {t: granted.get(t, share) for t in tenants}
+        rest = [t for t in members if t not in granted]
+        share = (budget - sum(granted.values())) // len(rest) if rest else 0
+        out.update({t: granted.get(t, share) for t in members})
+        return out
 
     def _apply(self, tenants: Iterable[str]) -> None:
         """Bring the partitions of ``tenants`` to their current size and policy."""

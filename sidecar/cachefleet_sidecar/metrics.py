@@ -9,12 +9,23 @@ source of truth for each. Every series carries ``cache="<ns>/<name>"``.
 
 Each :class:`SidecarMetrics` owns a fresh ``CollectorRegistry``: no process
 singletons, nothing for tests to reset.
+
+Tenant label values are bounded: known tenants (:meth:`SidecarMetrics.set_reserved`)
+always get their own series; other tenants get one until ``max_tenant_series``
+tenants have series, after which they are counted together under
+``tenant="_other"`` (a name no tenant can have: tenant names start with a
+letter or digit). Series of tenants idle for a while are dropped
+(:meth:`SidecarMetrics.expire_idle`). :meth:`SidecarMetrics.exposition` yields
+the text in pieces of about half a millisecond of work each, so the admin
+server can give the event loop back between pieces: a scrape never holds the
+hit path for long.
 """
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -50,6 +61,13 @@ BUCKETS: tuple[float, ...] = (
     30.0,
     60.0,
 )
+
+#: Label value of the tenants beyond ``max_tenant_series`` (not a valid tenant name).
+OTHER_TENANT = "_other"
+#: Default bound on tenants with their own series (known tenants come on top).
+DEFAULT_MAX_TENANT_SERIES = 64
+#: CPU time one piece of the /metrics text may take before the loop gets a turn, seconds.
+PIECE_BUDGET_S = 0.0005
 
 TIERS = ("l1", "l2", "l3", "upstream")
 RESULTS = ("hit", "miss", "bypass", "error")
@@ -114,12 +132,19 @@ class TierUsage:
 class SidecarMetrics:
     """All sidecar metrics for one cache, with its own registry."""
 
-    def __init__(self, cache: str) -> None:
+    def __init__(self, cache: str, max_tenant_series: int = DEFAULT_MAX_TENANT_SERIES) -> None:
         self.cache = cache
+        self.max_tenant_series = max_tenant_series
+        self.reserved: frozenset[str] = frozenset()
         self.tenants: dict[str, TenantMetrics] = {}
+        #: Coarse clock for idleness (advanced with :meth:`expire_idle`) and last use per tenant.
+        self.tick = 0
+        self._seen: dict[str, int] = {}
         self.cache_faults: dict[str, int] = {}
         self.single_flight_joins = 0
         self.cross_tenant_hits = 0
+        #: Requests whose identity was refused or overridden, by reason.
+        self.identity_mismatches: dict[str, int] = {}
         self.policy_switches: dict[tuple[str, str, str], int] = {}
         self.usage_source: Callable[[], Iterable[TierUsage]] = list
         self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
@@ -129,19 +154,199 @@ class SidecarMetrics:
     def tenant(self, tenant: str) -> TenantMetrics:
         tm = self.tenants.get(tenant)
         if tm is None:
-            tm = self.tenants[tenant] = TenantMetrics()
+            if len(self.tenants) >= self.max_tenant_series and tenant not in self.reserved:
+                tenant = OTHER_TENANT
+                tm = self.tenants.get(tenant)
+            if tm is None:
+                tm = self.tenants[tenant] = TenantMetrics()
+        self._seen[tenant] = self.tick
         return tm
+
+    def set_reserved(self, tenants: Iterable[str]) -> None:
+        """Tenants that always get their own series (the known ones: a bounded set)."""
+        self.reserved = frozenset(tenants)
+
+    def forget(self, tenant: str) -> None:
+        """Drop a tenant's series (it expired; a later request starts them again from 0)."""
+        self.tenants.pop(tenant, None)
+        self._seen.pop(tenant, None)
+
+    def expire_idle(self, max_idle_ticks: int) -> list[str]:
+        """Advance the clock; drop series of tenants unused for more than ``max_idle_ticks``."""
+        self.tick += 1
+        limit = self.tick - max_idle_ticks
+        gone = [t for t, seen in self._seen.items() if seen < limit]
+        for tenant in gone:
+            self.forget(tenant)
+        return gone
 
     def fault(self, kind: str) -> None:
         """Count a cache fault that was absorbed (request served upstream)."""
         self.cache_faults[kind] = self.cache_faults.get(kind, 0) + 1
+
+    def identity_mismatch(self, reason: str) -> None:
+        """Count a request whose claimed identity was refused or overridden (docs/security.md)."""
+        self.identity_mismatches[reason] = self.identity_mismatches.get(reason, 0) + 1
 
     def policy_switch(self, tenant: str, old: str, new: str) -> None:
         key = (tenant, old, new)
         self.policy_switches[key] = self.policy_switches.get(key, 0) + 1
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return b"".join(self.exposition())
+
+    def exposition(self, budget_s: float = PIECE_BUDGET_S) -> Iterator[bytes]:
+        """The text exposition in pieces, each made in about ``budget_s`` of CPU.
+
+        The per-tenant families (the bulk) are formatted here directly, a
+        tenant at a time, and a piece is cut whenever its budget is spent;
+        each family keeps one HELP/TYPE header. Everything else comes last,
+        in one piece from ``prometheus_client``.
+        """
+        tenants = list(self.tenants.items())
+        clock = time.perf_counter
+        for name, kind, help_text, lines_of in _TENANT_TEXT:
+            out = [f"# HELP {name} {help_text}\n# TYPE {name} {kind}\n"]
+            started = clock()
+            for tenant, tm in tenants:
+                out += lines_of(f'cache="{_esc(self.cache)}",tenant="{_esc(tenant)}"', tm)
+                if clock() - started >= budget_s:
+                    yield "".join(out).encode()
+                    out = []
+                    started = clock()
+            if out:
+                yield "".join(out).encode()
+        yield generate_latest(_Families(_Collector(self).shared()))
+
+
+def _esc(value: str) -> str:
+    """A label value escaped for the text format."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+_LE = (*(repr(bound) for bound in BUCKETS), "+Inf")
+
+
+def _histogram_lines(name: str, labels: str, hist: Histogram) -> list[str]:
+    out = []
+    acc = 0
+    for le, count in zip(_LE, hist.counts, strict=True):
+        acc += count
+        out.append(f'{name}_bucket{{{labels},le="{le}"}} {acc}\n')
+    out.append(f"{name}_count{{{labels}}} {acc}\n")
+    out.append(f"{name}_sum{{{labels}}} {hist.sum!r}\n")
+    return out
+
+
+def _requests_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'{protocol.METRIC_REQUESTS}{{{labels},tier="{tier}",result="{result}"}} {count}\n'
+        for (tier, result), count in list(tm.requests.items())
+    ]
+
+
+def _latency_text(labels: str, tm: TenantMetrics) -> list[str]:
+    out: list[str] = []
+    for tier, hist in list(tm.latency.items()):
+        out += _histogram_lines(protocol.METRIC_REQUEST_DURATION, f'{labels},tier="{tier}"', hist)
+    return out
+
+
+def _upstream_text(labels: str, tm: TenantMetrics) -> list[str]:
+    if not any(tm.upstream.counts):
+        return []
+    return _histogram_lines(protocol.METRIC_UPSTREAM_DURATION, labels, tm.upstream)
+
+
+def _evictions_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'cachefleet_evictions_total{{{labels},tier="{tier}"}} {count}\n'
+        for tier, count in list(tm.evictions.items())
+    ]
+
+
+HELP_REQUESTS = "Requests by tenant, the tier that answered and the result."
+HELP_LATENCY = "Request latency as the client saw it, by tier that answered."
+HELP_UPSTREAM = "Latency of upstream (model server) calls."
+HELP_EVICTIONS = "Entries evicted to stay within a tenant's quota."
+
+#: The per-tenant families as text: (name, type, help, lines of one tenant).
+_TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str]]], ...] = (
+    (protocol.METRIC_REQUESTS, "counter", HELP_REQUESTS, _requests_text),
+    (protocol.METRIC_REQUEST_DURATION, "histogram", HELP_LATENCY, _latency_text),
+    (protocol.METRIC_UPSTREAM_DURATION, "histogram", HELP_UPSTREAM, _upstream_text),
+    ("cachefleet_evictions_total", "counter", HELP_EVICTIONS, _evictions_text),
+)
+
+
+class _Families:
+    """A registry stand-in that collects given families (for ``generate_latest``)."""
+
+    def __init__(self, families: Iterable[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+TenantItems = Sequence[tuple[str, TenantMetrics]]
+
+
+def _requests(cache: str, tenants: TenantItems) -> Metric:
+    reqs = CounterMetricFamily(
+        protocol.METRIC_REQUESTS.removesuffix("_total"),
+        HELP_REQUESTS,
+        labels=["cache", "tenant", "tier", "result"],
+    )
+    for tenant, tm in tenants:
+        for (tier, result), count in list(tm.requests.items()):
+            reqs.add_metric([cache, tenant, tier, result], count)
+    return reqs
+
+
+def _latency(cache: str, tenants: TenantItems) -> Metric:
+    lat = HistogramMetricFamily(
+        protocol.METRIC_REQUEST_DURATION,
+        HELP_LATENCY,
+        labels=["cache", "tenant", "tier"],
+        unit="",
+    )
+    for tenant, tm in tenants:
+        for tier, hist in list(tm.latency.items()):
+            lat.add_metric([cache, tenant, tier], hist.cumulative(), hist.sum)
+    return lat
+
+
+def _upstream(cache: str, tenants: TenantItems) -> Metric:
+    up = HistogramMetricFamily(
+        protocol.METRIC_UPSTREAM_DURATION,
+        HELP_UPSTREAM,
+        labels=["cache", "tenant"],
+    )
+    for tenant, tm in tenants:
+        if any(tm.upstream.counts):
+            up.add_metric([cache, tenant], tm.upstream.cumulative(), tm.upstream.sum)
+    return up
+
+
+def _evictions(cache: str, tenants: TenantItems) -> Metric:
+    ev = CounterMetricFamily(
+        "cachefleet_evictions",
+        HELP_EVICTIONS,
+        labels=["cache", "tenant", "tier"],
+    )
+    for tenant, tm in tenants:
+        for tier, count in list(tm.evictions.items()):
+            ev.add_metric([cache, tenant, tier], count)
+    return ev
+
+
+_TENANT_FAMILIES: tuple[Callable[[str, TenantItems], Metric], ...] = (
+    _requests,
+    _latency,
+    _upstream,
+    _evictions,
+)
 
 
 class _Collector(Collector):
@@ -149,39 +354,15 @@ class _Collector(Collector):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
+        tenants = list(self.m.tenants.items())
+        for build in _TENANT_FAMILIES:
+            yield build(self.m.cache, tenants)
+        yield from self.shared()
+
+    def shared(self) -> Iterator[Metric]:
+        """Every family that is not a per-tenant request counter or histogram."""
         m = self.m
         cache = m.cache
-        reqs = CounterMetricFamily(
-            protocol.METRIC_REQUESTS.removesuffix("_total"),
-            "Requests by tenant, the tier that answered and the result.",
-            labels=["cache", "tenant", "tier", "result"],
-        )
-        lat = HistogramMetricFamily(
-            protocol.METRIC_REQUEST_DURATION,
-            "Request latency as the client saw it, by tier that answered.",
-            labels=["cache", "tenant", "tier"],
-            unit="",
-        )
-        up = HistogramMetricFamily(
-            protocol.METRIC_UPSTREAM_DURATION,
-            "Latency of upstream (model server) calls.",
-            labels=["cache", "tenant"],
-        )
-        ev = CounterMetricFamily(
-            "cachefleet_evictions",
-            "Entries evicted to stay within a tenant's quota.",
-            labels=["cache", "tenant", "tier"],
-        )
-        for tenant, tm in list(m.tenants.items()):
-            for (tier, result), count in list(tm.requests.items()):
-                reqs.add_metric([cache, tenant, tier, result], count)
-            for tier, hist in list(tm.latency.items()):
-                lat.add_metric([cache, tenant, tier], hist.cumulative(), hist.sum)
-            if tm.upstream.counts[-1] or any(tm.upstream.counts):
-                up.add_metric([cache, tenant], tm.upstream.cumulative(), tm.upstream.sum)
-            for tier, count in list(tm.evictions.items()):
-                ev.add_metric([cache, tenant, tier], count)
-        yield from (reqs, lat, up, ev)
 
         used = GaugeMetricFamily(
             "cachefleet_cache_bytes",
@@ -227,11 +408,20 @@ class _Collector(Collector):
         joins.add_metric([cache], m.single_flight_joins)
         contamination = CounterMetricFamily(
             "cachefleet_cross_tenant_hits",
-            "Lookups that found another tenant's entry; refused and served upstream (must be 0).",
+            "Cache hits whose entry belongs to another tenant than the authenticated requester "
+            "(the CTCCI numerator); caught by the owner check, not served (must be 0).",
             labels=["cache"],
         )
         contamination.add_metric([cache], m.cross_tenant_hits)
-        yield from (switches, faults, joins, contamination)
+        mismatches = CounterMetricFamily(
+            "cachefleet_identity_mismatches",
+            "Requests whose claimed tenant was refused or overridden, by reason "
+            "(header_ignored, untrusted_header, missing_key, invalid_key, ambiguous).",
+            labels=["cache", "reason"],
+        )
+        for reason, count in list(m.identity_mismatches.items()):
+            mismatches.add_metric([cache, reason], count)
+        yield from (switches, faults, joins, contamination, mismatches)
         for source in m.gauge_sources:
             yield from source()
 

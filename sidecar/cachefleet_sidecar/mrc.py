@@ -312,6 +312,7 @@ class MissRatioCurves:
         "_burst",
         "_burst_by",
         "_burst_start",
+        "_limit",
         "_policies",
         "_samplers",
         "_sims",
@@ -350,6 +351,18 @@ class MissRatioCurves:
         self._burst = 0
         self._burst_by: dict[str, int] = {}
         self._burst_start = clock()
+        self._limit: frozenset[str] | None = None
+
+    def limit_to(self, tenants: frozenset[str] | None) -> None:
+        """Measure only ``tenants`` (None: every tenant); the others' state goes.
+
+        The sidecar passes its known tenants: curves are for the operator, which
+        allocates only to them, and made-up names must not cost memory.
+        """
+        self._limit = tenants
+        if tenants is not None:
+            for tenant in [t for t in self._samplers if t not in tenants]:
+                self.forget(tenant)
 
     def set_policy(self, tenant: str, policy: str | None) -> None:
         """The policy ``tenant``'s partition runs (None: the default); a change restarts its sim."""
@@ -378,6 +391,8 @@ class MissRatioCurves:
     def access(self, tenant: str, digest: int, size: int) -> None:
         sampler = self._samplers.get(tenant)
         if sampler is None:
+            if self._limit is not None and tenant not in self._limit:
+                return
             sampler = self._samplers[tenant] = ShardsSampler(self.max_samples, self.max_rate)
             self._ensure_sim(tenant)
         h = (digest >> HASH_SHIFT) & HASH_MASK

@@ -80,7 +80,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis, RedisCluster
@@ -522,6 +522,8 @@ class RedisTarget:
     username: str | None = None
     password: str | None = None
     db: int = 0
+    #: CA bundle that signs the server's certificate (``?ssl_ca_certs=PATH``), for rediss.
+    ca_file: str | None = None
 
     def node_urls(self) -> list[str]:
         """One plain ``redis://`` (or ``rediss://``) URL per node, without credentials."""
@@ -532,6 +534,21 @@ class RedisTarget:
 
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (or a lone user-info token) replaced by ``***``.
+
+    For logs, ``/status`` and error messages: a URL that carries credentials
+    is never shown whole.
+    """
+    parts = urlsplit(url)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at:
+        return url
+    user, colon, _ = userinfo.partition(":")
+    masked = f"{user}:***" if colon else "***"
+    return urlunsplit(parts._replace(netloc=f"{masked}@{hosts}"))
 
 
 def parse_redis_url(url: str, *, cluster: bool | None = None) -> RedisTarget:
@@ -547,7 +564,7 @@ def parse_redis_url(url: str, *, cluster: bool | None = None) -> RedisTarget:
     elif scheme in ("redis", "rediss"):
         is_cluster, tls = False, scheme == "rediss"
     else:
-        raise ValueError(f"not a Redis URL: {url!r}")
+        raise ValueError(f"not a Redis URL: {redact_url(url)!r}")
     if cluster is not None:
         is_cluster = cluster
     userinfo, _, hosts = parts.netloc.rpartition("@")
@@ -558,11 +575,12 @@ def parse_redis_url(url: str, *, cluster: bool | None = None) -> RedisTarget:
             continue
         node = urlsplit(f"//{item}")
         if not node.hostname:
-            raise ValueError(f"no host in Redis URL {url!r}")
+            raise ValueError(f"no host in Redis URL {redact_url(url)!r}")
         nodes.append((node.hostname, node.port or 6379))
     if not nodes:
-        raise ValueError(f"no host in Redis URL {url!r}")
+        raise ValueError(f"no host in Redis URL {redact_url(url)!r}")
     path = parts.path.strip("/")
+    ca_files = parse_qs(parts.query).get("ssl_ca_certs")
     return RedisTarget(
         cluster=is_cluster,
         nodes=tuple(nodes),
@@ -570,6 +588,7 @@ def parse_redis_url(url: str, *, cluster: bool | None = None) -> RedisTarget:
         username=unquote(username) or None,
         password=unquote(password) or None,
         db=int(path) if path.isdigit() else 0,
+        ca_file=ca_files[0] if ca_files else None,
     )
 
 
@@ -583,11 +602,69 @@ def redis_from_url(url: str, *, cluster: bool | None = None, **options: Any) -> 
     common: dict[str, Any] = {"username": target.username, "password": target.password}
     if target.tls:
         common["ssl"] = True
+        if target.ca_file:
+            common["ssl_ca_certs"] = target.ca_file
     if target.cluster:
         startup = [ClusterNode(host, port) for host, port in target.nodes]
         return RedisCluster(startup_nodes=startup, **common, **options)
     host, port = target.nodes[0]
     return Redis(host=host, port=port, db=target.db, **common, **options)
+
+
+# ------------------------------------------------------------------ Redis ACLs
+# Least-privilege ACL rules (``ACL SETUSER <user> on ><password> <rules...>``) for the
+# two kinds of Redis user; docs/security.md shows them and a test runs under them.
+
+#: Commands a sidecar sends (connection set-up, L2 scripts, control sync, heartbeats).
+SIDECAR_COMMANDS = (
+    "+hello", "+auth", "+ping", "+select", "+client|setname",
+    "+readonly", "+cluster|slots", "+cluster|shards", "+cluster|nodes",
+    "+eval", "+evalsha", "+script|load",
+    "+get", "+mget", "+hget", "+hmget", "+hgetall", "+hset", "+hdel", "+sadd", "+smembers",
+    "+zrangebyscore", "+zrem", "+del",
+    "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
+)  # fmt: skip
+#: Commands the L2 and control Lua scripts run on the caller's behalf.
+SCRIPT_COMMANDS = (
+    "+set", "+hexists", "+hincrby", "+time", "+unlink",
+    "+zadd", "+zrange", "+zremrangebyscore", "+zscore",
+)  # fmt: skip
+#: Further commands of the operator (cleanup of a deleted cache scans its keys).
+OPERATOR_COMMANDS = ("+scan",)
+
+
+def _cache_patterns(cache: str) -> list[str]:
+    escaped = cache.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*")
+    escaped = escaped.replace("?", "\\?")
+    return [f"~cf:{{cf:{escaped}}}:*", f"~cf:{{cf:{escaped}|*"]
+
+
+def sidecar_acl(cache: str) -> list[str]:
+    """ACL rules of a sidecar user: its cache's keys and channels, nothing else."""
+    escaped = cache.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*")
+    return [
+        "resetkeys",
+        *_cache_patterns(cache),
+        "resetchannels",
+        f"&cf:{{cf:{escaped}}}:*",
+        "nocommands",
+        *SIDECAR_COMMANDS,
+        *SCRIPT_COMMANDS,
+    ]
+
+
+def operator_acl() -> list[str]:
+    """ACL rules of the operator's user: every cache's keys and channels (it serves them all)."""
+    return [
+        "resetkeys",
+        "~cf:*",
+        "resetchannels",
+        "&cf:*",
+        "nocommands",
+        *SIDECAR_COMMANDS,
+        *SCRIPT_COMMANDS,
+        *OPERATOR_COMMANDS,
+    ]
 
 
 # ------------------------------------------------------ reference implementation

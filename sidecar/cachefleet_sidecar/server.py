@@ -31,7 +31,7 @@ MAX_BODY_BYTES = 32 * 1024 * 1024
 class Request:
     """One parsed request; ``memo`` carries what the fast path already computed."""
 
-    __slots__ = ("body", "headers", "keep_alive", "memo", "method", "started", "url")
+    __slots__ = ("body", "headers", "keep_alive", "memo", "method", "peer", "started", "url")
 
     def __init__(
         self,
@@ -41,6 +41,7 @@ class Request:
         body: bytes,
         keep_alive: bool,
         started: float,
+        peer: str | None = None,
     ) -> None:
         self.method = method
         self.url = url
@@ -48,6 +49,8 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.started = started
+        #: IP address of the client socket (the proxy in front, if any).
+        self.peer = peer
         self.memo: object = None
 
     def header(self, name: bytes) -> bytes | None:
@@ -80,11 +83,17 @@ class Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._started = 0.0
+        # Header fields after the head are chunked-body trailers: never request headers.
+        self._in_body = False
+        self.peer: str | None = None
 
     # --- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses; same interface.
         self.transport = cast(asyncio.Transport, transport)
+        peername = transport.get_extra_info("peername")
+        if isinstance(peername, tuple) and peername:
+            self.peer = str(peername[0])
         self.registry.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -106,14 +115,18 @@ class Connection(asyncio.Protocol):
         self._headers = []
         self._body.clear()
         self._body_len = 0
+        self._in_body = False
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_body:
+            return  # a trailer: dropped, so it can neither name a tenant nor reach upstream
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self._in_body = True
         for name, value in self._headers:
             if name == b"expect" and value.lower() == b"100-continue" and self.transport:
                 self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -133,6 +146,7 @@ class Connection(asyncio.Protocol):
             body,
             self.parser.should_keep_alive(),
             self._started,
+            self.peer,
         )
         if self.busy:
             self.pending.append(request)

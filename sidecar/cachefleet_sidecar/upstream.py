@@ -15,14 +15,17 @@ response byte had arrived.
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httptools
+
+from .protocol import redact_url
 
 #: Seconds to open a connection to the upstream.
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -212,11 +215,18 @@ class UpstreamPool:
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"--upstream must be http://HOST:PORT, got {url!r}")
+            raise ValueError(f"--upstream must be http://HOST:PORT, got {redact_url(url)!r}")
         self.host = parts.hostname
         self.port = parts.port or 80
         self.base_path = parts.path.rstrip("/").encode()
-        self.host_header = (parts.netloc or self.host).encode()
+        userinfo, at, hostport = parts.netloc.rpartition("@")
+        # Credentials in the URL never reach the Host header: they become Basic auth.
+        self.host_header = (hostport or self.host).encode()
+        self.authorization: bytes | None = None
+        if at:
+            user, _, password = userinfo.partition(":")
+            token = f"{unquote(user)}:{unquote(password)}".encode()
+            self.authorization = b"Basic " + base64.b64encode(token)
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
@@ -277,9 +287,12 @@ class UpstreamPool:
         self, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> bytes:
         lines = [method, b" ", self.base_path + path, b" HTTP/1.1\r\nhost: ", self.host_header]
+        auth = self.authorization
         for name, value in headers:
-            if name not in REQUEST_HOP_BY_HOP:
+            if name not in REQUEST_HOP_BY_HOP and not (auth and name == b"authorization"):
                 lines += [b"\r\n", name, b": ", value]
+        if auth:
+            lines += [b"\r\nauthorization: ", auth]
         lines.append(b"\r\ncontent-length: %d\r\n\r\n" % len(body))
         return b"".join(lines)
 

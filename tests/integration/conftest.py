@@ -64,6 +64,8 @@ async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactor
             cache="test/cache",
             pod="pod-a",
             l1_bytes=8 * 1024 * 1024,
+            # The test client names tenants by header, from loopback.
+            trusted_proxies=("127.0.0.1/32",),
         )
         server = SidecarServer(dataclasses.replace(base, **overrides))
         await server.start()

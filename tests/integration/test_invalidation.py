@@ -328,6 +328,8 @@ def sidecar_process(truth: VersionedUpstream, redis_url: str) -> Iterator[subpro
             CACHE,
             "--pod",
             "paused-pod",
+            "--trusted-proxies",
+            "127.0.0.1/32",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -49,6 +50,8 @@ def sidecar_process(upstream: FakeUpstream) -> Iterator[tuple[str, str, subproce
         f"127.0.0.1:{port}",
         "--upstream",
         upstream.url,
+        "--trusted-proxies",
+        "127.0.0.1/32",
         env={"CACHEFLEET_ADMIN_LISTEN": f"127.0.0.1:{admin}", "CACHEFLEET_POLICY": "lirs"},
     )
     try:
@@ -84,6 +87,32 @@ def test_bad_flags_name_the_flag() -> None:
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert "NAMESPACE/NAME" in out
+    proc = cachefleet("sidecar", "--trusted-proxies", "10.0.0.0/8,gateway")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "--trusted-proxies" in out
+    assert "'gateway'" in out
+    for flag, value, words in (
+        ("--guest-share", "0.95", "fraction from 0 to 0.9"),
+        ("--tenant-idle-expiry", "-1", "seconds >= 0"),
+        ("--redis-outage-staleness", "soon", "--redis-outage-staleness"),
+        ("--max-tenants", "0", "positive integer"),
+    ):
+        proc = cachefleet("sidecar", flag, value)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 2
+        assert flag in out
+        assert words in out
+
+
+def test_a_bad_keys_file_is_refused_without_printing_keys(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text('{"sk-very-secret": "alpha", "sk-also-secret": "not valid"}')
+    proc = cachefleet("sidecar", "--api-keys-file", str(path))
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "--api-keys-file: entry 2: tenant" in out
+    assert "secret" not in out
 
 
 def test_unknown_command_is_explained() -> None:

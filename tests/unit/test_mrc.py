@@ -155,3 +155,17 @@ def test_bad_arguments_are_refused() -> None:
         MissRatioCurves(max_rate=1.5)
     with pytest.raises(ValueError, match="budget"):
         MissRatioCurves(budget_per_s=0.0)
+
+
+def test_only_known_tenants_are_measured_when_the_sidecar_knows_its_tenants() -> None:
+    curves = MissRatioCurves()
+    curves.access("junk", 1 << 64, 100)
+    curves.limit_to(frozenset({"real"}))
+    assert curves.tenants() == ()  # the made-up tenant's state went
+    for n in range(50):
+        curves.access(f"junk-{n}", (n + 1) << 64, 100)
+    curves.access("real", 7 << 64, 100)
+    assert curves.tenants() == ("real",)
+    curves.limit_to(None)
+    curves.access("open", 9 << 64, 100)
+    assert set(curves.tenants()) == {"real", "open"}

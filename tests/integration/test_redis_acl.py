@@ -1,0 +1,155 @@
+"""The sidecar and the operator's Redis calls under the least-privilege ACLs of docs/security.md.
+
+The users are created on the real server with exactly the rules
+:func:`protocol.sidecar_acl` / :func:`protocol.operator_acl` give; the whole
+data and control path then runs as those users, and ``ACL LOG`` must show no
+refusal. The same users are refused what they should not do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError, ResponseError
+
+from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_operator.publisher import RedisControlPlane
+from cachefleet_sidecar import protocol
+
+from .conftest import SidecarFactory
+from .test_sidecar import CHAT, answer
+
+pytestmark = pytest.mark.redis
+
+CACHE = "test/cache"
+SIDECAR_PASSWORD = "sidecar-pw-7c1e"
+OPERATOR_PASSWORD = "operator-pw-44ad"
+
+
+async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = predicate()  # type: ignore[operator]
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+@pytest.fixture
+async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = protocol.redis_from_url(redis_url)
+    assert isinstance(client, aioredis.Redis)
+    await client.execute_command(
+        "ACL", "SETUSER", "cf-sidecar", "reset", "on", f">{SIDECAR_PASSWORD}",
+        *protocol.sidecar_acl(CACHE),
+    )  # fmt: skip
+    await client.execute_command(
+        "ACL", "SETUSER", "cf-operator", "reset", "on", f">{OPERATOR_PASSWORD}",
+        *protocol.operator_acl(),
+    )  # fmt: skip
+    await client.execute_command("ACL", "LOG", "RESET")
+    yield client
+    await client.execute_command("ACL", "DELUSER", "cf-sidecar", "cf-operator")
+    await client.aclose()
+
+
+def as_user(redis_url: str, user: str, password: str) -> str:
+    return redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
+
+
+async def refusals(admin: aioredis.Redis) -> list[str]:
+    entries = await admin.execute_command("ACL", "LOG")
+    out = []
+    for entry in entries:
+        fields = (
+            dict(zip(entry[::2], entry[1::2], strict=False)) if isinstance(entry, list) else entry
+        )
+        fields = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
+        out.append(f"{fields.get('username')!r} {fields.get('reason')!r} {fields.get('object')!r}")
+    return out
+
+
+async def test_sidecar_and_operator_work_under_least_privilege(
+    sidecar_factory: SidecarFactory,
+    upstream: FakeUpstream,
+    redis_url: str,
+    admin: aioredis.Redis,
+) -> None:
+    sidecar_url = as_user(redis_url, "cf-sidecar", SIDECAR_PASSWORD)
+    operator = protocol.redis_from_url(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
+    try:
+        pod_a = await sidecar_factory(redis_url=sidecar_url, cache=CACHE)
+        first = await pod_a.chat("under ACL")
+        await asyncio.sleep(0.3)  # the L2 write is in the background
+        pod_b = await sidecar_factory(redis_url=sidecar_url, cache=CACHE, pod="pod-b")
+        second = await pod_b.chat("under ACL")
+        assert second.headers["x-cache"] == "HIT-L2"
+        assert answer(second) == answer(first)
+        assert upstream.calls[CHAT] == 1
+
+        # The operator publishes quotas and runs an invalidation; the sidecars follow and ack.
+        assignment = protocol.QuotaAssignment(
+            generation=3,
+            tenants={"acme": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20)},
+        )
+        await protocol.publish_quotas(operator, CACHE, assignment)
+        await wait_until(lambda: pod_a.sidecar.quota_generation == 3)
+        epoch = await protocol.advance_epoch(operator, CACHE, "cache")
+        await protocol.fence_tenants(operator, CACHE, {"cache": epoch})
+        await protocol.publish_epochs(operator, CACHE, {"cache": epoch})
+        await wait_until(lambda: pod_b.sidecar.tracker.known.get("cache") == epoch)
+
+        async def acked() -> bool:
+            acks = await protocol.read_acks(operator, CACHE)
+            return all(
+                pod in acks and acks[pod].epochs.get("cache") == epoch for pod in ("pod-a", "pod-b")
+            )
+
+        await wait_until(acked)
+        members = await protocol.live_members(operator, CACHE)
+        assert {m.pod for m in members} >= {"pod-a", "pod-b"}
+        after = await pod_b.chat("under ACL")
+        assert after.headers["x-cache"] == "MISS"  # the invalidation reached L2 too
+        status = (await pod_a.admin.get("/status")).json()
+        assert status["redis"] == "ok"
+        assert SIDECAR_PASSWORD not in str(status)
+        assert await refusals(admin) == []
+    finally:
+        await operator.aclose()
+    # The operator's clean-up of a deleted cache (SCAN + UNLINK), under its user.
+    plane = RedisControlPlane(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
+    assert await plane.delete_cache_state(CACHE) > 0
+    assert await refusals(admin) == []
+
+
+async def test_the_sidecar_user_is_refused_everything_else(
+    redis_url: str, admin: aioredis.Redis
+) -> None:
+    await admin.set("other:secret", "x")
+    await admin.set("cf:{cf:other/cache}:quotas", "x")
+    client = protocol.redis_from_url(as_user(redis_url, "cf-sidecar", SIDECAR_PASSWORD))
+    try:
+        for command in (
+            ("GET", "other:secret"),
+            ("GET", "cf:{cf:other/cache}:quotas"),  # another cache's keys
+            ("FLUSHALL",),
+            ("KEYS", "*"),
+            ("CONFIG", "GET", "*"),
+            ("SCAN", "0"),
+            ("ACL", "LIST"),
+            ("EVAL", "return redis.call('GET', KEYS[1])", "1", "other:secret"),
+            ("PUBLISH", "cf:{cf:other/cache}:control", "x"),
+        ):
+            with pytest.raises((NoPermissionError, ResponseError), match=r"(?i)permissions"):
+                await client.execute_command(*command)
+        assert await client.execute_command("PING")
+    finally:
+        await client.aclose()
+    assert await admin.get("other:secret") == b"x"
