@@ -7,6 +7,23 @@ This is the sidecar's hot loop. A connection parses requests with
 one ``transport.write`` of ready-made bytes, no task, no future. Everything
 else becomes one task per request (:meth:`Handler.handle`). Pipelined
 requests are answered in order; keep-alive follows the client.
+
+Every resource a client can make the sidecar hold has a bound
+(:class:`Limits`, enforced per connection and, for request bodies, across
+connections by a :class:`Limiter`), and each bound has its own answer:
+a request target over ``max_url_bytes`` gets 414, a header block over
+``max_header_bytes`` 431, a body over ``max_body_bytes`` 413 (before it is
+read when ``Content-Length`` says so), a body that would take the bodies held
+by all connections over the memory budget 503, a head not complete within
+``header_timeout_s`` or a body stalled for ``body_timeout_s`` 408. A refused
+connection is half-closed and drained for a moment so the client can read
+its answer. Idle keep-alive connections close after ``idle_timeout_s``.
+Back-pressure: a connection stops being read while ``max_pipelined``
+requests wait, or while the client does not read its answers (the
+transport's write buffer is full); a client that leaves answers unread for
+``send_timeout_s`` is dropped. The checks on the hit path are integer
+comparisons; time is a coarse clock kept by the limiter's sweeper (one timer
+for all connections), so timeouts fire within a quarter of their length.
 """
 
 from __future__ import annotations
@@ -16,6 +33,7 @@ import functools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol, cast
 
 import httptools
@@ -24,14 +42,96 @@ from .entry import reason_phrase
 
 log = logging.getLogger("cachefleet.sidecar")
 
-#: Largest request body accepted (LLM requests with long contexts fit easily).
-MAX_BODY_BYTES = 32 * 1024 * 1024
+#: How long a refused connection is drained (so the client reads its answer), seconds.
+LINGER_S = 2.0
+#: Most bytes drained from a refused connection before it is closed.
+LINGER_MAX_BYTES = 8 * 1024 * 1024
+#: Longest interval of the sweeper that enforces timeouts, seconds.
+MAX_SWEEP_INTERVAL_S = 1.0
+
+_IDLE, _HEAD, _BODY = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client may make the sidecar hold (defaults: ``config.DEFAULT_*``)."""
+
+    max_url_bytes: int = 16 * 1024
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024
+    body_memory_bytes: int = 256 * 1024 * 1024
+    max_pipelined: int = 32
+    idle_timeout_s: float = 75.0
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    send_timeout_s: float = 60.0
+
+
+class Limiter:
+    """Shared by a server's connections: the body memory budget, the registry, the clock.
+
+    ``now`` is a coarse monotonic clock refreshed by :meth:`sweep`, which also
+    enforces every connection's timeouts; :meth:`start` runs it every quarter
+    of the shortest timeout (at most :data:`MAX_SWEEP_INTERVAL_S`).
+    """
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.connections: set[Connection] = set()
+        self.body_bytes = 0
+        self.now = time.monotonic()
+        lim = self.limits
+        shortest = min(
+            lim.idle_timeout_s, lim.header_timeout_s, lim.body_timeout_s, lim.send_timeout_s
+        )
+        self.interval = min(MAX_SWEEP_INTERVAL_S, shortest / 4)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def take(self, nbytes: int) -> bool:
+        """Charge request body bytes to the budget; False when it would overflow."""
+        if self.body_bytes + nbytes > self.limits.body_memory_bytes:
+            return False
+        self.body_bytes += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.body_bytes -= nbytes
+
+    def start(self) -> None:
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.interval, self._tick)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.sweep()
+        self.start()
+
+    def sweep(self) -> None:
+        """Refresh the clock and enforce every connection's timeouts."""
+        self.now = now = time.monotonic()
+        for conn in list(self.connections):
+            conn.check_timeouts(now)
 
 
 class Request:
     """One parsed request; ``memo`` carries what the fast path already computed."""
 
-    __slots__ = ("body", "headers", "keep_alive", "memo", "method", "started", "url")
+    __slots__ = (
+        "body",
+        "charged",
+        "headers",
+        "http10",
+        "keep_alive",
+        "memo",
+        "method",
+        "started",
+        "url",
+    )
 
     def __init__(
         self,
@@ -41,6 +141,7 @@ class Request:
         body: bytes,
         keep_alive: bool,
         started: float,
+        http10: bool = False,
     ) -> None:
         self.method = method
         self.url = url
@@ -48,7 +149,11 @@ class Request:
         self.body = body
         self.keep_alive = keep_alive
         self.started = started
+        #: An HTTP/1.0 client: no chunked framing in its answers.
+        self.http10 = http10
         self.memo: object = None
+        #: Body bytes charged to the limiter's budget until the request is done.
+        self.charged = 0
 
     def header(self, name: bytes) -> bytes | None:
         """First value of a header (``name`` in lower case)."""
@@ -67,9 +172,10 @@ class Handler(Protocol):
 class Connection(asyncio.Protocol):
     """One client connection."""
 
-    def __init__(self, handler: Handler, registry: set[Connection]) -> None:
+    def __init__(self, handler: Handler, limiter: Limiter) -> None:
         self.handler = handler
-        self.registry = registry
+        self.limiter = limiter
+        self.limits = limiter.limits
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.pending: deque[Request] = deque()
@@ -80,48 +186,137 @@ class Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_len = 0
         self._started = 0.0
+        # limits
+        self._phase = _IDLE
+        self._since = limiter.now
+        self._head_rx = 0
+        self._url_len = 0
+        self._header_len = 0
+        self._charged = 0
+        self._precharged = False
+        self._error: tuple[int, bytes] | None = None
+        self._final: bytes | None = None
+        self._refused = False
+        self._drained = 0
+        self._read_paused = False
+        self._write_paused = False
+        self._write_paused_at = 0.0
+        self._drain_waiter: asyncio.Future[None] | None = None
 
     # --- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses; same interface.
         self.transport = cast(asyncio.Transport, transport)
-        self.registry.add(self)
+        self.limiter.connections.add(self)
+        self._since = self.limiter.now
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
-        self.registry.discard(self)
+        self.limiter.connections.discard(self)
+        if self._charged:
+            self.limiter.give(self._charged)
+            self._charged = 0
+        while self.pending:
+            self._release(self.pending.popleft())
+        self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            self._drained += len(data)
+            if self._drained > LINGER_MAX_BYTES:
+                self.close()
+            return
+        if self._phase == _BODY:
+            self._since = self.limiter.now
+        else:
+            self._head_rx += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self.reject(501, b"protocol upgrades are not supported by the cachefleet sidecar")
+            return
         except httptools.HttpParserError as exc:
-            self.reject(400, b"malformed HTTP request: " + str(exc).encode())
+            if self._error is not None:
+                self.reject(*self._error)
+            else:
+                self.reject(400, b"malformed HTTP request: " + str(exc).encode())
+            return
+        if self._phase == _HEAD:
+            lim = self.limits
+            if self._head_rx > lim.max_url_bytes + lim.max_header_bytes:
+                # httptools holds an unfinished header line itself: bound it here.
+                if self._url_len > lim.max_url_bytes:
+                    self.reject(414, b"request target longer than %d bytes" % lim.max_url_bytes)
+                else:
+                    self.reject(
+                        431, b"request header block larger than %d bytes" % lim.max_header_bytes
+                    )
+
+    def pause_writing(self) -> None:
+        """The client is not reading its answers: stop reading its requests."""
+        self._write_paused = True
+        self._write_paused_at = self.limiter.now
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._wake_drain()
+        self._update_reading()
+        if not self.busy and self.pending and not self.closing:
+            self._dispatch(self.pending.popleft())
 
     # --- httptools callbacks
     def on_message_begin(self) -> None:
         self._started = time.perf_counter()
+        self._phase = _HEAD
+        self._since = self.limiter.now
         self._url.clear()
         self._headers = []
         self._body.clear()
         self._body_len = 0
+        self._url_len = 0
+        self._header_len = 0
+        self._precharged = False
 
     def on_url(self, url: bytes) -> None:
+        self._url_len += len(url)
+        if self._url_len > self.limits.max_url_bytes:
+            self._fail(414, b"request target longer than %d bytes" % self.limits.max_url_bytes)
         self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_len += len(name) + len(value) + 4
+        if self._header_len > self.limits.max_header_bytes:
+            self._fail(
+                431, b"request header block larger than %d bytes" % self.limits.max_header_bytes
+            )
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self._phase = _BODY
+        self._since = self.limiter.now
+        expect = False
         for name, value in self._headers:
-            if name == b"expect" and value.lower() == b"100-continue" and self.transport:
-                self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            if name == b"content-length":
+                length = int(value) if value.isdigit() else 0
+                if length > self.limits.max_body_bytes:
+                    self._fail(
+                        413, b"request body larger than %d bytes" % self.limits.max_body_bytes
+                    )
+                if length:
+                    self._charge(length)
+                    self._precharged = True
+            elif name == b"expect" and value.lower() == b"100-continue":
+                expect = True
+        if expect and self.transport and self.parser.get_http_version() != "1.0":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
-        if self._body_len > MAX_BODY_BYTES:
-            raise httptools.HttpParserError("request body too large")
+        if self._body_len > self.limits.max_body_bytes:
+            self._fail(413, b"request body larger than %d bytes" % self.limits.max_body_bytes)
+        if not self._precharged:
+            self._charge(len(body))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
@@ -133,11 +328,85 @@ class Connection(asyncio.Protocol):
             body,
             self.parser.should_keep_alive(),
             self._started,
+            self.parser.get_http_version() == "1.0",
         )
-        if self.busy:
+        request.charged = self._charged
+        self._charged = 0
+        self._phase = _IDLE
+        self._head_rx = 0
+        self._since = self.limiter.now
+        if self.busy or self._write_paused:
             self.pending.append(request)
+            if len(self.pending) >= self.limits.max_pipelined:
+                self._update_reading()
         else:
             self._dispatch(request)
+
+    # --- limits
+    def _fail(self, status: int, reason: bytes) -> None:
+        """Stop parsing this connection with ``status`` (raised through httptools)."""
+        self._error = (status, reason)
+        raise httptools.HttpParserError(reason.decode())
+
+    def _charge(self, nbytes: int) -> None:
+        if not self.limiter.take(nbytes):
+            self._fail(503, b"request bodies in flight exceed the sidecar's memory budget")
+        self._charged += nbytes
+
+    def _release(self, request: Request) -> None:
+        if request.charged:
+            self.limiter.give(request.charged)
+            request.charged = 0
+
+    def _update_reading(self) -> None:
+        if self.transport is None or self.closing:
+            return
+        pause = self._write_paused or len(self.pending) >= self.limits.max_pipelined
+        if pause and not self._read_paused and not self._refused:
+            self._read_paused = True
+            self.transport.pause_reading()
+        elif not pause and self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()
+
+    def check_timeouts(self, now: float) -> None:
+        """Called by the limiter's sweeper: close what has waited too long."""
+        if self.closing:
+            return
+        lim = self.limits
+        if self._write_paused:
+            if now - self._write_paused_at > lim.send_timeout_s:
+                log.info("dropping a client that left its answers unread")
+                self.abort()
+        elif self._refused:
+            if self._final is None and now - self._since > LINGER_S:
+                self.close()
+        elif self.busy or self.pending:
+            return
+        elif self._phase == _IDLE:
+            if now - self._since > lim.idle_timeout_s:
+                self.close()
+        elif self._phase == _HEAD:
+            if now - self._since > lim.header_timeout_s:
+                self.reject(408, b"request head not complete within %gs" % lim.header_timeout_s)
+        elif now - self._since > lim.body_timeout_s:
+            self.reject(408, b"request body stalled for %gs" % lim.body_timeout_s)
+
+    async def drain(self) -> None:
+        """Wait while the client is not reading (bounded by the send timeout's sweeper)."""
+        if not self._write_paused or self.closing:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._drain_waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._drain_waiter = None
+
+    def _wake_drain(self) -> None:
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # --- dispatch
     def _dispatch(self, request: Request) -> None:
@@ -145,11 +414,15 @@ class Connection(asyncio.Protocol):
             response = self.handler.fast(request)
             if response is None:
                 break
+            self._release(request)
             self.write(response)
             if not request.keep_alive:
                 self.close()
                 return
-            if not self.pending:
+            if not self.pending or self._write_paused:
+                if self._final is not None and not self.pending:
+                    self._send_final()
+                self._update_reading()
                 return
             request = self.pending.popleft()
         self.busy = True
@@ -158,6 +431,8 @@ class Connection(asyncio.Protocol):
 
     def _done(self, task: asyncio.Task[None], *, request: Request) -> None:
         self.busy = False
+        self._release(request)
+        self._since = self.limiter.now
         if not task.cancelled() and task.exception() is not None:
             log.error("request handler failed", exc_info=task.exception())
             self.close()
@@ -165,7 +440,12 @@ class Connection(asyncio.Protocol):
         if not request.keep_alive or self.closing:
             self.close()
         elif self.pending:
-            self._dispatch(self.pending.popleft())
+            if not self._write_paused:
+                self._dispatch(self.pending.popleft())
+        elif self._final is not None:
+            self._send_final()
+        else:
+            self._update_reading()
 
     # --- output
     def write(self, data: bytes) -> None:
@@ -173,8 +453,27 @@ class Connection(asyncio.Protocol):
             self.transport.write(data)
 
     def reject(self, status: int, reason: bytes) -> None:
-        self.write(simple_response(status, reason, close=True))
-        self.close()
+        """Answer ``status`` after the requests already queued, then close."""
+        self._final = simple_response(status, reason, close=True)
+        self._refused = True
+        self._since = self.limiter.now
+        if self.transport is not None and self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()  # drain what the client still sends
+        if not self.busy and not self.pending:
+            self._send_final()
+
+    def _send_final(self) -> None:
+        final, self._final = self._final, None
+        if final is None or self.transport is None or self.closing:
+            return
+        self.transport.write(final)
+        self._since = self.limiter.now
+        if self.transport.can_write_eof():
+            # Half-close: the client still gets to send (drained, LINGER_S) and read the answer.
+            self.transport.write_eof()
+        else:
+            self.close()
 
     def close(self) -> None:
         self.closing = True
