@@ -46,6 +46,9 @@ log = logging.getLogger("cachefleet.sidecar")
 LINGER_S = 2.0
 #: Most bytes drained from a refused connection before it is closed.
 LINGER_MAX_BYTES = 8 * 1024 * 1024
+#: Reads larger than this are parsed in slices of it, so a full request queue
+#: stops parsing within one slice (bounds what a pipelining client can queue).
+FEED_SLICE = 8192
 #: Longest interval of the sweeper that enforces timeouts, seconds.
 MAX_SWEEP_INTERVAL_S = 1.0
 
@@ -202,6 +205,7 @@ class Connection(asyncio.Protocol):
         self._write_paused = False
         self._write_paused_at = 0.0
         self._drain_waiter: asyncio.Future[None] | None = None
+        self._stash: list[bytes] = []
 
     # --- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -226,31 +230,57 @@ class Connection(asyncio.Protocol):
             if self._drained > LINGER_MAX_BYTES:
                 self.close()
             return
-        if self._phase == _BODY:
-            self._since = self.limiter.now
-        else:
-            self._head_rx += len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self.reject(501, b"protocol upgrades are not supported by the cachefleet sidecar")
+        if self._stash:
+            self._stash.append(data)  # the queue is full: parse it once it drains
             return
-        except httptools.HttpParserError as exc:
-            if self._error is not None:
-                self.reject(*self._error)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse ``data``; a large read is parsed in slices so a full queue stops it."""
+        size = len(data)
+        pos = 0
+        while pos < size:
+            piece = data if size <= FEED_SLICE else data[pos : pos + FEED_SLICE]
+            pos += len(piece)
+            if self._phase == _BODY:
+                self._since = self.limiter.now
             else:
-                self.reject(400, b"malformed HTTP request: " + str(exc).encode())
-            return
-        if self._phase == _HEAD:
-            lim = self.limits
-            if self._head_rx > lim.max_url_bytes + lim.max_header_bytes:
-                # httptools holds an unfinished header line itself: bound it here.
-                if self._url_len > lim.max_url_bytes:
-                    self.reject(414, b"request target longer than %d bytes" % lim.max_url_bytes)
+                self._head_rx += len(piece)
+            try:
+                self.parser.feed_data(piece)
+            except httptools.HttpParserUpgrade:
+                self.reject(501, b"protocol upgrades are not supported by the cachefleet sidecar")
+                return
+            except httptools.HttpParserError as exc:
+                if self._error is not None:
+                    self.reject(*self._error)
                 else:
-                    self.reject(
-                        431, b"request header block larger than %d bytes" % lim.max_header_bytes
-                    )
+                    self.reject(400, b"malformed HTTP request: " + str(exc).encode())
+                return
+            if self._phase == _HEAD:
+                lim = self.limits
+                if self._head_rx > lim.max_url_bytes + lim.max_header_bytes:
+                    # httptools holds an unfinished header line itself: bound it here.
+                    if self._url_len > lim.max_url_bytes:
+                        self.reject(414, b"request target longer than %d bytes" % lim.max_url_bytes)
+                    else:
+                        self.reject(
+                            431,
+                            b"request header block larger than %d bytes" % lim.max_header_bytes,
+                        )
+                    return
+            if pos < size and len(self.pending) >= self.limits.max_pipelined:
+                self._stash.append(data[pos:])
+                self._update_reading()
+                return
+
+    def _unstash(self) -> None:
+        """The queue has room again: parse what was held back."""
+        if self._stash and len(self.pending) < self.limits.max_pipelined and not self.closing:
+            data = b"".join(self._stash)
+            self._stash.clear()
+            self._feed(data)
+            self._update_reading()
 
     def pause_writing(self) -> None:
         """The client is not reading its answers: stop reading its requests."""
@@ -264,6 +294,7 @@ class Connection(asyncio.Protocol):
         self._update_reading()
         if not self.busy and self.pending and not self.closing:
             self._dispatch(self.pending.popleft())
+        self._unstash()
 
     # --- httptools callbacks
     def on_message_begin(self) -> None:
@@ -361,7 +392,11 @@ class Connection(asyncio.Protocol):
     def _update_reading(self) -> None:
         if self.transport is None or self.closing:
             return
-        pause = self._write_paused or len(self.pending) >= self.limits.max_pipelined
+        pause = (
+            self._write_paused
+            or bool(self._stash)
+            or len(self.pending) >= self.limits.max_pipelined
+        )
         if pause and not self._read_paused and not self._refused:
             self._read_paused = True
             self.transport.pause_reading()
@@ -442,6 +477,9 @@ class Connection(asyncio.Protocol):
         elif self.pending:
             if not self._write_paused:
                 self._dispatch(self.pending.popleft())
+                self._unstash()
+        elif self._stash:
+            self._unstash()
         elif self._final is not None:
             self._send_final()
         else:
@@ -454,7 +492,8 @@ class Connection(asyncio.Protocol):
 
     def reject(self, status: int, reason: bytes) -> None:
         """Answer ``status`` after the requests already queued, then close."""
-        self._final = simple_response(status, reason, close=True)
+        extra = b"retry-after: 1\r\n" if status == 503 else b""
+        self._final = simple_response(status, reason, extra=extra, close=True)
         self._refused = True
         self._since = self.limiter.now
         if self.transport is not None and self._read_paused:
