@@ -204,6 +204,7 @@ class Connection(asyncio.Protocol):
         self._read_paused = False
         self._write_paused = False
         self._write_paused_at = 0.0
+        self._unread = 0
         self._drain_waiter: asyncio.Future[None] | None = None
         self._stash: list[bytes] = []
 
@@ -286,6 +287,7 @@ class Connection(asyncio.Protocol):
         """The client is not reading its answers: stop reading its requests."""
         self._write_paused = True
         self._write_paused_at = self.limiter.now
+        self._unread = self.transport.get_write_buffer_size() if self.transport else 0
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -410,7 +412,11 @@ class Connection(asyncio.Protocol):
             return
         lim = self.limits
         if self._write_paused:
-            if now - self._write_paused_at > lim.send_timeout_s:
+            size = self.transport.get_write_buffer_size() if self.transport else 0
+            if size < self._unread:  # the client reads, slowly: that is progress
+                self._unread = size
+                self._write_paused_at = now
+            elif now - self._write_paused_at > lim.send_timeout_s:
                 log.info("dropping a client that left its answers unread")
                 self.abort()
         elif self._refused:
@@ -449,7 +455,8 @@ class Connection(asyncio.Protocol):
             response = self.handler.fast(request)
             if response is None:
                 break
-            self._release(request)
+            if request.charged:
+                self._release(request)
             self.write(response)
             if not request.keep_alive:
                 self.close()

@@ -279,6 +279,25 @@ async def test_half_sent_requests_do_not_hold_connections(
     assert (await sc.chat("still serving")).status_code == 200
 
 
+async def test_a_client_that_stops_reading_its_answer_is_dropped(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    sc = await sidecar_factory(send_timeout_s=0.5)
+    upstream.pad_bytes = 8_000_000  # relayed as it arrives (too large to buffer)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port_of(sc)))
+    sock.sendall(chat_request("never read", temperature=0.7))
+    for _ in range(int(SAFETY_S / 0.05)):  # its connection goes away: it held the answer
+        await asyncio.sleep(0.05)
+        if not any(c.busy for c in sc.server.connections):
+            break
+    assert not any(c.busy for c in sc.server.connections)
+    sock.close()
+    upstream.pad_bytes = 0
+    assert (await sc.chat("others are served")).status_code == 200
+
+
 # ------------------------------------------------------------ largest entry
 async def test_an_answer_larger_than_the_largest_entry_is_passed_through(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
