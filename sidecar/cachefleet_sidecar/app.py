@@ -45,7 +45,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from . import keys, protocol
 from .config import SidecarConfig, parse_args
-from .entry import HOP_BY_HOP, Entry, L1Value, answer_problem, reason_phrase
+from .entry import (
+    HOP_BY_HOP,
+    CorruptEntry,
+    Entry,
+    L1Value,
+    answer_problem,
+    check_header_block,
+    reason_phrase,
+)
 from .epochs import EpochTracker, EpochVector
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
@@ -393,6 +401,11 @@ class Sidecar:
         if lookup.no_store:
             return entry.response(b"MISS")
         problem = answer_problem(status, resp_headers, body, stream=key.stream)
+        if problem is None:
+            try:  # what is stored must read back: never store a header block loads refuses
+                check_header_block(entry_headers)
+            except CorruptEntry as exc:
+                problem = str(exc)
         if problem is not None:
             if status == 200:
                 self.metrics.fault("answer_not_stored")

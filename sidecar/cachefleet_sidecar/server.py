@@ -46,6 +46,8 @@ log = logging.getLogger("cachefleet.sidecar")
 LINGER_S = 2.0
 #: Most bytes drained from a refused connection before it is closed.
 LINGER_MAX_BYTES = 8 * 1024 * 1024
+#: Most header fields in one request (each costs a Python object beyond its bytes).
+MAX_HEADER_FIELDS = 256
 #: Reads larger than this are parsed in slices of it, so a full request queue
 #: stops parsing within one slice (bounds what a pipelining client can queue).
 FEED_SLICE = 8192
@@ -223,6 +225,7 @@ class Connection(asyncio.Protocol):
             self._charged = 0
         while self.pending:
             self._release(self.pending.popleft())
+        self._stash.clear()
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
@@ -319,6 +322,8 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_len += len(name) + len(value) + 4
+        if len(self._headers) >= MAX_HEADER_FIELDS:
+            self._fail(431, b"more than %d header fields" % MAX_HEADER_FIELDS)
         if self._header_len > self.limits.max_header_bytes:
             self._fail(
                 431, b"request header block larger than %d bytes" % self.limits.max_header_bytes

@@ -86,6 +86,8 @@ async def test_a_large_header_block_gets_431(
     sc = await sidecar_factory(**SMALL)
     many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 90) for i in range(40))
     assert status(await exchange(sc, b"GET / HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")) == 431
+    tiny = b"".join(b"a%d: b\r\n" % i for i in range(300))  # few bytes, many objects
+    assert status(await exchange(sc, b"GET / HTTP/1.1\r\nHost: x\r\n" + tiny + b"\r\n")) == 431
     # One header line that never ends is refused once it passes the bound,
     # without waiting for the rest (the client here never sends it).
     reader, writer = await connect(sc)
