@@ -207,3 +207,15 @@ def test_the_key_builder_survives_any_body(
         query=query,
     )
     assert again.digest == key.digest
+
+
+def test_a_pipelined_oversized_head_in_the_same_read_is_refused() -> None:
+    handler = Answering()
+    conn = Connection(handler, Limiter(LIMITS))
+    transport = FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    small = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    big = b"GET / HTTP/1.1\r\nX-Big: " + b"b" * 300 + b"\r\n\r\n"
+    conn.data_received(small + big + small)
+    assert responses(bytes(transport.out)) == [200, 431]
+    assert transport.eof
