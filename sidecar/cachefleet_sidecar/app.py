@@ -827,6 +827,7 @@ class SidecarServer:
             )
         )
         self.connections = self.limiter.connections
+        self.sidecar.metrics.gauge_sources.append(self._limit_families)
         self.servers: list[asyncio.Server] = []
         self.control: Any = None
         self._usage_task: asyncio.Task[None] | None = None
@@ -880,6 +881,34 @@ class SidecarServer:
             cfg.policy.value,
             "on" if cfg.redis_url else "off",
         )
+
+    def _limit_families(self) -> Iterator[Metric]:
+        """Client-side limits at scrape time, from the limiter (docs/limits.md)."""
+        cache = self.config.cache
+        refused = CounterMetricFamily(
+            "cachefleet_refused_requests",
+            "Requests refused by a client-side limit, by HTTP status.",
+            labels=["cache", "status"],
+        )
+        for code, count in sorted(self.limiter.refused.items()):
+            refused.add_metric([cache, str(code)], count)
+        dropped = CounterMetricFamily(
+            "cachefleet_unread_dropped_connections",
+            "Connections dropped for leaving their answers unread past --send-timeout.",
+            labels=["cache"],
+        )
+        dropped.add_metric([cache], self.limiter.dropped_unread)
+        held = GaugeMetricFamily(
+            "cachefleet_request_body_bytes",
+            "Request body bytes held now, across connections (bounded by --max-body-memory).",
+            labels=["cache"],
+        )
+        held.add_metric([cache], self.limiter.body_bytes)
+        conns = GaugeMetricFamily(
+            "cachefleet_client_connections", "Open client connections.", labels=["cache"]
+        )
+        conns.add_metric([cache], len(self.limiter.connections))
+        yield from (refused, dropped, held, conns)
 
     async def _refresh_usage(self) -> None:
         while True:

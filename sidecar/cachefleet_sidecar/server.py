@@ -85,6 +85,10 @@ class Limiter:
         self.limits = limits or Limits()
         self.connections: set[Connection] = set()
         self.body_bytes = 0
+        #: Requests refused by a limit, by status (414, 431, 413, 503, 408, 400, 501).
+        self.refused: dict[int, int] = {}
+        #: Connections dropped for leaving their answers unread.
+        self.dropped_unread = 0
         self.now = time.monotonic()
         lim = self.limits
         shortest = min(
@@ -465,6 +469,7 @@ class Connection(asyncio.Protocol):
                 self._write_paused_at = now
             elif now - self._write_paused_at > lim.send_timeout_s:
                 log.info("dropping a client that left its answers unread")
+                self.limiter.dropped_unread += 1
                 self.abort()
         elif self._refused:
             if self._final is None and now - self._since > LINGER_S:
@@ -548,6 +553,7 @@ class Connection(asyncio.Protocol):
 
     def reject(self, status: int, reason: bytes) -> None:
         """Answer ``status`` after the requests already queued, then close."""
+        self.limiter.refused[status] = self.limiter.refused.get(status, 0) + 1
         extra = b"retry-after: 1\r\n" if status == 503 else b""
         self._final = simple_response(status, reason, extra=extra, close=True)
         self._refused = True

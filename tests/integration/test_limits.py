@@ -78,6 +78,8 @@ async def test_a_long_request_target_gets_414(
     assert status(raw) == 414
     assert b"request target longer than 1024 bytes" in raw
     assert sum(upstream.calls.values()) == 0
+    text = (await sc.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_refused_requests_total", status="414") == 1
 
 
 async def test_a_large_header_block_gets_431(
@@ -296,6 +298,8 @@ async def test_a_client_that_stops_reading_its_answer_is_dropped(
             break
     assert not any(c.busy for c in sc.server.connections)
     sock.close()
+    text = (await sc.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_unread_dropped_connections_total") == 1
     upstream.pad_bytes = 0
     assert (await sc.chat("others are served")).status_code == 200
 
