@@ -76,6 +76,8 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 READY_FRESH_S = 5.0
 #: Raw request bodies whose canonical key is remembered (cleared when full).
 KEY_MEMO_MAX = 16384
+#: Bytes the key memo may hold (a key keeps its canonical form, about the body's size).
+KEY_MEMO_MAX_BYTES = 64 * 1024 * 1024
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
@@ -139,6 +141,7 @@ class Sidecar:
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
         self._key_memo: dict[tuple[str, str, bytes, int], keys.CacheKey | str] = {}
+        self._key_memo_bytes = 0
         self._model_version = config.model_version
         #: Invalidation epochs; until :meth:`enable_epochs` they do not gate L1.
         self.tracker = EpochTracker(staleness_bound_s)
@@ -220,9 +223,12 @@ class Sidecar:
                 result = keys.make_key(body, kind, scope, self.key_options(tenant), query=query)
             except keys.Uncacheable as exc:
                 result = exc.reason
-        if len(self._key_memo) >= KEY_MEMO_MAX:
-            self._key_memo.clear()
-        self._key_memo[memo_key] = result
+        cost = 2 * (len(raw) + len(query)) + 256
+        if len(self._key_memo) >= KEY_MEMO_MAX or self._key_memo_bytes + cost > KEY_MEMO_MAX_BYTES:
+            self._clear_key_memo()
+        if cost <= KEY_MEMO_MAX_BYTES // 64:  # a huge body is keyed again, not remembered
+            self._key_memo[memo_key] = result
+            self._key_memo_bytes += cost
         return result
 
     def _lookup(self, request: Request, kind: str, query: bytes) -> Lookup:
@@ -256,7 +262,11 @@ class Sidecar:
 
     def _rescope(self) -> None:
         self._scope_version += 1
+        self._clear_key_memo()
+
+    def _clear_key_memo(self) -> None:
         self._key_memo.clear()
+        self._key_memo_bytes = 0
 
     def enable_epochs(self) -> None:
         """Scope keys by the tracker's epochs and gate L1 on their confirmation."""
@@ -623,7 +633,7 @@ class Sidecar:
             )
             for t, q in assignment.tenants.items()
         }
-        self._key_memo.clear()
+        self._clear_key_memo()
         if assignment.tenants:
             self.l1.set_quotas(
                 {

@@ -399,3 +399,15 @@ def test_flags_for_every_limit() -> None:
         parse_args(["--idle-timeout=0"])
     with pytest.raises(SystemExit):
         parse_args(["--max-pipelined=0"])
+
+
+async def test_the_key_memo_is_bounded_in_bytes(sidecar: RunningSidecar) -> None:
+    from cachefleet_sidecar.app import KEY_MEMO_MAX_BYTES
+
+    core = sidecar.sidecar
+    filler = "x" * 200_000
+    for i in range(400):  # 400 distinct 200 kB bodies: ~160 MB of keys if all were kept
+        raw = json.dumps({"model": "m", "input": f"{filler}{i}"}).encode()
+        assert not isinstance(core._key_for("acme", "embeddings", b"", raw), str)
+        assert core._key_memo_bytes <= KEY_MEMO_MAX_BYTES
+    assert 0 < len(core._key_memo) < 400
