@@ -266,9 +266,13 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port)
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError as exc:
             raise UpstreamError(
-                f"cannot connect to upstream {self.host}:{self.port}: {exc or 'timeout'}"
+                f"cannot connect to upstream {self.host}:{self.port}: timeout", timed_out=True
+            ) from exc
+        except OSError as exc:
+            raise UpstreamError(
+                f"cannot connect to upstream {self.host}:{self.port}: {exc}"
             ) from exc
         return conn
 
