@@ -209,9 +209,11 @@ class Sidecar:
         found = self._key_memo.get(memo_key)
         if found is not None:
             return found
-        body = keys.parse_body(raw)
+        body = keys.parse_body(raw) if len(raw) <= keys.MAX_KEYED_BODY_BYTES else None
         result: keys.CacheKey | str
-        if body is None:
+        if len(raw) > keys.MAX_KEYED_BODY_BYTES:
+            result = "body too large to key"
+        elif body is None:
             result = "body is not an unambiguous JSON object"
         else:
             epochs: tuple[int, ...] = ()

@@ -411,3 +411,16 @@ async def test_the_key_memo_is_bounded_in_bytes(sidecar: RunningSidecar) -> None
         assert not isinstance(core._key_for("acme", "embeddings", b"", raw), str)
         assert core._key_memo_bytes <= KEY_MEMO_MAX_BYTES
     assert 0 < len(core._key_memo) < 400
+
+
+async def test_a_body_too_large_to_key_is_forwarded_uncached(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    raw = json.dumps({"model": "m1", "input": "y" * (5 * 1024 * 1024)}).encode()
+    for _ in range(2):
+        resp = await sidecar.client.post(
+            "/v1/embeddings", content=raw, headers={"X-Tenant-ID": "acme"}
+        )
+        assert resp.status_code == 200
+        assert resp.headers["x-cache"] == "BYPASS"
+    assert upstream.calls["/v1/embeddings"] == 2
