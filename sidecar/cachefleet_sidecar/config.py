@@ -17,6 +17,7 @@ import orjson
 
 from . import protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
+from .server import Limits
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 DEFAULT_ADMIN_LISTEN = "0.0.0.0:8081"
@@ -27,16 +28,17 @@ DEFAULT_L2_TTL_S = 3600.0
 DEFAULT_UPSTREAM_TIMEOUT_S = 600.0
 DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_MAX_TENANTS = 64
-#: Client-side limits (see docs/limits.md): what a request may cost the sidecar.
-DEFAULT_MAX_URL_BYTES = 16 * 1024
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-DEFAULT_BODY_MEMORY_BYTES = 256 * 1024 * 1024
-DEFAULT_MAX_PIPELINED = 32
-DEFAULT_IDLE_TIMEOUT_S = 75.0
-DEFAULT_HEADER_TIMEOUT_S = 15.0
-DEFAULT_BODY_TIMEOUT_S = 60.0
-DEFAULT_SEND_TIMEOUT_S = 60.0
+#: Client-side limits (see docs/limits.md): the defaults live with the server.
+_LIMITS = Limits()
+DEFAULT_MAX_URL_BYTES = _LIMITS.max_url_bytes
+DEFAULT_MAX_HEADER_BYTES = _LIMITS.max_header_bytes
+DEFAULT_MAX_BODY_BYTES = _LIMITS.max_body_bytes
+DEFAULT_BODY_MEMORY_BYTES = _LIMITS.body_memory_bytes
+DEFAULT_MAX_PIPELINED = _LIMITS.max_pipelined
+DEFAULT_IDLE_TIMEOUT_S = _LIMITS.idle_timeout_s
+DEFAULT_HEADER_TIMEOUT_S = _LIMITS.header_timeout_s
+DEFAULT_BODY_TIMEOUT_S = _LIMITS.body_timeout_s
+DEFAULT_SEND_TIMEOUT_S = _LIMITS.send_timeout_s
 #: Largest answer stored in L1 / in L2 (larger ones are passed through, not stored).
 DEFAULT_MAX_ENTRY_BYTES = 8 * 1024 * 1024
 DEFAULT_L2_MAX_ENTRY_BYTES = 1024 * 1024

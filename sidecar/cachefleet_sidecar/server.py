@@ -60,7 +60,7 @@ BUDGET_EXHAUSTED = b"request bodies in flight exceed the sidecar's memory budget
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What one client may make the sidecar hold (defaults: ``config.DEFAULT_*``)."""
+    """What one client may make the sidecar hold; these defaults are the flags' defaults."""
 
     max_url_bytes: int = 16 * 1024
     max_header_bytes: int = 64 * 1024
