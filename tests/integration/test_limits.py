@@ -288,7 +288,7 @@ async def test_a_client_that_stops_reading_its_answer_is_dropped(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await sidecar_factory(send_timeout_s=0.5)
-    upstream.pad_bytes = 8_000_000  # relayed as it arrives (too large to buffer)
+    upstream.pad_bytes = 32_000_000  # relayed as it comes; more than any socket buffers hold
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port_of(sc)))
