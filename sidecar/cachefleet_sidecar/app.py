@@ -589,6 +589,8 @@ class Sidecar:
         if vector is not None and lookup.version != self._scope_version:
             return None  # the epochs moved while the read was out: do not serve it
         try:
+            if len(data) > self.l2_max_entry_bytes + 64 * 1024:  # body + envelope and headers
+                raise CorruptEntry("larger than any entry this sidecar stores")
             entry = Entry.loads(data)
         except ValueError as exc:
             self.metrics.fault("corrupt_entry")

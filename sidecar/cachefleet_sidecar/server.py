@@ -190,6 +190,8 @@ class Connection(asyncio.Protocol):
         self._max_url = lim.max_url_bytes
         self._max_header = lim.max_header_bytes
         self._max_body = lim.max_body_bytes
+        # Wire bytes a body may take: chunk framing and trailers on top of the data.
+        self._max_body_rx = 2 * lim.max_body_bytes + lim.max_header_bytes
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.pending: deque[Request] = deque()
@@ -204,6 +206,8 @@ class Connection(asyncio.Protocol):
         self._phase = _IDLE
         self._since = limiter.now
         self._head_rx = 0
+        self._body_rx = 0
+        self._trailer_len = 0
         self._url_len = 0
         self._charged = 0
         self._precharged = False
@@ -254,6 +258,7 @@ class Connection(asyncio.Protocol):
         self._read_len = size = len(data)
         if self._phase == _BODY:
             self._since = self.limiter.now
+            self._body_rx += size
         else:
             self._head_rx += size
         try:
@@ -261,7 +266,7 @@ class Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._parse_error(exc)
             return
-        if self._phase == _HEAD:
+        if self._phase != _IDLE:
             self._check_head()
 
     def _feed(self, data: bytes) -> None:
@@ -274,6 +279,7 @@ class Connection(asyncio.Protocol):
             self._read_len = len(piece)
             if self._phase == _BODY:
                 self._since = self.limiter.now
+                self._body_rx += len(piece)
             else:
                 self._head_rx += len(piece)
             try:
@@ -281,7 +287,7 @@ class Connection(asyncio.Protocol):
             except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
                 self._parse_error(exc)
                 return
-            if self._phase == _HEAD and self._check_head():
+            if self._phase != _IDLE and self._check_head():
                 return
             if pos < size and len(self.pending) >= self.limits.max_pipelined:
                 self._stash.append(data[pos:])
@@ -297,8 +303,18 @@ class Connection(asyncio.Protocol):
             self.reject(400, b"malformed HTTP request: " + str(exc).encode())
 
     def _check_head(self) -> bool:
-        """Refuse a head past its bound (httptools holds an unfinished header line itself)."""
+        """Refuse a message still unfinished past its bound; True when refused.
+
+        httptools holds an unfinished header line (or trailer) itself, so the
+        bytes received for the head, and for the body with its framing and
+        trailers, are bounded here, after each read.
+        """
         lim = self.limits
+        if self._phase == _BODY:
+            if self._body_rx <= self._max_body_rx:
+                return False
+            self.reject(413, b"request body framing larger than %d bytes" % self._max_body_rx)
+            return True
         if self._head_rx <= lim.max_url_bytes + lim.max_header_bytes:
             return False
         if self._url_len > lim.max_url_bytes:
@@ -349,11 +365,20 @@ class Connection(asyncio.Protocol):
         self._url.append(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Sizes are checked per read (_check_head) and once the head is complete.
+        if self._phase == _BODY:
+            # A trailer field of a chunked body: bounded, and never a request
+            # header (nothing, the tenant least of all, may come from trailers).
+            self._trailer_len += len(name) + len(value) + 4
+            if self._trailer_len > self._max_header:
+                self._fail(431, b"trailer fields larger than %d bytes" % self._max_header)
+            return
+        # Head sizes are checked per read (_check_head) and once the head is complete.
         self._headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self._phase = _BODY
+        self._body_rx = 0
+        self._trailer_len = 0
         limiter = self.limiter
         self._since = limiter.now
         headers = self._headers

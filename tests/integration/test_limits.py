@@ -425,3 +425,19 @@ async def test_a_body_too_large_to_key_is_forwarded_uncached(
         assert resp.status_code == 200
         assert resp.headers["x-cache"] == "BYPASS"
     assert upstream.calls["/v1/embeddings"] == 2
+
+
+async def test_trailers_are_never_request_headers(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    body = json.dumps(
+        {"model": "m1", "messages": [{"role": "user", "content": "t"}], "temperature": 0}
+    ).encode()
+    raw = await exchange(
+        sidecar,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n%x\r\n%s\r\n0\r\nX-Tenant-ID: victim\r\n\r\n"
+        % (len(body), body),
+    )
+    assert status(raw) == 403  # no tenant header: the trailer does not count
+    assert upstream.calls[CHAT] == 0

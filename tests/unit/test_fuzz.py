@@ -219,3 +219,27 @@ def test_a_pipelined_oversized_head_in_the_same_read_is_refused() -> None:
     conn.data_received(small + big + small)
     assert responses(bytes(transport.out)) == [200, 431]
     assert transport.eof
+
+
+def test_trailer_fields_are_bounded_and_never_become_headers() -> None:
+    handler = Answering()
+    conn = Connection(handler, Limiter(LIMITS))
+    transport = FakeTransport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    conn.data_received(head + b"1\r\na\r\n0\r\nX-Tenant-ID: victim\r\n\r\n")
+    (request,) = handler.seen
+    assert request.body == b"a"
+    assert request.header(b"x-tenant-id") is None
+    # A trailer section past the bound is refused, complete or not.
+    conn.data_received(head + b"1\r\na\r\n0\r\nX-T: " + b"t" * 300 + b"\r\n\r\n")
+    assert responses(bytes(transport.out)) == [200, 431]
+    endless = Connection(Answering(), Limiter(LIMITS))
+    transport = FakeTransport()
+    endless.connection_made(transport)  # type: ignore[arg-type]
+    endless.data_received(head + b"1\r\na\r\n0\r\nX-T: ")
+    for _ in range(200):
+        if transport.eof:
+            break
+        endless.data_received(b"t" * 100)
+    assert responses(bytes(transport.out)) == [413]
