@@ -20,8 +20,8 @@ Behaviour:
   ``error_object_next`` answers 200 with an OpenAI error object;
   ``sse_error_next`` ends a stream with an error event (then ``[DONE]``),
   ``sse_no_done_next`` ends it cleanly but without ``data: [DONE]``;
-  ``drop_next`` reads the request and closes the connection without an
-  answer; ``pad_bytes`` makes every JSON answer that much larger.
+  ``drop_next`` reads the next request (any path) and closes the
+  connection without an answer; ``pad_bytes`` makes every JSON answer that much larger.
 * ``calls`` counts every request that reached the stand-in, by path.
 * ``GET /_stats`` returns call counts; every other path echoes the method,
   path, headers and body as JSON (status 200, or ``?status=N``).
@@ -152,6 +152,10 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         up.calls[parts.path] += 1
         up.seen_headers.append({k.lower(): v for k, v in self.headers.items()})
+        if parts.path not in ("/_stats", "/_control") and up.take("drop_next"):
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
         if parts.path == "/_stats":
             self._send(200, json.dumps({"calls": dict(up.calls)}).encode())
             return
@@ -181,10 +185,6 @@ class _Handler(BaseHTTPRequestHandler):
         delay = up.latency_s.get(tenant, up.default_latency_s)
         if delay > 0:
             time.sleep(delay)
-        if up.take("drop_next"):
-            self.close_connection = True
-            self.connection.shutdown(2)
-            return
         if up.take("fail_next"):
             self._send(int(up.fail_status), b'{"error": {"message": "injected failure"}}')
             return

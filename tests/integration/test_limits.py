@@ -441,3 +441,13 @@ async def test_trailers_are_never_request_headers(
     )
     assert status(raw) == 403  # no tenant header: the trailer does not count
     assert upstream.calls[CHAT] == 0
+
+
+async def test_a_get_is_retried_once_where_a_post_is_not(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    assert (await sidecar.client.get("/echo")).status_code == 200  # a keep-alive connection
+    upstream.drop_next = 1
+    again = await sidecar.client.get("/echo")
+    assert again.status_code == 200  # safe to repeat: sent again on a fresh connection
+    assert upstream.calls["/echo"] == 3
