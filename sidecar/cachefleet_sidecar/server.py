@@ -15,7 +15,8 @@ a request target over ``max_url_bytes`` gets 414, a header block over
 ``max_header_bytes`` 431, a body over ``max_body_bytes`` 413 (before it is
 read when ``Content-Length`` says so), a body that would take the bodies held
 by all connections over the memory budget 503, a head not complete within
-``header_timeout_s`` or a body stalled for ``body_timeout_s`` 408. A refused
+``header_timeout_s`` or a body stalled for ``body_timeout_s`` 408. Trailer
+fields of a chunked body are bounded and dropped (never request headers). A refused
 connection is half-closed and drained for a moment so the client can read
 its answer. Idle keep-alive connections close after ``idle_timeout_s``.
 Back-pressure: a connection stops being read while ``max_pipelined``
