@@ -183,6 +183,48 @@ class Handler(Protocol):
 class Connection(asyncio.Protocol):
     """One client connection."""
 
+    # Slots: the parser callbacks read and write these on every request.
+    __slots__ = (
+        "_body",
+        "_body_len",
+        "_body_rx",
+        "_charged",
+        "_drain_waiter",
+        "_drained",
+        "_error",
+        "_final",
+        "_head_rx",
+        "_headers",
+        "_http10",
+        "_max_body",
+        "_max_body_rx",
+        "_max_header",
+        "_max_url",
+        "_phase",
+        "_precharged",
+        "_read_len",
+        "_read_paused",
+        "_refused",
+        "_since",
+        "_started",
+        "_stash",
+        "_trailer_len",
+        "_unread",
+        "_url",
+        "_url_len",
+        "_write_paused",
+        "_write_paused_at",
+        "__weakref__",
+        "busy",
+        "closing",
+        "handler",
+        "limiter",
+        "limits",
+        "parser",
+        "pending",
+        "transport",
+    )
+
     def __init__(self, handler: Handler, limiter: Limiter) -> None:
         self.handler = handler
         self.limiter = limiter
