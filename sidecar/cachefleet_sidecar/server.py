@@ -185,6 +185,7 @@ class Connection(asyncio.Protocol):
 
     # Slots: the parser callbacks read and write these on every request.
     __slots__ = (
+        "__weakref__",
         "_body",
         "_body_len",
         "_body_rx",
@@ -214,7 +215,6 @@ class Connection(asyncio.Protocol):
         "_url_len",
         "_write_paused",
         "_write_paused_at",
-        "__weakref__",
         "busy",
         "closing",
         "handler",
