@@ -15,7 +15,14 @@ Behaviour:
   :class:`FakeUpstream` attributes, or ``POST /_control`` from another
   process: ``{"latency_s": {"tenant": 0.05}, "default_latency_s": 0,
   "fail_next": 2, "fail_status": 500, "truncate_next": 1,
-  "break_stream_next": 1, "invalid_json_next": 1}``.
+  "break_stream_next": 1, "invalid_json_next": 1, "error_object_next": 1,
+  "sse_error_next": 1, "sse_no_done_next": 1, "drop_next": 1, "pad_bytes": 0}``.
+  ``error_object_next`` answers 200 with an OpenAI error object;
+  ``sse_error_next`` ends a stream with an error event (then ``[DONE]``),
+  ``sse_no_done_next`` ends it cleanly but without ``data: [DONE]``;
+  ``drop_next`` reads the next request (any path) and closes the
+  connection without an answer; ``pad_bytes`` makes every JSON answer that much larger.
+* ``calls`` counts every request that reached the stand-in, by path.
 * ``GET /_stats`` returns call counts; every other path echoes the method,
   path, headers and body as JSON (status 200, or ``?status=N``).
 """
@@ -45,6 +52,11 @@ class FakeUpstream:
         self.truncate_next = 0
         self.break_stream_next = 0
         self.invalid_json_next = 0
+        self.error_object_next = 0
+        self.sse_error_next = 0
+        self.sse_no_done_next = 0
+        self.drop_next = 0
+        self.pad_bytes = 0
         self.calls: Counter[str] = Counter()
         self.seen_headers: list[dict[str, str]] = []
         self._lock = threading.Lock()
@@ -140,6 +152,10 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         up.calls[parts.path] += 1
         up.seen_headers.append({k.lower(): v for k, v in self.headers.items()})
+        if parts.path not in ("/_stats", "/_control") and up.take("drop_next"):
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
         if parts.path == "/_stats":
             self._send(200, json.dumps({"calls": dict(up.calls)}).encode())
             return
@@ -182,6 +198,9 @@ class _Handler(BaseHTTPRequestHandler):
         if up.take("invalid_json_next"):
             self._send(200, b"this is not json")
             return
+        if up.take("error_object_next"):
+            self._send(200, b'{"error": {"message": "model overloaded", "type": "server_error"}}')
+            return
         if up.take("truncate_next"):
             payload = b'{"id": "trunc", "choices": ['
             self.send_response(200)
@@ -192,8 +211,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             return
-        if isinstance(request, dict) and request.get("stream"):
-            self._stream(request, number, digest, broken=up.take("break_stream_next"))
+        if isinstance(request, dict) and request.get("stream") is True:
+            self._stream(
+                request,
+                number,
+                digest,
+                broken=up.take("break_stream_next"),
+                error=up.take("sse_error_next"),
+                done=not up.take("sse_no_done_next"),
+            )
             return
         model = request.get("model", "") if isinstance(request, dict) else ""
         if path == "/v1/embeddings":
@@ -217,9 +243,20 @@ class _Handler(BaseHTTPRequestHandler):
                 "choices": [choice],
                 "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
             }
+        if up.pad_bytes:
+            answer["padding"] = "x" * int(up.pad_bytes)
         self._send(200, json.dumps(answer).encode())
 
-    def _stream(self, request: dict[str, Any], number: int, digest: str, *, broken: bool) -> None:
+    def _stream(
+        self,
+        request: dict[str, Any],
+        number: int,
+        digest: str,
+        *,
+        broken: bool,
+        error: bool = False,
+        done: bool = True,
+    ) -> None:
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
@@ -238,8 +275,15 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
-        done = b"data: [DONE]\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        if error:
+            failure = (
+                b'data: {"error": {"message": "generation failed", "type": "server_error"}}\n\n'
+            )
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(failure), failure))
+        end = b"data: [DONE]\n\n" if done else b""
+        if end:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(end), end))
+        self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
 

@@ -47,14 +47,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from . import keys, mrc, protocol
 from .config import SidecarConfig, parse_args
-from .entry import HOP_BY_HOP, Entry, L1Value, reason_phrase
+from .entry import (
+    HOP_BY_HOP,
+    CorruptEntry,
+    Entry,
+    L1Value,
+    answer_problem,
+    check_header_block,
+    reason_phrase,
+)
 from .epochs import EpochTracker, EpochVector
 from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
-from .server import Connection, Request, simple_response
+from .server import Connection, Limiter, Limits, Request, simple_response
 from .telemetry import GpuTelemetry
 from .upstream import UpstreamError, UpstreamPool
 
@@ -74,6 +82,8 @@ READY_FRESH_S = 5.0
 KEY_MEMO_MAX = 16384
 #: Tick of the tenant idleness clock, seconds (expiry is counted in ticks of this).
 IDLE_TICK_S = 5.0
+#: Bytes the key memo may hold (a key keeps its canonical form, about the body's size).
+KEY_MEMO_MAX_BYTES = 64 * 1024 * 1024
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
@@ -139,6 +149,9 @@ class Sidecar:
         )
         self.l2 = l2
         self.upstream = UpstreamPool(config.upstream, read_timeout_s=config.upstream_timeout_s)
+        #: Largest answer stored in L1 / in L2 (larger ones are passed through).
+        self.max_entry_bytes = config.max_entry_bytes
+        self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
         self.telemetry = telemetry or GpuTelemetry()
         self.tenant_header = config.tenant_header.lower().encode()
         self.known_tenants: set[str] = set(config.tenants)
@@ -163,7 +176,8 @@ class Sidecar:
         self._update_reserved()
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
-        self._key_memo: dict[tuple[str, str, int], keys.CacheKey | str] = {}
+        self._key_memo: dict[tuple[str, str, bytes, int], keys.CacheKey | str] = {}
+        self._key_memo_bytes = 0
         self._model_version = config.model_version
         #: Invalidation epochs; until :meth:`enable_epochs` they do not gate L1.
         self.tracker = EpochTracker(staleness_bound_s)
@@ -316,22 +330,24 @@ class Sidecar:
         return self._key_options.get(tenant, self._default_options)
 
     # ---------------------------------------------------------------- fast path
-    def _key_for(self, tenant: str, kind: str, raw: bytes) -> keys.CacheKey | str:
+    def _key_for(self, tenant: str, kind: str, query: bytes, raw: bytes) -> keys.CacheKey | str:
         """The canonical key of a raw body, or why it is not cacheable (memoised).
 
         Byte-identical bodies have identical keys, so a repeated request skips
         parsing and canonicalisation: the memo is indexed by the xxh3-128 of
-        the raw body within (tenant, endpoint) and cleared whenever anything
-        that scopes keys changes.
+        the raw body within (tenant, endpoint, query string) and cleared
+        whenever anything that scopes keys changes.
         """
-        memo_key = (tenant, kind, xxhash.xxh3_128_intdigest(raw))
+        memo_key = (tenant, kind, query, xxhash.xxh3_128_intdigest(raw))
         found = self._key_memo.get(memo_key)
         if found is not None:
             return found
-        body = keys.parse_body(raw)
+        body = keys.parse_body(raw) if len(raw) <= keys.MAX_KEYED_BODY_BYTES else None
         result: keys.CacheKey | str
-        if body is None:
-            result = "body is not a JSON object"
+        if len(raw) > keys.MAX_KEYED_BODY_BYTES:
+            result = "body too large to key"
+        elif body is None:
+            result = "body is not an unambiguous JSON object"
         else:
             epochs: tuple[int, ...] = ()
             if self._versioned:
@@ -339,15 +355,20 @@ class Sidecar:
                 epochs += self.tracker.values_for(tenant, model if isinstance(model, str) else "")
             scope = keys.Scope(tenant, self._model_version, epochs)
             try:
-                result = keys.make_key(body, kind, scope, self.key_options(tenant))
+                result = keys.make_key(body, kind, scope, self.key_options(tenant), query=query)
             except keys.Uncacheable as exc:
                 result = exc.reason
-        if len(self._key_memo) >= KEY_MEMO_MAX:
-            self._key_memo.clear()
-        self._key_memo[memo_key] = result
+        cost = 2 * (len(raw) + len(query)) + 256
+        if len(self._key_memo) >= KEY_MEMO_MAX or self._key_memo_bytes + cost > KEY_MEMO_MAX_BYTES:
+            self._clear_key_memo()
+        if cost <= KEY_MEMO_MAX_BYTES // 64:  # a huge body is keyed again, not remembered
+            self._key_memo[memo_key] = result
+            self._key_memo_bytes += cost
         return result
 
-    def _lookup(self, request: Request, kind: str, tenant: str | None = None) -> Lookup:
+    def _lookup(
+        self, request: Request, kind: str, query: bytes, tenant: str | None = None
+    ) -> Lookup:
         """Tenant, key and cache directives of a request (``tenant`` when already decided)."""
         if tenant is None:
             tenant = self.resolve_tenant(request)
@@ -358,7 +379,7 @@ class Sidecar:
             no_cache = b"no-cache" in directives
             no_store = b"no-store" in directives
         version = self._scope_version
-        key = self._key_for(tenant, kind, request.body)
+        key = self._key_for(tenant, kind, query, request.body)
         if isinstance(key, str):
             return Lookup(tenant, None, key, no_cache, no_store, version)
         return Lookup(tenant, key, None, no_cache, no_store, version)
@@ -380,7 +401,11 @@ class Sidecar:
 
     def _rescope(self) -> None:
         self._scope_version += 1
+        self._clear_key_memo()
+
+    def _clear_key_memo(self) -> None:
         self._key_memo.clear()
+        self._key_memo_bytes = 0
 
     def enable_epochs(self) -> None:
         """Scope keys by the tracker's epochs and gate L1 on their confirmation."""
@@ -398,10 +423,14 @@ class Sidecar:
         if request.method != b"POST":
             return None
         kind = keys.CACHEABLE_PATHS.get(request.url)
+        query = b""
         if kind is None:
-            return None
+            path, sep, query = request.url.partition(b"?")
+            kind = keys.CACHEABLE_PATHS.get(path) if sep else None
+            if kind is None:
+                return None
         try:
-            lookup = self._lookup(request, kind)
+            lookup = self._lookup(request, kind, query)
         except Refusal as exc:
             request.memo = exc
             return None
@@ -420,7 +449,7 @@ class Sidecar:
             self.metrics.cross_tenant_hits += 1
             return None
         digest = lookup.key.digest
-        # mrc.sample_hash inlined: at the default rate 31 in 32 hits stop here
+        # mrc.sample_hash inlined against the highest rate allowed (--mrc-max-rate)
         if (digest >> mrc.HASH_SHIFT) & mrc.HASH_MASK < self._mrc_gate and self.mrc is not None:
             self.mrc.access(lookup.tenant, digest, len(hit[1]))
         self.metrics.tenant(lookup.tenant).request(
@@ -430,7 +459,7 @@ class Sidecar:
 
     # ---------------------------------------------------------------- slow path
     async def handle(self, request: Request, conn: Connection) -> None:
-        path = request.url.split(b"?", 1)[0]
+        path, _, query = request.url.partition(b"?")
         if path in ADMIN_PATHS and self.config.admin_listen is None:
             await self.admin(request, conn)
             return
@@ -444,7 +473,7 @@ class Sidecar:
             # was decided once for this request (and its mismatches counted once).
             known = memo.tenant if isinstance(memo, Lookup) else None
             try:
-                memo = self._lookup(request, kind, known)
+                memo = self._lookup(request, kind, query, known)
             except Refusal as exc:
                 memo = exc
         if isinstance(memo, Refusal):
@@ -506,21 +535,46 @@ class Sidecar:
     async def _miss(
         self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
     ) -> bytes | None:
-        """Call upstream, forward, store when complete; returns the answer for joiners."""
+        """Call upstream, forward, store when correct; returns the answer for joiners.
+
+        Only a correct answer (:func:`entry.answer_problem`) of the form the
+        request asked for is stored; an answer larger than the largest entry
+        is passed through and neither stored nor kept for joiners.
+        """
         tenant = lookup.tenant
         headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
-        captured = await self._forward(request, conn, headers, b"MISS", tenant=tenant)
+        captured = await self._forward(
+            request, conn, headers, b"MISS", tenant=tenant, capture=self.max_entry_bytes
+        )
         if captured is None:
             return None
         status, resp_headers, body = captured
+        if body is None:
+            self.metrics.fault("entry_too_large")
+            return None
         entry_headers = b"".join(
             name + b": " + value + b"\r\n" for name, value in resp_headers if name not in HOP_BY_HOP
         )
         entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
-        if 200 <= status < 300 and not lookup.no_store and self._storable(entry, resp_headers):
-            self._l1_put(tenant, key, entry)
-            if self.l2 is not None and self._l2_allowed(tenant):
+        if lookup.no_store:
+            return entry.response(b"MISS")
+        problem = answer_problem(status, resp_headers, body, stream=key.stream)
+        if problem is None:
+            try:  # what is stored must read back: never store a header block loads refuses
+                check_header_block(entry_headers)
+            except CorruptEntry as exc:
+                problem = str(exc)
+        if problem is not None:
+            if status == 200:
+                self.metrics.fault("answer_not_stored")
+                log.debug("answer to %s not stored: %s", request.url, problem)
+            return entry.response(b"MISS")
+        self._l1_put(tenant, key, entry)
+        if self.l2 is not None and self._l2_allowed(tenant):
+            if len(body) <= self.l2_max_entry_bytes:
                 self._spawn(self._l2_put(lookup, key, entry))
+            else:
+                self.metrics.fault("entry_too_large")
         return entry.response(b"MISS")
 
     def _upstream_headers(
@@ -532,24 +586,13 @@ class Sidecar:
         out.append((name, tenant.encode()))
         return out
 
-    @staticmethod
-    def _storable(entry: Entry, headers: list[tuple[bytes, bytes]]) -> bool:
-        ctype = next((v for n, v in headers if n == b"content-type"), b"")
-        if entry.stream or ctype.startswith(b"text/event-stream"):
-            return ctype.startswith(b"text/event-stream") and entry.body.endswith(b"\n\n")
-        try:
-            orjson.loads(entry.body)
-        except orjson.JSONDecodeError:
-            return False
-        return True
-
     async def _passthrough(
         self, request: Request, conn: Connection, *, tenant: str | None, reason: str | None
     ) -> None:
         headers = request.headers
         if tenant is not None:
             headers = self._upstream_headers(headers, tenant)
-        captured = await self._forward(request, conn, headers, b"BYPASS", tenant=tenant)
+        captured = await self._forward(request, conn, headers, b"BYPASS", tenant=tenant, capture=0)
         if tenant is not None:
             result = "bypass" if captured is not None else "error"
             self.metrics.tenant(tenant).request(
@@ -566,8 +609,15 @@ class Sidecar:
         x_cache: bytes,
         *,
         tenant: str | None,
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        """Forward to upstream and stream the answer back; None when it broke."""
+        capture: int,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes | None] | None:
+        """Forward to upstream and relay the answer; None when it broke.
+
+        Returns the status, the headers and the body when the body is at most
+        ``capture`` bytes (else None in its place: nothing larger is held).
+        An HTTP/1.0 client never sees chunked framing: an answer of unknown
+        length is relayed as it comes and ended by closing the connection.
+        """
         t0 = time.perf_counter()
         try:
             resp = await self.upstream.request(request.method, request.url, headers, request.body)
@@ -597,26 +647,39 @@ class Sidecar:
         head += [n + b": " + v + b"\r\n" for n, v in resp.headers if n not in FORWARD_DROP]
         length = resp.content_length
         no_body = request.method == b"HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
-        chunked = length is None and not no_body
+        unsized = length is None and not no_body
+        chunked = unsized and not request.http10
         if length is not None:
             head.append(b"content-length: %d\r\n" % length)
         elif chunked:
             head.append(b"transfer-encoding: chunked\r\n")
+        elif unsized:  # HTTP/1.0: the end of the body is the end of the connection
+            head.append(b"connection: close\r\n")
+            request.keep_alive = False
         head.append(b"x-cache: %s\r\n\r\n" % x_cache)
         # A sized answer that fits is sent in one write once complete (one syscall,
         # and a truncated body can still become a clean 502); anything else
         # (SSE, chunked, large) is relayed as it arrives, the head with the first bytes.
         buffered = length is not None and length <= MAX_BUFFERED_BYTES
+        keep = capture if not buffered else max(capture, length or 0)
         pending = b"".join(head)
         parts: list[bytes] = []
+        held: int | None = 0
         try:
             async for chunk in resp.chunks():
-                parts.append(chunk)
+                if held is not None:
+                    held += len(chunk)
+                    if held <= keep:
+                        parts.append(chunk)
+                    else:
+                        parts.clear()
+                        held = None  # too large to keep: relay only
                 if buffered:
                     continue
                 data = b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk
                 conn.write(pending + data if pending else data)
                 pending = b""
+                await conn.drain()
         except UpstreamError as exc:
             log.warning("upstream broke mid-response for %s: %s", request.url, exc)
             if buffered:
@@ -638,8 +701,9 @@ class Sidecar:
                     "upstream", "error", time.perf_counter() - request.started
                 )
             return None
+        whole = b"".join(parts) if held is not None else None
         if buffered or pending:
-            conn.write(pending + b"".join(parts) if buffered else pending)
+            conn.write(pending + (whole or b"") if buffered else pending)
         if chunked:
             conn.write(b"0\r\n\r\n")
         self._last_upstream_ok = time.monotonic()
@@ -648,7 +712,7 @@ class Sidecar:
             tm.upstream.observe(time.perf_counter() - t0)
             if x_cache == b"MISS":
                 tm.request("upstream", "miss", time.perf_counter() - request.started)
-        return resp.status, resp.headers, b"".join(parts)
+        return resp.status, resp.headers, whole if held is not None and held <= capture else None
 
     # -------------------------------------------------------------- cache tiers
     def _l1_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
@@ -692,8 +756,14 @@ class Sidecar:
         if vector is not None and lookup.version != self._scope_version:
             return None  # the epochs moved while the read was out: do not serve it
         try:
+            if len(data) > self.l2_max_entry_bytes + 64 * 1024:  # body + envelope and headers
+                raise CorruptEntry("larger than any entry this sidecar stores")
             entry = Entry.loads(data)
-        except ValueError:
+        except ValueError as exc:
+            self.metrics.fault("corrupt_entry")
+            log.debug("L2 entry of %s refused: %s", tenant, exc)
+            return None
+        if entry.stream != key.stream:
             self.metrics.fault("corrupt_entry")
             return None
         if entry.tenant != tenant:
@@ -734,7 +804,7 @@ class Sidecar:
             )
             for t, q in assignment.tenants.items()
         }
-        self._key_memo.clear()
+        self._clear_key_memo()
         if assignment.tenants:
             policies = {
                 t: self._usable_policy(q.policy or assignment.default_policy)
@@ -975,7 +1045,21 @@ class SidecarServer:
     def __init__(self, config: SidecarConfig, sidecar: Sidecar | None = None) -> None:
         self.config = config
         self.sidecar = sidecar or Sidecar(config)
-        self.connections: set[Connection] = set()
+        self.limiter = Limiter(
+            Limits(
+                max_url_bytes=config.max_url_bytes,
+                max_header_bytes=config.max_header_bytes,
+                max_body_bytes=config.max_body_bytes,
+                body_memory_bytes=config.body_memory_bytes,
+                max_pipelined=config.max_pipelined,
+                idle_timeout_s=config.idle_timeout_s,
+                header_timeout_s=config.header_timeout_s,
+                body_timeout_s=config.body_timeout_s,
+                send_timeout_s=config.send_timeout_s,
+            )
+        )
+        self.connections = self.limiter.connections
+        self.sidecar.metrics.gauge_sources.append(self._limit_families)
         self.servers: list[asyncio.Server] = []
         self.control: Any = None
         self._usage_task: asyncio.Task[None] | None = None
@@ -1016,14 +1100,15 @@ class SidecarServer:
         if cfg.tenant_idle_expiry_s > 0:
             self._idle_task = loop.create_task(self._expire_idle())
         main = await loop.create_server(
-            lambda: Connection(self.sidecar, self.connections), *cfg.listen, reuse_address=True
+            lambda: Connection(self.sidecar, self.limiter), *cfg.listen, reuse_address=True
         )
         self.servers.append(main)
+        self.limiter.start()
         if cfg.admin_listen is not None:
             admin = AdminHandler(self.sidecar)
             self.servers.append(
                 await loop.create_server(
-                    lambda: Connection(admin, self.connections),
+                    lambda: Connection(admin, self.limiter),
                     *cfg.admin_listen,
                     reuse_address=True,
                 )
@@ -1036,6 +1121,34 @@ class SidecarServer:
             cfg.policy.value,
             "on" if cfg.redis_url else "off",
         )
+
+    def _limit_families(self) -> Iterator[Metric]:
+        """Client-side limits at scrape time, from the limiter (docs/limits.md)."""
+        cache = self.config.cache
+        refused = CounterMetricFamily(
+            "cachefleet_refused_requests",
+            "Requests refused by a client-side limit, by HTTP status.",
+            labels=["cache", "status"],
+        )
+        for code, count in sorted(self.limiter.refused.items()):
+            refused.add_metric([cache, str(code)], count)
+        dropped = CounterMetricFamily(
+            "cachefleet_unread_dropped_connections",
+            "Connections dropped for leaving their answers unread past --send-timeout.",
+            labels=["cache"],
+        )
+        dropped.add_metric([cache], self.limiter.dropped_unread)
+        held = GaugeMetricFamily(
+            "cachefleet_request_body_bytes",
+            "Request body bytes held now, across connections (bounded by --max-body-memory).",
+            labels=["cache"],
+        )
+        held.add_metric([cache], self.limiter.body_bytes)
+        conns = GaugeMetricFamily(
+            "cachefleet_client_connections", "Open client connections.", labels=["cache"]
+        )
+        conns.add_metric([cache], len(self.limiter.connections))
+        yield from (refused, dropped, held, conns)
 
     async def _refresh_usage(self) -> None:
         while True:
@@ -1078,6 +1191,7 @@ class SidecarServer:
             await asyncio.sleep(0.02)
         for conn in list(self.connections):
             conn.close()
+        self.limiter.stop()
         for task in (self._usage_task, self._keys_task, self._idle_task):
             if task is not None:
                 task.cancel()

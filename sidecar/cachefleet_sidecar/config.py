@@ -16,6 +16,7 @@ from typing import Any
 from . import identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
+from .server import Limits
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 #: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
@@ -29,6 +30,20 @@ DEFAULT_SHUTDOWN_GRACE_S = 30.0
 DEFAULT_MAX_TENANTS = 64
 DEFAULT_MRC_SAMPLES = DEFAULT_MAX_SAMPLES
 DEFAULT_TENANT_IDLE_EXPIRY_S = 600.0
+#: Client-side limits (see docs/limits.md): the defaults live with the server.
+_LIMITS = Limits()
+DEFAULT_MAX_URL_BYTES = _LIMITS.max_url_bytes
+DEFAULT_MAX_HEADER_BYTES = _LIMITS.max_header_bytes
+DEFAULT_MAX_BODY_BYTES = _LIMITS.max_body_bytes
+DEFAULT_BODY_MEMORY_BYTES = _LIMITS.body_memory_bytes
+DEFAULT_MAX_PIPELINED = _LIMITS.max_pipelined
+DEFAULT_IDLE_TIMEOUT_S = _LIMITS.idle_timeout_s
+DEFAULT_HEADER_TIMEOUT_S = _LIMITS.header_timeout_s
+DEFAULT_BODY_TIMEOUT_S = _LIMITS.body_timeout_s
+DEFAULT_SEND_TIMEOUT_S = _LIMITS.send_timeout_s
+#: Largest answer stored in L1 / in L2 (larger ones are passed through, not stored).
+DEFAULT_MAX_ENTRY_BYTES = 8 * 1024 * 1024
+DEFAULT_L2_MAX_ENTRY_BYTES = 1024 * 1024
 DEFAULT_CACHE = "default/default"
 ENV_PREFIX = "CACHEFLEET_"
 
@@ -51,6 +66,20 @@ def _size(value: str) -> int:
     raise argparse.ArgumentTypeError(
         f"expected a byte count such as 268435456 or 256Mi, got {value!r}"
     )
+
+
+def _positive_int(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def _positive_float(value: str) -> float:
+    number = float(value)
+    if not number > 0 or number == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {value!r}")
+    return number
 
 
 def _cache(value: str) -> str:
@@ -81,13 +110,6 @@ def _tenant(value: str) -> str:
             f"tenant names are 1-63 characters of [A-Za-z0-9._-], got {value!r}"
         )
     return value
-
-
-def _positive_int(value: str) -> int:
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return number
 
 
 def _guest_share(value: str) -> float:
@@ -142,6 +164,17 @@ class SidecarConfig:
     tenant_idle_expiry_s: float = DEFAULT_TENANT_IDLE_EXPIRY_S
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
+    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_memory_bytes: int = DEFAULT_BODY_MEMORY_BYTES
+    max_pipelined: int = DEFAULT_MAX_PIPELINED
+    idle_timeout_s: float = DEFAULT_IDLE_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
+    l2_max_entry_bytes: int = DEFAULT_L2_MAX_ENTRY_BYTES
 
 
 def _env(name: str) -> str | None:
@@ -290,6 +323,53 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_SHUTDOWN_GRACE_S),
     )
     add("log-level", "debug | info | warning | error", default="info")
+    add("max-url-bytes", "longest request target (414 beyond)", default=str(DEFAULT_MAX_URL_BYTES))
+    add(
+        "max-header-bytes",
+        "largest request header block (431 beyond)",
+        default=str(DEFAULT_MAX_HEADER_BYTES),
+    )
+    add("max-body-bytes", "largest request body (413 beyond)", default=str(DEFAULT_MAX_BODY_BYTES))
+    add(
+        "max-body-memory",
+        "request body bytes held at once across all connections (503 beyond)",
+        default=str(DEFAULT_BODY_MEMORY_BYTES),
+    )
+    add(
+        "max-pipelined",
+        "requests queued per connection before the sidecar stops reading from it",
+        default=str(DEFAULT_MAX_PIPELINED),
+    )
+    add(
+        "idle-timeout",
+        "seconds an idle keep-alive connection is kept",
+        default=str(DEFAULT_IDLE_TIMEOUT_S),
+    )
+    add(
+        "header-timeout",
+        "seconds a client has to send a complete request head (408 after)",
+        default=str(DEFAULT_HEADER_TIMEOUT_S),
+    )
+    add(
+        "body-timeout",
+        "seconds a request body may stall between reads (408 after)",
+        default=str(DEFAULT_BODY_TIMEOUT_S),
+    )
+    add(
+        "send-timeout",
+        "seconds a client may leave an answer unread before the connection is dropped",
+        default=str(DEFAULT_SEND_TIMEOUT_S),
+    )
+    add(
+        "max-entry-bytes",
+        "largest answer stored in L1 (larger ones are passed through)",
+        default=str(DEFAULT_MAX_ENTRY_BYTES),
+    )
+    add(
+        "l2-max-entry-bytes",
+        "largest answer stored in Redis (larger ones stay in L1 only)",
+        default=str(DEFAULT_L2_MAX_ENTRY_BYTES),
+    )
     return p
 
 
@@ -318,6 +398,14 @@ def parse_args(argv: list[str]) -> SidecarConfig:
     except ValueError:
         parser.error(f"--policy: expected one of lru, lirs, sits, got {ns.policy!r}")
     admin = None if str(ns.admin_listen).lower() in {"off", "none", ""} else ns.admin_listen
+
+    def size(flag: str, value: object) -> int:
+        number: int = conv(flag, str(value), _size)  # type: ignore[assignment]
+        return number
+
+    def seconds(flag: str, value: object) -> float:
+        return float(conv(flag, value, _positive_float))  # type: ignore[arg-type]
+
     tenants = tuple(
         str(conv("tenants", t.strip(), _tenant)) for t in str(ns.tenants).split(",") if t.strip()
     )
@@ -355,4 +443,15 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         ),
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,
+        max_url_bytes=size("max-url-bytes", ns.max_url_bytes),
+        max_header_bytes=size("max-header-bytes", ns.max_header_bytes),
+        max_body_bytes=size("max-body-bytes", ns.max_body_bytes),
+        body_memory_bytes=size("max-body-memory", ns.max_body_memory),
+        max_pipelined=int(conv("max-pipelined", ns.max_pipelined, _positive_int)),  # type: ignore[call-overload]
+        idle_timeout_s=seconds("idle-timeout", ns.idle_timeout),
+        header_timeout_s=seconds("header-timeout", ns.header_timeout),
+        body_timeout_s=seconds("body-timeout", ns.body_timeout),
+        send_timeout_s=seconds("send-timeout", ns.send_timeout),
+        max_entry_bytes=size("max-entry-bytes", ns.max_entry_bytes),
+        l2_max_entry_bytes=size("l2-max-entry-bytes", ns.l2_max_entry_bytes),
     )

@@ -6,15 +6,28 @@ hit is answered with bytes built once per entry and tier, so the hit path
 does no formatting. For an SSE response the body is the complete event
 stream, replayed as ``text/event-stream``.
 
-The L2 wire form is a small versioned binary envelope (:meth:`Entry.dumps`);
-anything that does not parse is a :class:`CorruptEntry` and is treated as a
-miss by the caller.
+Only correct answers become entries: :func:`answer_problem` is asked before
+an answer is stored and again when an entry comes back from Redis. A correct
+answer is a 200 whose body is a complete JSON object that is not an OpenAI
+error object, or (streamed) a complete SSE stream that ends in its terminal
+``data: [DONE]`` and carries no error event; an answer with ``Set-Cookie`` or
+``Cache-Control: no-store`` is never stored.
+
+The L2 wire form is a small versioned binary envelope (:meth:`Entry.dumps`).
+:meth:`Entry.loads` checks the envelope, the header block (well-formed
+``name: value`` lines, no framing or hop-by-hop header, so a stored entry
+can never change the framing of the response it is served in) and the answer
+itself; anything else is a :class:`CorruptEntry`, which the caller counts and
+treats as a miss.
 """
 
 from __future__ import annotations
 
+import re
 import struct
 from http import HTTPStatus
+
+import orjson
 
 #: Response headers that describe the connection or the framing, never the
 #: content: not stored, not forwarded as is.
@@ -47,6 +60,102 @@ _FLAG_STREAM = 1
 
 class CorruptEntry(ValueError):
     """Stored bytes that are not an entry this version understands."""
+
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
+_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+
+
+def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
+    """The ``(name, value)`` pairs of a stored header block; raise :class:`CorruptEntry`.
+
+    A block is ``name: value\r\n`` lines: lower-case token names, values
+    without control characters, and no header that frames or routes the
+    response (:data:`HOP_BY_HOP`): the sidecar frames every response itself.
+    """
+    if not block:
+        return []
+    if not block.endswith(b"\r\n"):
+        raise CorruptEntry("header block not terminated")
+    pairs = []
+    for line in block[:-2].split(b"\r\n"):
+        name, sep, value = line.partition(b": ")
+        if not sep or _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
+            raise CorruptEntry("malformed header line")
+        if name in HOP_BY_HOP:
+            raise CorruptEntry(f"framing header {name.decode()!r} in a stored entry")
+        pairs.append((name, value))
+    return pairs
+
+
+def _error_object(doc: object) -> bool:
+    return isinstance(doc, dict) and ("error" in doc or doc.get("object") == "error")
+
+
+def _sse_problem(body: bytes) -> str | None:
+    text = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") if b"\r" in body else body
+    if not (
+        text.endswith((b"\ndata: [DONE]\n\n", b"\ndata:[DONE]\n\n"))
+        or text
+        in (
+            b"data: [DONE]\n\n",
+            b"data:[DONE]\n\n",
+        )
+    ):
+        return "stream does not end with its terminal data: [DONE]"
+    if b"error" not in text:
+        return None  # fast path: no event can name or carry an error
+    for event in text.split(b"\n\n"):
+        for line in event.split(b"\n"):
+            name, _, value = line.partition(b":")
+            value = value[1:] if value.startswith(b" ") else value
+            if name == b"event" and b"error" in value:
+                return "stream carries an error event"
+            if name == b"data" and value != b"[DONE]":
+                try:
+                    doc = orjson.loads(value)
+                except orjson.JSONDecodeError:
+                    return "stream event data is not JSON"
+                if _error_object(doc):
+                    return "stream carries an error object"
+    return None
+
+
+def answer_problem(
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes, *, stream: bool
+) -> str | None:
+    """Why an upstream answer must not be stored, or None when it is a correct answer.
+
+    ``headers`` are lower-case ``(name, value)`` pairs; ``stream`` says whether
+    the request asked for SSE (the answer must be of that form).
+    """
+    if status != 200:
+        return f"status {status}"
+    ctype = b""
+    for name, value in headers:
+        if name == b"content-type":
+            ctype = value.lower()
+        elif name == b"set-cookie":
+            return "answer sets a cookie"
+        elif name == b"cache-control" and b"no-store" in value.lower():
+            return "upstream said no-store"
+        elif name == b"content-encoding" and value.strip().lower() != b"identity":
+            return "encoded answer"
+    if stream:
+        if not ctype.startswith(b"text/event-stream"):
+            return "streamed request answered without text/event-stream"
+        return _sse_problem(body)
+    if not ctype.startswith(b"application/json"):
+        return "answer is not application/json"
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "answer is not complete JSON"
+    if not isinstance(doc, dict):
+        return "answer is not a JSON object"
+    if _error_object(doc):
+        return "answer is an error object"
+    return None
 
 
 def reason_phrase(status: int) -> bytes:
@@ -115,8 +224,10 @@ class Entry:
         magic, flags, status, tlen, hlen, blen = _HEAD.unpack_from(data)
         if magic != _MAGIC or _HEAD.size + tlen + hlen + blen != len(data):
             raise CorruptEntry("bad envelope")
-        if not 200 <= status < 300:
+        if status != 200:
             raise CorruptEntry(f"stored status {status}")
+        if flags & ~_FLAG_STREAM:
+            raise CorruptEntry("unknown flags")
         start = _HEAD.size
         try:
             tenant = data[start : start + tlen].decode()
@@ -125,4 +236,8 @@ class Entry:
         start += tlen
         headers = data[start : start + hlen]
         body = data[start + hlen :]
-        return cls(status, headers, body, stream=bool(flags & _FLAG_STREAM), tenant=tenant)
+        stream = bool(flags & _FLAG_STREAM)
+        problem = answer_problem(status, check_header_block(headers), body, stream=stream)
+        if problem is not None:
+            raise CorruptEntry(f"stored answer refused: {problem}")
+        return cls(status, headers, body, stream=stream, tenant=tenant)

@@ -1,31 +1,45 @@
 """Canonical cache keys for OpenAI-style requests (pure).
 
-Two requests that mean the same thing get the same key:
+Rule: two requests share a key only when every model server would read them
+as the same request. ``docs/cache-key.md`` states each normalisation and why
+it preserves meaning; in short:
 
-* JSON key order and formatting do not matter (the body is parsed and
-  re-serialised with sorted keys);
-* leading and trailing whitespace of message text is dropped; collapsing
-  runs of whitespace *inside* text is a per-tenant option (off by default,
-  because it changes code and other whitespace-sensitive prompts);
-* sampling parameters are rounded to :data:`SAMPLING_DECIMALS` decimals, so
-  float noise (``0.7000000001``) does not split entries, while distinct
-  settings stay distinct;
-* fields that do not change the answer (:data:`NON_SEMANTIC_FIELDS`) are
+* the body is parsed strictly (:func:`parse_body`): UTF-8, no duplicate
+  member names, no ``NaN``/``Infinity``, no number that overflows a double;
+  anything else is not cached (servers' parsers disagree on such input);
+* JSON formatting, escapes and the order of the *top-level* fields and of the
+  fields of each chat message do not matter (servers read them by name);
+  everything nested deeper (tool and JSON schemas, content parts) keeps its
+  order, because chat templates and guided decoding follow it;
+* numeric sampling parameters (:data:`SAMPLING_FIELDS`) that are JSON
+  numbers are keyed by their exact double value, so ``0`` and ``0.0`` are one
+  key and ``0.0004`` is never ``0``; no rounding anywhere;
+* ``"stream"`` absent means ``false`` on the completion endpoints; a
+  non-boolean ``stream`` makes the request uncacheable (servers coerce or
+  reject it differently); no other type is ever coerced;
+* text is keyed byte for byte. The per-tenant ``collapse_whitespace`` option
+  (a tenant's declaration that its chat template ignores whitespace) strips
+  and collapses whitespace in chat message text only, never in a
+  ``/v1/completions`` prompt or a ``/v1/embeddings`` input;
+* fields that never change the answer (:data:`NON_SEMANTIC_FIELDS`) are
   dropped.
 
-The key is scoped by tenant, endpoint, model, model version and the
-invalidation epochs, so one tenant's entry can never be found by another
-tenant's lookup. Two digests come out of one canonical form: a 128-bit
-xxh3 integer for the in-process index and, lazily, SHA-256 hex for keys that
+The key is scoped by tenant, model version, invalidation epochs, endpoint
+and the exact query string, each length-prefixed so no two scopes can run
+into each other. Two digests come out of one canonical form: a 128-bit xxh3
+integer for the in-process index and, lazily, SHA-256 hex for keys that
 leave the process (Redis).
 
-Only deterministic requests are cacheable by default: ``temperature`` 0, or
-an explicit integer ``seed``. Embeddings are deterministic by nature.
+Only deterministic requests are cacheable by default: ``temperature``
+exactly 0, or an explicit integer ``seed``. Embeddings are deterministic by
+nature.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +49,22 @@ import xxhash
 
 #: Request fields that never change the answer.
 NON_SEMANTIC_FIELDS = frozenset({"user", "metadata", "store"})
-#: Numeric sampling parameters rounded before keying.
+#: Float-typed sampling parameters: a JSON integer and the equal float are one value.
 SAMPLING_FIELDS = frozenset(
-    {"temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty"}
+    {
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    }
 )
-SAMPLING_DECIMALS = 3
+#: Largest body that is parsed to be keyed; larger ones are forwarded uncached
+#: (parsing runs on the event loop: ~20 ms per MiB of token-id arrays).
+MAX_KEYED_BODY_BYTES = 4 * 1024 * 1024
+#: Version of the canonical form (part of every key: a change never reuses old entries).
+KEY_FORMAT = b"cf2"
 
 #: The endpoints whose responses are cached, with their kind.
 CACHEABLE_PATHS: dict[bytes, str] = {
@@ -49,6 +74,8 @@ CACHEABLE_PATHS: dict[bytes, str] = {
 }
 
 _WS = re.compile(r"\s+")
+#: Largest integer every double represents exactly (2**53).
+_EXACT_INT = 1 << 53
 
 
 class Uncacheable(Exception):
@@ -63,9 +90,15 @@ class Uncacheable(Exception):
 class KeyOptions:
     """Per-tenant keying policy."""
 
+    #: Strip and collapse whitespace in chat message text (never prompts/inputs).
     collapse_whitespace: bool = False
     #: Cache non-deterministic requests too (a tenant policy can widen it).
     cache_nondeterministic: bool = False
+
+
+def _lp(data: bytes) -> bytes:
+    """Length-prefixed bytes: ``<len>:<data>`` (no separator can be forged)."""
+    return b"%d:%s" % (len(data), data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +110,13 @@ class Scope:
     epochs: tuple[int, ...] = ()
 
     def prefix(self) -> bytes:
-        epochs = ",".join(str(e) for e in self.epochs)
-        return f"{self.tenant}\x00{self.model_version}\x00{epochs}\x00".encode()
+        epochs = ",".join(str(e) for e in self.epochs).encode()
+        return (
+            KEY_FORMAT
+            + _lp(self.tenant.encode())
+            + _lp(self.model_version.encode("utf-8", "surrogateescape"))
+            + _lp(epochs)
+        )
 
 
 @dataclass(slots=True)
@@ -100,19 +138,57 @@ class CacheKey:
         return self._sha256
 
 
-def _round(value: Any) -> Any:
-    if isinstance(value, float):
-        rounded = round(value, SAMPLING_DECIMALS)
-        return int(rounded) if rounded.is_integer() else rounded
+# ------------------------------------------------------------------ parsing
+class _Rejected(ValueError):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise _Rejected("duplicate member name")
+    return obj
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Rejected("number out of range")
     return value
 
 
+def _no_constant(name: str) -> Any:
+    raise _Rejected(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_object, parse_float=_finite_float, parse_constant=_no_constant
+)
+
+
+def parse_body(raw: bytes) -> dict[str, Any] | None:
+    """The request body as a JSON object, or None when it is not one or is ambiguous.
+
+    Strict: UTF-8 only, no byte-order mark, no duplicate member names, no
+    ``NaN``/``Infinity``, no float that overflows. Integers stay exact (a
+    64-bit-overflowing ``seed`` is not silently turned into a float).
+    """
+    try:
+        text = raw.decode("utf-8")
+        body = _DECODER.decode(text)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+# ------------------------------------------------------------ normalisation
 def _norm_text(text: str, collapse: bool) -> str:
-    text = text.strip()
-    return _WS.sub(" ", text) if collapse else text
+    return _WS.sub(" ", text.strip()) if collapse else text
 
 
 def _norm_content(content: Any, collapse: bool) -> Any:
+    if not collapse:
+        return content
     if isinstance(content, str):
         return _norm_text(content, collapse)
     if isinstance(content, list):
@@ -125,8 +201,32 @@ def _norm_content(content: Any, collapse: bool) -> Any:
     return content
 
 
+def _sampling_value(value: Any) -> Any:
+    """A JSON integer equal to a double is keyed as that double (``0`` == ``0.0``)."""
+    if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and -_EXACT_INT <= value <= _EXACT_INT
+    ):
+        return float(value)
+    return value
+
+
+def _message(message: Any, collapse: bool) -> Any:
+    if not isinstance(message, dict):
+        return message
+    out = {name: message[name] for name in sorted(message)}
+    if "content" in out:
+        out["content"] = _norm_content(out["content"], collapse)
+    return out
+
+
 def is_deterministic(body: dict[str, Any], kind: str) -> bool:
-    """True when the same request must produce the same answer."""
+    """True when the same request must produce the same answer.
+
+    Embeddings always; completions when ``seed`` is an integer or
+    ``temperature`` is a number exactly equal to 0 (absent means 1).
+    """
     if kind == "embeddings":
         return True
     seed = body.get("seed")
@@ -135,63 +235,65 @@ def is_deterministic(body: dict[str, Any], kind: str) -> bool:
     temperature = body.get("temperature")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         return False
-    return bool(_round(float(temperature)) == 0)
+    return bool(temperature == 0)
 
 
 def canonical_body(body: dict[str, Any], kind: str, options: KeyOptions) -> dict[str, Any]:
-    """The canonical form of a parsed request body (a new dict)."""
+    """The canonical form of a parsed request body (a new dict, top-level keys sorted).
+
+    Raises :class:`Uncacheable` for a ``stream`` that is not a boolean.
+    """
     collapse = options.collapse_whitespace
     out: dict[str, Any] = {}
-    for name, value in body.items():
+    for name in sorted(body):
+        value = body[name]
         if name in NON_SEMANTIC_FIELDS:
             continue
         if name in SAMPLING_FIELDS:
-            out[name] = _round(value)
-        elif name == "messages" and isinstance(value, list):
-            out[name] = [
-                {**m, "content": _norm_content(m["content"], collapse)}
-                if isinstance(m, dict) and "content" in m
-                else m
-                for m in value
-            ]
-        elif name in {"prompt", "input"}:
-            if isinstance(value, list):
-                out[name] = [_norm_text(v, collapse) if isinstance(v, str) else v for v in value]
-            else:
-                out[name] = _norm_content(value, collapse)
+            out[name] = _sampling_value(value)
+        elif name == "messages" and kind == "chat" and isinstance(value, list):
+            out[name] = [_message(m, collapse) for m in value]
         else:
             out[name] = value
-    if kind != "embeddings":
-        out["stream"] = bool(body.get("stream", False))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise Uncacheable('"stream" is not a boolean')
+    if kind == "embeddings":
+        if "stream" in body:
+            raise Uncacheable('"stream" is not an embeddings parameter')
+    elif "stream" not in out:  # absent means false
+        out["stream"] = False
+        out = {name: out[name] for name in sorted(out)}
     return out
 
 
 def make_key(
-    body: dict[str, Any], kind: str, scope: Scope, options: KeyOptions = KeyOptions()
+    body: dict[str, Any],
+    kind: str,
+    scope: Scope,
+    options: KeyOptions = KeyOptions(),
+    *,
+    query: bytes = b"",
 ) -> CacheKey:
-    """Key a parsed request body; raise :class:`Uncacheable` when it must not be cached."""
+    """Key a parsed request body; raise :class:`Uncacheable` when it must not be cached.
+
+    ``query`` is the request's raw query string (after ``?``), keyed byte for byte.
+    """
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise Uncacheable("no model")
+    canon = canonical_body(body, kind, options)
     if not options.cache_nondeterministic and not is_deterministic(body, kind):
         raise Uncacheable("not deterministic (temperature != 0 and no seed)")
-    canon = canonical_body(body, kind, options)
-    canonical = (
-        scope.prefix() + kind.encode() + b"\x00" + orjson.dumps(canon, option=orjson.OPT_SORT_KEYS)
-    )
+    try:
+        encoded = orjson.dumps(canon)
+    except orjson.JSONEncodeError as exc:  # integers beyond 64 bits, lone surrogates
+        raise Uncacheable(f"body cannot be keyed exactly: {exc}") from exc
+    canonical = scope.prefix() + _lp(kind.encode()) + _lp(query) + encoded
     return CacheKey(
         kind=kind,
         model=model,
-        stream=bool(canon.get("stream", False)),
+        stream=canon.get("stream") is True,
         canonical=canonical,
         digest=xxhash.xxh3_128_intdigest(canonical),
     )
-
-
-def parse_body(raw: bytes) -> dict[str, Any] | None:
-    """The request body as a JSON object, or None when it is not one."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return body if isinstance(body, dict) else None

@@ -10,6 +10,19 @@ a truncated body or a broken stream is never mistaken for an answer.
 Errors: every failure is an :class:`UpstreamError` (connect refused, timeout,
 protocol error, connection lost mid-response); ``.started`` tells whether any
 response byte had arrived.
+
+Timeouts: ``read_timeout_s`` is a deadline for the response head, counted
+once from the moment the request is issued (connecting and any retry
+included); after the head, the body may not stall longer than that between
+two reads (a long generation keeps streaming). Resending: a request is sent
+again only when it is idempotent (``GET``, ``HEAD``, ``OPTIONS``), went out
+on a reused keep-alive connection that failed before any response byte, and
+did not time out. A ``POST`` that may have reached the model server is never
+resent (it would duplicate GPU work); idle connections older than
+``max_idle_age_s`` are not reused, which keeps the keep-alive race (the
+server closing an idle connection as a request goes out) rare.
+Back-pressure: a connection stops reading from the model server while more
+than :data:`MAX_BUFFERED_BYTES` of its answer wait to be relayed.
 """
 
 from __future__ import annotations
@@ -35,6 +48,13 @@ DEFAULT_READ_TIMEOUT_S = 600.0
 SWEEP_INTERVAL_S = 0.5
 #: Idle keep-alive connections kept for reuse.
 DEFAULT_MAX_IDLE = 128
+#: Idle connections older than this are closed, not reused, seconds (below the
+#: usual model-server keep-alive timeout: uvicorn's default is 5 s).
+DEFAULT_MAX_IDLE_AGE_S = 4.0
+#: Answer bytes buffered from the model server before it is no longer read.
+MAX_BUFFERED_BYTES = 1024 * 1024
+#: Methods that may be sent again when a reused connection fails before answering.
+IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 
 #: Request headers that describe the client connection, not the request.
 REQUEST_HOP_BY_HOP = frozenset(
@@ -71,6 +91,9 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.timeout_s = DEFAULT_READ_TIMEOUT_S
         self.closed = False
+        self.idle_since = 0.0
+        self.buffered = 0
+        self.read_paused = False
         self._reset()
 
     def _reset(self) -> None:
@@ -80,6 +103,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.buffer: list[bytes] = []
+        self.buffered = 0
         self.error: str | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.received_any = False
@@ -94,7 +118,8 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
-        if self.deadline != math.inf:
+        if self.headers_done and self.deadline != math.inf:
+            # The head had one deadline; the body may not stall longer than the timeout.
             self.deadline = time.monotonic() + self.timeout_s
         try:
             self.parser.feed_data(data)
@@ -120,6 +145,10 @@ class _Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.buffer.append(body)
+        self.buffered += len(body)
+        if self.buffered > MAX_BUFFERED_BYTES and not self.read_paused and self.transport:
+            self.read_paused = True
+            self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -145,7 +174,7 @@ class _Connection(asyncio.Protocol):
 
     def expire(self) -> None:
         """Give up on a silent upstream (called by the sweeper)."""
-        self.error = f"upstream silent for {self.timeout_s:g}s"
+        self.error = f"upstream silent for {self.timeout_s:g}s (upstream timeout)"
         self.timed_out = True
         self._wake()
         self._close()
@@ -185,6 +214,10 @@ class UpstreamResponse:
                 if conn.buffer:
                     data = b"".join(conn.buffer)
                     conn.buffer.clear()
+                    conn.buffered = 0
+                    if conn.read_paused and conn.transport is not None and not conn.closed:
+                        conn.read_paused = False
+                        conn.transport.resume_reading()
                     yield data
                     continue
                 if conn.complete:
@@ -212,6 +245,7 @@ class UpstreamPool:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_idle: int = DEFAULT_MAX_IDLE,
+        max_idle_age_s: float = DEFAULT_MAX_IDLE_AGE_S,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -230,27 +264,38 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
+        self.max_idle_age_s = max_idle_age_s
         self._idle: deque[_Connection] = deque()
         self._busy: set[_Connection] = set()
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self, deadline: float = math.inf) -> _Connection:
         loop = asyncio.get_running_loop()
+        timeout = min(self.connect_timeout_s, max(0.0, deadline - time.monotonic()))
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port)
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError as exc:
             raise UpstreamError(
-                f"cannot connect to upstream {self.host}:{self.port}: {exc or 'timeout'}"
+                f"cannot connect to upstream {self.host}:{self.port}: timeout", timed_out=True
+            ) from exc
+        except OSError as exc:
+            raise UpstreamError(
+                f"cannot connect to upstream {self.host}:{self.port}: {exc}"
             ) from exc
         return conn
 
     def _take_idle(self) -> _Connection | None:
+        too_old = time.monotonic() - self.max_idle_age_s
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed:
-                return conn
+            if conn.closed:
+                continue
+            if conn.idle_since < too_old:
+                conn._close()  # the server may be closing it right now: do not race it
+                continue
+            return conn
         return None
 
     def _sweep(self) -> None:
@@ -279,6 +324,7 @@ class UpstreamPool:
             and len(self._idle) < self.max_idle
         ):
             conn._reset()
+            conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
             conn._close()
@@ -303,16 +349,22 @@ class UpstreamPool:
         headers: list[tuple[bytes, bytes]],
         body: bytes = b"",
     ) -> UpstreamResponse:
-        """Send a request; return once the response headers are in."""
+        """Send a request; return once the response headers are in.
+
+        The head must arrive within ``read_timeout_s`` of this call (one
+        deadline across connecting and any retry); see the module docstring
+        for when a request is sent a second time (never for a ``POST``).
+        """
         head = self._head(method, path, headers, body)
+        deadline = time.monotonic() + self.read_timeout_s
         for attempt in (0, 1):
             conn = self._take_idle()
             reused = conn is not None
             if conn is None:
-                conn = await self._connect()
+                conn = await self._connect(deadline)
             assert conn.transport is not None
             conn.timeout_s = self.read_timeout_s
-            conn.deadline = time.monotonic() + self.read_timeout_s
+            conn.deadline = deadline
             self._busy.add(conn)
             self._arm_sweeper()
             conn.transport.write(head + body if len(body) < 65536 else head)
@@ -324,9 +376,17 @@ class UpstreamPool:
                 return UpstreamResponse(conn, self)
             self._release(conn)
             conn._close()
-            # A reused keep-alive connection the server had already closed,
-            # with no response byte seen: the request never reached it.
-            if not (reused and not conn.received_any and attempt == 0):
+            # Only a reused keep-alive connection that failed before any response
+            # byte, for a request that is safe to repeat, is tried once more.
+            retry = (
+                attempt == 0
+                and reused
+                and method in IDEMPOTENT
+                and not conn.received_any
+                and not conn.timed_out
+                and time.monotonic() < deadline
+            )
+            if not retry:
                 raise UpstreamError(
                     conn.error or "no response",
                     started=conn.received_any,

@@ -46,10 +46,10 @@ async def test_second_identical_request_is_an_l1_hit(
 async def test_semantically_equal_requests_share_one_entry(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:
-    first = await sidecar.chat("  hello world \n")
-    # Same request: other key order, formatting, trailing whitespace, float noise.
+    first = await sidecar.chat("hello world")
+    # Same request: other field order, formatting, JSON escapes, 0.0 for 0, a dropped field.
     raw = (
-        '{"temperature": 0.0000001, "messages":[{"content":"hello world","role":"user"}],'
+        '{"temperature": 0.0, "messages":[{"content":"hello \\u0077orld","role":"user"}],'
         '   "model":"m1", "user": "someone-else"}'
     )
     second = await sidecar.client.post(
@@ -57,9 +57,13 @@ async def test_semantically_equal_requests_share_one_entry(
     )
     assert second.headers["x-cache"] == "HIT-L1"
     assert answer(second) == answer(first)
-    other = await sidecar.chat("hello  world")  # inner whitespace differs: not collapsed
-    assert other.headers["x-cache"] == "MISS"
-    assert upstream.calls[CHAT] == 2
+    # Text is keyed byte for byte: outer and inner whitespace both count.
+    assert (await sidecar.chat("hello  world")).headers["x-cache"] == "MISS"
+    assert (await sidecar.chat("  hello world \n")).headers["x-cache"] == "MISS"
+    # A temperature near 0 is not 0: not deterministic, not cached, never served 0's answer.
+    near = await sidecar.chat("hello world", body={"temperature": 0.0000001})
+    assert near.headers["x-cache"] == "BYPASS"
+    assert upstream.calls[CHAT] == 4
 
 
 async def test_collapse_whitespace_option_merges_inner_whitespace(
@@ -67,7 +71,7 @@ async def test_collapse_whitespace_option_merges_inner_whitespace(
 ) -> None:
     sc = await sidecar_factory(collapse_whitespace=True)
     await sc.chat("hello world")
-    assert (await sc.chat("hello \n  world")).headers["x-cache"] == "HIT-L1"
+    assert (await sc.chat(" hello \n  world ")).headers["x-cache"] == "HIT-L1"
 
 
 async def test_whitespace_collapse_is_a_per_tenant_option(sidecar: RunningSidecar) -> None:

@@ -1,0 +1,124 @@
+"""Which answers may be stored, and which stored entries may be served (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachefleet_sidecar.entry import CorruptEntry, Entry, answer_problem, check_header_block
+
+JSON = [(b"content-type", b"application/json")]
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
+EVENT = b'data: {"choices": [{"delta": {"content": "error"}}]}\n\n'
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"id": "x", "choices": []}',
+        b'{"object": "list", "data": [{"embedding": [0.1]}]}',
+    ],
+)
+def test_correct_json_answers_are_storable(body: bytes) -> None:
+    assert answer_problem(200, JSON, body, stream=False) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "body", "why"),
+    [
+        (201, JSON, b"{}", "status"),
+        (500, JSON, b"{}", "status"),
+        (200, JSON, b'{"error": {"message": "overloaded"}}', "error object"),
+        (200, JSON, b'{"object": "error", "message": "bad"}', "error object"),
+        (200, JSON, b'{"id": "x", "choices": [', "complete JSON"),
+        (200, JSON, b"[1, 2]", "JSON object"),
+        (200, [(b"content-type", b"text/plain")], b"{}", "application/json"),
+        (200, [*JSON, (b"set-cookie", b"a=b")], b"{}", "cookie"),
+        (200, [*JSON, (b"cache-control", b"private, no-store")], b"{}", "no-store"),
+        (200, [*JSON, (b"content-encoding", b"gzip")], b"{}", "encoded"),
+        (200, SSE, EVENT + DONE, "application/json"),  # a stream for a plain request
+    ],
+)
+def test_wrong_json_answers_are_not(
+    status: int, headers: list[tuple[bytes, bytes]], body: bytes, why: str
+) -> None:
+    problem = answer_problem(status, headers, body, stream=False)
+    assert problem is not None
+    assert why in problem
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        EVENT + DONE,
+        DONE,
+        (EVENT + DONE).replace(b"\n", b"\r\n"),
+        EVENT + b"data:[DONE]\n\n",
+        b'data: {"choices": [{"delta": {"content": "data: [DONE]"}}]}\n\n' + DONE,
+    ],
+)
+def test_complete_streams_are_storable(body: bytes) -> None:
+    assert answer_problem(200, SSE, body, stream=True) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (EVENT, "[DONE]"),
+        (EVENT + DONE[:-1], "[DONE]"),
+        (EVENT + b'data: {"error": {"message": "x"}}\n\n' + DONE, "error object"),
+        (EVENT + b'data: {"object": "error", "message": "x"}\n\n' + DONE, "error object"),
+        (EVENT + b"event: error\ndata: {}\n\n" + DONE, "error event"),
+        (EVENT + b"data: internal error\n\n" + DONE, "not JSON"),
+        (b'data: {"content": "x"}\n\ndata: [DONE]\n\nextra', "[DONE]"),
+    ],
+)
+def test_broken_or_failed_streams_are_not(body: bytes, why: str) -> None:
+    problem = answer_problem(200, SSE, body, stream=True)
+    assert problem is not None
+    assert why in problem
+
+
+def test_a_streamed_request_needs_a_stream() -> None:
+    assert answer_problem(200, JSON, b"{}", stream=True) is not None
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        b"content-type: application/json",  # unterminated
+        b"content-type: a\r\n\r\nHTTP/1.1 200 OK\r\n",
+        b"Content-Type: a\r\n",  # stored names are lower case
+        b"x-a: b\nc\r\n",
+        b"x-a: b\x00\r\n",
+        b"x a: b\r\n",
+        b"content-length: 5\r\n",
+        b"transfer-encoding: chunked\r\n",
+        b"connection: close\r\n",
+        b"x-cache: HIT-L1\r\n",
+    ],
+)
+def test_header_blocks_that_could_change_framing_are_refused(block: bytes) -> None:
+    with pytest.raises(CorruptEntry):
+        check_header_block(block)
+
+
+def test_a_plain_header_block_parses() -> None:
+    block = b"content-type: application/json\r\nx-request-id: 7\r\n"
+    assert check_header_block(block) == [
+        (b"content-type", b"application/json"),
+        (b"x-request-id", b"7"),
+    ]
+
+
+def test_loads_checks_the_answer_inside_the_envelope() -> None:
+    headers = b"content-type: application/json\r\n"
+    good = Entry(200, headers, b'{"choices": []}', stream=False, tenant="t")
+    assert Entry.loads(good.dumps()).body == good.body
+    for bad in (
+        Entry(200, headers, b'{"error": {}}', stream=False, tenant="t"),
+        Entry(200, headers + b"content-length: 1\r\n", good.body, stream=False, tenant="t"),
+        Entry(200, headers, good.body, stream=True, tenant="t"),
+    ):
+        with pytest.raises(CorruptEntry):
+            Entry.loads(bad.dumps())
