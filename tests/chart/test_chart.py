@@ -98,7 +98,7 @@ def test_single_replica_runs_standalone_and_several_use_kopf_peering() -> None:
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert dep["spec"]["replicas"] == 3
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": 9180, "protocol": "TCP"} in container["ports"]
 
 
 def test_namespaced_install_gets_roles_per_namespace_only() -> None:
