@@ -586,6 +586,15 @@ def parse_spec(raw: dict[str, Any]) -> InferenceCacheSpec:
         raise _spec_error(exc) from exc
 
 
+def parse_redis_endpoint(raw: Any) -> RedisEndpoint:
+    """Parse ``spec.redis`` alone (cleanup needs only it); :class:`SpecError` if it is bad."""
+    try:
+        return RedisEndpoint.model_validate(raw, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        err = _spec_error(exc)
+        raise SpecError(err.field.replace("spec", "spec.redis", 1), err.message) from exc
+
+
 def parse_invalidation_spec(raw: dict[str, Any]) -> CacheInvalidationSpec:
     """Parse a CacheInvalidation spec; raise :class:`SpecError` naming the first bad field."""
     try:

@@ -37,7 +37,7 @@ class ControlPlane(Protocol):
 
     async def live_members(self, cache: str) -> list[Heartbeat]: ...
 
-    async def delete_cache_state(self, cache: str) -> int: ...
+    async def delete_cache_state(self, cache: str, uid: str = "") -> int: ...
 
 
 #: Builds a control plane from a Redis URL.
@@ -80,16 +80,24 @@ class RedisControlPlane:
         async with self._client() as client:
             return await protocol.live_members(client, cache)
 
-    async def delete_cache_state(self, cache: str) -> int:
-        """Remove the cache's control keys and its tenants' L2 data; returns keys removed."""
+    async def delete_cache_state(self, cache: str, uid: str = "") -> int:
+        """Remove the cache's control keys and its tenants' L2 data; returns keys removed.
+
+        The tombstone goes first, so sidecars still running cannot write the
+        state back while (or after) it is removed.
+        """
         removed = 0
+        tombstone = protocol.tombstone_key(cache)
         async with self._client() as client:
+            await protocol.bury(client, cache, uid)
             for pattern in (
                 _glob_escape(protocol.control_prefix(cache)) + "*",
                 protocol.tenant_data_pattern(cache),
             ):
                 batch: list[str | bytes] = []
                 async for key in client.scan_iter(match=pattern, count=CLEANUP_BATCH):
+                    if (key.decode() if isinstance(key, bytes) else key) == tombstone:
+                        continue
                     batch.append(key)
                     if len(batch) >= CLEANUP_BATCH:
                         removed += await _unlink(client, batch)

@@ -52,9 +52,11 @@ from cachefleet_operator.api import (
     InferenceCacheSpec,
     InferenceCacheStatus,
     ObservedMetrics,
+    RedisEndpoint,
     SidecarStatus,
     SpecError,
     TenantStatus,
+    parse_redis_endpoint,
     parse_spec,
 )
 from cachefleet_operator.metrics import OperatorMetrics
@@ -115,6 +117,12 @@ class Outcome:
     failure: Literal["temporary", "permanent"] | None = None
     failure_message: str = ""
     result: str = "ok"
+    #: Retry delay of a temporary failure, seconds; None = the backoff of :func:`retry_delay`.
+    delay: float | None = None
+    #: Whether the spec is in force (quotas published). A fault that leaves it in
+    #: force (metrics only) is retried by the rebalance timer, not by the change
+    #: handler, so a later spec edit is not queued behind a metrics backoff.
+    applied: bool = False
 
 
 def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
@@ -291,10 +299,11 @@ class Reconciler:
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
 
-    async def redis_url(self, namespace: str, spec: InferenceCacheSpec) -> str:
-        if spec.redis.url is not None:
-            return spec.redis.url
-        ref = spec.redis.secret_ref
+    async def redis_url(self, namespace: str, spec: InferenceCacheSpec | RedisEndpoint) -> str:
+        redis = spec if isinstance(spec, RedisEndpoint) else spec.redis
+        if redis.url is not None:
+            return redis.url
+        ref = redis.secret_ref
         if ref is None or self.secrets is None:
             raise SecretUnavailable("no Secret reader configured for spec.redis.secretRef")
         return await self.secrets.read(namespace, ref.name, ref.key)
@@ -472,7 +481,7 @@ class Reconciler:
                 now,
             )
         status["conditions"] = [c.wire() for c in conditions]
-        outcome = Outcome(status=status, events=events, result="ok")
+        outcome = Outcome(status=status, events=events, result="ok", applied=published)
         if faults:
             outcome.failure = "temporary"
             outcome.failure_message = "; ".join(f"{r}: {m}" for r, m in faults)
@@ -539,8 +548,17 @@ class Reconciler:
             result="invalid",
         )
 
-    async def cleanup(self, namespace: str, name: str, raw_spec: Mapping[str, Any]) -> int:
-        """Remove the cache's Redis state; raises ControlPlaneUnavailable / SpecError."""
-        spec = parse_spec(dict(raw_spec))
-        url = await self.redis_url(namespace, spec)
-        return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name))
+    async def cleanup(
+        self, namespace: str, name: str, raw_spec: Mapping[str, Any], uid: str = ""
+    ) -> int:
+        """Remove the cache's Redis state; raises ControlPlaneUnavailable / SpecError.
+
+        Only ``spec.redis`` has to be valid: a spec broken elsewhere still
+        names the Redis that holds the state.
+        """
+        try:
+            endpoint: InferenceCacheSpec | RedisEndpoint = parse_spec(dict(raw_spec))
+        except SpecError:
+            endpoint = parse_redis_endpoint(raw_spec.get("redis"))
+        url = await self.redis_url(namespace, endpoint)
+        return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name), uid)
