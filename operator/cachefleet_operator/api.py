@@ -386,7 +386,13 @@ class TenantStatus(_Observed):
     priority_class: PriorityClass = Field(description="The tenant's class.")
     share: float = Field(description="Fraction of capacity allocated.")
     weight: float = Field(description="Demand weight the allocation used.")
-    l1_bytes: int = Field(description="L1 bytes on every pod.")
+    l1_bytes: int = Field(
+        description=(
+            "L1 bytes on every pod as assigned: share x spec.capacity.l1BytesPerPod. A sidecar "
+            "whose own --l1-bytes is smaller applies them scaled down in proportion (the sum "
+            "never exceeds its budget); its /stats shows the bytes in force."
+        )
+    )
     l2_bytes: int = Field(description="L2 bytes fleet-wide.")
     reason: str = Field(description="Why the tenant has this share.")
     observed: ObservedMetrics | None = Field(default=None, description="Last metrics read.")

@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:
+        # kopf logs every handler and timer run at INFO ("Timer 'rebalance' succeeded"
+        # each second per object); outcomes worth reading are Events and WARNINGs
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     try:
         asyncio.run(serve(args))
     except login.CredentialsUnavailable as exc:

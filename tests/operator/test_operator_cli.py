@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,8 +137,11 @@ def test_kubeconfig_env_without_flag(
     proc = start([], bare_env(tmp_path, KUBECONFIG=str(path)), log)
     try:
         assert_operates(emulator, proc, log, "tok-env")
+        time.sleep(2.5)  # a few rebalance timer ticks (1 s) of the object
     finally:
         stop(proc)
+    # no INFO line per timer tick and object (only with --verbose)
+    assert "Timer 'rebalance' succeeded" not in log.read_text()
 
 
 def test_in_cluster_service_account(
