@@ -85,6 +85,8 @@ def test_crds_ship_in_the_chart_and_notes_say_helm_never_upgrades_them() -> None
     notes = render()["notes"]
     assert "NEVER upgrades" in notes
     assert "kubectl apply --server-side -f charts/cachefleet/crds/" in notes
+    # kubectl cannot apply a directory by URL
+    assert not [line for line in notes.splitlines() if "apply" in line and "://" in line]
 
 
 def test_single_replica_runs_standalone_and_several_use_kopf_peering() -> None:

@@ -240,7 +240,8 @@ def test_spec_edit_during_a_prometheus_outage_applies_at_once(
     wait_condition(emulator, "chat", "Degraded", "True", "PrometheusUnavailable")
     wait_condition(emulator, "chat", "Ready", "True")
     first = stored_assignment(redis_url, f"{NAMESPACE}/chat")
-    assert first is not None and first.model_version == "v1"
+    assert first is not None
+    assert first.model_version == "v1"
 
     emulator.patch(f"{IC_PATH}/chat", {"spec": {"model": {"name": "llama", "version": "v2"}}})
     wait_for(
