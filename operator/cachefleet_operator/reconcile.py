@@ -65,6 +65,7 @@ from cachefleet_operator.metrics_source import (
     MetricsUnavailable,
     prometheus_source,
 )
+from cachefleet_operator.pressure import TenantPressure, slo_pressure
 from cachefleet_operator.publisher import (
     ControlPlaneFactory,
     ControlPlaneUnavailable,
@@ -244,7 +245,7 @@ def _tenant_status(allocation: Allocation) -> list[TenantStatus]:
             TenantStatus(
                 name=t.name,
                 priority_class=t.priority_class,
-                share=round(t.share, 6),
+                share=t.share,  # exact: a held allocation must reproduce the same bytes
                 weight=round(t.weight, 6),
                 l1_bytes=t.l1_bytes,
                 l2_bytes=t.l2_bytes,
@@ -271,6 +272,23 @@ def _sla_condition(allocation: Allocation) -> tuple[ConditionStatus, str, str, s
         "AllTenantsMeetSLA",
         "every observed tenant meets its SLA",
         attainment,
+    )
+
+
+def _pressure(
+    spec: InferenceCacheSpec, metrics: Mapping[str, TenantMetrics] | None
+) -> float | None:
+    """SLO pressure of the cache from this reconcile's metrics (None when unknown)."""
+    if metrics is None:
+        return None
+    return slo_pressure(
+        TenantPressure(
+            p95_s=m.p95_s if (m := metrics.get(t.name)) is not None else None,
+            p95_target_s=t.sla.p95_latency_seconds if t.sla else None,
+            priority_class=t.priority_class,
+            cache_can_help=None,  # to come from the allocation's "cache cannot meet SLA"
+        )
+        for t in spec.tenants
     )
 
 
@@ -370,6 +388,7 @@ class Reconciler:
         else:
             allocation = allocate(demands, {}, None, capacity.l1_bytes_per_pod, capacity.l2_bytes)
 
+        self.metrics.set_slo_pressure(namespace, name, _pressure(spec, metrics))
         assignment = build_assignment(spec, allocation)
         digest = assignment_digest(assignment)
         quota_generation = previous.quota_generation or 0
@@ -560,5 +579,6 @@ class Reconciler:
             endpoint: InferenceCacheSpec | RedisEndpoint = parse_spec(dict(raw_spec))
         except SpecError:
             endpoint = parse_redis_endpoint(raw_spec.get("redis"))
+        self.metrics.set_slo_pressure(namespace, name, None)
         url = await self.redis_url(namespace, endpoint)
         return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name), uid)

@@ -41,7 +41,9 @@ def spec(redis_url: str, **extra: Any) -> dict[str, Any]:
         "capacity": {"l1BytesPerPod": 2**20, "l2Bytes": 2**24},
         "redis": {"url": redis_url},
         "prometheus": {"url": "http://127.0.0.1:9"},
-        "tenants": [{"name": "gold"}],
+        "tenants": [
+            {"name": "gold", "priorityClass": "Guaranteed", "sla": {"p95LatencySeconds": 0.2}}
+        ],
         **extra,
     }
 
@@ -59,10 +61,15 @@ async def sidecar_writes(client: Any, epochs: dict[str, int]) -> None:
 
 async def test_delete_then_recreate_starts_clean(redis_url: str) -> None:
     reconciler = Reconciler(metrics_source=Metrics().factory, metrics=OperatorMetrics())
+    pressure_labels = {"cache": CACHE, "cache_namespace": NS, "cache_name": NAME}
+    registry = reconciler.metrics.registry
     client = aredis.Redis.from_url(redis_url)
     try:
         first = await reconciler.reconcile(NS, NAME, 1, spec(redis_url), {})
         assert first.failure is None
+        # the autoscaling signal: gold's p95 0.1 s against 0.2 s
+        pressure = registry.get_sample_value("cachefleet_operator_slo_pressure", pressure_labels)
+        assert pressure == pytest.approx(0.5)
         await sidecar_writes(client, {"cache": 4})
         await protocol.advance_epoch(client, CACHE, "cache")
         assert await protocol.read_epochs(client, CACHE) == {"cache": 5}
@@ -71,6 +78,9 @@ async def test_delete_then_recreate_starts_clean(redis_url: str) -> None:
         removed = await reconciler.cleanup(NS, NAME, spec(redis_url, bogus=1), uid="uid-1")
         assert removed > 0
         assert await keys(client) == [protocol.tombstone_key(CACHE)]
+        assert (
+            registry.get_sample_value("cachefleet_operator_slo_pressure", pressure_labels) is None
+        )
 
         # a sidecar that outlived the object writes nothing back
         await sidecar_writes(client, {"cache": 5})
@@ -96,3 +106,28 @@ async def test_cleanup_with_an_invalid_redis_names_the_field(redis_url: str) -> 
     reconciler = Reconciler(metrics_source=Metrics().factory, metrics=OperatorMetrics())
     with pytest.raises(Exception, match=r"spec\.redis"):
         await reconciler.cleanup(NS, NAME, {"redis": {"url": "http://nope"}}, uid="u")
+
+
+class DownMetrics:
+    def factory(self, url: str, timeout_s: float) -> DownMetrics:
+        return self
+
+    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+        from cachefleet_operator.metrics_source import MetricsUnavailable
+
+        raise MetricsUnavailable("PrometheusUnavailable", "connection refused")
+
+
+async def test_retry_during_a_prometheus_outage_announces_and_bumps_nothing(redis_url: str) -> None:
+    """The retry of a reconcile that published class-based quotas changes nothing."""
+    reconciler = Reconciler(metrics_source=DownMetrics().factory, metrics=OperatorMetrics())
+    body = spec(redis_url, tenants=[{"name": "gold"}, {"name": "silver"}, {"name": "bronze"}])
+    first = await reconciler.reconcile(NS, NAME, 1, body, {})
+    assert [e.reason for e in first.events] == ["QuotasAssigned", "PrometheusUnavailable"]
+    assert first.status["quotaGeneration"] == 1
+    status = dict(first.status)
+    for _ in range(3):
+        again = await reconciler.reconcile(NS, NAME, 1, body, status, "timer")
+        assert again.events == []
+        assert again.status["quotaGeneration"] == 1
+        status = {**status, **again.status}
