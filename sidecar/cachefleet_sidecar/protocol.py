@@ -21,7 +21,11 @@ so that multi-key scripts work on Redis Cluster:
   sidecars that outlive the object cannot resurrect its state; the operator
   removes it when it publishes quotas for a cache of that name again
   (:data:`PUBLISH_QUOTAS_LUA`), which then starts from no state at all.
-  The members set also expires when no heartbeat refreshes it.
+  The members set also expires when no heartbeat refreshes it. A sidecar
+  that outlived the deletion and serves the namesake may then write back the
+  epochs it knows (max-merge), deliberately: its L1 holds entries under
+  those epochs, and an epoch that went back would let an invalidation of
+  the new cache (epoch 1) pass it by.
 * ``cf:{cf:<cache>}:control``  pub/sub channel: JSON :class:`ControlMessage`.
   Messages only say "look now"; the state is in the keys (level triggered).
 
