@@ -75,6 +75,9 @@ MODEL_ACK_WAIT_S = 2.0
 #: Attempts at finding the referenced InferenceCache before the invalidation fails.
 CACHE_LOOKUP_RETRIES = 5
 _TENANT_PREFIX = tenant_scope("")
+#: Ends the message of the intentional "retry at once" after recording the intended
+#: epoch (kopf logs every TemporaryError as an error; run.py lowers this one to INFO).
+RECORDED_MARK = "(recorded; continuing)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +406,7 @@ class InvalidationRunner:
                             "observedGeneration": generation,
                         },
                         failure="temporary",
-                        failure_message=f"{message} (recorded; continuing)",
+                        failure_message=f"{message} {RECORDED_MARK}",
                         delay=0.0,
                     )
                 epoch, at, advanced = await invalidator.advance_to(scope, recorded)

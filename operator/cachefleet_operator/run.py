@@ -118,16 +118,30 @@ async def serve(args: argparse.Namespace, stop_flag: threading.Event | None = No
         await runner.cleanup()
 
 
+class _RecordedIsNoError(logging.Filter):
+    """An invalidation's planned step (intended epoch recorded, run again) is not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from cachefleet_operator.invalidation import RECORDED_MARK
+
+        if record.levelno >= logging.ERROR and RECORDED_MARK in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    objects = logging.getLogger("kopf.objects")
+    objects.addFilter(_RecordedIsNoError())
     if not args.verbose:
         # kopf logs every handler and timer run at INFO ("Timer 'rebalance' succeeded"
         # each second per object); outcomes worth reading are Events and WARNINGs
-        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        objects.setLevel(logging.WARNING)
     try:
         asyncio.run(serve(args))
     except login.CredentialsUnavailable as exc:

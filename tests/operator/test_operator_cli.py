@@ -186,3 +186,27 @@ def test_no_credentials_exits_with_reason(tmp_path: Path, flag: bool) -> None:
     assert result.returncode == 1, result.stderr
     expected = "missing.kubeconfig: no such file" if flag else "cannot log in with kubeconfig"
     assert expected in result.stderr
+
+
+def test_the_recorded_epoch_retry_is_not_logged_as_an_error() -> None:
+    """kopf logs each TemporaryError as an error; the planned one after recording is INFO."""
+    import logging
+
+    from cachefleet_operator.invalidation import RECORDED_MARK
+    from cachefleet_operator.run import _RecordedIsNoError
+
+    logger = logging.getLogger("kopf.objects.test-recorded")
+    flt = _RecordedIsNoError()
+    planned = logger.makeRecord(
+        logger.name, logging.ERROR, __file__, 1, f"failed temporarily: x {RECORDED_MARK}", (), None
+    )
+    real = logger.makeRecord(logger.name, logging.ERROR, __file__, 1, "Redis down", (), None)
+    logger.setLevel(logging.WARNING)
+    assert flt.filter(planned) is False  # dropped unless INFO is on
+    assert planned.levelname == "INFO"
+    assert flt.filter(real) is True
+    assert real.levelname == "ERROR"
+    logger.setLevel(logging.INFO)
+    assert flt.filter(
+        logger.makeRecord(logger.name, logging.ERROR, __file__, 1, RECORDED_MARK, (), None)
+    )
