@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from cachefleet_e2e.k8s import EmulatorHandle, run_emulator, write_kubeconfig
@@ -168,6 +169,42 @@ def test_in_cluster_service_account(
         assert_operates(emulator, proc, log, "tok-sa")
     finally:
         stop(proc)
+
+
+def test_operator_and_emulator_as_two_processes(tmp_path: Path) -> None:
+    """The no-cluster walk-through of the README: emulator server, then the operator."""
+    path = tmp_path / "emu.kubeconfig"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "cachefleet_e2e.emulator_server", "--kubeconfig", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    log = tmp_path / "operator.log"
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        assert line.startswith("ready "), line
+        url = line.split()[1]
+        proc = start(["--kubeconfig", str(path)], bare_env(tmp_path), log)
+        with httpx.Client(base_url=url, timeout=5) as client:
+            client.post(IC_PATH, json=cache("c1")).raise_for_status()
+
+            def finalized() -> bool:
+                assert proc is not None
+                if proc.poll() is not None:
+                    pytest.fail(f"operator exited {proc.returncode}:\n{log.read_text()}")
+                meta = client.get(f"{IC_PATH}/c1").json().get("metadata", {})
+                return FINALIZER in (meta.get("finalizers") or [])
+
+            wait_for(finalized, ACT_TIMEOUT_S, "operator never handled c1")
+    finally:
+        if proc is not None:
+            stop(proc)
+        server.terminate()
+        server.wait(15)
+    assert server.returncode == 0
 
 
 @pytest.mark.parametrize("flag", [False, True])
