@@ -174,3 +174,10 @@ def test_adapter_rule_serves_the_metric_the_hpa_asks_for() -> None:
     # one series per cache reaches the HPA: never a sum over tenants or replicas
     assert rule["metricsQuery"].startswith("max(")
     assert "by (cache_namespace, cache_name)" in rule["metricsQuery"]
+
+
+def test_notes_name_the_signal_and_the_adapter() -> None:
+    notes = render({"autoscaling": {**BASE, "mode": "hpa"}})["notes"]
+    assert "cachefleet_operator_slo_pressure" in notes
+    assert "deploy/prometheus-adapter-values.yaml" in notes
+    assert f"namespace\n{CACHE_NS}" in notes or f"namespace {CACHE_NS}" in notes
