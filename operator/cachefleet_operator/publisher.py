@@ -22,6 +22,8 @@ REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_SOCKET_TIMEOUT_S = 5.0
 #: Keys per SCAN / UNLINK round trip during cleanup.
 CLEANUP_BATCH = 500
+#: How the tombstones of a deleted cache's tenant slots end (kept by the cleanup).
+TOMBSTONE_SUFFIX = ":deleted"
 #: Upper bound on keys removed by one cleanup (a later attempt continues).
 CLEANUP_MAX_KEYS = 1_000_000
 
@@ -83,8 +85,9 @@ class RedisControlPlane:
     async def delete_cache_state(self, cache: str, uid: str = "") -> int:
         """Remove the cache's control keys and its tenants' L2 data; returns keys removed.
 
-        The tombstone goes first, so sidecars still running cannot write the
-        state back while (or after) it is removed.
+        The tombstones go first (control slot and every registered tenant's
+        data slot), so sidecars still running cannot write the state back
+        while (or after) it is removed.
         """
         removed = 0
         tombstone = protocol.tombstone_key(cache)
@@ -96,8 +99,9 @@ class RedisControlPlane:
             ):
                 batch: list[str | bytes] = []
                 async for key in client.scan_iter(match=pattern, count=CLEANUP_BATCH):
-                    if (key.decode() if isinstance(key, bytes) else key) == tombstone:
-                        continue
+                    name = key.decode() if isinstance(key, bytes) else key
+                    if name == tombstone or name.endswith(TOMBSTONE_SUFFIX):
+                        continue  # the tombstones stay (with their TTL)
                     batch.append(key)
                     if len(batch) >= CLEANUP_BATCH:
                         removed += await _unlink(client, batch)

@@ -21,6 +21,10 @@ so that multi-key scripts work on Redis Cluster:
   sidecars that outlive the object cannot resurrect its state; the operator
   removes it when it publishes quotas for a cache of that name again
   (:data:`PUBLISH_QUOTAS_LUA`), which then starts from no state at all.
+  ``cf:{cf:<cache>|<tenant>}:deleted`` is the same mark in each tenant's data
+  slot (set by :func:`bury` for registered tenants, by :func:`register_tenant`
+  for a tenant first seen after the deletion): versioned L2 writes there are
+  refused, so L2 data is not written back either.
   The members set also expires when no heartbeat refreshes it. A sidecar
   that outlived the deletion and serves the namesake may then write back the
   epochs it knows (max-merge), deliberately: its L1 holds entries under
@@ -556,8 +560,9 @@ async def publish_quotas(client: RedisClient, cache: str, assignment: QuotaAssig
 
     Returns the generation stored afterwards (the assignment's own, or a
     newer one that was already there, in which case nothing is published).
-    Only the operator publishes; doing so lifts a deleted namesake's tombstone.
+    Only the operator publishes; doing so lifts a deleted namesake's tombstones.
     """
+    await unbury(client, cache)
     stored = int(
         await client.eval(
             PUBLISH_QUOTAS_LUA,
@@ -603,9 +608,41 @@ async def write_heartbeat(
     )
 
 
-async def bury(client: RedisClient, cache: str, uid: str, ttl_s: float = TOMBSTONE_TTL_S) -> None:
-    """Set the tombstone of a deleted cache (the operator, before removing its state)."""
-    await client.set(tombstone_key(cache), uid or "deleted", px=max(1, int(ttl_s * 1000)))
+async def bury(
+    client: RedisClient,
+    cache: str,
+    uid: str,
+    tenants: Iterable[str] = (),
+    ttl_s: float = TOMBSTONE_TTL_S,
+) -> None:
+    """Set the tombstones of a deleted cache (the operator, before removing its state).
+
+    One in the control slot, and one in the data slot of every registered
+    tenant and of ``tenants`` (versioned L2 writes there are refused).
+    """
+    px = max(1, int(ttl_s * 1000))
+    await client.set(tombstone_key(cache), uid or "deleted", px=px)
+    raw = await client.smembers(l2_tenants_key(cache))
+    names = {t.decode() if isinstance(t, bytes) else str(t) for t in raw} | set(tenants)
+    for tenant in sorted(names):
+        await client.set(tenant_tombstone_key(cache, tenant), uid or "deleted", px=px)
+
+
+async def unbury(client: RedisClient, cache: str) -> int:
+    """Lift a deleted namesake's tenant tombstones (a cache of that name exists again).
+
+    Only does work when the control tombstone is still there; returns how
+    many tenant tombstones went.
+    """
+    if not await client.exists(tombstone_key(cache)):
+        return 0
+    gone = 0
+    pattern = tenant_data_pattern(cache)
+    async for key in client.scan_iter(match=pattern, count=500):
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        if name.endswith(":deleted"):
+            gone += int(await client.unlink(name))
+    return gone
 
 
 async def remove_member(client: RedisClient, cache: str, pod: str) -> None:
@@ -658,9 +695,18 @@ def tenant_epochs_key(cache: str, tenant: str) -> str:
     return f"{_tenant(cache, tenant)}:epochs"
 
 
+def tenant_tombstone_key(cache: str, tenant: str) -> str:
+    """The tombstone of one tenant's data slot (a deleted cache; see :func:`tombstone_key`)."""
+    return f"{_tenant(cache, tenant)}:deleted"
+
+
 def l2_versioned_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
-    """KEYS of the versioned L2 scripts: :func:`l2_keys` plus the tenant's fence."""
-    return [*l2_keys(cache, tenant, digest_hex), tenant_epochs_key(cache, tenant)]
+    """KEYS of the versioned L2 scripts: :func:`l2_keys`, the tenant's fence and tombstone."""
+    return [
+        *l2_keys(cache, tenant, digest_hex),
+        tenant_epochs_key(cache, tenant),
+        tenant_tombstone_key(cache, tenant),
+    ]
 
 
 def vector_args(vector: EpochVector) -> list[str]:
@@ -772,12 +818,14 @@ return {1, string.sub(value, string.len(head) + 1)}
 #: KEYS = :func:`l2_versioned_keys`; ARGV[1] = value, ARGV[2] = ttl (ms),
 #: ARGV[3] = default limit, ARGV[4] = max evicted, ARGV[5..] = :func:`vector_args`
 #: of the writer. Returns {status, evicted, reclaimed} as :data:`L2_PUT_LUA`,
-#: plus status -2: refused, the writer's epochs are below the fence.
+#: plus status -2: refused, the writer's epochs are below the fence or the
+#: cache was deleted (the tenant slot's tombstone exists).
 L2_PUT_VERSIONED_LUA = (
     _L2_LUA_PRELUDE
     + _FENCE_LUA
     + """
 local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+if redis.call('EXISTS', KEYS[7]) == 1 then return {-2, 0, 0} end
 if current(KEYS[6], 6) == 0 then return {-2, 0, 0} end
 local value = ARGV[5] .. '\\n' .. ARGV[1]
 return store(KEYS[1], meta, value, tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]))
@@ -855,7 +903,12 @@ async def register_tenant(client: RedisClient, cache: str, tenant: str) -> None:
         REGISTER_TENANT_LUA, 2, l2_tenants_key(cache), tombstone_key(cache), tenant
     )
     if not int(registered):
-        return  # a deleted cache: no fence either
+        # a deleted cache: no fence, and the tenant's slot refuses versioned writes
+        # for as long as the cache's tombstone lasts
+        ttl_ms = int(await client.pttl(tombstone_key(cache)))
+        if ttl_ms > 0:
+            await client.set(tenant_tombstone_key(cache, tenant), "deleted", px=ttl_ms)
+        return
     epochs = await read_epochs(client, cache)
     if epochs:
         await client.eval(
