@@ -8,7 +8,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DEBS    := redis-server:redis-server prometheus:prometheus promtool:prometheus nginx:nginx-light wrk:wrk
 
-.PHONY: demo test lint unit integration bench crds deps venv clean
+.PHONY: demo test lint unit integration bench crds deps venv clean image
 
 deps:
 	@missing=""; for pair in $(DEBS); do \
@@ -43,6 +43,12 @@ crds: venv
 
 test: deps venv lint
 	$(BIN)/pytest -q
+
+# The container image, tagged localhost/cachefleet:<version> (IMAGE=... to change) in the
+# local store of docker, podman or buildah, whichever is here (buildah and mmdebstrap are
+# installed with apt when none is); BASE=... picks the base image. See scripts/build-image.sh.
+image: venv
+	./scripts/build-image.sh
 
 bench: deps venv
 	$(BIN)/cachefleet bench all

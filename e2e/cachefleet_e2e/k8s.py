@@ -17,6 +17,7 @@ import contextlib
 import copy
 import datetime
 import itertools
+import ssl
 import threading
 import time
 import uuid
@@ -104,13 +105,49 @@ class Emulator(kmock.KubernetesEmulator):
     _versions: Any = attrs.field(factory=lambda: itertools.count(1000), init=False)
     #: (action, plural) of every Kubernetes request seen, for the fixtures' waits.
     seen: list[tuple[Any, str]] = attrs.field(factory=list, init=False)
+    #: The Authorization header of every request (None when absent), for login tests.
+    authorizations: list[str | None] = attrs.field(factory=list, init=False)
 
     def _next_version(self) -> str:
         return str(next(self._versions))
 
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces" and raw_request.method == "GET":
+            served: aiohttp.web.StreamResponse = await self._serve_namespaces(raw_request)
+            return served  # (the stock parser fails on this path)
+        response: aiohttp.web.StreamResponse = await super().__call__(raw_request)
+        return response
+
+    async def _serve_namespaces(
+        self, raw_request: aiohttp.web.BaseRequest
+    ) -> aiohttp.web.StreamResponse:
+        """``GET /api/v1/namespaces``: the namespaces that hold objects, plus ``default``.
+
+        A watch is held open (nothing changes) until the client goes or its
+        ``timeoutSeconds`` (bounded) pass, as a real API server would.
+        """
+        self.authorizations.append(raw_request.headers.get("Authorization"))
+        if raw_request.query.get("watch") in {"true", "1"}:
+            response = aiohttp.web.StreamResponse()
+            await response.prepare(raw_request)
+            timeout = min(float(raw_request.query.get("timeoutSeconds", 60)), 60.0)
+            await asyncio.sleep(timeout)
+            return response
+        names = {"default"} | {ns for (_r, ns, _n) in list(self.objects) if ns}
+        items = [{"metadata": {"name": ns, "uid": ns}} for ns in sorted(names)]
+        return aiohttp.web.json_response(
+            {
+                "kind": "NamespaceList",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": self._next_version()},
+                "items": items,
+            }
+        )
+
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         if request.resource is not None:
             self.seen.append((request.action, request.resource.plural))
+        self.authorizations.append(request.headers.get("Authorization"))
         if request.resource is not None and request.action == kmock.action.CREATE:
             data = copy.deepcopy(request.data or {})
             meta = data.setdefault("metadata", {})
@@ -225,9 +262,11 @@ def declare_resources(emulator: Emulator) -> None:
 class EmulatorHandle:
     """The running emulator: its URL, its objects, and a synchronous client."""
 
-    def __init__(self, emulator: Emulator, url: str) -> None:
+    def __init__(self, emulator: Emulator, url: str, tls_port: int | None = None) -> None:
         self.emulator = emulator
         self.url = url
+        #: Port of the HTTPS listener (``run_emulator(tls=...)``), as in-cluster clients need.
+        self.tls_port = tls_port
         self.http = httpx.Client(base_url=url, timeout=5.0)
 
     def watch_opened(self, plural: str) -> bool:
@@ -284,8 +323,13 @@ def _run_in_thread(
 
 
 @contextlib.contextmanager
-def run_emulator() -> Iterator[EmulatorHandle]:
-    """A KubernetesEmulator on 127.0.0.1 in its own thread, stopped on exit."""
+def run_emulator(tls: tuple[str, str] | None = None) -> Iterator[EmulatorHandle]:
+    """A KubernetesEmulator on 127.0.0.1 in its own thread, stopped on exit.
+
+    With ``tls=(cert_file, key_file)`` the same emulator is also served over
+    HTTPS on another port (``handle.tls_port``): an in-cluster client only
+    speaks HTTPS.
+    """
     ready = threading.Event()
     box: dict[str, Any] = {}
 
@@ -293,20 +337,54 @@ def run_emulator() -> Iterator[EmulatorHandle]:
         async with Emulator() as emu, kmock.Server(emu) as server:
             declare_resources(emu)
             box["emulator"], box["url"] = emu, str(server.url).rstrip("/")
+            runner = None
+            if tls is not None:
+                context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+                context.load_cert_chain(*tls)
+                runner = aiohttp.web.ServerRunner(aiohttp.web.Server(emu))
+                await runner.setup()
+                site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+                await site.start()
+                box["tls_port"] = runner.addresses[0][1]
             ready.set()
-            await asyncio.to_thread(stop.wait)
+            try:
+                await asyncio.to_thread(stop.wait)
+            finally:
+                if runner is not None:
+                    await runner.cleanup()
 
     thread, stop, _ = _run_in_thread("kmock-emulator", main)
     if not ready.wait(STARTUP_TIMEOUT_S):
         stop.set()
         raise EmulatorError("the Kubernetes emulator did not start")
-    handle = EmulatorHandle(box["emulator"], box["url"])
+    handle = EmulatorHandle(box["emulator"], box["url"], box.get("tls_port"))
     try:
         yield handle
     finally:
         handle.http.close()
         stop.set()
         thread.join(STOP_TIMEOUT_S)
+
+
+def write_kubeconfig(path: str, server: str, token: str, namespace: str = "default") -> None:
+    """A kubeconfig for ``server`` with a bearer ``token`` (as kubectl and the operator read it)."""
+    import yaml
+
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": server}}],
+        "users": [{"name": "emulator", "user": {"token": token}}],
+        "contexts": [
+            {
+                "name": "emulator",
+                "context": {"cluster": "emulator", "user": "emulator", "namespace": namespace},
+            }
+        ],
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(config, f)
 
 
 #: Where the login handler points kopf (set by :func:`run_operator`).

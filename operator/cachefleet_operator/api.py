@@ -53,16 +53,19 @@ _NAME_PATTERN = NAME_RE.pattern
 _DURATION_PATTERN = r"^[1-9][0-9]*(s|m|h)$"
 
 GUARANTEED_SUM_RULE = (
-    "self.tenants.filter(t, t.priorityClass == 'Guaranteed')"
-    ".map(t, has(t.minShare) ? t.minShare : 0.0).sum() <= 1.0"
+    "!has(self.tenants) || self.tenants.filter(t, has(t.priorityClass) && "
+    "t.priorityClass == 'Guaranteed').map(t, has(t.minShare) ? t.minShare : 0.0).sum() <= 1.0"
 )
 GUARANTEED_SUM_MESSAGE = "the minShare of all Guaranteed tenants must sum to at most 1"
-ALL_MIN_SUM_RULE = "self.tenants.map(t, has(t.minShare) ? t.minShare : 0.0).sum() <= 1.0"
+ALL_MIN_SUM_RULE = (
+    "!has(self.tenants) || self.tenants.map(t, has(t.minShare) ? t.minShare : 0.0).sum() <= 1.0"
+)
 ALL_MIN_SUM_MESSAGE = "the minShare of all tenants must sum to at most 1"
 MIN_MAX_RULE = "!has(self.minShare) || !has(self.maxShare) || self.minShare <= self.maxShare"
 MIN_MAX_MESSAGE = "minShare must not exceed maxShare"
 BEST_EFFORT_RULE = (
-    "self.priorityClass != 'BestEffort' || !has(self.minShare) || self.minShare == 0.0"
+    "!has(self.priorityClass) || self.priorityClass != 'BestEffort' || !has(self.minShare) "
+    "|| self.minShare == 0.0"
 )
 BEST_EFFORT_MESSAGE = "a BestEffort tenant has no floor: minShare must be 0"
 REDIS_ONE_OF_RULE = "has(self.url) != has(self.secretRef)"
@@ -88,10 +91,13 @@ class SpecError(ValueError):
 
 
 class _Model(BaseModel):
+    # extra="forbid": an unknown field in a spec is an error naming it, as the API
+    # server's strict field validation (kubectl's default) makes it. Status models
+    # and the whole-object models ignore extras (kopf keeps its own state there).
     model_config = ConfigDict(
         alias_generator=to_camel,
         populate_by_name=True,
-        extra="ignore",
+        extra="forbid",
         frozen=True,
         use_enum_values=False,
     )
@@ -99,6 +105,12 @@ class _Model(BaseModel):
     def wire(self) -> dict[str, Any]:
         """The object as Kubernetes stores it (camelCase, ``None`` fields left out)."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class _Observed(_Model):
+    """Status and whole objects: fields this version does not know are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 # ------------------------------------------------------------------- InferenceCache
@@ -382,7 +394,7 @@ class ConditionStatus(StrEnum):
     UNKNOWN = "Unknown"
 
 
-class Condition(_Model):
+class Condition(_Observed):
     """A Kubernetes-style condition (Ready, Degraded, SLAViolated, ...)."""
 
     type: str = Field(description="Condition type.")
@@ -397,7 +409,7 @@ class Condition(_Model):
     )
 
 
-class ObservedMetrics(_Model):
+class ObservedMetrics(_Observed):
     """A tenant's metrics over the query window, as the operator last read them."""
 
     p95_seconds: float | None = Field(default=None, description="p95 request latency, seconds.")
@@ -405,14 +417,20 @@ class ObservedMetrics(_Model):
     rps: float | None = Field(default=None, description="Requests per second.")
 
 
-class TenantStatus(_Model):
+class TenantStatus(_Observed):
     """A tenant's current allocation and SLA attainment."""
 
     name: str = Field(description="Tenant id.")
     priority_class: PriorityClass = Field(description="The tenant's class.")
     share: float = Field(description="Fraction of capacity allocated.")
     weight: float = Field(description="Demand weight the allocation used.")
-    l1_bytes: int = Field(description="L1 bytes on every pod.")
+    l1_bytes: int = Field(
+        description=(
+            "L1 bytes on every pod as assigned: share x spec.capacity.l1BytesPerPod. A sidecar "
+            "whose own --l1-bytes is smaller applies them scaled down in proportion (the sum "
+            "never exceeds its budget); its /stats shows the bytes in force."
+        )
+    )
     l2_bytes: int = Field(description="L2 bytes fleet-wide.")
     reason: str = Field(description="Why the tenant has this share.")
     observed: ObservedMetrics | None = Field(default=None, description="Last metrics read.")
@@ -421,7 +439,7 @@ class TenantStatus(_Model):
     )
 
 
-class SidecarStatus(_Model):
+class SidecarStatus(_Observed):
     """Sidecars seen through their heartbeats."""
 
     seen: int = Field(description="Live sidecars (fresh heartbeat).")
@@ -431,7 +449,7 @@ class SidecarStatus(_Model):
     )
 
 
-class InferenceCacheStatus(_Model):
+class InferenceCacheStatus(_Observed):
     """Observed state of an InferenceCache, written by the operator."""
 
     observed_generation: int | None = Field(
@@ -464,7 +482,7 @@ class InferenceCacheStatus(_Model):
     )
 
 
-class InferenceCache(_Model):
+class InferenceCache(_Observed):
     """A cache shared by a fleet of model-server pods, split among tenants by SLA."""
 
     api_version: Literal["cachefleet.io/v1alpha1"] = "cachefleet.io/v1alpha1"
@@ -548,7 +566,7 @@ class InvalidationPhase(StrEnum):
     FAILED = "Failed"
 
 
-class CacheInvalidationStatus(_Model):
+class CacheInvalidationStatus(_Observed):
     """Progress and result of an invalidation."""
 
     phase: InvalidationPhase | None = Field(default=None, description="Where it stands.")
@@ -568,7 +586,7 @@ class CacheInvalidationStatus(_Model):
     conditions: list[Condition] | None = Field(default=None, description="Conditions.")
 
 
-class CacheInvalidation(_Model):
+class CacheInvalidation(_Observed):
     """A versioned, acknowledged invalidation of (part of) an InferenceCache."""
 
     api_version: Literal["cachefleet.io/v1alpha1"] = "cachefleet.io/v1alpha1"
@@ -590,23 +608,40 @@ def _loc(loc: tuple[int | str, ...], root: str) -> str:
     return out
 
 
+def _spec_error(exc: ValidationError) -> SpecError:
+    errors = exc.errors()
+    # an unknown field first: that is what the API server reports for such an object
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
+    field = _loc(tuple(first["loc"]), "spec")
+    if first["type"] == "extra_forbidden":
+        return SpecError(field, "unknown field")
+    return SpecError(field, str(first["msg"]).removeprefix("Value error, "))
+
+
 def parse_spec(raw: dict[str, Any]) -> InferenceCacheSpec:
-    """Parse an InferenceCache spec; raise :class:`SpecError` naming the first bad field."""
+    """Parse an InferenceCache spec; raise :class:`SpecError` naming the first bad field.
+
+    Only the wire (camelCase) names are accepted, and a field the CRD does not
+    declare is an error: the operator refuses what a strict API server refuses.
+    """
     try:
-        return InferenceCacheSpec.model_validate(raw)
+        return InferenceCacheSpec.model_validate(raw, by_alias=True, by_name=False)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = _loc(tuple(first["loc"]), "spec")
-        message = str(first["msg"]).removeprefix("Value error, ")
-        raise SpecError(field, message) from exc
+        raise _spec_error(exc) from exc
+
+
+def parse_redis_endpoint(raw: Any) -> RedisEndpoint:
+    """Parse ``spec.redis`` alone (cleanup needs only it); :class:`SpecError` if it is bad."""
+    try:
+        return RedisEndpoint.model_validate(raw, by_alias=True, by_name=False)
+    except ValidationError as exc:
+        err = _spec_error(exc)
+        raise SpecError(err.field.replace("spec", "spec.redis", 1), err.message) from exc
 
 
 def parse_invalidation_spec(raw: dict[str, Any]) -> CacheInvalidationSpec:
     """Parse a CacheInvalidation spec; raise :class:`SpecError` naming the first bad field."""
     try:
-        return CacheInvalidationSpec.model_validate(raw)
+        return CacheInvalidationSpec.model_validate(raw, by_alias=True, by_name=False)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        raise SpecError(
-            _loc(tuple(first["loc"]), "spec"), str(first["msg"]).removeprefix("Value error, ")
-        ) from exc
+        raise _spec_error(exc) from exc

@@ -104,8 +104,10 @@ async def reconcile(
     _emit(outcome, body, patch)
     if outcome.failure == "permanent":
         raise kopf.PermanentError(outcome.failure_message)
-    if outcome.failure == "temporary":
+    if outcome.failure == "temporary" and not outcome.applied:
         raise kopf.TemporaryError(outcome.failure_message, delay=retry_delay(retry))
+    # a metrics fault with the spec in force: the rebalance timer retries (with its
+    # own backoff), and the next spec edit is handled at once
 
 
 @kopf.timer(
@@ -152,6 +154,7 @@ async def cleanup(
     namespace: str | None,
     body: kopf.Body,
     spec: kopf.Spec,
+    meta: kopf.Meta,
     memo: Any,
     retry: int,
     logger: logging.Logger | logging.LoggerAdapter[Any],
@@ -160,9 +163,11 @@ async def cleanup(
     """Remove the cache's Redis control state (and L2 data) before the object goes."""
     reconciler = _reconciler(memo)
     try:
-        removed = await reconciler.cleanup(namespace or "", name, dict(spec))
+        removed = await reconciler.cleanup(
+            namespace or "", name, dict(spec), str(meta.get("uid") or "")
+        )
     except SpecError as exc:
-        logger.warning("no Redis cleanup, the spec is invalid: %s", exc)
+        kopf.warn(body, reason="CleanupFailed", message=f"no Redis named, state left: {exc}")
         return
     except (ControlPlaneUnavailable, SecretUnavailable) as exc:
         if retry + 1 >= CLEANUP_RETRIES:
@@ -212,4 +217,5 @@ async def invalidate(
     )
     _emit(outcome, body, patch)
     if outcome.failure == "temporary":
-        raise kopf.TemporaryError(outcome.failure_message, delay=retry_delay(retry))
+        delay = outcome.delay if outcome.delay is not None else retry_delay(retry)
+        raise kopf.TemporaryError(outcome.failure_message, delay=delay)

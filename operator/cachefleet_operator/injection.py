@@ -80,6 +80,10 @@ class Resources(BaseModel):
     limits: dict[str, str] = Field(default_factory=lambda: {"memory": "1Gi"})
 
 
+#: The numeric user (and group) of the cachefleet image (Containerfile ``USER``).
+IMAGE_UID = 10001
+
+
 class SidecarSettings(BaseModel):
     """Webhook-wide settings of the injected sidecar (the chart's ``sidecar`` values)."""
 
@@ -98,6 +102,9 @@ class SidecarSettings(BaseModel):
     )
     default_tenant: str | None = Field(default=None, alias="defaultTenant")
     log_level: str = Field(default="info", alias="logLevel")
+    run_as_user: int = Field(
+        default=IMAGE_UID, ge=1, alias="runAsUser", description="The image's numeric user."
+    )
     resources: Resources = Field(default_factory=Resources)
     env: dict[str, str] = Field(
         default_factory=dict, description="Further CACHEFLEET_* variables, verbatim."
@@ -243,6 +250,8 @@ def sidecar_container(
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "runAsNonRoot": True,
+            "runAsUser": settings.run_as_user,
+            "runAsGroup": settings.run_as_user,
             "capabilities": {"drop": ["ALL"]},
         },
     }

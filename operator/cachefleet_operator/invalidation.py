@@ -21,8 +21,11 @@ One invalidation of a scope (``cache``, ``tenant:<t>`` or ``model:<m>``, see
 Propagation time is measured on the invalidator's monotonic clock from the
 moment the CAS reply arrived to the moment the last acknowledgement was seen.
 
-Re-running an invalidation (operator restart mid-wait, Redis fault) advances
-the epoch once more: harmless, epochs only ever invalidate more.
+Idempotent across operator restarts: the runner first records the epoch it
+intends to reach in the object's status (phase ``Running``) and only then
+CASes; a run that finds an intended epoch recorded advances only if Redis is
+still below it (:meth:`Invalidator.advance_to`), so a restart mid-wait never
+advances the epoch twice, and the status names the one advance there was.
 
 :class:`InvalidationRunner` turns a CacheInvalidation object into a status
 patch (:class:`~cachefleet_operator.reconcile.Outcome`) for the thin kopf
@@ -72,6 +75,9 @@ MODEL_ACK_WAIT_S = 2.0
 #: Attempts at finding the referenced InferenceCache before the invalidation fails.
 CACHE_LOOKUP_RETRIES = 5
 _TENANT_PREFIX = tenant_scope("")
+#: Ends the message of the intentional "retry at once" after recording the intended
+#: epoch (kopf logs every TemporaryError as an error; run.py lowers this one to INFO).
+RECORDED_MARK = "(recorded; continuing)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +210,31 @@ class Invalidator:
         await protocol.publish_epochs(self.client, self.cache, {scope: epoch})
         return epoch, cas_at
 
+    async def current(self, scope: str) -> int:
+        """The scope's epoch in Redis now (0 when never advanced)."""
+        return int((await protocol.read_epochs(self.client, self.cache)).get(scope, 0))
+
+    async def advance_to(self, scope: str, intended: int) -> tuple[int, float, bool]:
+        """Make the scope's epoch at least ``intended``, advancing at most once.
+
+        Returns (epoch now in force, clock() when it was known, whether this
+        call advanced it). Fence and announcement are repeated either way
+        (both are idempotent), so a run cut short between CAS and fence is
+        completed.
+        """
+        await self.listen()
+        current = await self.current(scope)
+        advanced = current < intended
+        if advanced:
+            current = await protocol.advance_epoch(
+                self.client, self.cache, scope, floor=intended - 1
+            )
+        at = self.clock()
+        tenants = [scope.removeprefix(_TENANT_PREFIX)] if scope.startswith(_TENANT_PREFIX) else None
+        await protocol.fence_tenants(self.client, self.cache, {scope: current}, tenants)
+        await protocol.publish_epochs(self.client, self.cache, {scope: current})
+        return current, at, advanced
+
     async def progress(self, wanted: Mapping[str, int]) -> tuple[list[str], list[str]]:
         """(acked, lagging) live pods for ``wanted``, read from Redis now."""
         members = [m.pod for m in await protocol.live_members(self.client, self.cache)]
@@ -294,6 +325,17 @@ def _floor(cache_status: Mapping[str, Any] | None, scope: str) -> int:
         return 0
 
 
+def _recorded_epoch(raw_status: Mapping[str, Any] | None) -> int | None:
+    """The intended epoch a previous run recorded (phase Running), if any."""
+    status = raw_status or {}
+    if status.get("phase") != InvalidationPhase.RUNNING.value:
+        return None
+    try:
+        return int(status["epoch"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class InvalidationRunner:
     """Runs one CacheInvalidation; every I/O dependency is injected."""
 
@@ -342,21 +384,44 @@ class InvalidationRunner:
             return self._failed(generation, started, message, "CacheInvalid")
         scope = scope_name(spec.scope)
         ref = protocol.cache_ref(namespace, spec.cache_ref.name)
+        recorded = _recorded_epoch(raw_status)
+        started = str((raw_status or {}).get("startTime") or started)
+        resumed = False
         try:
             url = await self.reconciler.redis_url(namespace, cache_spec)
             invalidator = self.invalidator(url, ref)
             try:
-                result = await invalidator.invalidate(
-                    scope,
-                    timeout_s=float(spec.timeout_seconds),
-                    floor=_floor(cache.get("status"), scope),
+                if recorded is None:
+                    # record the intended epoch first: a restart after the CAS then
+                    # finds it and does not advance again
+                    floor = _floor(cache.get("status"), scope)
+                    intended = max(await invalidator.current(scope), floor) + 1
+                    message = f"advancing {scope} to epoch {intended}"
+                    return Outcome(
+                        status={
+                            "phase": InvalidationPhase.RUNNING.value,
+                            "epoch": intended,
+                            "startTime": started,
+                            "message": message,
+                            "observedGeneration": generation,
+                        },
+                        failure="temporary",
+                        failure_message=f"{message} {RECORDED_MARK}",
+                        delay=0.0,
+                    )
+                epoch, at, advanced = await invalidator.advance_to(scope, recorded)
+                resumed = not advanced
+                result = await invalidator.await_acks(
+                    scope, epoch, timeout_s=float(spec.timeout_seconds), started_at=at
                 )
             finally:
                 await invalidator.aclose()
         except (RedisError, OSError, ControlPlaneUnavailable, SecretUnavailable) as exc:
             message = f"Redis unavailable: {type(exc).__name__}: {exc}"
+            # a recorded intention stays recorded (phase Running, its epoch untouched)
+            phase = InvalidationPhase.PENDING if recorded is None else InvalidationPhase.RUNNING
             return Outcome(
-                status={"phase": InvalidationPhase.PENDING.value, "message": message},
+                status={"phase": phase.value, "message": message},
                 events=[Event("Warning", "RedisUnavailable", message)],
                 failure="temporary",
                 failure_message=message,
@@ -381,6 +446,8 @@ class InvalidationRunner:
                 f"{scope} advanced to epoch {result.epoch}; {result.acks} sidecar(s) "
                 f"acknowledged in {result.propagation_s * 1000:.1f} ms"
             )
+            if resumed:
+                status["message"] += " (resumed: the epoch had already been advanced)"
             event = Event("Normal", "Invalidated", status["message"])
         else:
             status["phase"] = InvalidationPhase.FAILED.value

@@ -1,8 +1,8 @@
 """Reading a Secret key through the Kubernetes API (adapter for ``spec.redis.secretRef``).
 
 The official ``kubernetes`` client is synchronous, so reads run in a worker
-thread with a timeout. Configuration (in-cluster or kubeconfig) is loaded
-once by :func:`load_config`, which ``run.py`` calls at startup.
+thread with a timeout. Its credentials are the client's default
+configuration, which :func:`cachefleet_operator.login.install` sets at startup.
 """
 
 from __future__ import annotations
@@ -15,16 +15,6 @@ from cachefleet_operator.reconcile import SecretUnavailable
 
 #: Timeout of one Secret read, seconds.
 SECRET_READ_TIMEOUT_S = 5.0
-
-
-def load_config(kubeconfig: str | None = None) -> None:
-    """In-cluster config when running in a pod, else the kubeconfig."""
-    from kubernetes import config
-
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config(config_file=kubeconfig)  # type: ignore[no-untyped-call]
 
 
 class KubernetesSecretReader:

@@ -7,7 +7,9 @@ it on ``--metrics-port`` beside the ``/healthz`` liveness endpoint.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: Buckets of the reconcile duration histogram, seconds.
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -50,9 +52,27 @@ class OperatorMetrics:
             buckets=PROPAGATION_BUCKETS,
             registry=self.registry,
         )
+        # one series per InferenceCache (bounded by the caches the operator watches);
+        # cache_namespace / cache_name are valid label values for an HPA selector,
+        # cache (<namespace>/<name>) is not
+        self.slo_pressure = Gauge(
+            "cachefleet_operator_slo_pressure",
+            "Worst tenant's p95 / SLA target, weighted by class (autoscaling holds it at 1).",
+            ["cache", "cache_namespace", "cache_name"],
+            registry=self.registry,
+        )
         self.allocation_changes = Counter(
             "cachefleet_operator_allocation_changes_total",
             "Tenant quota moves published to the sidecars.",
             ["direction"],
             registry=self.registry,
         )
+
+    def set_slo_pressure(self, namespace: str, name: str, value: float | None) -> None:
+        """Publish (or, when unknown, withdraw) the SLO pressure of one InferenceCache."""
+        labels = (f"{namespace}/{name}", namespace, name)
+        if value is None:
+            with contextlib.suppress(KeyError):
+                self.slo_pressure.remove(*labels)
+        else:
+            self.slo_pressure.labels(*labels).set(value)

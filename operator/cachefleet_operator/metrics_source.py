@@ -174,12 +174,18 @@ class PrometheusMetricsSource:
 
     def __init__(self, url: str, timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> None:
         from prometheus_api_client import PrometheusConnect
+        from urllib3.util.retry import Retry
 
         self.url = url
         #: The URL as messages (conditions, Events, logs) show it: without credentials.
         self.where = redact_url(url)
         self.timeout_s = timeout_s
-        self._client = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+        # no client-side retries: they outlast the timeout below and turn every
+        # failure (refused, unknown host, HTTP 5xx) into "timed out"; the
+        # operator retries with its own backoff
+        self._client = PrometheusConnect(
+            url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0, redirect=3)
+        )
 
     def _query(self, promql: str) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = self._client.custom_query(query=promql)
@@ -196,7 +202,7 @@ class PrometheusMetricsSource:
             ) from exc
         except Exception as exc:  # requests / client errors of every kind
             raise MetricsUnavailable(
-                "PrometheusUnavailable", f"Prometheus at {self.where}: {type(exc).__name__}: {exc}"
+                "PrometheusUnavailable", f"Prometheus at {self.where}: {_describe(exc)}"
             ) from exc
 
     async def fetch(
@@ -235,6 +241,19 @@ class PrometheusMetricsSource:
                 "NoMetrics", f"Prometheus at {self.where} has no sidecar metrics for {cache}"
             )
         return metrics
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, in words: refused, unknown host, timed out, HTTP status, ..."""
+    text = f"{type(exc).__name__}: {exc}"
+    lowered = text.lower()
+    if "connection refused" in lowered:
+        return f"connection refused ({type(exc).__name__})"
+    if "name or service not known" in lowered or "nodename nor servname" in lowered:
+        return f"unknown host ({type(exc).__name__})"
+    if "timed out" in lowered or "timeout" in lowered:
+        return f"timed out ({type(exc).__name__})"
+    return text
 
 
 def prometheus_source(url: str, timeout_s: float) -> MetricsSource:

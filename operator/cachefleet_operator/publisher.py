@@ -22,6 +22,8 @@ REDIS_CONNECT_TIMEOUT_S = 2.0
 REDIS_SOCKET_TIMEOUT_S = 5.0
 #: Keys per SCAN / UNLINK round trip during cleanup.
 CLEANUP_BATCH = 500
+#: How the tombstones of a deleted cache's tenant slots end (kept by the cleanup).
+TOMBSTONE_SUFFIX = ":deleted"
 #: Upper bound on keys removed by one cleanup (a later attempt continues).
 CLEANUP_MAX_KEYS = 1_000_000
 
@@ -37,7 +39,7 @@ class ControlPlane(Protocol):
 
     async def live_members(self, cache: str) -> list[Heartbeat]: ...
 
-    async def delete_cache_state(self, cache: str) -> int: ...
+    async def delete_cache_state(self, cache: str, uid: str = "") -> int: ...
 
 
 #: Builds a control plane from a Redis URL.
@@ -80,16 +82,26 @@ class RedisControlPlane:
         async with self._client() as client:
             return await protocol.live_members(client, cache)
 
-    async def delete_cache_state(self, cache: str) -> int:
-        """Remove the cache's control keys and its tenants' L2 data; returns keys removed."""
+    async def delete_cache_state(self, cache: str, uid: str = "") -> int:
+        """Remove the cache's control keys and its tenants' L2 data; returns keys removed.
+
+        The tombstones go first (control slot and every registered tenant's
+        data slot), so sidecars still running cannot write the state back
+        while (or after) it is removed.
+        """
         removed = 0
+        tombstone = protocol.tombstone_key(cache)
         async with self._client() as client:
+            await protocol.bury(client, cache, uid)
             for pattern in (
                 _glob_escape(protocol.control_prefix(cache)) + "*",
                 protocol.tenant_data_pattern(cache),
             ):
                 batch: list[str | bytes] = []
                 async for key in client.scan_iter(match=pattern, count=CLEANUP_BATCH):
+                    name = key.decode() if isinstance(key, bytes) else key
+                    if name == tombstone or name.endswith(TOMBSTONE_SUFFIX):
+                        continue  # the tombstones stay (with their TTL)
                     batch.append(key)
                     if len(batch) >= CLEANUP_BATCH:
                         removed += await _unlink(client, batch)

@@ -52,9 +52,11 @@ from cachefleet_operator.api import (
     InferenceCacheSpec,
     InferenceCacheStatus,
     ObservedMetrics,
+    RedisEndpoint,
     SidecarStatus,
     SpecError,
     TenantStatus,
+    parse_redis_endpoint,
     parse_spec,
 )
 from cachefleet_operator.metrics import OperatorMetrics
@@ -63,6 +65,7 @@ from cachefleet_operator.metrics_source import (
     MetricsUnavailable,
     prometheus_source,
 )
+from cachefleet_operator.pressure import TenantPressure, slo_pressure
 from cachefleet_operator.publisher import (
     ControlPlaneFactory,
     ControlPlaneUnavailable,
@@ -117,6 +120,12 @@ class Outcome:
     failure: Literal["temporary", "permanent"] | None = None
     failure_message: str = ""
     result: str = "ok"
+    #: Retry delay of a temporary failure, seconds; None = the backoff of :func:`retry_delay`.
+    delay: float | None = None
+    #: Whether the spec is in force (quotas published). A fault that leaves it in
+    #: force (metrics only) is retried by the rebalance timer, not by the change
+    #: handler, so a later spec edit is not queued behind a metrics backoff.
+    applied: bool = False
 
 
 def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
@@ -238,7 +247,7 @@ def _tenant_status(allocation: Allocation) -> list[TenantStatus]:
             TenantStatus(
                 name=t.name,
                 priority_class=t.priority_class,
-                share=round(t.share, 6),
+                share=t.share,  # exact: a held allocation must reproduce the same bytes
                 weight=round(t.weight, 6),
                 l1_bytes=t.l1_bytes,
                 l2_bytes=t.l2_bytes,
@@ -281,6 +290,38 @@ def _tenants_named(message: str | None) -> set[str]:
     return {part.split(":", 1)[0] for part in (message or "").split("; ")}
 
 
+def _pressure(
+    spec: InferenceCacheSpec,
+    metrics: Mapping[str, TenantMetrics] | None,
+    allocation: Allocation,
+) -> float | None:
+    """SLO pressure of the cache from this reconcile's metrics (None when unknown).
+
+    Whether cache can still help a tenant comes from the allocation: no when no
+    share within bounds meets its SLA (``cannot_meet``), yes when its curve
+    says one does, unknown without a curve.
+    """
+    if metrics is None:
+        return None
+    by_name = allocation.by_name()
+
+    def can_help(name: str) -> bool | None:
+        t = by_name.get(name)
+        if t is None or t.predicted_hit_ratio is None:
+            return None
+        return not t.cannot_meet
+
+    return slo_pressure(
+        TenantPressure(
+            p95_s=m.p95_s if (m := metrics.get(t.name)) is not None else None,
+            p95_target_s=t.sla.p95_latency_seconds if t.sla else None,
+            priority_class=t.priority_class,
+            cache_can_help=can_help(t.name),
+        )
+        for t in spec.tenants
+    )
+
+
 class Reconciler:
     """Reconciles InferenceCaches; every I/O dependency is injected."""
 
@@ -306,10 +347,11 @@ class Reconciler:
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
 
-    async def redis_url(self, namespace: str, spec: InferenceCacheSpec) -> str:
-        if spec.redis.url is not None:
-            return spec.redis.url
-        ref = spec.redis.secret_ref
+    async def redis_url(self, namespace: str, spec: InferenceCacheSpec | RedisEndpoint) -> str:
+        redis = spec if isinstance(spec, RedisEndpoint) else spec.redis
+        if redis.url is not None:
+            return redis.url
+        ref = redis.secret_ref
         if ref is None or self.secrets is None:
             raise SecretUnavailable("no Secret reader configured for spec.redis.secretRef")
         return await self.secrets.read(namespace, ref.name, ref.key)
@@ -380,6 +422,7 @@ class Reconciler:
         else:
             allocation = allocate(demands, {}, None, capacity.l1_bytes_per_pod, capacity.l2_bytes)
 
+        self.metrics.set_slo_pressure(namespace, name, _pressure(spec, metrics, allocation))
         assignment = build_assignment(spec, allocation)
         digest = assignment_digest(assignment)
         quota_generation = previous.quota_generation or 0
@@ -503,7 +546,7 @@ class Reconciler:
                 now,
             )
         status["conditions"] = [c.wire() for c in conditions]
-        outcome = Outcome(status=status, events=events, result="ok")
+        outcome = Outcome(status=status, events=events, result="ok", applied=published)
         if faults:
             outcome.failure = "temporary"
             outcome.failure_message = "; ".join(f"{r}: {m}" for r, m in faults)
@@ -570,8 +613,18 @@ class Reconciler:
             result="invalid",
         )
 
-    async def cleanup(self, namespace: str, name: str, raw_spec: Mapping[str, Any]) -> int:
-        """Remove the cache's Redis state; raises ControlPlaneUnavailable / SpecError."""
-        spec = parse_spec(dict(raw_spec))
-        url = await self.redis_url(namespace, spec)
-        return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name))
+    async def cleanup(
+        self, namespace: str, name: str, raw_spec: Mapping[str, Any], uid: str = ""
+    ) -> int:
+        """Remove the cache's Redis state; raises ControlPlaneUnavailable / SpecError.
+
+        Only ``spec.redis`` has to be valid: a spec broken elsewhere still
+        names the Redis that holds the state.
+        """
+        try:
+            endpoint: InferenceCacheSpec | RedisEndpoint = parse_spec(dict(raw_spec))
+        except SpecError:
+            endpoint = parse_redis_endpoint(raw_spec.get("redis"))
+        self.metrics.set_slo_pressure(namespace, name, None)
+        url = await self.redis_url(namespace, endpoint)
+        return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name), uid)

@@ -1,6 +1,8 @@
 """``cachefleet operator``: run the kopf operator (CLI, metrics and liveness server).
 
-Connects with the in-cluster config or the kubeconfig (``--kubeconfig``),
+Logs in with ``--kubeconfig FILE``, else in a pod with its service account,
+else with ``$KUBECONFIG`` / ``~/.kube/config`` (see :mod:`login`); it exits
+with the reason when none of them works. It
 watches the given namespaces (``--namespace``, repeatable) or all of them
 (``--all-namespaces``), and with ``--peering NAME`` takes part in kopf
 peering so that only one of several replicas is active. Its own Prometheus
@@ -13,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import threading
 from typing import Any
@@ -21,11 +22,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cachefleet_operator import webhook
+from cachefleet_operator import login, webhook
+from cachefleet_operator.login import DEFAULT_SERVICE_ACCOUNT_DIR
 from cachefleet_operator.metrics import OperatorMetrics
 
-#: Default port of /metrics and /healthz.
-DEFAULT_METRICS_PORT = 8080
+#: Default port of /metrics and /healthz (not the sidecar's 8080/8081: the operator
+#: may run beside a sidecar on one host or in one pod network namespace in tests).
+DEFAULT_METRICS_PORT = 9180
 #: Default bind address of /metrics and /healthz (all interfaces: Prometheus and the
 #: kubelet reach the pod from outside).
 DEFAULT_METRICS_HOST = "0.0.0.0"
@@ -35,7 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cachefleet operator", description="Run the cachefleet kopf operator."
     )
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then ~/.kube)")
+    parser.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file (default: in-cluster service account, then $KUBECONFIG, "
+        "then ~/.kube/config)",
+    )
+    parser.add_argument(
+        "--service-account-dir",
+        default=DEFAULT_SERVICE_ACCOUNT_DIR,
+        help="where the pod's service-account token and ca.crt are mounted",
+    )
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument(
         "--namespace", "-n", action="append", dest="namespaces", help="namespace to watch"
@@ -43,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     parser.add_argument("--peering", metavar="NAME", help="kopf peering name (HA: one active)")
     parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST)
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help=f"port of /metrics and /healthz (default {DEFAULT_METRICS_PORT})",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     webhook.add_arguments(parser)
     return parser
@@ -69,12 +86,10 @@ async def serve(args: argparse.Namespace, stop_flag: threading.Event | None = No
     import kopf
 
     import cachefleet_operator.handlers  # noqa: F401  (registers the handlers)
-    from cachefleet_operator.k8s_secrets import KubernetesSecretReader, load_config
+    from cachefleet_operator.k8s_secrets import KubernetesSecretReader
     from cachefleet_operator.reconcile import Reconciler
 
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig
-    load_config(args.kubeconfig)
+    login.install(login.CredentialSource(args.kubeconfig, args.service_account_dir))
     metrics = OperatorMetrics()
     reconciler = Reconciler(secrets=KubernetesSecretReader(), metrics=metrics)
 
@@ -103,14 +118,35 @@ async def serve(args: argparse.Namespace, stop_flag: threading.Event | None = No
         await runner.cleanup()
 
 
+class _RecordedIsNoError(logging.Filter):
+    """An invalidation's planned step (intended epoch recorded, run again) is not an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from cachefleet_operator.invalidation import RECORDED_MARK
+
+        if record.levelno >= logging.ERROR and RECORDED_MARK in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    objects = logging.getLogger("kopf.objects")
+    objects.addFilter(_RecordedIsNoError())
+    if not args.verbose:
+        # kopf logs every handler and timer run at INFO ("Timer 'rebalance' succeeded"
+        # each second per object); outcomes worth reading are Events and WARNINGs
+        objects.setLevel(logging.WARNING)
     try:
         asyncio.run(serve(args))
+    except login.CredentialsUnavailable as exc:
+        print(f"cachefleet operator: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     return 0

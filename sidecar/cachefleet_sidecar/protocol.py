@@ -14,6 +14,22 @@ so that multi-key scripts work on Redis Cluster:
   :data:`PUBLISH_QUOTAS_LUA` (generation only moves forward).
 * ``cf:{cf:<cache>}:members``  sorted set: pod -> expiry (unix seconds).
 * ``cf:{cf:<cache>}:member:<pod>`` string with TTL: JSON :class:`Heartbeat`.
+* ``cf:{cf:<cache>}:deleted``  string with TTL: the *tombstone* the operator
+  sets when the InferenceCache is deleted (value: its uid). While it exists
+  the scripts through which sidecars write control state (heartbeats,
+  acknowledgements, epoch restores, tenant registration) write nothing, so
+  sidecars that outlive the object cannot resurrect its state; the operator
+  removes it when it publishes quotas for a cache of that name again
+  (:data:`PUBLISH_QUOTAS_LUA`), which then starts from no state at all.
+  ``cf:{cf:<cache>|<tenant>}:deleted`` is the same mark in each tenant's data
+  slot (set by :func:`bury` for registered tenants, by :func:`register_tenant`
+  for a tenant first seen after the deletion): versioned L2 writes there are
+  refused, so L2 data is not written back either.
+  The members set also expires when no heartbeat refreshes it. A sidecar
+  that outlived the deletion and serves the namesake may then write back the
+  epochs it knows (max-merge), deliberately: its L1 holds entries under
+  those epochs, and an epoch that went back would let an invalidation of
+  the new cache (epoch 1) pass it by.
 * ``cf:{cf:<cache>}:control``  pub/sub channel: JSON :class:`ControlMessage`.
   Messages only say "look now"; the state is in the keys (level triggered).
 
@@ -140,6 +156,10 @@ def member_key(cache: str, pod: str) -> str:
     return f"{_control(cache)}:member:{pod}"
 
 
+def tombstone_key(cache: str) -> str:
+    return f"{_control(cache)}:deleted"
+
+
 def control_channel(cache: str) -> str:
     return f"{_control(cache)}:control"
 
@@ -257,10 +277,17 @@ class Heartbeat(_Model):
 
 # ------------------------------------------------------------------------ scripts
 
-#: KEYS[1] = quotas_key; ARGV[1] = generation, ARGV[2] = assignment JSON.
-#: Writes only if the generation is newer than the stored one. Returns the
-#: generation now stored.
+#: How long a deleted cache's tombstone keeps sidecars from writing its state, seconds.
+TOMBSTONE_TTL_S = 24 * 3600
+#: The members set outlives the last heartbeat by this many heartbeat TTLs.
+MEMBERS_TTL_FACTOR = 4
+
+#: KEYS[1] = quotas_key, KEYS[2] = tombstone_key; ARGV[1] = generation,
+#: ARGV[2] = assignment JSON. Writes only if the generation is newer than the
+#: stored one. Returns the generation now stored. Publishing means the cache
+#: exists: a tombstone left by a deleted namesake goes.
 PUBLISH_QUOTAS_LUA = """
+redis.call('DEL', KEYS[2])
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '-1')
 local gen = tonumber(ARGV[1])
 if gen > cur then
@@ -270,11 +297,15 @@ end
 return cur
 """
 
-#: KEYS[1] = members_key, KEYS[2] = member_key; ARGV[1] = pod, ARGV[2] = expiry
-#: (unix s), ARGV[3] = ttl (ms), ARGV[4] = heartbeat JSON, ARGV[5] = now (unix s).
-#: Registers the heartbeat and prunes members whose expiry has passed.
+#: KEYS[1] = members_key, KEYS[2] = member_key, KEYS[3] = tombstone_key;
+#: ARGV[1] = pod, ARGV[2] = expiry (unix s), ARGV[3] = ttl (ms), ARGV[4] =
+#: heartbeat JSON, ARGV[5] = now (unix s), ARGV[6] = members set ttl (ms).
+#: Registers the heartbeat and prunes members whose expiry has passed;
+#: returns 0 and writes nothing for a deleted cache.
 HEARTBEAT_LUA = """
+if redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[6])
 redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[5])
 return 1
@@ -675,12 +706,15 @@ async def publish_quotas(client: RedisClient, cache: str, assignment: QuotaAssig
 
     Returns the generation stored afterwards (the assignment's own, or a
     newer one that was already there, in which case nothing is published).
+    Only the operator publishes; doing so lifts a deleted namesake's tombstones.
     """
+    await unbury(client, cache)
     stored = int(
         await client.eval(
             PUBLISH_QUOTAS_LUA,
-            1,
+            2,
             quotas_key(cache),
+            tombstone_key(cache),
             str(assignment.generation),
             assignment.model_dump_json(),
         )
@@ -702,19 +736,59 @@ async def read_quotas(client: RedisClient, cache: str) -> QuotaAssignment | None
 async def write_heartbeat(
     client: RedisClient, cache: str, heartbeat: Heartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
 ) -> None:
-    """Register ``heartbeat`` as a live member for ``ttl_s`` seconds."""
+    """Register ``heartbeat`` as a live member for ``ttl_s`` seconds (not for a deleted cache)."""
     now = time.time()
+    ttl_ms = max(1, int(ttl_s * 1000))
     await client.eval(
         HEARTBEAT_LUA,
-        2,
+        3,
         members_key(cache),
         member_key(cache, heartbeat.pod),
+        tombstone_key(cache),
         heartbeat.pod,
         repr(now + ttl_s),
-        str(max(1, int(ttl_s * 1000))),
+        str(ttl_ms),
         heartbeat.model_dump_json(),
         repr(now),
+        str(ttl_ms * MEMBERS_TTL_FACTOR),
     )
+
+
+async def bury(
+    client: RedisClient,
+    cache: str,
+    uid: str,
+    tenants: Iterable[str] = (),
+    ttl_s: float = TOMBSTONE_TTL_S,
+) -> None:
+    """Set the tombstones of a deleted cache (the operator, before removing its state).
+
+    One in the control slot, and one in the data slot of every registered
+    tenant and of ``tenants`` (versioned L2 writes there are refused).
+    """
+    px = max(1, int(ttl_s * 1000))
+    await client.set(tombstone_key(cache), uid or "deleted", px=px)
+    raw = await client.smembers(l2_tenants_key(cache))
+    names = {t.decode() if isinstance(t, bytes) else str(t) for t in raw} | set(tenants)
+    for tenant in sorted(names):
+        await client.set(tenant_tombstone_key(cache, tenant), uid or "deleted", px=px)
+
+
+async def unbury(client: RedisClient, cache: str) -> int:
+    """Lift a deleted namesake's tenant tombstones (a cache of that name exists again).
+
+    Only does work when the control tombstone is still there; returns how
+    many tenant tombstones went.
+    """
+    if not await client.exists(tombstone_key(cache)):
+        return 0
+    gone = 0
+    pattern = tenant_data_pattern(cache)
+    async for key in client.scan_iter(match=pattern, count=500):
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        if name.endswith(":deleted"):
+            gone += int(await client.unlink(name))
+    return gone
 
 
 async def remove_member(client: RedisClient, cache: str, pod: str) -> None:
@@ -767,9 +841,18 @@ def tenant_epochs_key(cache: str, tenant: str) -> str:
     return f"{_tenant(cache, tenant)}:epochs"
 
 
+def tenant_tombstone_key(cache: str, tenant: str) -> str:
+    """The tombstone of one tenant's data slot (a deleted cache; see :func:`tombstone_key`)."""
+    return f"{_tenant(cache, tenant)}:deleted"
+
+
 def l2_versioned_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
-    """KEYS of the versioned L2 scripts: :func:`l2_keys` plus the tenant's fence."""
-    return [*l2_keys(cache, tenant, digest_hex), tenant_epochs_key(cache, tenant)]
+    """KEYS of the versioned L2 scripts: :func:`l2_keys`, the tenant's fence and tombstone."""
+    return [
+        *l2_keys(cache, tenant, digest_hex),
+        tenant_epochs_key(cache, tenant),
+        tenant_tombstone_key(cache, tenant),
+    ]
 
 
 def vector_args(vector: EpochVector) -> list[str]:
@@ -818,8 +901,22 @@ end
 return moved
 """
 
-#: KEYS[1] = acks_key; ARGV[1] = pod, ARGV[2] = JSON EpochAck, ARGV[3] = ack_channel.
+#: KEYS[1] = an epoch hash of the control slot, KEYS[2] = tombstone_key; ARGV as
+#: :data:`EPOCH_MERGE_LUA`. Returns -1 and writes nothing for a deleted cache.
+EPOCH_RESTORE_LUA = "if redis.call('EXISTS', KEYS[2]) == 1 then return -1 end\n" + EPOCH_MERGE_LUA
+
+#: KEYS[1] = l2_tenants_key, KEYS[2] = tombstone_key; ARGV[1] = tenant.
+#: Returns 0 (nothing written) for a deleted cache.
+REGISTER_TENANT_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+redis.call('SADD', KEYS[1], ARGV[1])
+return 1
+"""
+
+#: KEYS[1] = acks_key, KEYS[2] = tombstone_key; ARGV[1] = pod, ARGV[2] = JSON
+#: EpochAck, ARGV[3] = ack_channel. Nothing is written for a deleted cache.
 ACK_LUA = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[2])
 return 1
@@ -867,12 +964,14 @@ return {1, string.sub(value, string.len(head) + 1)}
 #: KEYS = :func:`l2_versioned_keys`; ARGV[1] = value, ARGV[2] = ttl (ms),
 #: ARGV[3] = default limit, ARGV[4] = max evicted, ARGV[5..] = :func:`vector_args`
 #: of the writer. Returns {status, evicted, reclaimed} as :data:`L2_PUT_LUA`,
-#: plus status -2: refused, the writer's epochs are below the fence.
+#: plus status -2: refused, the writer's epochs are below the fence or the
+#: cache was deleted (the tenant slot's tombstone exists).
 L2_PUT_VERSIONED_LUA = (
     _L2_LUA_PRELUDE
     + _FENCE_LUA
     + """
 local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+if redis.call('EXISTS', KEYS[7]) == 1 then return {-2, 0, 0} end
 if current(KEYS[6], 6) == 0 then return {-2, 0, 0} end
 local value = ARGV[5] .. '\\n' .. ARGV[1]
 return store(KEYS[1], meta, value, tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4]))
@@ -895,10 +994,17 @@ async def read_epochs(client: RedisClient, cache: str) -> dict[str, int]:
 
 
 async def restore_epochs(client: RedisClient, cache: str, epochs: Mapping[str, int]) -> int:
-    """Raise the sequencer to at least ``epochs`` (never lowers); returns scopes moved."""
+    """Raise the sequencer to at least ``epochs`` (never lowers); returns scopes moved.
+
+    Writes nothing (returns -1) while the cache's tombstone exists.
+    """
     if not epochs:
         return 0
-    return int(await client.eval(EPOCH_MERGE_LUA, 1, epochs_key(cache), *_merge_args(epochs)))
+    return int(
+        await client.eval(
+            EPOCH_RESTORE_LUA, 2, epochs_key(cache), tombstone_key(cache), *_merge_args(epochs)
+        )
+    )
 
 
 async def advance_epoch(
@@ -939,7 +1045,16 @@ async def register_tenant(client: RedisClient, cache: str, tenant: str) -> None:
     the new epoch before this sidecar writes: either the invalidator saw the
     tenant, or this call read the sequencer after the CAS.
     """
-    await client.sadd(l2_tenants_key(cache), tenant)
+    registered = await client.eval(
+        REGISTER_TENANT_LUA, 2, l2_tenants_key(cache), tombstone_key(cache), tenant
+    )
+    if not int(registered):
+        # a deleted cache: no fence, and the tenant's slot refuses versioned writes
+        # for as long as the cache's tombstone lasts
+        ttl_ms = int(await client.pttl(tombstone_key(cache)))
+        if ttl_ms > 0:
+            await client.set(tenant_tombstone_key(cache, tenant), "deleted", px=ttl_ms)
+        return
     epochs = await read_epochs(client, cache)
     if epochs:
         await client.eval(
@@ -977,7 +1092,13 @@ async def publish_epochs(client: RedisClient, cache: str, epochs: Mapping[str, i
 async def write_ack(client: RedisClient, cache: str, ack: EpochAck) -> None:
     """Record ``ack`` and announce it on :func:`ack_channel` (one round trip)."""
     await client.eval(
-        ACK_LUA, 1, acks_key(cache), ack.pod, ack.model_dump_json(), ack_channel(cache)
+        ACK_LUA,
+        2,
+        acks_key(cache),
+        tombstone_key(cache),
+        ack.pod,
+        ack.model_dump_json(),
+        ack_channel(cache),
     )
 
 

@@ -85,6 +85,8 @@ def test_crds_ship_in_the_chart_and_notes_say_helm_never_upgrades_them() -> None
     notes = render()["notes"]
     assert "NEVER upgrades" in notes
     assert "kubectl apply --server-side -f charts/cachefleet/crds/" in notes
+    # kubectl cannot apply a directory by URL
+    assert not [line for line in notes.splitlines() if "apply" in line and "://" in line]
 
 
 def test_single_replica_runs_standalone_and_several_use_kopf_peering() -> None:
@@ -98,7 +100,7 @@ def test_single_replica_runs_standalone_and_several_use_kopf_peering() -> None:
     container = dep["spec"]["template"]["spec"]["containers"][0]
     assert dep["spec"]["replicas"] == 3
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert {"name": "metrics", "containerPort": 8080, "protocol": "TCP"} in container["ports"]
+    assert {"name": "metrics", "containerPort": 9180, "protocol": "TCP"} in container["ports"]
 
 
 def test_namespaced_install_gets_roles_per_namespace_only() -> None:
@@ -192,18 +194,20 @@ def test_autoscaling_mode_selects_hpa_or_keda() -> None:
     assert "HorizontalPodAutoscaler" not in kinds(render()["docs"])
     hpa = kinds(render(ALL_ON)["docs"])["HorizontalPodAutoscaler"][0]
     metric = hpa["spec"]["metrics"][0]["external"]
-    assert metric["metric"]["name"] == "cachefleet:tenant_latency_p95_seconds:rate5m"
-    assert metric["target"]["value"] == "1000m"
-    keda_values = {"autoscaling": {"mode": "keda", "targetDeployment": "vllm"}}
+    assert metric["metric"]["name"] == "cachefleet_operator_slo_pressure"
+    assert metric["target"] == {"type": "Value", "value": "1000m"}
+    keda_values = {"autoscaling": {"mode": "keda", "targetDeployment": "vllm", "cache": "a/b"}}
     by = kinds(render(keda_values)["docs"])
     assert "HorizontalPodAutoscaler" not in by
     (so,) = by["ScaledObject"]
-    assert "cachefleet:tenant_latency_p95_seconds" in so["spec"]["triggers"][0]["metadata"]["query"]
+    assert "cachefleet_operator_slo_pressure" in so["spec"]["triggers"][0]["metadata"]["query"]
 
 
 def test_autoscaling_without_target_fails_with_a_clear_message() -> None:
     with pytest.raises(Exception, match=r"autoscaling.targetDeployment is required"):
         render({"autoscaling": {"mode": "hpa"}})
+    with pytest.raises(Exception, match=r"autoscaling.cache"):
+        render({"autoscaling": {"mode": "keda", "targetDeployment": "vllm"}})
 
 
 @pytest.mark.parametrize(
@@ -227,3 +231,22 @@ def test_helm_test_pod_checks_the_operator() -> None:
     (pod,) = test_docs
     assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
     assert "/healthz" in " ".join(pod["spec"]["containers"][0]["command"])
+
+
+def test_pods_run_as_the_images_numeric_user() -> None:
+    """runAsUser of the operator pod and of the injected sidecar = the Containerfile's USER."""
+    from cachefleet_operator.injection import IMAGE_UID
+
+    containerfile = (CHART.parents[1] / "Containerfile").read_text()
+    users = [line.split()[1] for line in containerfile.splitlines() if line.startswith("USER ")]
+    assert users == [f"{IMAGE_UID}:{IMAGE_UID}"]
+    docs = render(ALL_ON)["docs"]
+    (dep,) = kinds(docs)["Deployment"]
+    pod = dep["spec"]["template"]["spec"]["securityContext"]
+    assert (pod["runAsUser"], pod["runAsGroup"], pod["runAsNonRoot"]) == (
+        IMAGE_UID,
+        IMAGE_UID,
+        True,
+    )
+    (config,) = [d for d in kinds(docs)["ConfigMap"] if d["metadata"]["name"].endswith("-sidecar")]
+    assert yaml.safe_load(config["data"]["sidecar.yaml"])["runAsUser"] == IMAGE_UID

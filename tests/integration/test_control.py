@@ -108,8 +108,9 @@ async def test_missed_message_is_caught_up_by_resync(
     # Stored without any message at all (as if the message were lost).
     await operator_client.eval(
         protocol.PUBLISH_QUOTAS_LUA,
-        1,
+        2,
         protocol.quotas_key(CACHE),
+        protocol.tombstone_key(CACHE),
         "4",
         assignment(4, l2_bytes=2000).model_dump_json(),
     )

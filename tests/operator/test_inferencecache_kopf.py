@@ -230,6 +230,53 @@ def test_prometheus_down_keeps_last_allocation_and_degrades(
     wait_condition(emulator, "chat", "Degraded", "False")
 
 
+def test_spec_edit_during_a_prometheus_outage_applies_at_once(
+    emulator: EmulatorHandle,
+    operator_factory: OperatorFactory,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Configuration does not wait for metrics: no retry backoff between an edit and Redis.
+
+    The fault backoff is made far longer than the wait below, so an edit
+    queued behind it could not pass; Prometheus is down from the start.
+    """
+    from cachefleet_operator import reconcile
+
+    monkeypatch.setattr(reconcile, "RETRY_BASE_DELAY_S", 120.0)
+    monkeypatch.setattr(reconcile, "RETRY_MAX_DELAY_S", 120.0)
+    fake = FakeMetrics()
+    fake.error = MetricsUnavailable("PrometheusUnavailable", "connection refused")
+    operator_factory(make(fake))
+    # no rebalance timer to pick the edit up either
+    emulator.create(IC_PATH, cache_body("chat", redis_url, rebalanceIntervalSeconds=3600))
+    wait_condition(emulator, "chat", "Degraded", "True", "PrometheusUnavailable")
+    wait_condition(emulator, "chat", "Ready", "True")
+    first = stored_assignment(redis_url, f"{NAMESPACE}/chat")
+    assert first is not None
+    assert first.model_version == "v1"
+
+    emulator.patch(f"{IC_PATH}/chat", {"spec": {"model": {"name": "llama", "version": "v2"}}})
+    wait_for(
+        lambda: (
+            (a := stored_assignment(redis_url, f"{NAMESPACE}/chat")) and a.model_version == "v2"
+        ),
+        ACT_TIMEOUT_S,
+        "the edit published while Prometheus is down",
+    )
+    # one bump for v1, one for the edit, and the first assignment announced once
+    wait_for(
+        lambda: (
+            ((emulator.get(f"{IC_PATH}/chat") or {}).get("status") or {}).get("quotaGeneration")
+            == 2
+        ),
+        ACT_TIMEOUT_S,
+        "status of the edit",
+    )
+    assigned = [e for e in emulator.events() if e.get("reason") == "QuotasAssigned"]
+    assert len(assigned) == 1
+
+
 def test_redis_down_is_not_ready_and_recovers(
     emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
 ) -> None:
@@ -272,7 +319,7 @@ def test_invalid_spec_is_reported_once_with_the_field(
     assert fake.calls == 0
 
 
-def test_delete_removes_redis_control_state(
+def test_delete_removes_redis_state_even_with_an_invalid_spec(
     emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
 ) -> None:
     fake = FakeMetrics()
@@ -280,13 +327,22 @@ def test_delete_removes_redis_control_state(
     operator_factory(make(fake))
     emulator.create(IC_PATH, cache_body("chat", redis_url))
     wait_condition(emulator, "chat", "Ready", "True")
+    cache = f"{NAMESPACE}/chat"
     client = redis.Redis.from_url(redis_url)
     try:
-        client.set(protocol.usage_key(f"{NAMESPACE}/chat", "gold"), "1")
+        client.set(protocol.usage_key(cache, "gold"), "1")
         client.set(protocol.usage_key(f"{NAMESPACE}/other", "gold"), "1")
+        # the spec goes bad (only spec.redis is needed to clean up)
+        emulator.patch(f"{IC_PATH}/chat", {"spec": {"tenantz": []}})
+        wait_condition(emulator, "chat", "Ready", "False")
         emulator.delete(f"{IC_PATH}/chat")
         wait_for(lambda: emulator.get(f"{IC_PATH}/chat") is None, ACT_TIMEOUT_S, "object gone")
-        left = [k.decode() for k in client.scan_iter(match="cf:*")]
+        left = sorted(k.decode() for k in client.scan_iter(match="cf:*"))
+        ttl = client.ttl(protocol.tombstone_key(cache))
     finally:
         client.close()
-    assert left == [protocol.usage_key(f"{NAMESPACE}/other", "gold")]
+    # nothing of the cache but its tombstone, which expires on its own
+    assert left == sorted(
+        [protocol.usage_key(f"{NAMESPACE}/other", "gold"), protocol.tombstone_key(cache)]
+    )
+    assert 0 < ttl <= protocol.TOMBSTONE_TTL_S

@@ -139,8 +139,15 @@ async def test_invalidation_completes_fails_on_a_silent_pod_and_model_version_fl
     await asyncio.to_thread(
         emulator.create,
         CI_PATH,
-        invalidation("inv-2", {"type": "Tenant", "tenant": "gold"}, timeout_s=1),
+        invalidation("inv-2", {"type": "Tenant", "tenant": "gold"}, timeout_s=4),
     )
+    # while it waits for acknowledgements it shows Running with the epoch it advances to
+    running = await eventually(
+        lambda: (s := status_of(emulator, f"{CI_PATH}/inv-2")).get("phase") == "Running" and s,
+        "inv-2 Running",
+    )
+    assert running["epoch"] == 1
+    assert "tenant:gold" in running["message"]
     failed = await eventually(
         lambda: (s := status_of(emulator, f"{CI_PATH}/inv-2")).get("phase") == "Failed" and s,
         "inv-2 Failed",

@@ -22,6 +22,26 @@ async def test_unreachable_prometheus_is_metrics_unavailable() -> None:
     with pytest.raises(MetricsUnavailable) as info:
         await source.fetch(CACHE, "1m")
     assert info.value.reason == "PrometheusUnavailable"
+    # what happened, not "timed out" (client retries used to outlast the timeout)
+    assert "connection refused" in str(info.value)
+
+
+async def test_a_silent_prometheus_is_reported_as_timed_out() -> None:
+    """A listener that never answers: the one case that is a timeout."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        source = PrometheusMetricsSource(f"http://127.0.0.1:{port}", timeout_s=0.5)
+        with pytest.raises(MetricsUnavailable) as info:
+            await source.fetch(CACHE, "1m")
+        assert "timed out" in str(info.value)
+    finally:
+        server.close()
 
 
 @pytest.fixture
