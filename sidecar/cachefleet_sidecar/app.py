@@ -365,7 +365,9 @@ class Sidecar:
         """Call upstream, forward, store when complete; returns the answer for joiners."""
         tenant = lookup.tenant
         headers = [(n, v) for n, v in request.headers if n != b"accept-encoding"]
+        started = time.perf_counter()
         captured = await self._forward(request, conn, headers, b"MISS", tenant=tenant)
+        cost = time.perf_counter() - started  # upstream seconds a hit will save
         if captured is None:
             return None
         status, resp_headers, body = captured
@@ -374,7 +376,7 @@ class Sidecar:
         )
         entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
         if 200 <= status < 300 and not lookup.no_store and self._storable(entry, resp_headers):
-            self._l1_put(tenant, key, entry)
+            self._l1_put(tenant, key, entry, cost)
             if self.l2 is not None:
                 self._spawn(self._l2_put(lookup, key, entry))
         return entry.response(b"MISS")
@@ -495,10 +497,12 @@ class Sidecar:
         return resp.status, resp.headers, b"".join(parts)
 
     # -------------------------------------------------------------- cache tiers
-    def _l1_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
+    def _l1_put(
+        self, tenant: str, key: keys.CacheKey, entry: Entry, cost: float | None = None
+    ) -> None:
         value, size = entry.l1_value()
         try:
-            evicted = self.l1.put(tenant, key.digest, value, size)
+            evicted = self.l1.put(tenant, key.digest, value, size, cost)
         except TenantLimitError:
             self.metrics.fault("tenant_limit")
             return

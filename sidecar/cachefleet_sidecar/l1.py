@@ -110,8 +110,11 @@ class TenantL1(Generic[K, V]):
             part = self._activate(tenant)
         return part.get(key)
 
-    def put(self, tenant: str, key: K, value: V, size: int) -> int:
+    def put(self, tenant: str, key: K, value: V, size: int, cost: float | None = None) -> int:
         """Store ``value`` (``size`` bytes) for ``tenant``; the number evicted.
+
+        ``cost`` is what a hit on it saves (upstream seconds), when known;
+        cost-aware policies (SITS) weigh it.
 
         Only ``tenant``'s own entries are evicted. An entry bigger than the
         tenant's partition is not stored. Raises :class:`TenantLimitError`
@@ -120,7 +123,7 @@ class TenantL1(Generic[K, V]):
         part = self._parts.get(tenant)
         if part is None:
             part = self._activate(tenant)
-        return len(part.put(key, value, size))
+        return len(part.put(key, value, size, cost))
 
     def remove(self, tenant: str, key: K) -> bool:
         """Drop one entry; True if it was cached. Does not activate ``tenant``."""
