@@ -28,6 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "L1 lookup micro-benchmark: lru / lirs vs cachetools",
         (),
     ),
+    "policies": (
+        "cachefleet_bench.policies",
+        "policy miss ratios on a Mooncake trace: lru / lirs / sits vs libCacheSim",
+        ("--sizes", "0.01,0.1"),
+    ),
     "allocation": (
         "cachefleet_bench.allocation",
         "operator allocation time for many tenants",
