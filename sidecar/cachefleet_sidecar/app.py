@@ -51,6 +51,7 @@ from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
 from .policies import available_policies
 from .server import Connection, Request, simple_response
+from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
 from .upstream import UpstreamError, UpstreamPool
 
@@ -149,6 +150,12 @@ class Sidecar:
         self.metrics.usage_source = self._usage
         self.metrics.gauge_sources.append(self.telemetry.collect)
         self.metrics.gauge_sources.append(self._redis_families)
+        #: The P99-driven policy switching engine (None when switched off).
+        self.switching = (
+            SwitchingEngine(SwitchingConfig(window_s=config.switch_window_s), now=time.monotonic())
+            if config.switch_window_s > 0
+            else None
+        )
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
@@ -284,9 +291,10 @@ class Sidecar:
         if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
-        self.metrics.tenant(lookup.tenant).request(
-            "l1", "hit", time.perf_counter() - request.started
-        )
+        seconds = time.perf_counter() - request.started
+        self.metrics.tenant(lookup.tenant).request("l1", "hit", seconds)
+        if self.switching is not None:
+            self._observe(lookup.tenant, seconds, lookup.key.digest)
         return hit[1]
 
     # ---------------------------------------------------------------- slow path
@@ -313,6 +321,8 @@ class Sidecar:
             await self._passthrough(request, conn, tenant=memo.tenant, reason=memo.bypass_reason)
             return
         await self._cached(request, conn, memo, memo.key)
+        if self.switching is not None:
+            self._observe(memo.tenant, time.perf_counter() - request.started, memo.key.digest)
 
     async def _cached(
         self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
@@ -550,6 +560,31 @@ class Sidecar:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+    # -------------------------------------------------------------- switching
+    def _observe(self, tenant: str, seconds: float, digest: int) -> None:
+        """Feed the switching engine; close its windows when one has ended."""
+        engine = self.switching
+        assert engine is not None
+        engine.observe(tenant, seconds, digest)
+        now = time.monotonic()
+        if now >= engine.next_window_at:
+            self.switch_tick(now)
+
+    def switch_tick(self, now: float) -> None:
+        """Apply GPU pressure, close ended windows and apply their decisions."""
+        engine = self.switching
+        if engine is None:
+            return
+        pressure = gpu_pressure(self.telemetry.samples())
+        engine.set_pressure(pressure)
+        self.l1.set_pressure(pressure)
+        policies = {t: s.policy for t, s in self.l1.stats().items()}
+        for d in engine.tick(now, policies):
+            # One synchronous step: the entries migrate, no request sees a gap.
+            self.l1.set_policy(d.tenant, d.to_policy if d.action == "switch" else None)
+            self.metrics.policy_switch(d.tenant, d.from_policy, d.to_policy)
+            log.info("policy %s %s", d.action, orjson.dumps(d.as_dict()).decode())
+
     # -------------------------------------------------------------- control
     def apply_quotas(self, assignment: protocol.QuotaAssignment) -> None:
         """Apply the operator's quota table (idempotent; older generations ignored)."""
@@ -693,6 +728,9 @@ class Sidecar:
             "known_tenants": sorted(self.known_tenants),
             "redis": None if self.l2 is None else self.l2.state,
             "gpu_telemetry": self.telemetry.describe(),
+            "policy_switching": {"enabled": False}
+            if self.switching is None
+            else {"enabled": True, **self.switching.status()},
             "degraded": {
                 "redis": self.l2 is not None and self.l2.state != "ok",
                 "gpu_telemetry": not self.telemetry.available,

@@ -66,6 +66,13 @@ def _tenant(value: str) -> str:
     return value
 
 
+def _window(value: str) -> float:
+    seconds = float(value)
+    if not (seconds == 0 or 0.1 <= seconds <= 3600):
+        raise argparse.ArgumentTypeError(f"0 (off) or 0.1-3600 seconds expected, got {value!r}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class SidecarConfig:
     listen: tuple[str, int] = ("0.0.0.0", 8080)
@@ -89,6 +96,8 @@ class SidecarConfig:
     max_tenants: int = DEFAULT_MAX_TENANTS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     log_level: str = "info"
+    #: Window of the policy switching engine, seconds; 0 turns switching off.
+    switch_window_s: float = 10.0
 
 
 def _env(name: str) -> str | None:
@@ -136,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("POD_NAME") or socket.gethostname(),
     )
     add("l1-bytes", "L1 size in bytes (256Mi, 1Gi, ...)", default=str(DEFAULT_L1_BYTES))
-    add("policy", "default L1 policy: lru | lirs", default="lru")
+    add("policy", "default L1 policy: lru | lirs | sits", default="lru")
+    add(
+        "switch-window",
+        "seconds per window of the P99-driven LIRS -> SITS switching engine; 0: off",
+        default="10",
+    )
     add("tenant-header", "request header that names the tenant", default="X-Tenant-ID")
     add(
         "default-tenant",
@@ -243,4 +257,5 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         max_tenants=int(conv("max-tenants", ns.max_tenants, int)),  # type: ignore[call-overload]
         shutdown_grace_s=float(conv("shutdown-grace", ns.shutdown_grace, float)),  # type: ignore[arg-type]
         log_level=ns.log_level,
+        switch_window_s=float(conv("switch-window", ns.switch_window, _window)),  # type: ignore[arg-type]
     )

@@ -30,7 +30,12 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from cachefleet_sidecar.policies import ReplacementPolicy, available_policies, make_policy
+from cachefleet_sidecar.policies import (
+    ReplacementPolicy,
+    SITSPolicy,
+    available_policies,
+    make_policy,
+)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -206,6 +211,16 @@ class TenantL1(Generic[K, V]):
             self._overrides[tenant] = _check_policy(name)
         if tenant in self._parts:
             self._apply((tenant,))
+
+    def set_pressure(self, pressure: float) -> None:
+        """Model-server saturation (0..1) for the cost-aware policies (SITS).
+
+        Applied to the partitions that exist now; a partition created later
+        gets it at the next call (the sidecar calls once per switching window).
+        """
+        for part in self._parts.values():
+            if isinstance(part, SITSPolicy):
+                part.pressure = pressure
 
     def remove_tenant(self, tenant: str) -> bool:
         """Drop ``tenant``'s partition and give its share back; True if active."""
