@@ -25,7 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "l1": (
         "cachefleet_bench.l1_micro",
-        "L1 lookup micro-benchmark: lru / lirs vs cachetools",
+        "L1 lookup micro-benchmark: lru / lirs / sits vs cachetools",
         (),
     ),
     "policies": (

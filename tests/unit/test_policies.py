@@ -468,8 +468,9 @@ def test_l1_micro_benchmark_reports_each_cache() -> None:
 
     rows = l1_micro.run(n_ops=2000, repeats=1)
     names = {row["cache"] for row in rows}
-    assert names == {"lru", "lirs", "cachetools.LRUCache"}
+    assert names == {"lru", "lirs", "sits", "cachetools.LRUCache"}
     for row in rows:
         assert row["get_hit_ns"] > 0
+        assert row["get_hits_per_s"] == pytest.approx(1e9 / row["get_hit_ns"])
         assert row["put_ns"] > 0
     assert l1_micro.main(["--ops", "1000", "--repeats", "1"]) == 0
