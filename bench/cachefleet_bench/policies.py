@@ -33,13 +33,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from cachefleet_sidecar.policies import ReplacementPolicy, available_policies, make_policy
+from cachefleet_sidecar.policies import (
+    ReplacementPolicy,
+    SITSPolicy,
+    available_policies,
+    make_policy,
+)
 
 #: Where the shared Mooncake synthetic trace lives in this workspace.
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[3] / "shared" / "data" / ("mooncake_synthetic_trace.jsonl")
 )
 DEFAULT_SIZES = (0.01, 0.05, 0.1, 0.2)
+#: Total L1 sizes for a multi-tenant workload (``--workload``), MiB.
+DEFAULT_L1_MIB = "4,8,16,32"
 #: cachefleet's policies, by their names in ``make_policy``.
 OURS = tuple(available_policies())
 #: libCacheSim's policies compared (name in the output -> class name).
@@ -263,6 +270,142 @@ def plot(results: Sequence[Result], out: Path, title: str) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True, slots=True)
+class TenantRequest:
+    """One request of a multi-tenant response-cache workload."""
+
+    tenant: str
+    key: str
+    size: int
+    upstream_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CostResult:
+    policy: str
+    l1_bytes: int
+    hit_ratio: float
+    byte_hit_ratio: float
+    upstream_s_paid: float
+    upstream_s_saved: float
+
+
+def load_workload(path: Path) -> list[TenantRequest]:
+    """``{"tenant", "key", "bytes", "upstream_s"}`` lines; raises :class:`TraceError`."""
+    out: list[TenantRequest] = []
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                req = TenantRequest(
+                    str(r["tenant"]), str(r["key"]), int(r["bytes"]), float(r["upstream_s"])
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TraceError(
+                    f"{path}:{number}: expected tenant, key, bytes, upstream_s ({exc!r})"
+                ) from None
+            if req.size < 0 or req.upstream_s < 0:
+                raise TraceError(f"{path}:{number}: bytes and upstream_s must be >= 0")
+            out.append(req)
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    return out
+
+
+def replay_workload(
+    requests: Sequence[TenantRequest], policy: str, l1_bytes: int, pressure: float = 0.0
+) -> CostResult:
+    """Equal shares of ``l1_bytes`` per tenant; each miss pays its upstream seconds.
+
+    A miss stores the answer with its measured cost (the request's
+    ``upstream_s``), as the sidecar does.
+    """
+    tenants = sorted({r.tenant for r in requests})
+    share = l1_bytes // len(tenants)
+    parts: dict[str, ReplacementPolicy[str, bool]] = {}
+    for t in tenants:
+        part: ReplacementPolicy[str, bool] = make_policy(policy, share)
+        if pressure and isinstance(part, SITSPolicy):
+            part.pressure = pressure
+        parts[t] = part
+    hits = hit_bytes = total_bytes = 0
+    paid = saved = 0.0
+    for r in requests:
+        part = parts[r.tenant]
+        total_bytes += r.size
+        if part.get(r.key) is not None:
+            hits += 1
+            hit_bytes += r.size
+            saved += r.upstream_s
+        else:
+            paid += r.upstream_s
+            part.put(r.key, True, r.size, r.upstream_s)
+    n = len(requests)
+    label = f"{policy} p={pressure:g}" if pressure else policy
+    return CostResult(label, l1_bytes, hits / n, hit_bytes / max(1, total_bytes), paid, saved)
+
+
+def cost_table(results: Sequence[CostResult]) -> str:
+    sizes = sorted({r.l1_bytes for r in results})
+    policies = list(dict.fromkeys(r.policy for r in results))
+    by = {(r.policy, r.l1_bytes): r for r in results}
+    head = f"{'policy':<14}" + "".join(f"{f'{b / 2**20:g} MiB: s paid / hit':>28}" for b in sizes)
+    lines = [head, "-" * len(head)]
+    for name in policies:
+        cells = [
+            f"{by[(name, b)].upstream_s_paid:>14,.1f} / {by[(name, b)].hit_ratio:.3f}"
+            for b in sizes
+        ]
+        lines.append(f"{name:<14}" + "".join(f"{c:>28}" for c in cells))
+    lines.append("(upstream seconds paid by the misses, and request hit ratio; equal shares)")
+    return "\n".join(lines)
+
+
+def _parse_mib(text: str) -> list[int]:
+    try:
+        sizes = [int(float(part) * 2**20) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--l1-mib: not a list of numbers: {text!r}") from None
+    if not sizes or not all(s > 0 for s in sizes):
+        raise argparse.ArgumentTypeError(f"--l1-mib: positive sizes expected, got {text!r}")
+    return sizes
+
+
+def main_workload(
+    path: Path, sizes: Sequence[int], policies: Sequence[str], out: Path | None
+) -> int:
+    try:
+        requests = load_workload(path)
+    except (OSError, TraceError) as exc:
+        print(f"cachefleet bench policies: {exc}", file=sys.stderr)
+        return 2
+    unknown = [p for p in policies if p not in OURS]
+    if unknown:
+        print(
+            f"cachefleet bench policies: --workload replays cachefleet's policies only "
+            f"({', '.join(OURS)}), not {unknown}",
+            file=sys.stderr,
+        )
+        return 2
+    results = [replay_workload(requests, name, size) for name in policies for size in sizes]
+    if "sits" in policies:
+        # The same with a saturated GPU: cost weighs more.
+        results += [replay_workload(requests, "sits", size, pressure=1.0) for size in sizes]
+    tenants = len({r.tenant for r in requests})
+    print(
+        f"workload {path.name}: {len(requests)} requests, {tenants} tenants, "
+        f"{sum(r.upstream_s for r in requests):,.1f} upstream s if nothing were cached\n"
+    )
+    print(cost_table(results))
+    if out:
+        doc = {"workload": str(path), "results": [asdict(r) for r in results]}
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"\nwrote {out}")
+    return 0
+
+
 def _parse_sizes(text: str) -> list[float]:
     try:
         sizes = [float(part) for part in text.split(",") if part.strip()]
@@ -282,7 +425,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", help="comma-separated subset (default: all available)")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")
     parser.add_argument("--plot", type=Path, help="write a PNG plot here (needs matplotlib)")
+    parser.add_argument(
+        "--workload",
+        type=Path,
+        help="instead of a Mooncake trace: a multi-tenant response-cache workload "
+        "(tenant, key, bytes, upstream_s per line), replayed with equal shares",
+    )
+    parser.add_argument(
+        "--l1-mib",
+        type=_parse_mib,
+        default=_parse_mib(DEFAULT_L1_MIB),
+        help=f"total L1 sizes for --workload, MiB (default {DEFAULT_L1_MIB})",
+    )
     args = parser.parse_args(argv)
+    if args.workload is not None:
+        chosen = args.policies.split(",") if args.policies else list(OURS)
+        return main_workload(args.workload, args.l1_mib, chosen, args.json)
     try:
         requests = load_trace(args.trace)
     except (OSError, TraceError) as exc:

@@ -119,3 +119,52 @@ def test_unknown_policy_and_bad_sizes_are_refused(
     assert "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.main(["--trace", str(trace), "--sizes", "0,2"])
+
+
+def write_workload(path: Path, n: int = 600, seed: int = 9) -> float:
+    """Two tenants, Zipf-ish keys, sizes and costs varying; the total upstream seconds."""
+    rng = random.Random(seed)
+    total = 0.0
+    with path.open("w") as f:
+        for i in range(n):
+            tenant = "a" if i % 3 else "b"
+            rank = int(rng.paretovariate(1.2)) % 200
+            key = f"{tenant}-{rank}"
+            cost = 0.1 + (rank % 10) / 10
+            total += cost
+            size = 500 + (rank % 7) * 300
+            f.write(
+                json.dumps(
+                    {"ts": i, "tenant": tenant, "key": key, "bytes": size, "upstream_s": cost}
+                )
+            )
+            f.write("\n")
+    return total
+
+
+def test_workload_replay_accounts_every_upstream_second(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    total = write_workload(path)
+    out = tmp_path / "w.json"
+    assert bench.main(["--workload", str(path), "--l1-mib", "0.02,0.1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["policy"], r["l1_bytes"]) for r in rows} == {
+        (p, int(m * 2**20)) for p in ("lru", "lirs", "sits", "sits p=1") for m in (0.02, 0.1)
+    }
+    for r in rows:
+        assert r["upstream_s_paid"] + r["upstream_s_saved"] == pytest.approx(total)
+        assert 0.0 < r["hit_ratio"] < 1.0
+    paid = {(r["policy"], r["l1_bytes"]): r["upstream_s_paid"] for r in rows}
+    # A bigger L1 never pays more, for any policy.
+    for p in ("lru", "lirs", "sits"):
+        assert paid[(p, int(0.1 * 2**20))] <= paid[(p, int(0.02 * 2**20))]
+
+
+def test_bad_workloads_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"tenant": "a", "key": "k"}\n')
+    assert bench.main(["--workload", str(path)]) == 2
+    assert "upstream_s" in capsys.readouterr().err
+    write_workload(path, n=10)
+    assert bench.main(["--workload", str(path), "--policies", "lcs-ARC"]) == 2
+    assert "cachefleet's policies only" in capsys.readouterr().err

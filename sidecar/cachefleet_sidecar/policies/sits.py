@@ -21,7 +21,8 @@ Reuse (LIRS's inter-reference recency). A key loaded again while it is a
 ghost was re-referenced within a recency horizon of about twice the cache:
 its reuse distance is short enough to be worth keeping, so it enters ``M``
 directly, as a ghost in LIRS's stack S turns LIR. A key with no ghost enters
-``P``, like a LIRS HIR block.
+``P``, like a LIRS HIR block, once the cache is full; before that it enters
+``M``, as LIRS's first blocks become LIR (warm-up).
 
 Regime (ghost-driven balance, as ARC tunes its recency share). ``target_p``
 is the number of bytes ``P`` may hold before eviction takes from ``P``
@@ -254,7 +255,10 @@ class SITSPolicy(Generic[K, V]):
                 self._target_p = max(0.0, self._target_p - step)
                 main = True
             else:
-                main = False
+                # Warm-up: while the cache has room, new entries go to M, as
+                # LIRS's first blocks become LIR; once it is full they start
+                # on probation.
+                main = self._p_bytes + self._m_bytes + size <= self._capacity
         node = _Node(value, size, cost, main)
         if main:
             m[key] = node
