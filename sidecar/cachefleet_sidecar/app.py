@@ -47,6 +47,7 @@ from . import keys, protocol
 from .config import SidecarConfig, parse_args
 from .entry import HOP_BY_HOP, Entry, L1Value, reason_phrase
 from .epochs import EpochTracker, EpochVector
+from .host import HostPressure
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage
 from .policies import available_policies
@@ -113,6 +114,7 @@ class Sidecar:
         l2: Any = None,
         telemetry: GpuTelemetry | None = None,
         staleness_bound_s: float | None = None,
+        host: HostPressure | None = None,
     ) -> None:
         self.config = config
         if staleness_bound_s is None:
@@ -150,6 +152,7 @@ class Sidecar:
         self.metrics.usage_source = self._usage
         self.metrics.gauge_sources.append(self.telemetry.collect)
         self.metrics.gauge_sources.append(self._redis_families)
+        self.host = host or HostPressure()
         #: The P99-driven policy switching engine (None when switched off).
         self.switching = (
             SwitchingEngine(SwitchingConfig(window_s=config.switch_window_s), now=time.monotonic())
@@ -577,6 +580,7 @@ class Sidecar:
             return
         pressure = gpu_pressure(self.telemetry.samples())
         engine.set_pressure(pressure)
+        engine.set_host_pressure(self.host.sample().pressure)
         self.l1.set_pressure(pressure)
         policies = {t: s.policy for t, s in self.l1.stats().items()}
         for d in engine.tick(now, policies):
@@ -730,7 +734,7 @@ class Sidecar:
             "gpu_telemetry": self.telemetry.describe(),
             "policy_switching": {"enabled": False}
             if self.switching is None
-            else {"enabled": True, **self.switching.status()},
+            else {"enabled": True, **self.switching.status(), "host": self.host.describe()},
             "degraded": {
                 "redis": self.l2 is not None and self.l2.state != "ok",
                 "gpu_telemetry": not self.telemetry.available,

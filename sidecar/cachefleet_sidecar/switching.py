@@ -25,7 +25,9 @@ latency and the Shannon entropy of the key stream. Windows with fewer than
   and a key stream of at least ``min_entropy_bits`` (below that a handful of
   keys dominate, every policy keeps them, and the latency is not the
   policy's doing), the tenant switches to ``target`` (SITS), unless it
-  already runs it or is cooling down after a rollback.
+  already runs it, is cooling down after a rollback, or the pod itself is
+  starving for CPU (host pressure at or above ``max_host_pressure``, from
+  :mod:`cachefleet_sidecar.host`: a policy cannot fix that latency).
 * **Rollback.** If none of the ``rollback_windows`` data windows after the
   switch brings P99 back under the threshold of the switch, the tenant goes
   back to the policy it had, and does not switch again for
@@ -51,6 +53,8 @@ DEFAULT_MIN_SAMPLES = 20
 DEFAULT_MIN_ENTROPY_BITS = 2.5
 DEFAULT_DRIFT_SIGMAS = 3.0
 DEFAULT_MIN_DRIFT = 0.1
+#: Host CPU pressure (PSI / throttling, 0..1) at or above which switches are held.
+DEFAULT_MAX_HOST_PRESSURE = 0.5
 #: Latency samples kept per tenant and window (a uniform reservoir beyond).
 MAX_SAMPLES = 4096
 #: The key stream's entropy is measured over this many hash buckets (<= 12 bits).
@@ -75,6 +79,7 @@ class SwitchingConfig:
     min_entropy_bits: float = DEFAULT_MIN_ENTROPY_BITS
     drift_sigmas: float = DEFAULT_DRIFT_SIGMAS
     min_drift: float = DEFAULT_MIN_DRIFT
+    max_host_pressure: float = DEFAULT_MAX_HOST_PRESSURE
     target: str = "sits"
 
     def __post_init__(self) -> None:
@@ -178,6 +183,7 @@ class SwitchingEngine:
         self._tenants: dict[str, _Tenant] = {}
         self._window_end = now + self.config.window_s
         self._pressure = 0.0
+        self._host_pressure = 0.0
         self._rng = random.Random(0)
         self.decisions: deque[Decision] = deque(maxlen=DECISION_LOG)
 
@@ -193,6 +199,14 @@ class SwitchingEngine:
     def set_pressure(self, pressure: float) -> None:
         """GPU saturation in [0, 1] (clamped): the latency-sensitivity factor."""
         self._pressure = min(1.0, max(0.0, float(pressure)))
+
+    @property
+    def host_pressure(self) -> float:
+        return self._host_pressure
+
+    def set_host_pressure(self, pressure: float) -> None:
+        """The pod's CPU pressure in [0, 1] (clamped): at ``max_host_pressure`` switches wait."""
+        self._host_pressure = min(1.0, max(0.0, float(pressure)))
 
     def observe(self, tenant: str, latency_s: float, key_hash: int) -> None:
         """One request of ``tenant``: its latency and its cache key's hash."""
@@ -262,6 +276,7 @@ class SwitchingEngine:
             "window_s": self.config.window_s,
             "target_policy": self.config.target,
             "pressure": round(self._pressure, 3),
+            "host_pressure": round(self._host_pressure, 3),
             "tenants": tenants,
             "decisions": [d.as_dict() for d in self.decisions],
         }
@@ -346,6 +361,7 @@ class SwitchingEngine:
             or policy == cfg.target
             or state.state != "watching"
             or entropy < cfg.min_entropy_bits
+            or self._host_pressure >= cfg.max_host_pressure
         ):
             # Nothing to switch to, or not the policy's doing: the new level
             # joins the baseline.

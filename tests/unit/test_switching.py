@@ -235,3 +235,15 @@ def test_status_lists_recent_decisions() -> None:
     assert status["window_s"] == W
     assert status["decisions"][-1]["action"] == "switch"
     assert status["decisions"][-1]["tenant"] == "t"
+
+
+def test_a_pod_starving_for_cpu_holds_the_switch() -> None:
+    """Latency from CPU starvation of the pod itself: no policy can fix it."""
+    engine = SwitchingEngine(SwitchingConfig(window_s=W))
+    d = Driver(engine)
+    d.run(HISTORY, steady)
+    engine.set_host_pressure(0.8)
+    assert d.run(5, spike(0.060)) == []
+    assert engine.status()["host_pressure"] == 0.8
+    engine.set_host_pressure(0.1)
+    assert [x.action for x in d.run(3, spike(0.060))] == ["switch"]

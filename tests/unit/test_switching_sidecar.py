@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefleet_sidecar.app import Sidecar
 from cachefleet_sidecar.config import SidecarConfig, parse_args
+from cachefleet_sidecar.host import HostPressure
 from cachefleet_sidecar.policies import SITSPolicy
 from cachefleet_sidecar.protocol import Policy
 from cachefleet_sidecar.telemetry import GpuSample, GpuTelemetry
@@ -34,9 +36,17 @@ class FakeNvml:
         return [GpuSample(0, "NVIDIA H200", 120 << 30, 141 << 30, self.sm, self.bandwidth)]
 
 
-def make(sm: float = 0.0, bandwidth: float = 0.0, **kw: object) -> Sidecar:
+def make(
+    sm: float = 0.0, bandwidth: float = 0.0, host_root: Path = Path("/nonexistent"), **kw: object
+) -> Sidecar:
+    """A sidecar with a fake GPU and (by default) no readable host pressure files.
+
+    The real host's PSI moves with the machine's load: tests must not read it.
+    """
     config = SidecarConfig(cache="ns/c", admin_listen=None, policy=Policy.LIRS, **kw)  # type: ignore[arg-type]
-    return Sidecar(config, telemetry=GpuTelemetry(FakeNvml(sm, bandwidth)))
+    return Sidecar(
+        config, telemetry=GpuTelemetry(FakeNvml(sm, bandwidth)), host=HostPressure(host_root)
+    )
 
 
 def switches(app: Sidecar) -> dict[tuple[str, str], float]:
@@ -135,3 +145,16 @@ def test_switch_window_flag() -> None:
     assert parse_args(["--policy", "sits"]).policy.value == "sits"
     with pytest.raises(SystemExit):
         parse_args(["--switch-window", "-1"])
+
+
+def test_host_cpu_pressure_reaches_the_engine_and_status(tmp_path: Path) -> None:
+    cgroup = tmp_path / "sys" / "fs" / "cgroup"
+    cgroup.mkdir(parents=True)
+    (cgroup / "cpu.pressure").write_text("some avg10=72.00 avg60=50.00 avg300=10.00 total=1\n")
+    app = make(host_root=tmp_path)
+    assert app.switching is not None
+    app.switch_tick(app.switching.next_window_at)
+    assert app.switching.host_pressure == pytest.approx(0.72)
+    status = app.status()["policy_switching"]
+    assert status["host_pressure"] == pytest.approx(0.72)
+    assert status["host"]["psi"]["scope"] == "pod"
