@@ -40,9 +40,9 @@ from cachefleet_sidecar.policies import (
     make_policy,
 )
 
-#: Where the shared Mooncake synthetic trace lives in this workspace.
+#: The shared Mooncake synthetic trace: ``../shared/data/`` next to the checkout.
 DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / ("mooncake_synthetic_trace.jsonl")
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 )
 DEFAULT_SIZES = (0.01, 0.05, 0.1, 0.2)
 #: Total L1 sizes for a multi-tenant workload (``--workload``), MiB.
@@ -441,6 +441,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload is not None:
         chosen = args.policies.split(",") if args.policies else list(OURS)
         return main_workload(args.workload, args.l1_mib, chosen, args.json)
+    if not args.trace.is_file():
+        print(
+            f"cachefleet bench policies: no trace at {args.trace} (give one with --trace FILE)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         requests = load_trace(args.trace)
     except (OSError, TraceError) as exc:

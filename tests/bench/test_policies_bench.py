@@ -168,3 +168,8 @@ def test_bad_workloads_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture
     write_workload(path, n=10)
     assert bench.main(["--workload", str(path), "--policies", "lcs-ARC"]) == 2
     assert "cachefleet's policies only" in capsys.readouterr().err
+
+
+def test_a_missing_trace_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--trace", str(tmp_path / "none.jsonl")]) == 2
+    assert "--trace" in capsys.readouterr().err

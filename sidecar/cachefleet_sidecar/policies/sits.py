@@ -359,7 +359,7 @@ class SITSPolicy(Generic[K, V]):
                 if len(queue) == 1:
                     queue = m if queue is p else p
                 key, node = queue.popitem(last=False)
-            if self._spare(node):
+            if node.cost is not None and not node.spared and self._spare(node):
                 node.spared = True
                 self.spared += 1
                 queue[key] = node
@@ -374,7 +374,9 @@ class SITSPolicy(Generic[K, V]):
                 self._gp_bytes += node.size
             evicted.append((key, node.value))
         self._evictions += len(evicted)
-        self._trim_ghosts()
+        bound = self._ghost_factor * capacity
+        if self._gp_bytes > bound or self._gm_bytes > bound:
+            self._trim_ghosts()
         return evicted
 
     def _trim_ghosts(self) -> None:
