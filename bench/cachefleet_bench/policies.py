@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -168,6 +169,47 @@ def replay_libcachesim(
         return bool(cache.get(req))
 
     return _score(requests, access)
+
+
+def _zipf_keys(rng: random.Random, n: int, keys: int, alpha: float) -> list[int]:
+    weights = [1.0 / (rank**alpha) for rank in range(1, keys + 1)]
+    order = list(range(keys))
+    rng.shuffle(order)  # popularity unrelated to the key's value
+    return [order[i] for i in rng.choices(range(keys), weights=weights, k=n)]
+
+
+def synthetic_traces(n: int = 200_000, seed: int = 1) -> dict[str, list[list[int]]]:
+    """Traces of other shapes than Mooncake, one block per request, deterministic.
+
+    * ``zipf-0.8``, ``zipf-1.0``: independent draws, 50,000 keys.
+    * ``zipf+scans``: Zipf 0.9 with a one-time scan of 20 new keys every 50 accesses.
+    * ``shifting``: Zipf 0.9 over a working set replaced every 50,000 accesses.
+    * ``loop``: 20,000 keys visited over and over, reshuffled each round.
+    """
+    rng = random.Random(seed)
+    out: dict[str, list[int]] = {
+        "zipf-0.8": _zipf_keys(rng, n, 50_000, 0.8),
+        "zipf-1.0": _zipf_keys(rng, n, 50_000, 1.0),
+    }
+    mixed: list[int] = []
+    scan = 1_000_000
+    for i, key in enumerate(_zipf_keys(rng, n, 50_000, 0.9)):
+        mixed.append(key)
+        if i % 50 == 0:
+            mixed.extend(range(scan, scan + 20))
+            scan += 20
+    out["zipf+scans"] = mixed
+    phase = 50_000
+    out["shifting"] = [
+        key + (i // phase) * 1_000_000 for i, key in enumerate(_zipf_keys(rng, n, 20_000, 0.9))
+    ]
+    loop: list[int] = []
+    keys = list(range(20_000))
+    while len(loop) < n:
+        rng.shuffle(keys)
+        loop.extend(keys)
+    out["loop"] = loop[:n]
+    return {name: [[k] for k in keys_] for name, keys_ in out.items()}
 
 
 def libcachesim_available() -> bool:
@@ -416,6 +458,24 @@ def _parse_sizes(text: str) -> list[float]:
     return sizes
 
 
+def main_synthetic(sizes: Sequence[float], policies: str | None, out: Path | None) -> int:
+    chosen = policies.split(",") if policies else None
+    doc: dict[str, Any] = {"synthetic": {}}
+    for name, requests in synthetic_traces().items():
+        try:
+            results = run(requests, sizes, chosen)
+        except (ValueError, ImportError) as exc:
+            print(f"cachefleet bench policies: {exc}", file=sys.stderr)
+            return 2
+        print(f"== {name}: {len(requests)} accesses, {footprint(requests)} distinct keys")
+        print(table(results) + "\n")
+        doc["synthetic"][name] = [asdict(r) for r in results]
+    if out:
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="cachefleet bench policies", description=__doc__.split("\n\n")[0]
@@ -437,7 +497,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=_parse_mib(DEFAULT_L1_MIB),
         help=f"total L1 sizes for --workload, MiB (default {DEFAULT_L1_MIB})",
     )
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="instead of a trace: synthetic traces of other shapes (Zipf, scans, "
+        "a shifting working set, a loop), the best-policy gap of sits on each",
+    )
     args = parser.parse_args(argv)
+    if args.synthetic:
+        return main_synthetic(args.sizes, args.policies, args.json)
     if args.workload is not None:
         chosen = args.policies.split(",") if args.policies else list(OURS)
         return main_workload(args.workload, args.l1_mib, chosen, args.json)

@@ -305,3 +305,20 @@ def test_random_operations_keep_every_invariant(
         else:
             policy.pressure = arg / 10
         policy.check_invariants()
+
+
+def test_hits_in_main_buy_extra_rounds() -> None:
+    """Frequency: an entry hit often outlives one hit once, whatever the recency."""
+    policy: SITSPolicy[str, int] = SITSPolicy(4)
+    for key in ("often", "once", "a", "b"):
+        policy.put(key, 0, 1)  # warm-up: all in main, "often" the oldest
+    for _ in range(3):
+        policy.get("often")
+    policy.get("once")
+    for i in range(3):  # reused newcomers push main's front out
+        policy.put(f"n{i}", i, 1)
+        policy.get(f"n{i}")
+    assert "often" in policy
+    assert "a" not in policy
+    assert "b" not in policy
+    policy.check_invariants()

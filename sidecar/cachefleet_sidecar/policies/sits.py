@@ -12,8 +12,13 @@ Structures (all byte-bounded; every key is in at most one of them):
 
 * ``P`` (probation, an ``OrderedDict`` in recency order, first = coldest):
   resident entries referenced once since they were loaded.
-* ``M`` (main, same order): resident entries that proved reuse: hit while
-  resident, or loaded again while their ghost was remembered.
+* ``M`` (main, a CLOCK in insertion order): resident entries that proved
+  reuse: hit while resident, or loaded again while their ghost was
+  remembered. A hit in ``M`` only raises the entry's hit count (at most
+  :data:`MAX_FREQ`, no reordering on the hit path); an entry that comes up
+  for eviction with a count above 0 loses one and goes round again, as in
+  S3-FIFO's main queue. That frequency is what keeps SITS near the best on
+  Zipf-like popularity.
 * ``GP`` / ``GM`` (ghosts, key -> size, oldest first): keys recently evicted
   from ``P`` / ``M``. A ghost keeps no value.
 
@@ -45,10 +50,10 @@ miss costs, and the more expensive entries are spared. With equal costs per
 byte (or no costs) no entry is ever spared and SITS is exactly its
 ghost-driven recency/quick-demotion core.
 
-Bounds and cost: ``GP`` and ``GM`` each hold at most ``capacity`` bytes of
-ghost sizes (so they remember about one cache's worth of evicted keys
-each). Every operation is O(1) amortised: each entry is moved a bounded
-number of times per reference (at most one sparing per reference).
+Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
+capacity`` bytes of ghost sizes (default 2x). Every operation is O(1)
+amortised: a reference earns an entry at most one extra round in ``M`` and
+at most one sparing for its cost.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
+#: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
+MAX_FREQ = 3
 #: Ghost bytes per ghost list, as a multiple of the capacity (benchmarked: docs/sits.md).
 DEFAULT_GHOST_FACTOR = 2.0
 
@@ -75,7 +82,7 @@ _NO_KEY: Hashable = _NoKey()
 
 
 class _Node(Generic[V]):
-    __slots__ = ("cost", "main", "size", "spared", "value")
+    __slots__ = ("cost", "freq", "main", "size", "spared", "value")
 
     def __init__(self, value: V, size: int, cost: float | None, main: bool) -> None:
         self.value = value
@@ -83,6 +90,7 @@ class _Node(Generic[V]):
         self.cost = cost
         self.main = main
         self.spared = False
+        self.freq = 0
 
 
 class SITSPolicy(Generic[K, V]):
@@ -193,7 +201,9 @@ class SITSPolicy(Generic[K, V]):
         m = self._m
         node = m.get(key)
         if node is not None:
-            m.move_to_end(key)
+            # CLOCK, not LRU: a hit only counts (no reordering on the hit path).
+            if node.freq < MAX_FREQ:
+                node.freq += 1
             node.spared = False
             return node.value
         node = self._p.get(key)
@@ -303,10 +313,11 @@ class SITSPolicy(Generic[K, V]):
         return evicted
 
     def items(self) -> Iterator[tuple[K, V, int]]:
-        # Coldest first: the order of eviction when P is over its target.
+        # Coldest first, approximately the order of eviction: P, then M by
+        # hit count (M's queue order within a count). O(n log n): migration only.
         for key, node in self._p.items():
             yield key, node.value, node.size
-        for key, node in self._m.items():
+        for key, node in sorted(self._m.items(), key=lambda item: item[1].freq):
             yield key, node.value, node.size
 
     # ----------------------------------------------------------- introspection
@@ -329,6 +340,8 @@ class SITSPolicy(Generic[K, V]):
         assert self._gp_bytes <= bound, "GP over its bound"
         assert self._gm_bytes <= bound, "GM over its bound"
         assert 0.0 <= self._target_p <= self._capacity, "target_p out of range"
+        assert all(0 <= n.freq <= MAX_FREQ for n in self._m.values()), "hit count"
+        assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
 
     # --------------------------------------------------------------- internals
 
@@ -359,6 +372,11 @@ class SITSPolicy(Generic[K, V]):
                 if len(queue) == 1:
                     queue = m if queue is p else p
                 key, node = queue.popitem(last=False)
+            if node.freq and node.main:
+                # Hit since its last pass: one more round in M per hit (up to 3).
+                node.freq -= 1
+                queue[key] = node
+                continue
             if node.cost is not None and not node.spared and self._spare(node):
                 node.spared = True
                 self.spared += 1
