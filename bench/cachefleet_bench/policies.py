@@ -17,6 +17,15 @@ this measures quality independent of the machine's speed.
 
     cachefleet bench policies [--trace FILE] [--sizes 0.01,0.05,0.1,0.2]
                               [--json OUT] [--plot OUT.png] [--policies a,b]
+    cachefleet bench policies --workload tenants_sample.jsonl [--l1-mib 4,8,16,32]
+    cachefleet bench policies --synthetic [--sizes ...] [--json OUT]
+
+``--workload`` replays a multi-tenant response-cache workload (one request a
+line: tenant, key, bytes, upstream_s) through cachefleet's policies with
+equal per-tenant shares and reports the upstream seconds the misses paid.
+``--synthetic`` replays five synthetic traces of other shapes (Zipf, scans,
+a shifting working set, a loop) through every policy: the traces the
+design was not tuned on.
 
 libCacheSim 0.3.5 caveats (TESTING.md): its ``LFU`` behaves like SIEVE and
 its ``ClockPro`` is worse than FIFO, so neither is compared.

@@ -173,3 +173,21 @@ def test_bad_workloads_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_a_missing_trace_names_the_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--trace", str(tmp_path / "none.jsonl")]) == 2
     assert "--trace" in capsys.readouterr().err
+
+
+def test_synthetic_traces_are_deterministic_and_shaped_as_described() -> None:
+    a = bench.synthetic_traces(n=3000, seed=4)
+    assert a == bench.synthetic_traces(n=3000, seed=4)
+    assert set(a) == {"zipf-0.8", "zipf-1.0", "zipf+scans", "shifting", "loop"}
+    flat = {name: [r[0] for r in reqs] for name, reqs in a.items()}
+    assert all(len(reqs) == 3000 for name, reqs in flat.items() if name != "zipf+scans")
+    # scans: 20 never-seen keys every 50 accesses
+    scans = [k for k in flat["zipf+scans"] if k >= 1_000_000]
+    assert len(scans) == len(set(scans)) == 20 * 60
+    # the loop visits keys in rounds, each key once per round
+    assert sorted(flat["loop"][:3000]) == sorted(set(flat["loop"][:3000]))
+    # a Zipf head: the most popular key is far above the mean
+    counts: dict[int, int] = {}
+    for k in flat["zipf-1.0"]:
+        counts[k] = counts.get(k, 0) + 1
+    assert max(counts.values()) > 20 * (3000 / len(counts))
