@@ -571,7 +571,11 @@ class Sidecar:
         engine.observe(tenant, seconds, digest)
         now = time.monotonic()
         if now >= engine.next_window_at:
-            self.switch_tick(now)
+            try:
+                self.switch_tick(now)
+            except Exception:  # never the request's problem: counted, logged
+                self.metrics.fault("policy_switching")
+                log.exception("policy switching failed; the L1 keeps its policies")
 
     def switch_tick(self, now: float) -> None:
         """Apply GPU pressure, close ended windows and apply their decisions."""

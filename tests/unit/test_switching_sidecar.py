@@ -158,3 +158,18 @@ def test_host_cpu_pressure_reaches_the_engine_and_status(tmp_path: Path) -> None
     status = app.status()["policy_switching"]
     assert status["host_pressure"] == pytest.approx(0.72)
     assert status["host"]["psi"]["scope"] == "pod"
+
+
+def test_a_switching_fault_is_counted_never_raised(caplog: pytest.LogCaptureFixture) -> None:
+    app = make()
+    assert app.switching is not None
+
+    def broken(now: float) -> None:
+        raise RuntimeError("boom")
+
+    app.switch_tick = broken  # type: ignore[method-assign]
+    app.switching._window_end = 0.0  # a window is due on the next request
+    with caplog.at_level(logging.ERROR, logger="cachefleet"):
+        app._observe("t", 0.01, 1)
+    assert app.metrics.cache_faults["policy_switching"] == 1
+    assert "policy switching failed" in caplog.text
