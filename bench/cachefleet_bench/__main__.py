@@ -25,8 +25,13 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "l1": (
         "cachefleet_bench.l1_micro",
-        "L1 lookup micro-benchmark: lru / lirs vs cachetools",
+        "L1 lookup micro-benchmark: lru / lirs / sits vs cachetools",
         (),
+    ),
+    "policies": (
+        "cachefleet_bench.policies",
+        "policy miss ratios on a Mooncake trace: lru / lirs / sits vs libCacheSim",
+        ("--sizes", "0.01,0.1"),
     ),
     "allocation": (
         "cachefleet_bench.allocation",

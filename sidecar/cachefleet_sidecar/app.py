@@ -57,12 +57,14 @@ from .entry import (
     reason_phrase,
 )
 from .epochs import EpochTracker, EpochVector
+from .host import HostPressure
 from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
 from .l1 import TenantL1, TenantLimitError
 from .metrics import SidecarMetrics, TierUsage, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
 from .server import Connection, Limiter, Limits, Request, simple_response
+from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
 from .upstream import UpstreamError, UpstreamPool
 
@@ -132,6 +134,7 @@ class Sidecar:
         l2: Any = None,
         telemetry: GpuTelemetry | None = None,
         staleness_bound_s: float | None = None,
+        host: HostPressure | None = None,
     ) -> None:
         self.config = config
         if staleness_bound_s is None:
@@ -201,6 +204,13 @@ class Sidecar:
         self.metrics.gauge_sources.append(self._redis_families)
         if self.mrc is not None:
             self.metrics.gauge_sources.append(partial(reuse_families, config.cache, self.mrc))
+        self.host = host or HostPressure()
+        #: The P99-driven policy switching engine (None when switched off).
+        self.switching = (
+            SwitchingEngine(SwitchingConfig(window_s=config.switch_window_s), now=time.monotonic())
+            if config.switch_window_s > 0
+            else None
+        )
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
@@ -452,9 +462,10 @@ class Sidecar:
         # mrc.sample_hash inlined against the highest rate allowed (--mrc-max-rate)
         if (digest >> mrc.HASH_SHIFT) & mrc.HASH_MASK < self._mrc_gate and self.mrc is not None:
             self.mrc.access(lookup.tenant, digest, len(hit[1]))
-        self.metrics.tenant(lookup.tenant).request(
-            "l1", "hit", time.perf_counter() - request.started
-        )
+        seconds = time.perf_counter() - request.started
+        self.metrics.tenant(lookup.tenant).request("l1", "hit", seconds)
+        if self.switching is not None:
+            self._observe(lookup.tenant, seconds, digest)
         return hit[1]
 
     # ---------------------------------------------------------------- slow path
@@ -484,6 +495,8 @@ class Sidecar:
             await self._passthrough(request, conn, tenant=memo.tenant, reason=memo.bypass_reason)
             return
         await self._cached(request, conn, memo, memo.key)
+        if self.switching is not None:
+            self._observe(memo.tenant, time.perf_counter() - request.started, memo.key.digest)
 
     async def _cached(
         self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
@@ -543,9 +556,11 @@ class Sidecar:
         """
         tenant = lookup.tenant
         headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
+        started = time.perf_counter()
         captured = await self._forward(
             request, conn, headers, b"MISS", tenant=tenant, capture=self.max_entry_bytes
         )
+        cost = time.perf_counter() - started  # upstream seconds a hit will save
         if captured is None:
             return None
         status, resp_headers, body = captured
@@ -569,7 +584,7 @@ class Sidecar:
                 self.metrics.fault("answer_not_stored")
                 log.debug("answer to %s not stored: %s", request.url, problem)
             return entry.response(b"MISS")
-        self._l1_put(tenant, key, entry)
+        self._l1_put(tenant, key, entry, cost)
         if self.l2 is not None and self._l2_allowed(tenant):
             if len(body) <= self.l2_max_entry_bytes:
                 self._spawn(self._l2_put(lookup, key, entry))
@@ -715,13 +730,15 @@ class Sidecar:
         return resp.status, resp.headers, whole if held is not None and held <= capture else None
 
     # -------------------------------------------------------------- cache tiers
-    def _l1_put(self, tenant: str, key: keys.CacheKey, entry: Entry) -> None:
+    def _l1_put(
+        self, tenant: str, key: keys.CacheKey, entry: Entry, cost: float | None = None
+    ) -> None:
         """Store an answer from L2 or upstream in L1 (and count the access for the curves)."""
         value, size = entry.l1_value()
         if self.mrc is not None:
             self.mrc.access(tenant, key.digest, size)
         try:
-            evicted = self.l1.put(tenant, key.digest, value, size)
+            evicted = self.l1.put(tenant, key.digest, value, size, cost)
         except TenantLimitError:
             self.metrics.fault("tenant_limit")
             return
@@ -782,6 +799,38 @@ class Sidecar:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    # -------------------------------------------------------------- switching
+    def _observe(self, tenant: str, seconds: float, digest: int) -> None:
+        """Feed the switching engine; close its windows when one has ended."""
+        engine = self.switching
+        assert engine is not None
+        engine.observe(tenant, seconds, digest)
+        now = time.monotonic()
+        if now >= engine.next_window_at:
+            try:
+                self.switch_tick(now)
+            except Exception:  # never the request's problem: counted, logged
+                self.metrics.fault("policy_switching")
+                log.exception("policy switching failed; the L1 keeps its policies")
+
+    def switch_tick(self, now: float) -> None:
+        """Apply GPU pressure, close ended windows and apply their decisions."""
+        engine = self.switching
+        if engine is None:
+            return
+        pressure = gpu_pressure(self.telemetry.samples())
+        engine.set_pressure(pressure)
+        engine.set_host_pressure(self.host.sample().pressure)
+        self.l1.set_pressure(pressure)
+        policies = {t: s.policy for t, s in self.l1.stats().items()}
+        for d in engine.tick(now, policies):
+            # One synchronous step: the entries migrate, no request sees a gap.
+            self.l1.set_policy(d.tenant, d.to_policy if d.action == "switch" else None)
+            if self.mrc is not None:  # the curve follows the policy in force
+                self.mrc.set_policy(d.tenant, self.l1.stats()[d.tenant].policy)
+            self.metrics.policy_switch(d.tenant, d.from_policy, d.to_policy)
+            log.info("policy %s %s", d.action, orjson.dumps(d.as_dict()).decode())
 
     # -------------------------------------------------------------- control
     def apply_quotas(self, assignment: protocol.QuotaAssignment) -> None:
@@ -931,6 +980,9 @@ class Sidecar:
             "known_tenants": sorted(self.known_tenants),
             "redis": None if self.l2 is None else self.l2.state,
             "gpu_telemetry": self.telemetry.describe(),
+            "policy_switching": {"enabled": False}
+            if self.switching is None
+            else {"enabled": True, **self.switching.status(), "host": self.host.describe()},
             "degraded": {
                 "redis": self.l2 is not None and self.l2.state != "ok",
                 "gpu_telemetry": not self.telemetry.available,

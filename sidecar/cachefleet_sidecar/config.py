@@ -126,6 +126,13 @@ def _non_negative(value: str) -> float:
     return number
 
 
+def _window(value: str) -> float:
+    seconds = float(value)
+    if not (seconds == 0 or 0.1 <= seconds <= 3600):
+        raise argparse.ArgumentTypeError(f"0 (off) or 0.1-3600 seconds expected, got {value!r}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class SidecarConfig:
     listen: tuple[str, int] = ("0.0.0.0", 8080)
@@ -175,6 +182,8 @@ class SidecarConfig:
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES
     l2_max_entry_bytes: int = DEFAULT_L2_MAX_ENTRY_BYTES
+    #: Window of the policy switching engine, seconds; 0 turns switching off.
+    switch_window_s: float = 10.0
 
 
 def _env(name: str) -> str | None:
@@ -228,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("POD_NAME") or socket.gethostname(),
     )
     add("l1-bytes", "L1 size in bytes (256Mi, 1Gi, ...)", default=str(DEFAULT_L1_BYTES))
-    add("policy", "default L1 policy: lru | lirs", default="lru")
+    add("policy", "default L1 policy: lru | lirs | sits", default="lru")
     add(
         "tenant-header",
         "request header that names the tenant (believed only from --trusted-proxies, "
@@ -240,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated CIDRs (e.g. 10.0.0.0/8,127.0.0.1/32) whose --tenant-header is "
         "believed; default none: the header is refused from everyone",
         default="",
+    )
+    add(
+        "switch-window",
+        "seconds per window of the P99-driven LIRS -> SITS switching engine; 0: off",
+        default="10",
     )
     add(
         "default-tenant",
@@ -454,4 +468,5 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         send_timeout_s=seconds("send-timeout", ns.send_timeout),
         max_entry_bytes=size("max-entry-bytes", ns.max_entry_bytes),
         l2_max_entry_bytes=size("l2-max-entry-bytes", ns.l2_max_entry_bytes),
+        switch_window_s=float(conv("switch-window", ns.switch_window, _window)),  # type: ignore[arg-type]
     )

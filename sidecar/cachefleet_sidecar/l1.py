@@ -43,7 +43,12 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from cachefleet_sidecar.policies import ReplacementPolicy, available_policies, make_policy
+from cachefleet_sidecar.policies import (
+    ReplacementPolicy,
+    SITSPolicy,
+    available_policies,
+    make_policy,
+)
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -136,8 +141,11 @@ class TenantL1(Generic[K, V]):
         self._seen[tenant] = self.tick
         return part.get(key)
 
-    def put(self, tenant: str, key: K, value: V, size: int) -> int:
+    def put(self, tenant: str, key: K, value: V, size: int, cost: float | None = None) -> int:
         """Store ``value`` (``size`` bytes) for ``tenant``; the number evicted.
+
+        ``cost`` is what a hit on it saves (upstream seconds), when known;
+        cost-aware policies (SITS) weigh it.
 
         Only ``tenant``'s own entries are evicted. An entry bigger than the
         tenant's partition is not stored. Raises :class:`TenantLimitError`
@@ -147,7 +155,7 @@ class TenantL1(Generic[K, V]):
         if part is None:
             part = self._activate(tenant)
         self._seen[tenant] = self.tick
-        return len(part.put(key, value, size))
+        return len(part.put(key, value, size, cost))
 
     def remove(self, tenant: str, key: K) -> bool:
         """Drop one entry; True if it was cached. Does not activate ``tenant``."""
@@ -230,6 +238,16 @@ class TenantL1(Generic[K, V]):
             self._overrides[tenant] = _check_policy(name)
         if tenant in self._parts:
             self._apply((tenant,))
+
+    def set_pressure(self, pressure: float) -> None:
+        """Model-server saturation (0..1) for the cost-aware policies (SITS).
+
+        Applied to the partitions that exist now; a partition created later
+        gets it at the next call (the sidecar calls once per switching window).
+        """
+        for part in self._parts.values():
+            if isinstance(part, SITSPolicy):
+                part.pressure = pressure
 
     def remove_tenant(self, tenant: str) -> bool:
         """Drop ``tenant``'s partition and give its share back; True if active."""

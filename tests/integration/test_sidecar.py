@@ -367,7 +367,7 @@ async def test_admin_on_main_port_when_admin_listen_is_off(
     assert json.loads(status.content)["cache"] == "test/cache"
 
 
-async def test_a_policy_this_sidecar_lacks_falls_back_to_lirs(sidecar: RunningSidecar) -> None:
+async def test_a_tenant_gets_sits_through_its_quota(sidecar: RunningSidecar) -> None:
     sidecar.sidecar.apply_quotas(
         protocol.QuotaAssignment(
             generation=1,
@@ -378,9 +378,9 @@ async def test_a_policy_this_sidecar_lacks_falls_back_to_lirs(sidecar: RunningSi
     )
     await sidecar.chat("x", tenant="t")
     assert (await sidecar.chat("x", tenant="t")).headers["x-cache"] == "HIT-L1"
-    assert sidecar.sidecar.l1.stats()["t"].policy == "lirs"
-    text = (await sidecar.admin.get("/metrics")).text
-    assert metric(text, "cachefleet_cache_faults_total", kind="policy_unavailable") == 1
+    assert sidecar.sidecar.l1.stats()["t"].policy == "sits"
+    status = json.loads((await sidecar.admin.get("/status")).content)
+    assert status["tenants"]["t"]["policy"] == "sits"
 
 
 async def test_a_silent_upstream_times_out_with_504(

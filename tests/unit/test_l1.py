@@ -122,8 +122,8 @@ def test_invalid_quotas_and_policies_are_rejected() -> None:
     l1: TenantL1[int, str] = TenantL1(1000)
     with pytest.raises(ValueError, match="l1_bytes"):
         l1.set_quotas({"a": (-1, None)})
-    with pytest.raises(ValueError, match="'sits'"):
-        l1.set_quotas({"a": (10, "sits")})
+    with pytest.raises(ValueError, match="'arc'"):
+        l1.set_quotas({"a": (10, "arc")})
     with pytest.raises(ValueError, match="'nope'"):
         l1.set_policy("a", "nope")
     with pytest.raises(ValueError, match="total_bytes"):

@@ -1,4 +1,4 @@
-"""Unit tests of the L1 replacement policies (LRU, LIRS) and their factory."""
+"""Unit tests of the L1 replacement policies (LRU, LIRS, SITS) and their factory."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from cachefleet_sidecar.policies import (
     LirsSnapshot,
     LRUPolicy,
     ReplacementPolicy,
+    SITSPolicy,
     available_policies,
     make_policy,
 )
 from cachefleet_sidecar.protocol import Policy
 
-POLICY_NAMES = ["lru", "lirs"]
+POLICY_NAMES = ["lru", "lirs", "sits"]
 
 
 def access(policy: ReplacementPolicy[Any, Any], key: Any, size: int = 1) -> bool:
@@ -56,7 +57,7 @@ def test_policy_names_match_the_protocol() -> None:
     assert set(available_policies()) <= {p.value for p in Policy}
 
 
-@pytest.mark.parametrize("name", ["sits", "arc", ""])
+@pytest.mark.parametrize("name", ["arc", "lfu", ""])
 def test_factory_rejects_unknown_names_naming_them(name: str) -> None:
     with pytest.raises(ValueError, match=repr(name)):
         make_policy(name, 100)
@@ -265,8 +266,9 @@ def test_random_operations_keep_byte_accounting(name: str, ops: list[tuple[str, 
         for key, value, _ in resident:
             assert key in policy
             assert value == latest[key]
-        if isinstance(policy, LIRSPolicy):
+        if isinstance(policy, LIRSPolicy | SITSPolicy):
             policy.check_invariants()
+        if isinstance(policy, LIRSPolicy):
             assert policy.ghost_count <= 2 * len(policy)
 
 
@@ -466,8 +468,9 @@ def test_l1_micro_benchmark_reports_each_cache() -> None:
 
     rows = l1_micro.run(n_ops=2000, repeats=1)
     names = {row["cache"] for row in rows}
-    assert names == {"lru", "lirs", "cachetools.LRUCache"}
+    assert names == {"lru", "lirs", "sits", "cachetools.LRUCache"}
     for row in rows:
         assert row["get_hit_ns"] > 0
+        assert row["get_hits_per_s"] == pytest.approx(1e9 / row["get_hit_ns"])
         assert row["put_ns"] > 0
     assert l1_micro.main(["--ops", "1000", "--repeats", "1"]) == 0

@@ -15,6 +15,7 @@ from typing import Any
 from cachefleet_sidecar.policies.base import K, ReplacementPolicy, V
 from cachefleet_sidecar.policies.lirs import LIRSPolicy, LirsSnapshot
 from cachefleet_sidecar.policies.lru import LRUPolicy
+from cachefleet_sidecar.policies.sits import SITSPolicy
 
 __all__ = [
     "LIRS",
@@ -24,6 +25,7 @@ __all__ = [
     "LRUPolicy",
     "LirsSnapshot",
     "ReplacementPolicy",
+    "SITSPolicy",
     "available_policies",
     "make_policy",
 ]
@@ -36,6 +38,7 @@ SITS = "sits"
 _FACTORIES: dict[str, Callable[[int], ReplacementPolicy[Any, Any]]] = {
     LRU: LRUPolicy,
     LIRS: LIRSPolicy,
+    SITS: SITSPolicy,
 }
 
 

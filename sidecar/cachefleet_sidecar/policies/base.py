@@ -32,6 +32,8 @@ class ReplacementPolicy(Protocol[K, V]):
     * ``items`` yields resident entries coldest first, so that filling
       another policy from it in that order ends with the hottest entries the
       most recent ("migration"). Do not mutate the cache while iterating.
+    * ``put``'s optional ``cost`` (the upstream seconds a hit on the entry
+      saves) is a hint: a policy may weigh it, never store less because of it.
     * ``evictions`` counts entries evicted for capacity (by ``put`` and
       ``resize``); ``remove`` and ``clear`` are not evictions.
     """
@@ -58,7 +60,12 @@ class ReplacementPolicy(Protocol[K, V]):
 
     def get(self, key: K) -> V | None: ...
 
-    def put(self, key: K, value: V, size: int) -> list[tuple[K, V]]: ...
+    def put(self, key: K, value: V, size: int, cost: float | None = None) -> list[tuple[K, V]]:
+        """Store ``value``; ``cost`` is what a hit saves (upstream seconds), if known.
+
+        Policies that do not weigh cost (LRU, LIRS) ignore it.
+        """
+        ...
 
     def remove(self, key: K) -> bool:
         """Drop ``key``; True if it was resident."""

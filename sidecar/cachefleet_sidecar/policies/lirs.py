@@ -227,7 +227,7 @@ class LIRSPolicy(Generic[K, V]):
         self._ghosts.move_to_end(key)
         return None
 
-    def put(self, key: K, value: V, size: int) -> list[tuple[K, V]]:
+    def put(self, key: K, value: V, size: int, cost: float | None = None) -> list[tuple[K, V]]:
         if size < 0:
             check_size(size)
         capacity = self._capacity

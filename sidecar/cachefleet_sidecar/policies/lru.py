@@ -60,7 +60,7 @@ class LRUPolicy(Generic[K, V]):
         data.move_to_end(key)
         return entry[0]
 
-    def put(self, key: K, value: V, size: int) -> list[tuple[K, V]]:
+    def put(self, key: K, value: V, size: int, cost: float | None = None) -> list[tuple[K, V]]:
         check_size(size)
         if size > self._capacity:
             return []

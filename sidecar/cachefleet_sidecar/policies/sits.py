@@ -1,0 +1,407 @@
+"""SITS: cachefleet's adaptive, cost- and size-aware L1 replacement policy.
+
+No single classic policy is best at every cache size on LLM traffic: with a
+small cache, quick demotion (LIRS, S3-FIFO, W-TinyLFU: new entries get a small
+probationary share and leave it fast) wins; with a larger one, the second use
+of an entry often comes after it has left a small probationary share, and
+recency (LRU, ARC, GDSF) wins. SITS measures which regime the traffic is in
+and moves between them continuously. ``docs/sits.md`` gives the reasoning and
+the benchmark behind each part.
+
+Structures (all byte-bounded; every key is in at most one of them):
+
+* ``P`` (probation, an ``OrderedDict`` in recency order, first = coldest):
+  resident entries referenced once since they were loaded.
+* ``M`` (main, a CLOCK in insertion order): resident entries that proved
+  reuse: hit while resident, or loaded again while their ghost was
+  remembered. A hit in ``M`` only raises the entry's hit count (at most
+  :data:`MAX_FREQ`, no reordering on the hit path); an entry that comes up
+  for eviction with a count above 0 loses one and goes round again, as in
+  S3-FIFO's main queue. That frequency is what keeps SITS near the best on
+  Zipf-like popularity.
+* ``GP`` / ``GM`` (ghosts, key -> size, oldest first): keys recently evicted
+  from ``P`` / ``M``. A ghost keeps no value.
+
+Reuse (LIRS's inter-reference recency). A key loaded again while it is a
+ghost was re-referenced within a recency horizon of about twice the cache:
+its reuse distance is short enough to be worth keeping, so it enters ``M``
+directly, as a ghost in LIRS's stack S turns LIR. A key with no ghost enters
+``P``, like a LIRS HIR block, once the cache is full; before that it enters
+``M``, as LIRS's first blocks become LIR (warm-up).
+
+Regime (ghost-driven balance, as ARC tunes its recency share). ``target_p``
+is the number of bytes ``P`` may hold before eviction takes from ``P``
+rather than from ``M``. A load that finds a ``GP`` ghost means ``P`` was too
+small (the second use came just after the entry left probation): ``target_p``
+grows by the entry's size, times ``|GM|/|GP|`` when ``GM`` is larger. A load
+that finds a ``GM`` ghost means ``M`` was too small: ``target_p`` shrinks
+symmetrically. A small ``target_p`` is the quick-demotion regime, a large one
+the recency regime; the ghosts move it to whichever pays on the traffic in
+front of it.
+
+Cost and size. Each entry may carry a cost, the upstream seconds a hit saves
+(the sidecar measures it on the miss that loaded the entry). When an entry
+reaches the cold end of its queue as the next victim and its cost per byte
+is above ``(2 - pressure)`` times the running mean cost per byte, it is
+spared once: moved back to the warm end and marked, so it is evicted on its
+next turn unless it is referenced first. ``pressure`` (0..1) is how
+saturated the model server is (GPU telemetry): the busier the GPU, the more a
+miss costs, and the more expensive entries are spared. With equal costs per
+byte (or no costs) no entry is ever spared and SITS is exactly its
+ghost-driven recency/quick-demotion core.
+
+Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
+capacity`` bytes of ghost sizes (default 2x). Every operation is O(1)
+amortised: a reference earns an entry at most one extra round in ``M`` and
+at most one sparing for its cost.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator
+from typing import Generic
+
+from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
+
+#: Weight of the newest cost-per-byte in the running mean (the sparing bar).
+MEAN_DENSITY_WEIGHT = 1.0 / 256.0
+#: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
+MAX_FREQ = 3
+#: Ghost bytes per ghost list, as a multiple of the capacity (benchmarked: docs/sits.md).
+DEFAULT_GHOST_FACTOR = 2.0
+
+
+class _NoKey:
+    """Sentinel for "no key" that compares unequal to every real key."""
+
+    __slots__ = ()
+
+
+_NO_KEY: Hashable = _NoKey()
+
+
+class _Node(Generic[V]):
+    __slots__ = ("cost", "freq", "main", "size", "spared", "value")
+
+    def __init__(self, value: V, size: int, cost: float | None, main: bool) -> None:
+        self.value = value
+        self.size = size
+        self.cost = cost
+        self.main = main
+        self.spared = False
+        self.freq = 0
+
+
+class SITSPolicy(Generic[K, V]):
+    """SITS cache bounded by the sum of entry sizes in bytes."""
+
+    __slots__ = (
+        "_capacity",
+        "_evictions",
+        "_ghost_factor",
+        "_gm",
+        "_gm_bytes",
+        "_gp",
+        "_gp_bytes",
+        "_m",
+        "_m_bytes",
+        "_mean_density",
+        "_p",
+        "_p_bytes",
+        "_pressure",
+        "_target_p",
+        "spared",
+    )
+
+    name = "sits"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        ghost_factor: float = DEFAULT_GHOST_FACTOR,
+        pressure: float = 0.0,
+    ) -> None:
+        check_capacity(capacity_bytes)
+        if ghost_factor < 0.0:
+            raise ValueError(f"ghost_factor must be >= 0, got {ghost_factor}")
+        self._capacity = capacity_bytes
+        self._ghost_factor = ghost_factor
+        self._p: OrderedDict[K, _Node[V]] = OrderedDict()
+        self._m: OrderedDict[K, _Node[V]] = OrderedDict()
+        self._gp: OrderedDict[K, int] = OrderedDict()
+        self._gm: OrderedDict[K, int] = OrderedDict()
+        self._p_bytes = 0
+        self._m_bytes = 0
+        self._gp_bytes = 0
+        self._gm_bytes = 0
+        self._target_p = 0.0
+        self._evictions = 0
+        self._mean_density = 0.0
+        self._pressure = 0.0
+        self.pressure = pressure
+        #: Evictions deferred for an entry's cost (a counter).
+        self.spared = 0
+
+    # ------------------------------------------------------------- properties
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._p_bytes + self._m_bytes
+
+    @property
+    def evictions(self) -> int:
+        return self._evictions
+
+    @property
+    def target_p_bytes(self) -> int:
+        """Bytes the probationary queue may hold before ``M`` gives way."""
+        return int(self._target_p)
+
+    @property
+    def probation_bytes(self) -> int:
+        return self._p_bytes
+
+    @property
+    def ghost_bytes(self) -> int:
+        return self._gp_bytes + self._gm_bytes
+
+    @property
+    def pressure(self) -> float:
+        """Model-server saturation in [0, 1]; raises the weight of cost."""
+        return self._pressure
+
+    @pressure.setter
+    def pressure(self, value: float) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"pressure must be in [0, 1], got {value}")
+        self._pressure = float(value)
+
+    def __len__(self) -> int:
+        return len(self._p) + len(self._m)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._m or key in self._p
+
+    def __repr__(self) -> str:
+        return (
+            f"SITSPolicy(entries={len(self)}, used_bytes={self.used_bytes}, "
+            f"capacity_bytes={self._capacity}, target_p={int(self._target_p)}, "
+            f"p_bytes={self._p_bytes}, ghosts={len(self._gp) + len(self._gm)})"
+        )
+
+    # ------------------------------------------------------------- operations
+
+    def get(self, key: K) -> V | None:
+        m = self._m
+        node = m.get(key)
+        if node is not None:
+            # CLOCK, not LRU: a hit only counts (no reordering on the hit path).
+            if node.freq < MAX_FREQ:
+                node.freq += 1
+            node.spared = False
+            return node.value
+        node = self._p.get(key)
+        if node is None:
+            return None
+        # Reuse while on probation: the entry proved itself, it joins M.
+        del self._p[key]
+        self._p_bytes -= node.size
+        node.main = True
+        node.spared = False
+        m[key] = node
+        self._m_bytes += node.size
+        return node.value
+
+    def put(self, key: K, value: V, size: int, cost: float | None = None) -> list[tuple[K, V]]:
+        if size < 0:
+            check_size(size)
+        if size > self._capacity:
+            return []
+        if cost is not None and cost > 0.0 and size > 0:
+            density = cost / size
+            mean = self._mean_density
+            self._mean_density = mean + (density - mean) * MEAN_DENSITY_WEIGHT if mean else density
+        m = self._m
+        node = m.get(key)
+        if node is None:
+            node = self._p.get(key)
+        if node is not None:
+            # Replacing a resident entry counts as a reference.
+            if node.main:
+                self._m_bytes += size - node.size
+                m.move_to_end(key)
+            else:
+                del self._p[key]
+                self._p_bytes -= node.size
+                node.main = True
+                m[key] = node
+                self._m_bytes += size
+            node.value = value
+            node.size = size
+            node.cost = cost
+            node.spared = False
+            return self._evict(key)
+        gsize = self._gp.pop(key, None)
+        if gsize is not None:
+            # Second use just after leaving probation: P was too small.
+            self._gp_bytes -= gsize
+            ratio = self._gm_bytes / self._gp_bytes if self._gp_bytes else 1.0
+            step = size * ratio if ratio > 1.0 else size
+            self._target_p = min(float(self._capacity), self._target_p + step)
+            main = True
+        else:
+            gsize = self._gm.pop(key, None)
+            if gsize is not None:
+                # Reuse just beyond M's reach: M was too small.
+                self._gm_bytes -= gsize
+                ratio = self._gp_bytes / self._gm_bytes if self._gm_bytes else 1.0
+                step = size * ratio if ratio > 1.0 else size
+                self._target_p = max(0.0, self._target_p - step)
+                main = True
+            else:
+                # Warm-up: while the cache has room, new entries go to M, as
+                # LIRS's first blocks become LIR; once it is full they start
+                # on probation.
+                main = self._p_bytes + self._m_bytes + size <= self._capacity
+        node = _Node(value, size, cost, main)
+        if main:
+            m[key] = node
+            self._m_bytes += size
+        else:
+            self._p[key] = node
+            self._p_bytes += size
+        return self._evict(key)
+
+    def remove(self, key: K) -> bool:
+        node = self._m.pop(key, None)
+        if node is not None:
+            self._m_bytes -= node.size
+            return True
+        node = self._p.pop(key, None)
+        if node is not None:
+            self._p_bytes -= node.size
+            return True
+        gsize = self._gp.pop(key, None)
+        if gsize is not None:
+            self._gp_bytes -= gsize
+        gsize = self._gm.pop(key, None)
+        if gsize is not None:
+            self._gm_bytes -= gsize
+        return False
+
+    def clear(self) -> None:
+        self._p.clear()
+        self._m.clear()
+        self._gp.clear()
+        self._gm.clear()
+        self._p_bytes = self._m_bytes = self._gp_bytes = self._gm_bytes = 0
+
+    def resize(self, capacity_bytes: int) -> list[tuple[K, V]]:
+        check_capacity(capacity_bytes)
+        old = self._capacity
+        self._capacity = capacity_bytes
+        # The learnt balance carries over as a share of the new capacity.
+        self._target_p = self._target_p * capacity_bytes / old if old else 0.0
+        evicted = self._evict(_NO_KEY)
+        self._trim_ghosts()
+        return evicted
+
+    def items(self) -> Iterator[tuple[K, V, int]]:
+        # Coldest first, approximately the order of eviction: P, then M by
+        # hit count (M's queue order within a count). O(n log n): migration only.
+        for key, node in self._p.items():
+            yield key, node.value, node.size
+        for key, node in sorted(self._m.items(), key=lambda item: item[1].freq):
+            yield key, node.value, node.size
+
+    # ----------------------------------------------------------- introspection
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the structures are inconsistent (O(n))."""
+        assert self._p_bytes == sum(n.size for n in self._p.values()), "P bytes"
+        assert self._m_bytes == sum(n.size for n in self._m.values()), "M bytes"
+        assert self._gp_bytes == sum(self._gp.values()), "GP bytes"
+        assert self._gm_bytes == sum(self._gm.values()), "GM bytes"
+        assert self.used_bytes <= self._capacity, "over capacity"
+        assert all(not n.main for n in self._p.values()), "M entry in P"
+        assert all(n.main for n in self._m.values()), "P entry in M"
+        assert not (self._p.keys() & self._m.keys()), "key in P and M"
+        resident = self._p.keys() | self._m.keys()
+        assert not (resident & self._gp.keys()), "resident key in GP"
+        assert not (resident & self._gm.keys()), "resident key in GM"
+        assert not (self._gp.keys() & self._gm.keys()), "key in both ghost lists"
+        bound = self._ghost_factor * self._capacity
+        assert self._gp_bytes <= bound, "GP over its bound"
+        assert self._gm_bytes <= bound, "GM over its bound"
+        assert 0.0 <= self._target_p <= self._capacity, "target_p out of range"
+        assert all(0 <= n.freq <= MAX_FREQ for n in self._m.values()), "hit count"
+        assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
+
+    # --------------------------------------------------------------- internals
+
+    def _spare(self, node: _Node[V]) -> bool:
+        """True if ``node`` is worth one more turn for its cost per byte."""
+        if node.spared or node.cost is None or node.size <= 0:
+            return False
+        return node.cost > (2.0 - self._pressure) * self._mean_density * node.size
+
+    def _evict(self, protect: Hashable) -> list[tuple[K, V]]:
+        """Evict until the bytes fit; ``protect`` (the entry being stored) stays."""
+        capacity = self._capacity
+        if self._p_bytes + self._m_bytes <= capacity:
+            return []
+        p = self._p
+        m = self._m
+        evicted: list[tuple[K, V]] = []
+        # Bounded: every pass evicts or spares an entry (at most once each
+        # until it is referenced again).
+        while self._p_bytes + self._m_bytes > capacity:
+            queue = p if p and (self._p_bytes > self._target_p or not m) else m
+            key, node = queue.popitem(last=False)
+            if key == protect:
+                # The entry being stored reached the front: behind it are only
+                # spared entries (each spared once), or nothing, and then the
+                # other queue is not empty (the entry alone fits).
+                queue[key] = node
+                if len(queue) == 1:
+                    queue = m if queue is p else p
+                key, node = queue.popitem(last=False)
+            if node.freq and node.main:
+                # Hit since its last pass: one more round in M per hit (up to 3).
+                node.freq -= 1
+                queue[key] = node
+                continue
+            if node.cost is not None and not node.spared and self._spare(node):
+                node.spared = True
+                self.spared += 1
+                queue[key] = node
+                continue
+            if node.main:
+                self._m_bytes -= node.size
+                self._gm[key] = node.size
+                self._gm_bytes += node.size
+            else:
+                self._p_bytes -= node.size
+                self._gp[key] = node.size
+                self._gp_bytes += node.size
+            evicted.append((key, node.value))
+        self._evictions += len(evicted)
+        bound = self._ghost_factor * capacity
+        if self._gp_bytes > bound or self._gm_bytes > bound:
+            self._trim_ghosts()
+        return evicted
+
+    def _trim_ghosts(self) -> None:
+        bound = self._ghost_factor * self._capacity
+        gp = self._gp
+        while self._gp_bytes > bound:
+            self._gp_bytes -= gp.popitem(last=False)[1]
+        gm = self._gm
+        while self._gm_bytes > bound:
+            self._gm_bytes -= gm.popitem(last=False)[1]

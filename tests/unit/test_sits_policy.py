@@ -1,0 +1,324 @@
+"""Unit tests of the SITS policy: its invariants, its regimes, cost and size.
+
+The generic contract (byte accounting, resize, migration, random operations)
+is tested for every policy, SITS included, in ``test_policies.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefleet_sidecar.policies import LIRSPolicy, LRUPolicy, ReplacementPolicy, SITSPolicy
+
+
+def replay(policy: ReplacementPolicy[int, int], keys: Iterable[int], size: int = 1) -> float:
+    """Miss ratio of the sidecar's access pattern (get, put on a miss)."""
+    misses = total = 0
+    for key in keys:
+        total += 1
+        if policy.get(key) is None:
+            misses += 1
+            policy.put(key, key, size)
+    return misses / total
+
+
+def test_warm_up_fills_main_then_new_entries_go_to_probation() -> None:
+    policy: SITSPolicy[str, str] = SITSPolicy(100)
+    for i in range(10):
+        policy.put(f"w{i}", "W", 10)  # the cache had room: main
+    assert policy.probation_bytes == 0
+    policy.put("a", "A", 10)  # full: on probation
+    assert policy.probation_bytes == 10
+    assert "a" in policy
+    assert policy.get("a") == "A"  # reuse promotes it
+    assert policy.probation_bytes == 0
+    assert policy.used_bytes == 100
+    policy.check_invariants()
+
+
+def test_probation_is_evicted_first_when_over_its_target() -> None:
+    policy: SITSPolicy[int, int] = SITSPolicy(4)
+    for key in (1, 2, 3, 4):
+        policy.put(key, key, 1)  # warm-up: main
+    for key in (1, 2):
+        policy.get(key)
+    for key in (5, 6, 7, 8):
+        policy.put(key, key, 1)  # the cache is full: probation
+    assert policy.target_p_bytes == 0
+    # The proven entries survived a stream of one-time entries; the first
+    # newcomer, alone on probation, took main's coldest (3) instead of itself.
+    assert {1, 2} <= {k for k, _, _ in policy.items()}
+    assert 3 not in policy
+    assert policy.used_bytes == 4
+    policy.check_invariants()
+
+
+def test_a_probation_ghost_grows_the_probation_target() -> None:
+    policy: SITSPolicy[int, int] = SITSPolicy(10)
+    for key in range(20):
+        policy.put(key, key, 1)  # 0-9 warm main; 10-18 pass through probation
+    assert 15 not in policy
+    before = policy.target_p_bytes
+    policy.put(15, 15, 1)  # 15's second use came just after it left probation
+    assert policy.target_p_bytes == before + 1
+    assert 15 in policy
+    assert policy.probation_bytes == 1  # 15 went to main; 19 is still on probation
+    policy.check_invariants()
+
+
+def test_a_main_ghost_shrinks_the_probation_target() -> None:
+    policy: SITSPolicy[int, int] = SITSPolicy(4)
+    for key in range(4):
+        policy.put(key, key, 1)
+        policy.get(key)  # all in M
+    for key in range(4, 8):  # grow P's target by reloading P ghosts
+        policy.put(key, key, 1)
+    for key in range(4, 8):
+        policy.put(key + 100, 0, 1)
+    grown = policy.target_p_bytes
+    evicted_from_m = [k for k in range(8) if k not in policy]
+    policy.put(evicted_from_m[0], 0, 1)
+    assert policy.target_p_bytes <= grown
+    policy.check_invariants()
+
+
+def test_ghosts_are_bounded_by_bytes() -> None:
+    policy: SITSPolicy[int, int] = SITSPolicy(50, ghost_factor=2.0)
+    for key in range(10_000):
+        policy.put(key, key, 1 + key % 7)
+    assert policy.ghost_bytes <= 2 * 2 * 50
+    policy.check_invariants()
+
+
+def test_parameters_are_validated() -> None:
+    with pytest.raises(ValueError, match="ghost_factor"):
+        SITSPolicy(10, ghost_factor=-1)
+    with pytest.raises(ValueError, match="pressure"):
+        SITSPolicy(10, pressure=1.5)
+    policy: SITSPolicy[int, int] = SITSPolicy(10)
+    with pytest.raises(ValueError, match="pressure"):
+        policy.pressure = -0.1
+
+
+def test_resists_a_scan_that_flushes_lru() -> None:
+    hot = list(range(20))
+    trace = hot * 5 + list(range(1000, 1200)) + hot * 5
+    lru_miss = replay(LRUPolicy(30), trace)
+    sits_miss = replay(SITSPolicy(30), trace)
+    assert sits_miss < lru_miss
+    # After the scan, the hot set is still there: its first touch missed, and
+    # one hot key gave way when the scan filled the last free room (warm-up).
+    assert sits_miss <= (20 + 200 + 1) / len(trace)
+
+
+def test_reuse_beyond_a_small_probation_opens_it() -> None:
+    """Second uses that come after leaving probation: ghosts move to recency."""
+    # Blocks come back ~150 accesses later, in a 200-entry cache: a 1 % or 10 %
+    # probationary share loses every second use; SITS must grow its share.
+    trace = []
+    for start in range(0, 6000, 50):
+        trace += list(range(start, start + 50))
+        if start >= 150:
+            trace += list(range(start - 150, start - 100))
+    policy: SITSPolicy[int, int] = SITSPolicy(200)
+    sits = replay(policy, trace)
+    lirs = replay(LIRSPolicy(200), trace)
+    assert policy.target_p_bytes > 100
+    assert sits < lirs
+    assert sits <= replay(LRUPolicy(200), trace)
+
+
+def test_a_shuffled_loop_larger_than_the_cache_is_no_worse_than_lru() -> None:
+    """A known limit (docs/sits.md): LIRS keeps a fixed subset of such a loop."""
+    rng = random.Random(7)
+    trace = []
+    keys = list(range(300))
+    for _ in range(30):
+        rng.shuffle(keys)
+        trace += keys
+    assert replay(SITSPolicy(250), trace) <= replay(LRUPolicy(250), trace)
+
+
+def zipf_trace(n: int, keys: int, alpha: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1.0 / (rank**alpha) for rank in range(1, keys + 1)]
+    return rng.choices(range(keys), weights=weights, k=n)
+
+
+@pytest.mark.parametrize("capacity", [20, 100, 400, 1500])
+def test_near_the_better_of_lru_and_lirs_at_every_size(capacity: int) -> None:
+    """A Zipf stream with periodic scans: no classic policy wins at every size."""
+    trace = zipf_trace(20_000, 4000, 0.9, seed=capacity)
+    scan = iter(range(10_000, 60_000))
+    mixed: list[int] = []
+    for i, key in enumerate(trace):
+        mixed.append(key)
+        if i % 50 == 0:
+            mixed += [next(scan) for _ in range(20)]
+    lru = replay(LRUPolicy(capacity), mixed)
+    lirs = replay(LIRSPolicy(capacity), mixed)
+    sits = replay(SITSPolicy(capacity), mixed)
+    assert sits <= min(lru, lirs) + 0.01, (sits, lru, lirs)
+
+
+# ------------------------------------------------------------------ cost, size
+
+
+def test_equal_costs_change_nothing() -> None:
+    trace = zipf_trace(5000, 800, 0.8, seed=3)
+    plain: SITSPolicy[int, int] = SITSPolicy(100)
+    costed: SITSPolicy[int, int] = SITSPolicy(100, pressure=1.0)
+    for key in trace:
+        if plain.get(key) is None:
+            plain.put(key, key, 1)
+        if costed.get(key) is None:
+            costed.put(key, key, 1, cost=0.25)
+    assert list(plain.items()) == list(costed.items())
+    assert costed.spared == 0
+
+
+def trained(capacity: int, cost_per_byte: float, pressure: float = 0.0) -> SITSPolicy[str, int]:
+    """An empty SITS whose running mean cost per byte is ``cost_per_byte``."""
+    policy: SITSPolicy[str, int] = SITSPolicy(capacity, pressure=pressure)
+    for i in range(50):
+        policy.put(f"old{i}", i, 1, cost=cost_per_byte)
+    policy.clear()  # the entries go, what was learnt of costs stays
+    return policy
+
+
+def cycle(policy: SITSPolicy[str, int], n: int, prefix: str, cost: float | None) -> None:
+    """Newcomers that are reused at once: each pushes main's coldest entry out."""
+    for i in range(n):
+        policy.put(f"{prefix}{i}", i, 1, cost=cost)
+        policy.get(f"{prefix}{i}")
+
+
+def test_an_expensive_entry_outlives_cheap_ones_of_the_same_recency() -> None:
+    policy = trained(10, 0.01)
+    policy.put("dear", 0, 1, cost=1.0)  # 100x the others' cost per byte, the coldest
+    for i in range(9):
+        policy.put(f"cheap{i}", i, 1, cost=0.01)
+    cycle(policy, 9, "new", 0.01)
+    assert "dear" in policy
+    assert not any(f"cheap{i}" in policy for i in range(9))
+    assert policy.spared == 1
+    # Spared once: with no reference it goes on its next turn.
+    cycle(policy, 10, "later", 0.01)
+    assert "dear" not in policy
+    policy.check_invariants()
+
+
+def test_cost_per_byte_decides_not_cost_alone() -> None:
+    policy = trained(1000, 0.01)
+    policy.put("big", 0, 100, cost=0.5)  # dearer, but 0.005 s per byte: the coldest
+    for i in range(90):
+        policy.put(f"small{i}", i, 10, cost=0.1)  # 0.01 s per byte
+    for i in range(120):
+        policy.put(f"new{i}", i, 10, cost=0.1)
+        policy.get(f"new{i}")
+    assert "big" not in policy
+    assert policy.spared == 0
+    policy.check_invariants()
+
+
+def test_pressure_spares_moderately_expensive_entries() -> None:
+    def survives(pressure: float) -> bool:
+        policy = trained(10, 0.1, pressure)
+        policy.put("dearer", 0, 1, cost=0.15)  # 1.5x the mean cost per byte
+        for i in range(9):
+            policy.put(f"cheap{i}", i, 1, cost=0.1)
+        cycle(policy, 5, "new", 0.1)
+        return "dearer" in policy
+
+    assert not survives(0.0)  # under 2x the mean: not worth a second turn
+    assert survives(1.0)  # a saturated GPU: above the mean is enough
+
+
+def test_unknown_cost_is_neutral() -> None:
+    policy = trained(5, 0.01)
+    for i in range(5):
+        policy.put(f"k{i}", i, 1)  # no cost known (an L2 fill)
+    cycle(policy, 5, "n", 1.0)
+    assert policy.spared == 0
+    assert not any(f"k{i}" in policy for i in range(5))
+
+
+# --------------------------------------------------------------- invariants
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("put"),
+            st.integers(0, 30),
+            st.integers(0, 40),
+            st.one_of(st.none(), st.floats(0, 2)),
+        ),
+        st.tuples(st.just("get"), st.integers(0, 30), st.just(0), st.none()),
+        st.tuples(st.just("remove"), st.integers(0, 30), st.just(0), st.none()),
+        st.tuples(st.just("resize"), st.integers(0, 150), st.just(0), st.none()),
+        st.tuples(st.just("pressure"), st.integers(0, 10), st.just(0), st.none()),
+    ),
+    max_size=200,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS)
+def test_random_operations_keep_every_invariant(
+    ops: list[tuple[str, int, int, float | None]],
+) -> None:
+    policy: SITSPolicy[int, tuple[int, int]] = SITSPolicy(100)
+    latest: dict[int, tuple[int, int]] = {}
+    for step, (op, arg, size, cost) in enumerate(ops):
+        if op == "put":
+            before = {k: v for k, v, _ in policy.items()}
+            evicted = policy.put(arg, (arg, step), size, cost)
+            for key, old in evicted:
+                assert key != arg
+                assert key not in policy
+                assert latest[key] == old
+            if size <= policy.capacity_bytes:
+                latest[arg] = (arg, step)
+                assert arg in policy
+            # No entry disappears without being reported (or replaced).
+            gone = set(before) - {k for k, _, _ in policy.items()} - {arg}
+            assert gone == {k for k, _ in evicted}
+        elif op == "get":
+            got = policy.get(arg)
+            assert got == (latest[arg] if arg in policy else None)
+        elif op == "remove":
+            resident = arg in policy
+            assert policy.remove(arg) is resident
+        elif op == "resize":
+            before_keys = {k for k, _, _ in policy.items()}
+            grew = arg >= policy.used_bytes
+            evicted = policy.resize(arg)
+            after_keys = {k for k, _, _ in policy.items()}
+            assert before_keys - after_keys == {k for k, _ in evicted}
+            if grew:
+                assert evicted == []  # nothing lost when it still fits
+        else:
+            policy.pressure = arg / 10
+        policy.check_invariants()
+
+
+def test_hits_in_main_buy_extra_rounds() -> None:
+    """Frequency: an entry hit often outlives one hit once, whatever the recency."""
+    policy: SITSPolicy[str, int] = SITSPolicy(4)
+    for key in ("often", "once", "a", "b"):
+        policy.put(key, 0, 1)  # warm-up: all in main, "often" the oldest
+    for _ in range(3):
+        policy.get("often")
+    policy.get("once")
+    for i in range(3):  # reused newcomers push main's front out
+        policy.put(f"n{i}", i, 1)
+        policy.get(f"n{i}")
+    assert "often" in policy
+    assert "a" not in policy
+    assert "b" not in policy
+    policy.check_invariants()
