@@ -30,6 +30,9 @@ class FakeTransport:
         self.eof = False
         self.paused = False
 
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 40000) if name == "peername" else None
+
     def write(self, data: bytes) -> None:
         assert not self.closed
         assert not self.eof
