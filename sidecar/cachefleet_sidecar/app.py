@@ -1055,13 +1055,14 @@ class Sidecar:
 
 
 #: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
-TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs")
+TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_switching")
 
 
 def public_status(status: dict[str, Any]) -> dict[str, Any]:
     """/status for a peer that is not on loopback: tenant names replaced by counts."""
     out = {k: v for k, v in status.items() if k not in TENANT_FIELDS}
     out["tenant_count"] = len(status.get("tenants") or {})
+    out["policy_switching_enabled"] = bool((status.get("policy_switching") or {}).get("enabled"))
     out["tenants_hidden"] = "tenant details are shown to loopback peers only (kubectl port-forward)"
     return out
 

@@ -659,6 +659,7 @@ SIDECAR_COMMANDS = (
 SCRIPT_COMMANDS = (
     "+set", "+hexists", "+hincrby", "+time", "+unlink",
     "+zadd", "+zrange", "+zremrangebyscore", "+zscore",
+    "+exists", "+pexpire",
 )  # fmt: skip
 #: Further commands of the operator (cleanup of a deleted cache scans its keys).
 OPERATOR_COMMANDS = ("+scan",)

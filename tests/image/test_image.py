@@ -176,6 +176,9 @@ def test_sidecar_from_the_image_answers_through_the_cache(container: Container) 
                 f"127.0.0.1:{admin}",
                 "--upstream",
                 upstream.url,
+                # the test names its tenant by header, from loopback
+                "--trusted-proxies",
+                "127.0.0.1/32",
             ),
             env=ENV,
             stdout=subprocess.PIPE,

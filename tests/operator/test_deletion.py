@@ -30,7 +30,9 @@ class Metrics:
     def factory(self, url: str, timeout_s: float) -> Metrics:
         return self
 
-    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+    async def fetch(
+        self, cache: str, window: str, curve_window: str | None = None
+    ) -> dict[str, TenantMetrics]:
         return {"gold": TenantMetrics(p95_s=0.1, hit_ratio=0.5, rps=10.0)}
 
 
@@ -128,7 +130,9 @@ class DownMetrics:
     def factory(self, url: str, timeout_s: float) -> DownMetrics:
         return self
 
-    async def fetch(self, cache: str, window: str) -> dict[str, TenantMetrics]:
+    async def fetch(
+        self, cache: str, window: str, curve_window: str | None = None
+    ) -> dict[str, TenantMetrics]:
         from cachefleet_operator.metrics_source import MetricsUnavailable
 
         raise MetricsUnavailable("PrometheusUnavailable", "connection refused")
