@@ -201,7 +201,7 @@ def _metrics(
             hit_ratio=hits / lookups,
             rps=lookups / (interval_s * len(windows)),
             curve=curve,
-            miss_latency=_dist(_sum_hist(w.upstream for w in ws)),
+            miss_latency=_dist(_sum_hist(w.upstream for w in cws)),
             hit_latency=_dist(_sum_hist(w.hit_latency for w in ws)),
         )
     return out

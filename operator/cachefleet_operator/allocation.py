@@ -323,13 +323,15 @@ def _rate(d: TenantDemand, m: TenantMetrics) -> float:
     return max(rates) if rates else 0.0
 
 
-def _miss_cost(m: TenantMetrics) -> float:
-    """Upstream seconds a hit saves (the mean miss latency)."""
+def _miss_cost(m: TenantMetrics, fleet: float) -> float:
+    """Upstream seconds a hit saves: the tenant's mean miss latency, else ``fleet``'s.
+
+    Never the tenant's p95: a tenant that hits all the time has a p95 of hits,
+    and valuing its hits at that would give its cache away.
+    """
     if m.miss_latency is not None:
         return max(m.miss_latency.mean(), 1e-6)
-    if m.p95_s is not None and math.isfinite(m.p95_s) and m.p95_s > 0:
-        return m.p95_s
-    return DEFAULT_MISS_COST_S
+    return fleet
 
 
 def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
@@ -520,11 +522,16 @@ def _plans(
     metrics: Mapping[str, TenantMetrics],
     pressure: FloatArray,
 ) -> list[_Plan]:
+    # the same model server answers every tenant's misses: a tenant with none to
+    # measure is valued at the others' mean miss latency
+    known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
+    fleet = sum(known) / len(known) if known else DEFAULT_MISS_COST_S
     out = []
     for i, d in enumerate(tenants):
         m = metrics.get(d.name, _NO_METRICS)
         curve = m.curve if m.curve is not None and m.curve.requests > 0 else None
-        value = CLASS_WEIGHT[d.priority_class] * float(pressure[i]) * _rate(d, m) * _miss_cost(m)
+        value = CLASS_WEIGHT[d.priority_class] * float(pressure[i]) * _rate(d, m)
+        value *= _miss_cost(m, fleet)
         out.append(_Plan(value, curve))
     return out
 

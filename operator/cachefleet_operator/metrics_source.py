@@ -214,7 +214,7 @@ class PrometheusMetricsSource:
             self._run(promql_hit_ratio(cache, window)),
             self._run(promql_rps(cache, window)),
             self._run(promql_reuse_buckets(cache, curve_window)),
-            self._run(promql_upstream_buckets(cache, window)),
+            self._run(promql_upstream_buckets(cache, curve_window)),
             self._run(promql_hit_buckets(cache, window)),
             self._run(promql_lookups(cache, curve_window)),
             self._run(promql_cold_bytes(cache, curve_window)),
