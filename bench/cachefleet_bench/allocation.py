@@ -2,13 +2,16 @@
 
 ``python -m cachefleet_bench.allocation`` (or ``cachefleet bench allocation``)
 prints the median and the best of several runs per size, for a first
-allocation and for a rebalance with previous shares (smoothing and hysteresis
-on). Target: 10,000 tenants in under 50 ms.
+allocation and for a rebalance with previous shares, without curves (the
+class-based path) and with a 45-bucket miss-ratio curve and a miss latency
+per tenant (the path the operator takes once sidecars export curves).
+Target: 10,000 tenants in under 50 ms.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -20,6 +23,8 @@ from cachefleet_operator.allocation import (
     TenantMetrics,
     allocate,
 )
+from cachefleet_operator.curves import HitCurve, LatencyDist
+from cachefleet_sidecar.mrc import BUCKETS
 
 SIZES = (10, 1_000, 10_000)
 #: Target for 10,000 tenants, seconds.
@@ -28,7 +33,9 @@ L1_BYTES = 8 * 2**30
 L2_BYTES = 256 * 2**30
 
 
-def workload(n: int, seed: int = 7) -> tuple[list[TenantDemand], dict[str, TenantMetrics]]:
+def workload(
+    n: int, seed: int = 7, curves: bool = True
+) -> tuple[list[TenantDemand], dict[str, TenantMetrics]]:
     """``n`` tenants of mixed classes and SLAs with metrics around their targets."""
     rng = random.Random(seed)
     classes = list(PriorityClass)
@@ -52,13 +59,28 @@ def workload(n: int, seed: int = 7) -> tuple[list[TenantDemand], dict[str, Tenan
             p95_s=target * rng.uniform(0.3, 2.5),
             hit_ratio=rng.uniform(0.0, 0.95),
             rps=rng.uniform(0.1, 500.0),
+            curve=_curve(rng, L1_BYTES / n) if curves else None,
+            miss_latency=LatencyDist.from_buckets(
+                [(target * 0.5, 0.0), (target * 2, 100.0), (math.inf, 100.0)]
+            )
+            if curves
+            else None,
         )
     return tenants, metrics
 
 
-def measure(n: int, repeats: int) -> tuple[float, float, float]:
+def _curve(rng: random.Random, fair_bytes: float) -> HitCurve | None:
+    """A reuse histogram as the sidecars export it (45 buckets), around a fair share."""
+    scale = fair_bytes * rng.uniform(0.2, 5.0)
+    skew = rng.uniform(0.3, 1.5)
+    reach = rng.uniform(0.2, 0.95)
+    buckets = [(b, 1000.0 * reach * (1.0 - math.exp(-((b / scale) ** skew)))) for b in BUCKETS]
+    return HitCurve.from_histogram([*buckets, (math.inf, 1000.0)])
+
+
+def measure(n: int, repeats: int, curves: bool = True) -> tuple[float, float, float]:
     """(median first allocation, best first allocation, median rebalance) in seconds."""
-    tenants, metrics = workload(n)
+    tenants, metrics = workload(n, curves=curves)
     first, again = [], []
     previous = allocate(tenants, metrics, None, L1_BYTES, L2_BYTES).shares()
     for _ in range(repeats):
@@ -75,13 +97,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cachefleet bench allocation", description=__doc__)
     parser.add_argument("--repeats", type=int, default=15, help="runs per size")
     args = parser.parse_args(argv)
-    print(f"{'tenants':>8} {'first p50':>11} {'first min':>11} {'rebalance p50':>14}")
+    print(f"{'tenants':>8} {'curves':>7} {'first p50':>11} {'first min':>11} {'rebalance p50':>14}")
     ok = True
-    for n in SIZES:
-        med, best, rebalance = measure(n, args.repeats)
-        print(f"{n:>8} {med * 1e3:>9.2f}ms {best * 1e3:>9.2f}ms {rebalance * 1e3:>12.2f}ms")
-        if n == 10_000:
-            ok = max(med, rebalance) < TARGET_10K_S
+    for curves in (False, True):
+        for n in SIZES:
+            med, best, rebalance = measure(n, args.repeats, curves)
+            print(
+                f"{n:>8} {'yes' if curves else 'no':>7} {med * 1e3:>9.2f}ms {best * 1e3:>9.2f}ms"
+                f" {rebalance * 1e3:>12.2f}ms"
+            )
+            if n == 10_000:
+                ok = ok and max(med, rebalance) < TARGET_10K_S
     verdict = "meets" if ok else "MISSES"
     print(f"target: 10,000 tenants < {TARGET_10K_S * 1e3:.0f} ms -> {verdict}")
     return 0 if ok else 1

@@ -36,6 +36,7 @@ scaling every tenant's traffic by k changes nothing.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from cachefleet_operator.curves import HitCurve, LatencyDist, predicted_p95
+from cachefleet_operator.curves import HitCurve, LatencyDist, needed_hit_ratio_for
 
 #: EWMA weight of the newest target share (1 = no smoothing).
 DEFAULT_SMOOTHING = 0.5
@@ -337,25 +338,18 @@ def _miss_cost(m: TenantMetrics, fleet: float) -> float:
 def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
     """The lowest hit ratio at which the tenant's SLA is predicted met (None: none is).
 
-    ``minHitRatio`` directly; the p95 target through the hit/miss latency mix
-    (bisection: the predicted p95 falls as the hit ratio rises).
+    ``minHitRatio`` directly; the p95 target through the hit/miss latency mix:
+    with a share ``h`` of hits, the fraction of requests within the target is
+    ``h * F_hit(t) + (1 - h) * F_miss(t)``, at least 0.95 from
+    ``h = (0.95 - F_miss(t)) / (F_hit(t) - F_miss(t))`` on (see
+    :func:`~cachefleet_operator.curves.needed_hit_ratio_for`).
     """
     need = d.min_hit_ratio or 0.0
     target = d.p95_target_s
     if target is None or m.miss_latency is None:
         return need
-    if (predicted_p95(need, m.hit_latency, m.miss_latency) or 0.0) <= target:
-        return need
-    if (predicted_p95(1.0, m.hit_latency, m.miss_latency) or 0.0) > target:
-        return None
-    lo, hi = need, 1.0
-    for _ in range(40):
-        mid = (lo + hi) / 2.0
-        if (predicted_p95(mid, m.hit_latency, m.miss_latency) or 0.0) <= target:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    for_p95 = needed_hit_ratio_for(target, m.hit_latency, m.miss_latency)
+    return None if for_p95 is None else max(need, for_p95)
 
 
 def _share_for_hit_ratio(curve: HitCurve, hit: float, capacity: int) -> float | None:
@@ -621,6 +615,24 @@ def _meet_slas(
                 )
 
 
+def _best_extension(
+    curve: HitCurve, value: float, lo: float, hi: float, capacity: int
+) -> tuple[float, float] | None:
+    """(utility per share, new share) of the best extension of ``lo`` up to ``hi``."""
+    if hi - lo <= EPS:
+        return None
+    base = curve.at(lo * capacity)
+    best: tuple[float, float] | None = None
+    ends = [x / capacity for x, _ in curve.points if lo * capacity < x < hi * capacity]
+    for to in (*ends, hi):
+        if to - lo <= EPS:
+            continue
+        per = value * (curve.at(to * capacity) - base) / (to - lo)
+        if best is None or per > best[0] * (1.0 + 1e-9):
+            best = (per, to)
+    return best
+
+
 def _greedy(plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, capacity: int) -> None:
     """Hand out what is left by marginal utility, looking ahead over cliffs (in place).
 
@@ -629,34 +641,36 @@ def _greedy(plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, capaci
     the extension that achieves it, so a working set that pays off only once
     it fits whole competes with its average gain up to the cliff (the slope
     of its concave hull) and is never left half-built on the cliff's side.
+    Each tenant's best extension sits in a heap and is recomputed only when
+    the tenant grew or its extension no longer fits what is left.
     """
     left = 1.0 - float(shares.sum())
     if left <= EPS or capacity <= 0:
         return
     active = [i for i, p in enumerate(plans) if p.curve is not None and p.value > 0.0]
-    top_value = max((plans[i].value for i in active), default=0.0)
-    while left > EPS and active:
-        best_per, best_i, best_to = 0.0, -1, 0.0
-        for i in active:
-            curve, value = plans[i].curve, plans[i].value
-            assert curve is not None
-            lo = float(shares[i])
-            hi = min(float(caps[i]), lo + left)
-            if hi - lo <= EPS:
-                continue
-            base = curve.at(lo * capacity)
-            ends = [x / capacity for x, _ in curve.points if lo * capacity < x < hi * capacity]
-            for to in (*ends, hi):
-                if to - lo <= EPS:
-                    continue
-                per = value * (curve.at(to * capacity) - base) / (to - lo)
-                if per > best_per * (1.0 + 1e-9):
-                    best_per, best_i, best_to = per, i, to
-        # gains this small relative to the largest tenant's value are noise
-        if best_i < 0 or best_per <= top_value * 1e-9:
-            return
-        left -= best_to - float(shares[best_i])
-        shares[best_i] = best_to
+    # gains this small relative to the largest tenant's value are noise
+    noise = max((plans[i].value for i in active), default=0.0) * 1e-9
+
+    def push(i: int) -> None:
+        curve = plans[i].curve
+        assert curve is not None
+        lo = float(shares[i])
+        found = _best_extension(curve, plans[i].value, lo, min(float(caps[i]), lo + left), capacity)
+        if found is not None and found[0] > noise:
+            heapq.heappush(heap, (-found[0], i, found[1]))
+
+    heap: list[tuple[float, int, float]] = []
+    for i in active:
+        push(i)
+    while heap and left > EPS:
+        _, i, to = heapq.heappop(heap)
+        grow = to - float(shares[i])
+        if grow > left + EPS:  # no longer fits: its best within what is left
+            push(i)
+            continue
+        shares[i] = to
+        left -= grow
+        push(i)
 
 
 def _spread_rest(

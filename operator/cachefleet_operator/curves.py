@@ -184,6 +184,19 @@ class LatencyDist:
             prev_bound, prev_count = bound, count
         return finite_max
 
+    def cdf(self, seconds: float) -> float:
+        """Fraction of observations at or below ``seconds`` (linear inside a bucket)."""
+        total = self.count
+        prev_bound, prev_count = 0.0, 0.0
+        for bound, count in self.buckets:
+            if math.isinf(bound):
+                return prev_count / total
+            if seconds < bound:
+                frac = max(0.0, seconds - prev_bound) / (bound - prev_bound)
+                return (prev_count + frac * (count - prev_count)) / total
+            prev_bound, prev_count = bound, count
+        return prev_count / total
+
     def mean(self) -> float:
         """The mean (from ``sum_s`` when known, else from bucket midpoints)."""
         if self.sum_s is not None and self.count > 0.0:
@@ -194,6 +207,25 @@ class LatencyDist:
             total += (count - prev_count) * (prev_bound + upper) / 2.0
             prev_bound, prev_count = upper, count
         return total / self.count
+
+
+def needed_hit_ratio_for(
+    target_s: float, hits: LatencyDist | None, misses: LatencyDist, q: float = 0.95
+) -> float | None:
+    """The smallest hit ratio whose hit/miss mix has its ``q`` quantile within ``target_s``.
+
+    The mix is within the target for ``h * F_hit(t) + (1 - h) * F_miss(t)``
+    of requests; that reaches ``q`` from ``h = (q - F_miss) / (F_hit - F_miss)``.
+    Unknown hit latency counts as always within the target (hits are fast).
+    None when no hit ratio reaches it.
+    """
+    f_miss = misses.cdf(target_s)
+    if f_miss >= q:
+        return 0.0
+    f_hit = 1.0 if hits is None else hits.cdf(target_s)
+    if f_hit < q or f_hit <= f_miss:
+        return None
+    return min(1.0, (q - f_miss) / (f_hit - f_miss))
 
 
 def predicted_p95(

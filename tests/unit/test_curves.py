@@ -6,7 +6,12 @@ import math
 
 import pytest
 
-from cachefleet_operator.curves import HitCurve, LatencyDist, predicted_p95
+from cachefleet_operator.curves import (
+    HitCurve,
+    LatencyDist,
+    needed_hit_ratio_for,
+    predicted_p95,
+)
 from cachefleet_operator.metrics_source import tenant_metrics
 
 INF = math.inf
@@ -81,3 +86,15 @@ def test_tenant_metrics_are_assembled_from_query_results() -> None:
     assert out["a"].miss_latency is not None
     assert out["a"].hit_latency is None
     assert out["b"].curve is None
+
+
+def test_the_hit_ratio_that_meets_a_p95_target_is_the_one_the_mix_predicts() -> None:
+    hits = LatencyDist.from_buckets([(0.001, 100.0), (INF, 100.0)])
+    misses = LatencyDist.from_buckets([(0.5, 0.0), (1.0, 100.0), (INF, 100.0)])
+    assert hits is not None
+    assert misses is not None
+    need = needed_hit_ratio_for(0.75, hits, misses)  # half the misses are within 0.75 s
+    assert need == pytest.approx(0.9)
+    assert predicted_p95(need, hits, misses) == pytest.approx(0.75)
+    assert needed_hit_ratio_for(2.0, hits, misses) == 0.0  # every miss is in time
+    assert needed_hit_ratio_for(0.0005, hits, misses) is None  # even hits are too slow
