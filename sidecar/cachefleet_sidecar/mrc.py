@@ -285,12 +285,6 @@ class MiniSim:
                     cache.remove(key)
             cache.resize(max(1, int(size * rate)))
 
-    def hit_ratios(self) -> list[float]:
-        if self.requests <= 0.0:
-            return [0.0] * len(self.sizes)
-        return [h / self.requests for h in self.hits]
-
-
 @dataclass(frozen=True, slots=True)
 class PolicyCurve:
     """A snapshot of one tenant's miniature simulations: estimated hits by size."""
