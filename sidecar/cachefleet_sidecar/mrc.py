@@ -285,6 +285,7 @@ class MiniSim:
                     cache.remove(key)
             cache.resize(max(1, int(size * rate)))
 
+
 @dataclass(frozen=True, slots=True)
 class PolicyCurve:
     """A snapshot of one tenant's miniature simulations: estimated hits by size."""
