@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from cachefleet_operator.allocation import TenantMetrics
@@ -63,33 +63,40 @@ class MetricsSource(Protocol):
 MetricsSourceFactory = Callable[[str, float], MetricsSource]
 
 
-def _by_tenant(result: list[dict[str, Any]]) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _samples(result: list[dict[str, Any]], *labels: str) -> Iterator[tuple[tuple[str, ...], float]]:
+    """(values of ``labels``, sample value) of a query result; malformed samples skipped."""
     for sample in result:
-        tenant = sample.get("metric", {}).get("tenant")
+        metric = sample.get("metric", {})
         try:
+            key = tuple(str(metric[name]) for name in labels)
             value = float(sample["value"][1])
         except (KeyError, IndexError, TypeError, ValueError):
             continue
-        if tenant and math.isfinite(value):
-            out[str(tenant)] = value
+        if all(key) and math.isfinite(value):
+            yield key, value
+
+
+def _by_tenant(result: list[dict[str, Any]]) -> dict[str, float]:
+    """tenant -> value from a ``sum by (tenant)`` vector."""
+    return {tenant: value for (tenant,), value in _samples(result, "tenant")}
+
+
+def _pairs(
+    result: list[dict[str, Any]], *group: str, x: str
+) -> dict[tuple[str, ...], list[tuple[float, float]]]:
+    """``group`` values -> [(label ``x`` as a number, value)] ("+Inf" parses as inf)."""
+    out: dict[tuple[str, ...], list[tuple[float, float]]] = {}
+    for (*key, raw), value in _samples(result, *group, x):
+        try:
+            out.setdefault(tuple(key), []).append((float(raw), value))
+        except ValueError:
+            continue
     return out
 
 
 def _buckets_by_tenant(result: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
     """tenant -> [(le, cumulative count)] from a ``sum by (tenant, le)`` vector."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    for sample in result:
-        labels = sample.get("metric", {})
-        tenant = labels.get("tenant")
-        try:
-            le = float(labels["le"])  # "+Inf" parses as inf
-            value = float(sample["value"][1])
-        except (KeyError, IndexError, TypeError, ValueError):
-            continue
-        if tenant and math.isfinite(value):
-            out.setdefault(str(tenant), []).append((le, value))
-    return out
+    return {key[0]: pairs for key, pairs in _pairs(result, "tenant", x="le").items()}
 
 
 def _by_tenant_policy(
@@ -97,31 +104,16 @@ def _by_tenant_policy(
 ) -> dict[str, dict[str, list[tuple[float, float]]]]:
     """tenant -> policy -> [(label value, value)] from a ``sum by (tenant, policy, label)``."""
     out: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    for sample in result:
-        labels = sample.get("metric", {})
-        try:
-            x = float(labels[label])
-            value = float(sample["value"][1])
-            tenant, policy = str(labels["tenant"]), str(labels["policy"])
-        except (KeyError, IndexError, TypeError, ValueError):
-            continue
-        if math.isfinite(value):
-            out.setdefault(tenant, {}).setdefault(policy, []).append((x, value))
+    for (tenant, policy), pairs in _pairs(result, "tenant", "policy", x=label).items():
+        out.setdefault(tenant, {})[policy] = pairs
     return out
 
 
 def _by_tenant_policy_scalar(result: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """tenant -> policy -> value from a ``sum by (tenant, policy)`` vector."""
     out: dict[str, dict[str, float]] = {}
-    for sample in result:
-        labels = sample.get("metric", {})
-        try:
-            value = float(sample["value"][1])
-            tenant, policy = str(labels["tenant"]), str(labels["policy"])
-        except (KeyError, IndexError, TypeError, ValueError):
-            continue
-        if math.isfinite(value):
-            out.setdefault(tenant, {})[policy] = value
+    for (tenant, policy), value in _samples(result, "tenant", "policy"):
+        out.setdefault(tenant, {})[policy] = value
     return out
 
 

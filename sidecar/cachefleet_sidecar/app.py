@@ -175,7 +175,6 @@ class Sidecar:
             if config.mrc_samples > 0
             else None
         )
-        self._mrc_gate = int(mrc.HASH_SPACE * config.mrc_max_rate) if self.mrc else 0
         self._update_reserved()
         self.quota_generation = -1
         self.quotas: dict[str, protocol.TenantQuota] = {}
@@ -459,8 +458,7 @@ class Sidecar:
             self.metrics.cross_tenant_hits += 1
             return None
         digest = lookup.key.digest
-        # mrc.sample_hash inlined against the highest rate allowed (--mrc-max-rate)
-        if (digest >> mrc.HASH_SHIFT) & mrc.HASH_MASK < self._mrc_gate and self.mrc is not None:
+        if self.mrc is not None:
             self.mrc.access(lookup.tenant, digest, len(hit[1]))
         seconds = time.perf_counter() - request.started
         self.metrics.tenant(lookup.tenant).request("l1", "hit", seconds)

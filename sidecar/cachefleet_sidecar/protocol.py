@@ -464,50 +464,45 @@ METRIC_POLICY_CURVE_HITS = "cachefleet_policy_curve_hits_total"
 METRIC_POLICY_CURVE_REQUESTS = "cachefleet_policy_curve_requests_total"
 
 
+def _summed_rate(by: str, selector: str, window: str) -> str:
+    """``sum by (<by>) (rate(<selector>[<window>]))``: a per-tenant series added over pods."""
+    return f"sum by ({by}) (rate({selector}[{window}]))"
+
+
 def promql_policy_hits(cache: str, window: str) -> str:
     """Per-tenant, per-policy mini-simulation hits by size, added over pods."""
-    return (
-        "sum by (tenant, policy, size_bytes) "
-        f'(rate({METRIC_POLICY_CURVE_HITS}{{cache="{cache}"}}[{window}]))'
-    )
+    sel = f'{METRIC_POLICY_CURVE_HITS}{{cache="{cache}"}}'
+    return _summed_rate("tenant, policy, size_bytes", sel, window)
 
 
 def promql_policy_requests(cache: str, window: str) -> str:
     """Per-tenant, per-policy mini-simulation requests, added over pods."""
-    return (
-        "sum by (tenant, policy) "
-        f'(rate({METRIC_POLICY_CURVE_REQUESTS}{{cache="{cache}"}}[{window}]))'
+    return _summed_rate(
+        "tenant, policy", f'{METRIC_POLICY_CURVE_REQUESTS}{{cache="{cache}"}}', window
     )
 
 
 def promql_reuse_buckets(cache: str, window: str) -> str:
     """Per-tenant reuse-distance buckets, added over pods (the miss-ratio curve's data)."""
-    return (
-        f'sum by (tenant, le) (rate({METRIC_REUSE_DISTANCE}_bucket{{cache="{cache}"}}[{window}]))'
-    )
+    return _summed_rate("tenant, le", f'{METRIC_REUSE_DISTANCE}_bucket{{cache="{cache}"}}', window)
 
 
 def promql_upstream_buckets(cache: str, window: str) -> str:
     """Per-tenant upstream latency buckets (what a miss costs)."""
-    return (
-        "sum by (tenant, le) "
-        f'(rate({METRIC_UPSTREAM_DURATION}_bucket{{cache="{cache}"}}[{window}]))'
-    )
+    sel = f'{METRIC_UPSTREAM_DURATION}_bucket{{cache="{cache}"}}'
+    return _summed_rate("tenant, le", sel, window)
 
 
 def promql_hit_buckets(cache: str, window: str) -> str:
     """Per-tenant latency buckets of hits (L1 and L2)."""
-    return (
-        "sum by (tenant, le) (rate("
-        f'{METRIC_REQUEST_DURATION}_bucket{{cache="{cache}",tier=~"l1|l2"}}[{window}]))'
-    )
+    sel = f'{METRIC_REQUEST_DURATION}_bucket{{cache="{cache}",tier=~"l1|l2"}}'
+    return _summed_rate("tenant, le", sel, window)
 
 
 def promql_lookups(cache: str, window: str) -> str:
     """Per-tenant cacheable lookups per second (hits and misses): the curve's true total."""
-    return (
-        f'sum by (tenant) (rate({METRIC_REQUESTS}{{cache="{cache}",result=~"hit|miss"}}[{window}]))'
-    )
+    sel = f'{METRIC_REQUESTS}{{cache="{cache}",result=~"hit|miss"}}'
+    return _summed_rate("tenant", sel, window)
 
 
 def promql_p95_seconds(cache: str, window: str) -> str:

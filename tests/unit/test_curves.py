@@ -98,3 +98,23 @@ def test_the_hit_ratio_that_meets_a_p95_target_is_the_one_the_mix_predicts() -> 
     assert predicted_p95(need, hits, misses) == pytest.approx(0.75)
     assert needed_hit_ratio_for(2.0, hits, misses) == 0.0  # every miss is in time
     assert needed_hit_ratio_for(0.0005, hits, misses) is None  # even hits are too slow
+
+
+def test_query_results_are_grouped_and_malformed_samples_skipped() -> None:
+    from cachefleet_operator.metrics_source import _buckets_by_tenant, _by_tenant_policy
+
+    result = [
+        {"metric": {"tenant": "a", "le": "1000.0"}, "value": [0, "5"]},
+        {"metric": {"tenant": "a", "le": "+Inf"}, "value": [0, "10"]},
+        {"metric": {"tenant": "a", "le": "bogus"}, "value": [0, "3"]},
+        {"metric": {"le": "1.0"}, "value": [0, "3"]},  # no tenant
+        {"metric": {"tenant": "b", "le": "1.0"}, "value": [0, "NaN"]},
+    ]
+    assert _buckets_by_tenant(result) == {"a": [(1000.0, 5.0), (INF, 10.0)]}
+    sims = [
+        {"metric": {"tenant": "a", "policy": "lirs", "size_bytes": "100"}, "value": [0, "2"]},
+        {"metric": {"tenant": "a", "policy": "sits", "size_bytes": "100"}, "value": [0, "1"]},
+    ]
+    assert _by_tenant_policy(sims, "size_bytes") == {
+        "a": {"lirs": [(100.0, 2.0)], "sits": [(100.0, 1.0)]}
+    }
