@@ -48,6 +48,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "invalidation propagation across sidecars, stale reads under faults",
         ("--quick",),
     ),
+    "semantic": (
+        "cachefleet_bench.semantic",
+        "semantic tier (L3): hit ratio / false hits over a threshold sweep, lookup latency",
+        ("--quick",),
+    ),
 }
 
 #: Exit code of a benchmark that is not implemented yet (and of usage errors).

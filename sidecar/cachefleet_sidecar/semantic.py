@@ -404,12 +404,15 @@ class _Entry:
     ref: Any
     lexical: Lexical
     nbytes: int
+    text_hash: int
 
 
 @dataclass(slots=True, eq=False)
 class _Partition:
     matrix: Vector
     entries: list[_Entry] = field(default_factory=list)
+    #: The entry of each question text (xxh3-64 of it): the same question replaces its entry.
+    by_text: dict[int, _Entry] = field(default_factory=dict)
 
     def add(self, vector: Vector, entry: _Entry) -> None:
         n = len(self.entries)
@@ -420,6 +423,7 @@ class _Partition:
         self.matrix[n] = vector
         entry.row = n
         self.entries.append(entry)
+        self.by_text[entry.text_hash] = entry
 
     def remove(self, entry: _Entry) -> None:
         row, last = entry.row, len(self.entries) - 1
@@ -429,6 +433,8 @@ class _Partition:
             self.entries[row] = moved
             moved.row = row
         self.entries.pop()
+        if self.by_text.get(entry.text_hash) is entry:
+            del self.by_text[entry.text_hash]
         if 8 < len(self.entries) * 4 < self.matrix.shape[0]:
             self.matrix = self.matrix[: 2 * len(self.entries)].copy()
 
@@ -546,18 +552,18 @@ class SemanticIndex:
             part = tenant.partitions[probe.partition] = _Partition(
                 np.empty((8, self.dim), dtype=np.float32)
             )
-        elif part.entries:
-            n = len(part.entries)
-            sims = part.matrix[:n] @ vector
-            best = int(np.argmax(sims))
-            if sims[best] >= 0.9999 and part.entries[best].lexical == probe.lexical:
-                self._remove(tenant, part.entries[best].id)
-                part = tenant.partitions.setdefault(
-                    probe.partition, _Partition(np.empty((8, self.dim), dtype=np.float32))
-                )
+        text_hash = xxhash.xxh3_64_intdigest(probe.text.encode())
+        same = part.by_text.get(text_hash)
+        if same is not None:
+            self._remove(tenant, same.id)
+            part = tenant.partitions.setdefault(
+                probe.partition, _Partition(np.empty((8, self.dim), dtype=np.float32))
+            )
         entry_id = self._next_id
         self._next_id += 1
-        entry = _Entry(entry_id, probe.tenant, probe.partition, 0, ref, probe.lexical, cost)
+        entry = _Entry(
+            entry_id, probe.tenant, probe.partition, 0, ref, probe.lexical, cost, text_hash
+        )
         part.add(vector, entry)
         tenant.lru[entry_id] = entry
         self._ids[entry_id] = entry
