@@ -6,10 +6,12 @@ hide behind the same bug in its test peer.
 
 Behaviour:
 
-* ``POST /v1/chat/completions`` / ``/v1/completions`` / ``/v1/embeddings``
-  answer deterministically from the request (the answer names a hash of the
-  body and a per-process call number, so a test can tell a cached answer from
-  a fresh one); ``"stream": true`` answers as SSE with several events and
+* ``POST /v1/chat/completions`` / ``/v1/completions`` answer deterministically
+  from the request (the answer names a hash of the body and a per-process call
+  number, so a test can tell a cached answer from a fresh one);
+  ``/v1/embeddings`` answers a real, lexical embedding of each input: hashed
+  character n-grams (:func:`embed`; the call number is its ``id``);
+  ``"stream": true`` answers as SSE with several events and
   ``data: [DONE]``.
 * Per-tenant latency (``X-Tenant-ID``) and faults are set through
   :class:`FakeUpstream` attributes, or ``POST /_control`` from another
@@ -39,6 +41,18 @@ from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from cachefleet_sidecar.semantic import hashed_ngrams
+
+#: Characters of an input the stand-in embeds (a real model truncates at its sequence length).
+EMBED_MAX_CHARS = 8192
+#: Dimension of the stand-in's embeddings (all-MiniLM-L6-v2's).
+EMBED_DIM = 384
+
+
+def embed(text: str) -> list[float]:
+    """The stand-in's embedding: hashed character 3-5-grams (:func:`semantic.hashed_ngrams`)."""
+    return [round(float(x), 6) for x in hashed_ngrams(text[:EMBED_MAX_CHARS], EMBED_DIM)]
 
 
 class FakeUpstream:
@@ -223,10 +237,19 @@ class _Handler(BaseHTTPRequestHandler):
             return
         model = request.get("model", "") if isinstance(request, dict) else ""
         if path == "/v1/embeddings":
+            inputs = request.get("input") if isinstance(request, dict) else None
+            texts = [inputs] if isinstance(inputs, str) else inputs
+            if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+                self._send(400, b'{"error": {"message": "input must be text"}}')
+                return
             answer: dict[str, Any] = {
                 "object": "list",
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2, number]}],
+                "data": [
+                    {"object": "embedding", "index": i, "embedding": embed(text)}
+                    for i, text in enumerate(texts)
+                ],
                 "model": model,
+                "id": f"emb-{number}",
             }
         else:
             text = f"answer {digest} #{number}"

@@ -45,7 +45,7 @@ import orjson
 import xxhash
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from . import keys, mrc, protocol
+from . import keys, mrc, protocol, semantic
 from .config import SidecarConfig, parse_args
 from .entry import (
     HOP_BY_HOP,
@@ -60,6 +60,7 @@ from .epochs import EpochTracker, EpochVector
 from .host import HostPressure
 from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
 from .l1 import TenantL1, TenantLimitError
+from .l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from .metrics import SidecarMetrics, TierUsage, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
@@ -204,6 +205,9 @@ class Sidecar:
         if self.mrc is not None:
             self.metrics.gauge_sources.append(partial(reuse_families, config.cache, self.mrc))
         self.host = host or HostPressure()
+        #: The semantic tier (L3); off unless --semantic-source names a source.
+        self.l3 = SemanticTier.from_config(config)
+        self.metrics.gauge_sources.append(self.l3.families)
         #: The P99-driven policy switching engine (None when switched off).
         self.switching = (
             SwitchingEngine(SwitchingConfig(window_s=config.switch_window_s), now=time.monotonic())
@@ -329,6 +333,7 @@ class Sidecar:
         for tenant in gone:
             self.metrics.forget(tenant)
             self.l2_usage.pop(tenant, None)
+            self.l3.forget(tenant)
             if self.mrc is not None:
                 self.mrc.forget(tenant)
         if gone:
@@ -411,6 +416,20 @@ class Sidecar:
     def _rescope(self) -> None:
         self._scope_version += 1
         self._clear_key_memo()
+        self._l3_retain()
+
+    def _l3_retain(self) -> None:
+        """Drop L3 partitions of another model version or older epochs (as L1/L2 keys move)."""
+        if not len(self.l3.index):
+            return
+        version, versioned, tracker = self._model_version, self._versioned, self.tracker
+
+        def current(tenant: str, model: str, model_version: str, epochs: tuple[int, ...]) -> bool:
+            if model_version != version:
+                return False
+            return not versioned or epochs == tracker.values_for(tenant, model)
+
+        self.l3.retain(current)
 
     def _clear_key_memo(self) -> None:
         self._key_memo.clear()
@@ -538,13 +557,25 @@ class Sidecar:
         self._inflight[key.digest] = future
         shared_bytes: bytes | None = None
         try:
-            shared_bytes = await self._miss(request, conn, lookup, key)
+            pending: Pending | None = None
+            if not lookup.no_cache and self.l3.enabled(tenant):
+                shared_bytes, pending = await self._l3_get(request, lookup, key)
+                if shared_bytes is not None:
+                    conn.write(shared_bytes)
+                    tm.request("l3", "hit", time.perf_counter() - request.started)
+                    return
+            shared_bytes = await self._miss(request, conn, lookup, key, pending)
         finally:
             self._inflight.pop(key.digest, None)
             future.set_result(shared_bytes)
 
     async def _miss(
-        self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
+        self,
+        request: Request,
+        conn: Connection,
+        lookup: Lookup,
+        key: keys.CacheKey,
+        pending: Pending | None = None,
     ) -> bytes | None:
         """Call upstream, forward, store when correct; returns the answer for joiners.
 
@@ -583,6 +614,8 @@ class Sidecar:
                 log.debug("answer to %s not stored: %s", request.url, problem)
             return entry.response(b"MISS")
         self._l1_put(tenant, key, entry, cost)
+        if pending is not None and lookup.version == self._scope_version:
+            self.l3.add(pending, Ref(key.digest, key.sha256_hex, key.stream))
         if self.l2 is not None and self._l2_allowed(tenant):
             if len(body) <= self.l2_max_entry_bytes:
                 self._spawn(self._l2_put(lookup, key, entry))
@@ -742,6 +775,60 @@ class Sidecar:
             return
         self.metrics.tenant(tenant).evicted("l1", evicted)
 
+    async def _l3_get(
+        self, request: Request, lookup: Lookup, key: keys.CacheKey
+    ) -> tuple[bytes | None, Pending | None]:
+        """An L3 hit's response, or (None, what to index once upstream has answered).
+
+        Like L1, L3 serves only while the epochs are confirmed; the hit's answer
+        is the neighbour's exact entry, read from L1 or else L2 (an entry evicted
+        from both drops its L3 row). Any fault is a miss, never an error.
+        """
+        tenant = lookup.tenant
+        if self.tracker.valid_until <= time.monotonic():
+            return None, None
+        body = keys.parse_body(request.body)
+        if body is None:
+            return None, None
+        epochs: tuple[int, ...] = ()
+        if self._versioned:
+            epochs = self.tracker.values_for(tenant, key.model)
+        scope = keys.Scope(tenant, self._model_version, epochs)
+        query = request.url.partition(b"?")[2]
+        try:
+            match, pending = await self.l3.lookup(
+                tenant, body, key.kind, scope, self.key_options(tenant), query
+            )
+        except Exception:  # never the client's problem: counted, the request goes upstream
+            self.metrics.fault("l3")
+            log.exception("L3 lookup failed")
+            return None, None
+        if lookup.version != self._scope_version:
+            return None, None  # the epochs moved while the embedding was computed
+        if match is None or match.result != "hit" or match.similarity is None:
+            return None, pending
+        ref: Ref = match.ref
+        if ref.stream != key.stream:
+            return None, pending
+        answer: bytes | None = None
+        try:
+            hit = self.l1.get(tenant, ref.digest)
+        except TenantLimitError:
+            hit = None
+        if hit is not None and hit[0] == tenant:
+            answer = with_similarity(hit[1], match.similarity)
+        else:
+            ref_key = keys.CacheKey(
+                key.kind, key.model, ref.stream, b"", ref.digest, ref.sha256_hex
+            )
+            entry = await self._l2_get(lookup, ref_key)
+            if entry is not None and lookup.version == self._scope_version:
+                answer = entry.response(l3_marker(match.similarity))
+        if answer is None:
+            self.l3.gone(tenant, match)
+            return None, pending
+        return answer, None
+
     def _vector(self, lookup: Lookup, key: keys.CacheKey) -> EpochVector | Literal[False] | None:
         """The epochs to check in L2; None when unversioned; False when the key is outdated."""
         if not self._versioned:
@@ -868,6 +955,17 @@ class Sidecar:
         if self.l2 is not None:
             for tenant, quota in assignment.tenants.items():
                 self._spawn(self.l2.set_limit(tenant, quota.l2_bytes))
+        default = self.l3.default
+        self.l3.set_options(
+            {
+                t: semantic.SemanticOptions(
+                    enabled=default.enabled if q.semantic is None else q.semantic,
+                    threshold=q.semantic_threshold or default.threshold,
+                    max_bytes=default.max_bytes,
+                )
+                for t, q in assignment.tenants.items()
+            }
+        )
         log.info(
             "applied quotas generation %d for %d tenants",
             assignment.generation,
@@ -978,6 +1076,7 @@ class Sidecar:
             "known_tenants": sorted(self.known_tenants),
             "redis": None if self.l2 is None else self.l2.state,
             "gpu_telemetry": self.telemetry.describe(),
+            "semantic": self.l3.describe(),
             "policy_switching": {"enabled": False}
             if self.switching is None
             else {"enabled": True, **self.switching.status(), "host": self.host.describe()},
@@ -1050,6 +1149,7 @@ class Sidecar:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(task, 1.0)
         await self.upstream.aclose()
+        await self.l3.aclose()
 
 
 #: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
@@ -1116,10 +1216,13 @@ class SidecarServer:
         self._usage_task: asyncio.Task[None] | None = None
         self._keys_task: asyncio.Task[None] | None = None
         self._idle_task: asyncio.Task[None] | None = None
+        self._l3_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
+        # The local model loads in the background (seconds): requests are served meanwhile.
+        self._l3_task = loop.create_task(self.sidecar.l3.start())
         if cfg.redis_url and self.sidecar.l2 is None:
             from .l2 import RedisL2
 
@@ -1243,7 +1346,7 @@ class SidecarServer:
         for conn in list(self.connections):
             conn.close()
         self.limiter.stop()
-        for task in (self._usage_task, self._keys_task, self._idle_task):
+        for task in (self._usage_task, self._keys_task, self._idle_task, self._l3_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

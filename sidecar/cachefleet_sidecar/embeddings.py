@@ -194,8 +194,21 @@ class LocalEmbeddings:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def check_source(spec: str) -> str:
+    """``spec`` if it names a source :func:`make_source` knows; ValueError otherwise."""
+    kind, _, device = spec.partition(":")
+    if spec in ("", "none", "hashed", "upstream") or spec.startswith(("http://", "https://")):
+        return spec or "none"
+    if kind == "local" and (device in ("", "auto", "cpu", "cuda") or device.startswith("cuda:")):
+        return spec
+    raise ValueError(
+        f"unknown embeddings source {spec!r}: none, upstream, local[:cpu|cuda], hashed or a URL"
+    )
+
+
 def make_source(spec: str, upstream: str, *, model: str | None = None) -> EmbeddingSource | None:
     """The source a ``--semantic-source`` value names; None for ``none``; ValueError otherwise."""
+    check_source(spec)
     if spec in ("", "none"):
         return None
     if spec == "hashed":
@@ -204,9 +217,4 @@ def make_source(spec: str, upstream: str, *, model: str | None = None) -> Embedd
         return HttpEmbeddings(upstream, model=model)
     if spec.startswith(("http://", "https://")):
         return HttpEmbeddings(spec, model=model)
-    kind, _, device = spec.partition(":")
-    if kind == "local" and (device in ("", "auto", "cpu", "cuda") or device.startswith("cuda:")):
-        return LocalEmbeddings(device or "auto")
-    raise ValueError(
-        f"unknown embeddings source {spec!r}: none, upstream, local[:cpu|cuda], hashed or a URL"
-    )
+    return LocalEmbeddings(spec.partition(":")[2] or "auto")

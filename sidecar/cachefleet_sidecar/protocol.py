@@ -235,6 +235,12 @@ class TenantQuota(_Model):
         default=None,
         description="Cache requests with temperature > 0 and no seed; None = sidecar default",
     )
+    semantic: bool | None = Field(
+        default=None, description="Semantic tier (L3) on for this tenant; None = sidecar default"
+    )
+    semantic_threshold: float | None = Field(
+        default=None, gt=0, le=1, description="L3 similarity threshold; None = sidecar default"
+    )
 
 
 class QuotaAssignment(_Model):

@@ -1,0 +1,297 @@
+"""The semantic tier as the sidecar runs it: source, index, per-tenant options, metrics.
+
+Glue between :mod:`semantic` (pure: probes, guard, index) and
+:mod:`embeddings` (the source adapters). :class:`SemanticTier` is consulted
+by :mod:`app` only after an exact L1 and L2 miss of a deterministic request
+of a tenant that has L3 on, so its cost (parsing the body again, one
+embedding, one matrix-vector product) never lands on an exact hit.
+
+State (``/status`` ``semantic``): ``off`` (no ``--semantic-source``),
+``starting`` (the local model is loading), ``on``, or ``unavailable`` with
+the reason (the package is not installed, the model did not load). Only
+``on`` serves; in every other state requests go on to upstream as if L3
+did not exist, and a source that fails on one request makes that request a
+miss (counted as ``cachefleet_cache_faults_total{kind="embedding_unavailable"}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from . import keys, semantic
+from .embeddings import EmbeddingSource, EmbeddingUnavailable, make_source
+from .metrics import OTHER_TENANT
+
+log = logging.getLogger("cachefleet.sidecar.l3")
+
+#: Seconds one embedding may take before the lookup is given up (a miss).
+EMBED_TIMEOUT_S = 2.0
+#: Buckets of the similarity histogram (cosine of the most similar entry).
+SIMILARITY_BUCKETS: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
+LOOKUP_RESULTS = ("hit", "miss", "guard", "empty", "gone", "skipped", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """Where the answer an L3 entry stands for lives: its exact key in L1 and L2."""
+
+    digest: int
+    sha256_hex: str
+    stream: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A probe and its embedding, kept from a missed lookup to index the answer."""
+
+    probe: semantic.Probe
+    vector: semantic.Vector
+
+
+@dataclass(slots=True)
+class _Counts:
+    lookups: dict[str, int]
+    similarity: list[int]
+    similarity_sum: float = 0.0
+
+
+class SemanticTier:
+    """One sidecar's L3: the embedding source, the index and the tenants' options."""
+
+    def __init__(
+        self,
+        cache: str,
+        source: EmbeddingSource | None,
+        default: semantic.SemanticOptions,
+        *,
+        max_tenant_series: int = 64,
+    ) -> None:
+        self.cache = cache
+        self.source = source
+        self.default = default
+        self.options: dict[str, semantic.SemanticOptions] = {}
+        self.index = semantic.SemanticIndex(self._max_bytes)
+        self.state = "off" if source is None else "starting"
+        self.reason: str | None = None if source is not None else "no --semantic-source"
+        self.max_tenant_series = max_tenant_series
+        self._counts: dict[str, _Counts] = {}
+
+    @classmethod
+    def from_config(cls, config: Any) -> SemanticTier:
+        source = make_source(
+            config.semantic_source,
+            config.upstream,
+            model=config.semantic_embeddings_model or None,
+        )
+        default = semantic.SemanticOptions(
+            enabled=config.semantic_default_on,
+            threshold=config.semantic_threshold,
+            max_bytes=config.semantic_tenant_bytes,
+        )
+        return cls(config.cache, source, default, max_tenant_series=config.max_tenants)
+
+    async def start(self) -> None:
+        """Make the source ready; on failure L3 stays off and says why (never raises)."""
+        if self.source is None:
+            return
+        try:
+            await self.source.start()
+        except EmbeddingUnavailable as exc:
+            self.state, self.reason = "unavailable", str(exc)
+            log.warning("semantic tier (L3) off: %s", exc)
+            return
+        except Exception as exc:  # anything else: the same, never the process's end
+            self.state, self.reason = "unavailable", f"{type(exc).__name__}: {exc}"
+            log.exception("semantic tier (L3) off")
+            return
+        self.state, self.reason = "on", None
+        log.info("semantic tier (L3) on: %s", self.source.describe())
+
+    async def aclose(self) -> None:
+        if self.source is not None:
+            await self.source.aclose()
+
+    # ------------------------------------------------------------ options
+    def tenant_options(self, tenant: str) -> semantic.SemanticOptions:
+        return self.options.get(tenant, self.default)
+
+    def enabled(self, tenant: str) -> bool:
+        return self.state == "on" and self.tenant_options(tenant).enabled
+
+    def _max_bytes(self, tenant: str) -> int:
+        opts = self.tenant_options(tenant)
+        return opts.max_bytes if opts.enabled else 0
+
+    def set_options(self, options: dict[str, semantic.SemanticOptions]) -> None:
+        """The operator's per-tenant settings; tenants switched off lose their entries."""
+        self.options = options
+        for tenant in list(self.index.tenants()):
+            if not self.tenant_options(tenant).enabled:
+                self.index.forget(tenant)
+        self.index.enforce_bounds()
+
+    # ------------------------------------------------------------ lookups
+    async def lookup(
+        self,
+        tenant: str,
+        body: dict[str, Any],
+        kind: str,
+        scope: keys.Scope,
+        key_options: keys.KeyOptions,
+        query: bytes,
+    ) -> tuple[semantic.Match | None, Pending | None]:
+        """(the match, what to index if the request goes upstream); (None, None): not for L3."""
+        probe = semantic.probe_for(body, kind, scope, key_options, query=query)
+        if isinstance(probe, str):
+            self.count(tenant, "skipped")
+            return None, None
+        assert self.source is not None
+        try:
+            vector = await asyncio.wait_for(
+                self.source.embed(probe.text, probe.model), EMBED_TIMEOUT_S
+            )
+        except (EmbeddingUnavailable, TimeoutError, ValueError) as exc:
+            self.count(tenant, "error")
+            log.debug("embedding failed: %s", exc)
+            return None, None
+        try:
+            match = self.index.lookup(probe, vector, self.tenant_options(tenant).threshold)
+        except ValueError as exc:  # the source changed dimension (a new model): start over
+            log.warning("semantic index reset: %s", exc)
+            self.index = semantic.SemanticIndex(self._max_bytes)
+            match = semantic.Match("empty")
+        self.count(tenant, match.result, match.similarity)
+        return match, Pending(probe, vector)
+
+    def add(self, pending: Pending, ref: Ref) -> None:
+        try:
+            self.index.add(pending.probe, pending.vector, ref)
+        except ValueError as exc:
+            log.debug("not indexed: %s", exc)
+
+    def gone(self, tenant: str, match: semantic.Match) -> None:
+        """The entry's answer is no longer in L1 or L2: drop it (counted as ``gone``)."""
+        if match.entry_id is not None:
+            self.index.remove(match.entry_id)
+        self._tenant_counts(tenant).lookups["gone"] += 1
+
+    def retain(self, current: Callable[[str, str, str, tuple[int, ...]], bool]) -> int:
+        """Drop partitions whose (tenant, model, model version, epochs) are not current."""
+        return self.index.retain(lambda t, p: current(t, p[0], p[1], p[2]))
+
+    def forget(self, tenant: str) -> None:
+        self.index.forget(tenant)
+        self._counts.pop(tenant, None)
+
+    # ------------------------------------------------------------ metrics
+    def _tenant_counts(self, tenant: str) -> _Counts:
+        counts = self._counts.get(tenant)
+        if counts is None:
+            if len(self._counts) >= self.max_tenant_series and tenant not in self.options:
+                tenant = OTHER_TENANT
+                counts = self._counts.get(tenant)
+            if counts is None:
+                counts = self._new(tenant)
+        return counts
+
+    def _new(self, tenant: str) -> _Counts:
+        counts = self._counts[tenant] = _Counts(
+            dict.fromkeys(LOOKUP_RESULTS, 0), [0] * (len(SIMILARITY_BUCKETS) + 1)
+        )
+        return counts
+
+    def count(self, tenant: str, result: str, similarity: float | None = None) -> None:
+        counts = self._tenant_counts(tenant)
+        counts.lookups[result] += 1
+        if similarity is not None:
+            counts.similarity[bisect_left(SIMILARITY_BUCKETS, similarity)] += 1
+            counts.similarity_sum += similarity
+
+    def families(self) -> Iterator[Metric]:
+        cache = self.cache
+        up = GaugeMetricFamily(
+            "cachefleet_l3_available",
+            "1 while the semantic tier (L3) can embed (its source is ready).",
+            labels=["cache"],
+        )
+        up.add_metric([cache], 1.0 if self.state == "on" else 0.0)
+        lookups = CounterMetricFamily(
+            "cachefleet_l3_lookups",
+            "L3 lookups by tenant and result (hit, miss, guard: refused by the false-hit "
+            "guard, empty, gone: its answer was evicted, skipped: not for L3, error).",
+            labels=["cache", "tenant", "result"],
+        )
+        sim = HistogramMetricFamily(
+            "cachefleet_l3_similarity",
+            "Cosine similarity of the most similar L3 entry, per lookup that found one.",
+            labels=["cache", "tenant"],
+        )
+        for tenant, counts in list(self._counts.items()):
+            for result, n in counts.lookups.items():
+                if n:
+                    lookups.add_metric([cache, tenant, result], n)
+            acc, buckets = 0, []
+            for bound, n in zip(SIMILARITY_BUCKETS, counts.similarity, strict=False):
+                acc += n
+                buckets.append((repr(bound), float(acc)))
+            buckets.append(("+Inf", float(acc + counts.similarity[-1])))
+            sim.add_metric([cache, tenant], buckets, counts.similarity_sum)
+        entries = GaugeMetricFamily(
+            "cachefleet_l3_entries",
+            "Entries in the L3 index by tenant.",
+            labels=["cache", "tenant"],
+        )
+        used = GaugeMetricFamily(
+            "cachefleet_l3_index_bytes",
+            "Bytes of the L3 index by tenant (vectors, texts, bookkeeping).",
+            labels=["cache", "tenant"],
+        )
+        evictions = CounterMetricFamily(
+            "cachefleet_l3_evictions",
+            "L3 entries evicted to stay within a tenant's L3 bytes.",
+            labels=["cache", "tenant"],
+        )
+        for tenant, stats in self.index.stats().items():
+            entries.add_metric([cache, tenant], stats.entries)
+            used.add_metric([cache, tenant], stats.used_bytes)
+            evictions.add_metric([cache, tenant], stats.evictions)
+        yield from (up, lookups, sim, entries, used, evictions)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "reason": self.reason,
+            "source": None if self.source is None else self.source.describe(),
+            "default": {
+                "enabled": self.default.enabled,
+                "threshold": self.default.threshold,
+                "max_bytes": self.default.max_bytes,
+            },
+            "entries": len(self.index),
+        }
+
+
+def with_similarity(response: bytes, similarity: float) -> bytes:
+    """An L1 hit's ready bytes (``X-Cache: HIT-L1``) as an L3 hit with its similarity."""
+    return response.replace(
+        b"\r\nx-cache: HIT-L1\r\n\r\n",
+        b"\r\nx-cache: HIT-L3\r\nx-cache-similarity: %.4f\r\n\r\n" % similarity,
+        1,
+    )
+
+
+def l3_marker(similarity: float) -> bytes:
+    """The ``X-Cache`` value (with the similarity header) for :meth:`Entry.response`."""
+    return b"HIT-L3\r\nx-cache-similarity: %.4f" % similarity
