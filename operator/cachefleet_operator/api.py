@@ -276,6 +276,26 @@ class Sla(_Model):
     )
 
 
+class SemanticSpec(_Model):
+    """A tenant's semantic tier (L3): answers for paraphrases of its earlier questions."""
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Answer a deterministic request from the most similar earlier question of this "
+            "tenant (same model, version, system prompt and parameters) when its embedding is "
+            "close enough and it passes the false-hit guard; needs sidecars started with "
+            "CACHEFLEET_SEMANTIC_SOURCE."
+        ),
+    )
+    threshold: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Cosine similarity a hit needs; empty = the sidecar's default (0.8).",
+    )
+
+
 class TenantSpec(_Model):
     """One tenant of the cache: its class, SLA and share bounds."""
 
@@ -323,6 +343,10 @@ class TenantSpec(_Model):
             "Also cache requests with temperature > 0 and no seed; empty = the sidecar's "
             "default (off)."
         ),
+    )
+    semantic: SemanticSpec | None = Field(
+        default=None,
+        description="Semantic tier (L3) of this tenant; empty = the sidecar's default (off).",
     )
 
     @model_validator(mode="after")

@@ -53,8 +53,10 @@ from cachefleet_operator.api import (
     InferenceCacheStatus,
     ObservedMetrics,
     RedisEndpoint,
+    SemanticSpec,
     SidecarStatus,
     SpecError,
+    TenantSpec,
     TenantStatus,
     parse_redis_endpoint,
     parse_spec,
@@ -214,10 +216,17 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
                 policy=by_name[t.name].policy,
                 collapse_whitespace=by_name[t.name].collapse_whitespace,
                 cache_nondeterministic=by_name[t.name].cache_nondeterministic,
+                semantic=_semantic(by_name[t.name]).enabled if by_name[t.name].semantic else None,
+                semantic_threshold=_semantic(by_name[t.name]).threshold,
             )
             for t in allocation.tenants
         },
     )
+
+
+def _semantic(tenant: TenantSpec) -> SemanticSpec:
+    """A tenant's L3 settings (no ``semantic`` block: the sidecar's default, off unless set)."""
+    return tenant.semantic or SemanticSpec()
 
 
 def assignment_digest(assignment: QuotaAssignment) -> str:
