@@ -243,3 +243,36 @@ def test_l3_through_a_sidecar_process(upstream: FakeUpstream) -> None:
         if proc.poll() is None:
             proc.kill()
         proc.wait(5)
+
+
+# ------------------------------------------------------------------ with Redis
+@pytest.mark.redis
+async def test_invalidation_epochs_drop_l3_and_l2_answers_serve_it(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    from cachefleet_operator.invalidation import Invalidator
+    from cachefleet_sidecar.epochs import tenant_scope
+
+    sc = await semantic_sidecar(sidecar_factory, redis_url=redis_url)
+    for _ in range(250):  # bounded: until the epochs are confirmed (L1/L3 serve only then)
+        if sc.server.control.acks_written > 0 and sc.sidecar.tracker.fresh():
+            break
+        await asyncio.sleep(0.02)
+    first = await sc.chat(Q)
+    assert first.headers["x-cache"] == "MISS"
+    await asyncio.sleep(0.3)  # the L2 write is in the background
+    # The answer leaves L1: an L3 hit reads it from L2, epochs checked there.
+    sc.sidecar.l1.set_quotas({"acme": (0, "lru")})
+    sc.sidecar.l1.set_quotas(None)
+    via_l2 = await sc.chat(PARA)
+    assert via_l2.headers["x-cache"] == "HIT-L3"
+    assert via_l2.json() == first.json()
+    inv = Invalidator.from_url(redis_url, "test/cache", poll_s=0.05)
+    try:
+        result = await inv.invalidate(tenant_scope("acme"), timeout_s=5.0)
+    finally:
+        await inv.aclose()
+    assert result.completed
+    assert len(sc.sidecar.l3.index) == 0  # dropped before the acknowledgement
+    assert (await sc.chat(PARA)).headers["x-cache"] == "MISS"
+    assert upstream.calls[CHAT] == 2
