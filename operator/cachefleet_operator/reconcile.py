@@ -29,9 +29,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -59,12 +57,14 @@ from cachefleet_operator.api import (
     parse_redis_endpoint,
     parse_spec,
 )
+from cachefleet_operator.invalidation import InvalidatorFactory, redis_invalidator
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import (
     MetricsSourceFactory,
     MetricsUnavailable,
     prometheus_source,
 )
+from cachefleet_operator.outcome import Event, Outcome, SecretUnavailable, now_rfc3339
 from cachefleet_operator.pressure import TenantPressure, slo_pressure
 from cachefleet_operator.publisher import (
     ControlPlaneFactory,
@@ -74,9 +74,6 @@ from cachefleet_operator.publisher import (
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.epochs import model_scope
 from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota, cache_ref
-
-if TYPE_CHECKING:
-    from cachefleet_operator.invalidation import InvalidatorFactory
 
 #: Share moves smaller than this (fraction of capacity) are not announced as Events.
 EVENT_MIN_MOVE = 0.005
@@ -96,40 +93,6 @@ class SecretReader(Protocol):
     """Reads one key of a Secret (injectable; the default uses the Kubernetes API)."""
 
     async def read(self, namespace: str, name: str, key: str) -> str: ...
-
-
-class SecretUnavailable(Exception):
-    """The Secret or its key could not be read."""
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """A Kubernetes Event to emit on the object."""
-
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What one reconcile did: status to patch, Events, and whether to retry."""
-
-    status: dict[str, Any]
-    events: list[Event] = field(default_factory=list)
-    failure: Literal["temporary", "permanent"] | None = None
-    failure_message: str = ""
-    result: str = "ok"
-    #: Retry delay of a temporary failure, seconds; None = the backoff of :func:`retry_delay`.
-    delay: float | None = None
-    #: Whether the spec is in force (quotas published). A fault that leaves it in
-    #: force (metrics only) is retried by the rebalance timer, not by the change
-    #: handler, so a later spec edit is not queued behind a metrics backoff.
-    applied: bool = False
-
-
-def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
-    return datetime.fromtimestamp(clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def retry_delay(retry: int) -> float:
@@ -335,12 +298,7 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         invalidator: InvalidatorFactory | None = None,
     ) -> None:
-        if invalidator is None:
-            # imported here: invalidation builds on this module's Outcome and Event
-            from cachefleet_operator.invalidation import redis_invalidator
-
-            invalidator = redis_invalidator
-        self.invalidator = invalidator
+        self.invalidator = invalidator or redis_invalidator
         self.metrics_source = metrics_source
         self.control_plane = control_plane
         self.secrets = secrets
