@@ -7,8 +7,10 @@ kind of failure, if any. ``handlers.py`` turns an Outcome into kopf terms
 the logic here is tested with fakes and no Kubernetes at all.
 
 Model version: when ``spec.model.version`` differs from the version in the
-status, the model scope's epoch is advanced (CAS, fence, announce, see
-:mod:`cachefleet_operator.invalidation`) and the reconcile waits up to
+status, the model scope's epoch is advanced to one past the epoch the status
+recorded with the old version (CAS, fence, announce, see
+:mod:`cachefleet_operator.invalidation`; a reconcile whose status patch was
+lost finds Redis already there and does not advance twice) and the reconcile waits up to
 :data:`~cachefleet_operator.invalidation.MODEL_ACK_WAIT_S` for the
 acknowledgements; status then shows ``modelVersion``, the epochs and
 ``sidecars.epochsInSync`` (re-read on every reconcile, so convergence shows
@@ -57,7 +59,11 @@ from cachefleet_operator.api import (
     parse_redis_endpoint,
     parse_spec,
 )
-from cachefleet_operator.invalidation import InvalidatorFactory, redis_invalidator
+from cachefleet_operator.invalidation import (
+    MODEL_ACK_WAIT_S,
+    InvalidatorFactory,
+    redis_invalidator,
+)
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import (
     MetricsSourceFactory,
@@ -528,15 +534,19 @@ class Reconciler:
                 await protocol.restore_epochs(invalidator.client, cache, known)
             old_version = previous.model_version
             if old_version is not None and old_version != spec.model.version:
-                from cachefleet_operator.invalidation import MODEL_ACK_WAIT_S
-
-                result = await invalidator.invalidate(
-                    scope, timeout_s=MODEL_ACK_WAIT_S, floor=known.get(scope, 0)
+                # The status records the version and the epochs together, so the change
+                # is one advance past the recorded epoch: a reconcile whose status patch
+                # was lost (or an operator that restarted) finds Redis already there and
+                # does not advance again.
+                intended = int(known.get(scope, 0)) + 1
+                epoch, cas_at, advanced = await invalidator.advance_to(scope, intended)
+                result = await invalidator.await_acks(
+                    scope, epoch, timeout_s=MODEL_ACK_WAIT_S, started_at=cas_at
                 )
                 message = (
                     f"model {spec.model.name} {old_version} -> {spec.model.version}: "
-                    f"{scope} advanced to epoch {result.epoch}; "
-                    f"{result.acks}/{result.expected} sidecars acknowledged"
+                    f"{scope} {'advanced' if advanced else 'already advanced'} to epoch "
+                    f"{result.epoch}; {result.acks}/{result.expected} sidecars acknowledged"
                 )
                 if result.propagation_s is not None:
                     message += f" in {result.propagation_s * 1000:.1f} ms"
