@@ -370,3 +370,42 @@ async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> 
             assert all(results)
         finally:
             await l2.aclose()
+
+
+@pytest.mark.redis_cluster
+@pytest.mark.slow
+async def test_breaker_is_per_node_healthy_nodes_do_not_reset_a_dead_ones() -> None:
+    with RedisCluster() as cluster:
+        breaker = CircuitBreaker(failure_threshold=2, cooldown_s=60.0)
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+        try:
+            assert await l2.connect()
+            tenants = [f"tenant-{i}" for i in range(24)]
+            for tenant in tenants:
+                assert await l2.put(tenant, digest("q"), b"v")
+            dead = ("127.0.0.1", cluster.nodes[0].port)
+            home = {
+                t: l2._client.address_for(protocol.l2_keys(CACHE, t, digest("q"))[0])
+                for t in tenants
+            }
+            on_dead = [t for t in tenants if home[t] == dead]
+            assert 0 < len(on_dead) < len(tenants)
+            cluster.nodes[0].kill()
+
+            for _ in range(5):  # interleaved: healthy successes between the dead node's calls
+                for tenant in tenants:
+                    got = await l2.get(tenant, digest("q"))
+                    assert (got == b"v") is (tenant not in on_dead)
+            # The dead node cost exactly the failures that opened its breaker; every
+            # later call for its tenants returned at once.
+            assert l2.counters.errors + l2.counters.timeouts == 2
+            assert l2.counters.short_circuited == 5 * len(on_dead) - 2
+            states = l2.node_states()
+            assert states[f"{dead[0]}:{dead[1]}"] == "open"
+            assert sorted(s for n, s in states.items() if n != f"{dead[0]}:{dead[1]}") == [
+                "closed",
+                "closed",
+            ]
+            assert state_of(l2) == "degraded"
+        finally:
+            await l2.aclose()
