@@ -761,25 +761,41 @@ async def read_quotas(client: RedisClient, cache: str) -> QuotaAssignment | None
     return QuotaAssignment.model_validate_json(raw)
 
 
+@dataclass(frozen=True)
+class ScriptCall:
+    """One script invocation: the Lua source, its KEYS and ARGV (any client runs it)."""
+
+    source: str
+    keys: list[str]
+    args: list[str]
+
+
+def heartbeat_call(
+    cache: str, heartbeat: Heartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+) -> ScriptCall:
+    """The :data:`HEARTBEAT_LUA` call that registers ``heartbeat`` for ``ttl_s`` seconds."""
+    now = time.time()
+    ttl_ms = max(1, int(ttl_s * 1000))
+    return ScriptCall(
+        HEARTBEAT_LUA,
+        [members_key(cache), member_key(cache, heartbeat.pod), tombstone_key(cache)],
+        [
+            heartbeat.pod,
+            repr(now + ttl_s),
+            str(ttl_ms),
+            heartbeat.model_dump_json(),
+            repr(now),
+            str(ttl_ms * MEMBERS_TTL_FACTOR),
+        ],
+    )
+
+
 async def write_heartbeat(
     client: RedisClient, cache: str, heartbeat: Heartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
 ) -> None:
     """Register ``heartbeat`` as a live member for ``ttl_s`` seconds (not for a deleted cache)."""
-    now = time.time()
-    ttl_ms = max(1, int(ttl_s * 1000))
-    await client.eval(
-        HEARTBEAT_LUA,
-        3,
-        members_key(cache),
-        member_key(cache, heartbeat.pod),
-        tombstone_key(cache),
-        heartbeat.pod,
-        repr(now + ttl_s),
-        str(ttl_ms),
-        heartbeat.model_dump_json(),
-        repr(now),
-        str(ttl_ms * MEMBERS_TTL_FACTOR),
-    )
+    call = heartbeat_call(cache, heartbeat, ttl_s)
+    await client.eval(call.source, len(call.keys), *call.keys, *call.args)
 
 
 async def bury(
@@ -1117,17 +1133,19 @@ async def publish_epochs(client: RedisClient, cache: str, epochs: Mapping[str, i
     await client.publish(control_channel(cache), message.model_dump_json())
 
 
+def ack_call(cache: str, ack: EpochAck) -> ScriptCall:
+    """The :data:`ACK_LUA` call that records ``ack`` and announces it."""
+    return ScriptCall(
+        ACK_LUA,
+        [acks_key(cache), tombstone_key(cache)],
+        [ack.pod, ack.model_dump_json(), ack_channel(cache)],
+    )
+
+
 async def write_ack(client: RedisClient, cache: str, ack: EpochAck) -> None:
     """Record ``ack`` and announce it on :func:`ack_channel` (one round trip)."""
-    await client.eval(
-        ACK_LUA,
-        2,
-        acks_key(cache),
-        tombstone_key(cache),
-        ack.pod,
-        ack.model_dump_json(),
-        ack_channel(cache),
-    )
+    call = ack_call(cache, ack)
+    await client.eval(call.source, len(call.keys), *call.keys, *call.args)
 
 
 async def read_acks(client: RedisClient, cache: str) -> dict[str, EpochAck]:

@@ -188,8 +188,7 @@ class _Wire(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         self.progress_at = self._loop.time()
@@ -273,15 +272,18 @@ class _Wire(asyncio.Protocol):
 class Node:
     """One pipelined connection to one Redis node, made again when lost."""
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(
+        self, settings: NodeSettings, *, background_reconnects: int = BACKGROUND_RECONNECTS
+    ) -> None:
         self.settings = settings
+        self._background_reconnects = background_reconnects
         self.address = settings.address
         self.name = f"{settings.host}:{settings.port}"
         self._wire: _Wire | None = None
         self._connecting: asyncio.Task[_Wire] | None = None
         self._backoff = RECONNECT_BACKOFF_MIN_S
         self._next_attempt_at = 0.0
-        self._background_left = BACKGROUND_RECONNECTS
+        self._background_left = background_reconnects
         self._retry_handle: asyncio.TimerHandle | None = None
         self._closed = False
         #: Connections made (the first one included).
@@ -348,7 +350,7 @@ class Node:
             raise
         self._connecting = None
         self._backoff = RECONNECT_BACKOFF_MIN_S
-        self._background_left = BACKGROUND_RECONNECTS
+        self._background_left = self._background_reconnects
         self.connects += 1
         if self._closed:
             assert wire.transport is not None
@@ -737,11 +739,12 @@ class Subscriber:
         on_message: Callable[[bytes, bytes], None],
         *,
         on_subscribed: Callable[[], None] | None = None,
+        background_reconnects: int = BACKGROUND_RECONNECTS,
     ) -> None:
         self.channels = list(channels)
         self._on_message = on_message
         self._on_subscribed = on_subscribed
-        self.node = Node(settings)
+        self.node = Node(settings, background_reconnects=background_reconnects)
         self.node.push = self._push
         self.node.on_ready = self._subscribe
         self._confirmed = 0
@@ -789,6 +792,12 @@ class Subscriber:
         except RespError:
             return False
         return True
+
+    async def wait_lost(self) -> None:
+        """Return when the current connection ends (at once when there is none)."""
+        wire = self.node._wire
+        if wire is not None and not wire.closed:
+            await asyncio.shield(wire.lost)
 
     async def aclose(self) -> None:
         await self.node.aclose()
