@@ -297,12 +297,14 @@ class ControlSync:
         try:
             while True:
                 woken = asyncio.ensure_future(self._resync_now.wait())
-                done, _ = await asyncio.wait(
-                    {lost, woken},
-                    timeout=self.resync_interval_s,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                woken.cancel()
+                try:
+                    done, _ = await asyncio.wait(
+                        {lost, woken},
+                        timeout=self.resync_interval_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    woken.cancel()
                 if lost in done:
                     raise resp.ConnectionLost("the control subscription was lost")
                 self._resync_now.clear()
