@@ -40,8 +40,9 @@ its slot; :meth:`RedisL2.forget_registrations` makes it register again (after
 Redis lost its state).
 
 Quota: ``set_limit(tenant, n)`` stores the tenant's limit in Redis (shared by
-every sidecar); a limit of 0 or none at all means ``default_limit_bytes``
-given at construction (:data:`DEFAULT_LIMIT_BYTES` unless changed).
+every sidecar) and, when it was lowered, evicts down to it at once; a limit
+of 0 or none at all means ``default_limit_bytes`` given at construction
+(:data:`DEFAULT_LIMIT_BYTES` unless changed).
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ DEFAULT_MAX_EVICT = 64
 DEFAULT_WARMUP_TIMEOUT_S = 2.0
 #: Upper bound of registering a tenant for invalidation fencing (once per tenant), s.
 DEFAULT_REGISTER_TIMEOUT_S = 1.0
+#: Most entries one call of the set-limit script evicts or reclaims.
+SET_LIMIT_BATCH = 1000
+#: Most calls of the set-limit script one :meth:`RedisL2.set_limit` makes.
+SET_LIMIT_MAX_CALLS = 100
 #: Consecutive failures that open the breaker.
 DEFAULT_FAILURE_THRESHOLD = 3
 #: How long an open breaker refuses calls before letting one probe through, s.
@@ -195,7 +200,8 @@ _PUT = resp.Script(protocol.L2_PUT_LUA)
 _USAGE = resp.Script(protocol.L2_USAGE_LUA)
 _GET_V = resp.Script(protocol.L2_GET_VERSIONED_LUA)
 _PUT_V = resp.Script(protocol.L2_PUT_VERSIONED_LUA)
-_SCRIPTS = (_GET, _PUT, _USAGE, _GET_V, _PUT_V)
+_SET_LIMIT = resp.Script(protocol.L2_SET_LIMIT_LUA)
+_SCRIPTS = (_GET, _PUT, _USAGE, _GET_V, _PUT_V, _SET_LIMIT)
 
 
 class RedisL2:
@@ -450,10 +456,28 @@ class RedisL2:
         return True
 
     async def set_limit(self, tenant: str, l2_bytes: int) -> bool:
-        """Set the tenant's limit (0 = the default limit). False if Redis refused."""
-        key = protocol.usage_key(self.cache, tenant)
-        reply = await self._call(key, ("HSET", key, "limit", str(max(0, int(l2_bytes)))))
-        return reply is not _FAILED
+        """Set the tenant's limit (0 = the default limit); False if Redis refused.
+
+        A lowered limit takes effect at once: the tenant's expired and least
+        recently used entries go until its bytes fit (in bounded script calls,
+        at most :data:`SET_LIMIT_MAX_CALLS` of :data:`SET_LIMIT_BATCH` entries).
+        """
+        keys = protocol.l2_meta_keys(self.cache, tenant)
+        args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH)
+        for _ in range(SET_LIMIT_MAX_CALLS):
+            reply = await self._run(_SET_LIMIT, keys, args, self._limit_timeout_s)
+            if reply is _FAILED:
+                return False
+            try:
+                evicted, reclaimed, over = _ints3(reply)
+            except (TypeError, ValueError):
+                self.counters.errors += 1
+                return False
+            self.counters.evictions += evicted
+            self.counters.reclaimed_expired += reclaimed
+            if over <= 0:
+                return True
+        return True
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         """(bytes used, limit in force) of ``tenant``; (0, 0) when Redis is unavailable.
@@ -494,8 +518,17 @@ class RedisL2:
 
     # --------------------------------------------------------------- guards
 
+    @property
+    def _limit_timeout_s(self) -> float:
+        # a batch of evictions is more than one lookup: off the request path, so a longer bound
+        return max(self.op_timeout_s, DEFAULT_REGISTER_TIMEOUT_S)
+
     async def _run(
-        self, script: resp.Script, keys: list[str], args: Sequence[Any]
+        self,
+        script: resp.Script,
+        keys: list[str],
+        args: Sequence[Any],
+        timeout_s: float | None = None,
     ) -> Any | Literal[_Failed.FAILED]:
         """Run ``script`` on its keys' node through that node's breaker; never raises."""
         breaker = self.breaker_for(self._client.address_for(keys[0]))
@@ -503,7 +536,9 @@ class RedisL2:
             self.counters.short_circuited += 1
             return _FAILED
         try:
-            reply = await self._client.run_script(script, keys, args, timeout_s=self.op_timeout_s)
+            reply = await self._client.run_script(
+                script, keys, args, timeout_s=timeout_s or self.op_timeout_s
+            )
         except Exception as exc:  # a cache fault must never fail a request
             return self._fault(breaker, exc)
         if breaker.state != "closed":

@@ -81,6 +81,7 @@ costs ``len(value)`` bytes; the tenant's limit is ``usage.limit`` or, when that
 is 0 or absent, the default limit the client passes; a put first reclaims
 expired entries, then evicts the tenant's least recently used entries (at most
 ``max_evict`` per call) and refuses the value if it still does not fit.
+Setting a tenant's limit (:data:`L2_SET_LIMIT_LUA`) evicts down to it at once.
 
 Redis URLs (one convention for operator and sidecars, see
 :func:`parse_redis_url`): ``redis://host:port/db`` (or ``rediss://``) is a
@@ -426,6 +427,41 @@ return {used, limit_of(meta, ARGV[1]), reclaimed}
 """
 )
 
+
+#: KEYS = :func:`l2_meta_keys`; ARGV[1] = the tenant's new limit (0 = the
+#: default), ARGV[2] = default limit (bytes), ARGV[3] = most entries reclaimed
+#: or evicted by this call. Stores the limit, then reclaims expired entries and
+#: evicts the tenant's least recently used ones until its bytes fit the limit in
+#: force (a lowered limit takes effect at once, not over the next puts). Returns
+#: {evicted, reclaimed, bytes still over the limit}; the caller calls again
+#: while the last is positive (each call is bounded, so Redis is never blocked long).
+L2_SET_LIMIT_LUA = (
+    _L2_LUA_PRELUDE
+    + """
+local meta = {KEYS[1], KEYS[2], KEYS[3], KEYS[4]}
+redis.call('HSET', meta[1], 'limit', ARGV[1])
+local max_n = tonumber(ARGV[3])
+local limit = limit_of(meta, ARGV[2])
+local reclaimed = reap(meta, math.floor(now_us() / 1000), max_n)
+local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+local evicted = 0
+local steps = reclaimed
+while used > limit and steps < max_n do
+  local oldest = redis.call('ZRANGE', meta[2], 0, 0)
+  if #oldest == 0 then
+    redis.call('HSET', meta[1], 'bytes', 0)
+    used = 0
+    break
+  end
+  if forget(meta, oldest[1]) == 1 then evicted = evicted + 1 else reclaimed = reclaimed + 1 end
+  steps = steps + 1
+  used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+end
+local over = used - limit
+if over < 0 then over = 0 end
+return {evicted, reclaimed, over}
+"""
+)
 
 # ------------------------------------------------------------------------ metrics
 # The sidecar exports these; the operator reads them back through Prometheus.

@@ -187,6 +187,26 @@ async def test_limit_is_shared_by_every_sidecar(make_l2: MakeL2) -> None:
     assert await pod_a.usage("alice") == (200, 200)
 
 
+async def test_lowering_the_limit_evicts_down_to_it_at_once(make_l2: MakeL2) -> None:
+    l2 = make_l2(max_evict=2, default_limit_bytes=10_000)
+    bob = make_l2(default_limit_bytes=10_000)
+    for i in range(20):
+        assert await l2.put("alice", digest(f"q{i}"), b"v" * 100)
+    assert await bob.put("bob", digest("q0"), b"b" * 100)
+    assert await l2.get("alice", digest("q0")) is not None  # q0 is now the most recent
+    assert await l2.set_limit("alice", 450)
+    # At once, not over the next puts (which may evict only max_evict=2 each).
+    assert await l2.usage("alice") == (400, 450)
+    assert l2.counters.evictions == 16
+    assert await l2.get("alice", digest("q0")) == b"v" * 100
+    for i in (17, 18, 19):
+        assert await l2.get("alice", digest(f"q{i}")) == b"v" * 100
+    assert await l2.get("alice", digest("q1")) is None
+    assert await bob.usage("bob") == (100, 10_000)  # other tenants untouched
+    assert await l2.set_limit("alice", 0)  # back to the default: nothing to evict
+    assert await l2.usage("alice") == (400, 10_000)
+
+
 @pytest.mark.redis_cluster
 async def test_tenants_spread_over_cluster_slots(cluster_url: str, cluster_urls: list[str]) -> None:
     l2 = RedisL2.from_url(cluster_url, CACHE, op_timeout_s=1.0)
