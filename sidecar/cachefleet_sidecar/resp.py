@@ -6,8 +6,9 @@ caller's own event loop:
 
 * **One connection per Redis node, pipelined.** Concurrent callers' commands
   are encoded with ``hiredis.pack_command``, queued and written together once
-  per loop iteration; replies are parsed by ``hiredis.Reader`` and matched to
-  the callers in order (RESP answers in order on one connection).
+  per loop iteration (a command on an idle connection goes out at once);
+  replies are parsed by ``hiredis.Reader`` and matched to the callers in
+  order (RESP answers in order on one connection).
 * **Deadlines, not cancellation.** Every command carries a deadline; when it
   passes, the caller gets :class:`CommandTimeout` and the reply, if it still
   comes, is dropped. A connection that stays silent with commands waiting
@@ -239,6 +240,13 @@ class _Wire(asyncio.Protocol):
         future: asyncio.Future[Any] = self._loop.create_future()
         if not self.pending:
             self.progress_at = self._loop.time()
+            if not self._flush_scheduled and self.transport is not None:
+                # An idle connection (c=1): out now, no loop iteration of delay. Under
+                # load replies are outstanding, and commands are gathered into one write.
+                self.pending.append(future)
+                self._node.writes += 1
+                self.transport.write(packed)
+                return future
         self.pending.append(future)
         self.write(packed)
         return future
@@ -670,7 +678,9 @@ class RespClient:
             master = None
             for raw in info.get(b"nodes", []):
                 fields = _pairs(raw)
-                if fields.get(b"role") == b"master" and fields.get(b"health", b"online") != b"fail":
+                # A failed master keeps its slots until a replica takes over: commands for
+                # them fail fast on its address (and its breaker), not on another node's.
+                if fields.get(b"role") == b"master":
                     master = fields
             if master is None:
                 continue
