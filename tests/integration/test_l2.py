@@ -429,3 +429,29 @@ async def test_breaker_is_per_node_healthy_nodes_do_not_reset_a_dead_ones() -> N
             assert state_of(l2) == "degraded"
         finally:
             await l2.aclose()
+
+
+@pytest.mark.redis
+async def test_connecting_does_not_count_against_the_op_budget(own_redis: RedisServer) -> None:
+    # A connection whose set-up outlasts the 50 ms budget (here: AUTH to a paused
+    # server; in production a TLS handshake): the operation is a miss, the breaker
+    # is untouched, and the connection keeps being made for the next operations.
+    reply = redis_command(own_redis.port, "ACL", "SETUSER", "cf", "on", ">pw", "~*", "+@all")
+    assert reply.startswith(b"+OK"), reply
+    url = own_redis.url.replace("redis://", "redis://cf:pw@")
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=60.0)
+    l2 = RedisL2.from_url(url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    try:
+        own_redis.pause()
+        try:
+            for _ in range(3):
+                assert await l2.get("alice", digest("q")) is None
+        finally:
+            own_redis.resume()
+        assert l2.counters.not_ready >= 1
+        assert (l2.counters.errors, l2.counters.timeouts) == (0, 0)
+        assert state_of(breaker) == "closed"  # one failure would have opened it
+        await _until_works(l2, deadline_s=10.0)
+        assert state_of(l2) == "ok"
+    finally:
+        await l2.aclose()

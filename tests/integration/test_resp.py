@@ -224,6 +224,7 @@ async def test_cluster_routes_by_slot_and_follows_moved(cluster_url: str) -> Non
         await asyncio.gather(
             *(client.execute("SET", f"{{t{i}}}:k", i, key=f"{{t{i}}}:k") for i in range(64))
         )
+        assert client.moved == 0  # key_slot agrees with the servers' own slots
         # A wrong map (everything on one node): MOVED replies put each command right.
         one = client.address_for("{t0}:k")
         client._slots = [one] * resp.SLOTS
