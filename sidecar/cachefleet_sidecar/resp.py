@@ -417,6 +417,8 @@ class Node:
         done, _ = await asyncio.wait({task}, timeout=remaining)
         if not done:
             raise NotReady(f"still connecting to {self.name}")
+        if task.cancelled():  # the client was closed meanwhile
+            raise ConnectionLost(f"client of {self.name} closed")
         return task.result()
 
     # --------------------------------------------------------------- commands
