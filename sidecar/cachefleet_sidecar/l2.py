@@ -81,6 +81,8 @@ DEFAULT_REGISTER_TIMEOUT_S = 1.0
 SET_LIMIT_BATCH = 1000
 #: Most calls of the set-limit script one :meth:`RedisL2.set_limit` makes.
 SET_LIMIT_MAX_CALLS = 100
+#: Most tenants / epoch vectors whose script keys / arguments are kept ready (then cleared).
+MEMO_LIMIT = 4096
 #: Consecutive failures that open the breaker.
 DEFAULT_FAILURE_THRESHOLD = 3
 #: How long an open breaker refuses calls before letting one probe through, s.
@@ -236,6 +238,8 @@ class RedisL2:
         self.counters = L2Counters()
         self._last_error: str | None = None
         self._registered: set[str] = set()
+        self._tails: dict[str, list[str]] = {}
+        self._vector_args: dict[EpochVector, list[str]] = {}
         #: Called (synchronously) when a read was refused for being behind the fence.
         self.on_behind: Callable[[], None] | None = None
 
@@ -360,8 +364,8 @@ class RedisL2:
     async def _get_versioned(
         self, tenant: str, digest_hex: str, vector: EpochVector
     ) -> bytes | None:
-        keys = protocol.l2_versioned_keys(self.cache, tenant, digest_hex)
-        reply = await self._run(_GET_V, keys, protocol.vector_args(vector))
+        keys = self._versioned_keys(tenant, digest_hex)
+        reply = await self._run(_GET_V, keys, self._args_of(vector))
         if reply is _FAILED:
             return None
         try:
@@ -384,6 +388,24 @@ class RedisL2:
         self.counters.hits += 1
         return value
 
+    def _versioned_keys(self, tenant: str, digest_hex: str) -> list[str]:
+        """:func:`protocol.l2_versioned_keys`, the tenant's part computed once."""
+        tail = self._tails.get(tenant)
+        if tail is None:
+            if len(self._tails) >= MEMO_LIMIT:
+                self._tails.clear()
+            tail = self._tails[tenant] = protocol.l2_versioned_keys(self.cache, tenant, "")[1:]
+        return [protocol.entry_key(self.cache, tenant, digest_hex), *tail]
+
+    def _args_of(self, vector: EpochVector) -> list[str]:
+        """:func:`protocol.vector_args` of ``vector``, computed once per vector."""
+        args = self._vector_args.get(vector)
+        if args is None:
+            if len(self._vector_args) >= MEMO_LIMIT:
+                self._vector_args.clear()
+            args = self._vector_args[vector] = protocol.vector_args(vector)
+        return args
+
     def forget_registrations(self) -> None:
         """Register every tenant again before its next versioned write."""
         self._registered.clear()
@@ -398,7 +420,7 @@ class RedisL2:
         """
         versioned = vector is not None
         keys = (
-            protocol.l2_versioned_keys(self.cache, tenant, digest_hex)
+            self._versioned_keys(tenant, digest_hex)
             if versioned
             else protocol.l2_keys(self.cache, tenant, digest_hex)
         )
@@ -409,7 +431,7 @@ class RedisL2:
             self.max_evict,
         ]
         if vector is not None:
-            args += protocol.vector_args(vector)
+            args += self._args_of(vector)
 
         if versioned and tenant not in self._registered:
             if not await self._register(tenant, keys[0]):
