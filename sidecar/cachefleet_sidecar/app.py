@@ -89,6 +89,17 @@ KEY_MEMO_MAX_BYTES = 64 * 1024 * 1024
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
 
 
+class _Flight:
+    """One upstream call that concurrent identical misses share (single-flight)."""
+
+    __slots__ = ("future", "joiners")
+
+    def __init__(self, future: asyncio.Future[bytes | None]) -> None:
+        self.future = future
+        #: Requests waiting for this call's answer.
+        self.joiners = 0
+
+
 class Refusal(Exception):
     """A request the sidecar must refuse, with a status and a reason."""
 
@@ -192,7 +203,7 @@ class Sidecar:
             cache_nondeterministic=config.cache_nondeterministic,
         )
         self._tenant_memo: dict[bytes, str] = {}
-        self._inflight: dict[int, asyncio.Future[bytes | None]] = {}
+        self._inflight: dict[int, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._last_upstream_ok = 0.0
         self.started_at = time.time()
@@ -529,23 +540,27 @@ class Sidecar:
         leader = self._inflight.get(key.digest)
         if leader is not None:
             self.metrics.single_flight_joins += 1
-            shared = await asyncio.shield(leader)
+            leader.joiners += 1
+            shared = await asyncio.shield(leader.future)
             if shared is not None:
                 conn.write(shared)
                 tm.request("upstream", "miss", time.perf_counter() - request.started)
                 return
-        future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        self._inflight[key.digest] = future
-        shared_bytes: bytes | None = None
+        flight = _Flight(asyncio.get_running_loop().create_future())
+        self._inflight[key.digest] = flight
+        answer: Entry | None = None
         try:
-            shared_bytes = await self._miss(request, conn, lookup, key)
+            answer = await self._miss(request, conn, lookup, key)
         finally:
             self._inflight.pop(key.digest, None)
-            future.set_result(shared_bytes)
+            # The answer is copied into a response for joiners only when there are some.
+            flight.future.set_result(
+                answer.response(b"MISS") if answer is not None and flight.joiners else None
+            )
 
     async def _miss(
         self, request: Request, conn: Connection, lookup: Lookup, key: keys.CacheKey
-    ) -> bytes | None:
+    ) -> Entry | None:
         """Call upstream, forward, store when correct; returns the answer for joiners.
 
         Only a correct answer (:func:`entry.answer_problem`) of the form the
@@ -570,7 +585,7 @@ class Sidecar:
         )
         entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
         if lookup.no_store:
-            return entry.response(b"MISS")
+            return entry
         problem = answer_problem(status, resp_headers, body, stream=key.stream)
         if problem is None:
             try:  # what is stored must read back: never store a header block loads refuses
@@ -581,14 +596,14 @@ class Sidecar:
             if status == 200:
                 self.metrics.fault("answer_not_stored")
                 log.debug("answer to %s not stored: %s", request.url, problem)
-            return entry.response(b"MISS")
+            return entry
         self._l1_put(tenant, key, entry, cost)
         if self.l2 is not None and self._l2_allowed(tenant):
             if len(body) <= self.l2_max_entry_bytes:
                 self._spawn(self._l2_put(lookup, key, entry))
             else:
                 self.metrics.fault("entry_too_large")
-        return entry.response(b"MISS")
+        return entry
 
     def _upstream_headers(
         self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
