@@ -4,7 +4,7 @@ Pure: no I/O, no wall time (every call takes ``now``, seconds on any
 monotonic clock), so tests drive it with synthetic latency streams. The
 sidecar feeds it one observation per cached-endpoint request and applies the
 :class:`Decision` objects that :meth:`SwitchingEngine.tick` returns (a switch
-is :meth:`TenantL1.set_policy`, which migrates the entries in one step).
+is :meth:`TenantL1.set_policy`: O(1), the entries move over in bounded batches).
 
 Per tenant and window (default 10 s) the engine computes the P99 of request
 latency and the Shannon entropy of the key stream. Windows with fewer than

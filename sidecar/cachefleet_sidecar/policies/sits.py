@@ -320,6 +320,35 @@ class SITSPolicy(Generic[K, V]):
         for key, node in sorted(self._m.items(), key=lambda item: item[1].freq):
             yield key, node.value, node.size
 
+    def pop_entry(self, key: K) -> tuple[V, int, float | None] | None:
+        node = self._m.pop(key, None)
+        if node is not None:
+            self._m_bytes -= node.size
+        else:
+            node = self._p.pop(key, None)
+            if node is None:
+                return None
+            self._p_bytes -= node.size
+        return node.value, node.size, node.cost
+
+    def pop_coldest(self) -> tuple[K, V, int, float | None] | None:
+        # P first, then M's CLOCK (an entry with hits left goes round again,
+        # losing one: each hit buys at most one extra pass, so O(1) amortised).
+        if self._p:
+            key, node = self._p.popitem(last=False)
+            self._p_bytes -= node.size
+            return key, node.value, node.size, node.cost
+        m = self._m
+        while m:
+            key, node = m.popitem(last=False)
+            if node.freq:
+                node.freq -= 1
+                m[key] = node
+                continue
+            self._m_bytes -= node.size
+            return key, node.value, node.size, node.cost
+        return None
+
     # ----------------------------------------------------------- introspection
 
     def check_invariants(self) -> None:
