@@ -846,6 +846,9 @@ class Sidecar:
         engine.set_host_pressure(self.host.sample().pressure)
         self.l1.set_pressure(pressure)
         policies = {t: s.policy for t, s in self.l1.stats().items()}
+        for tenant, policy in policies.items():
+            if policy != engine.config.target:
+                self.metrics.expect_policy_switches(tenant, policy, engine.config.target)
         for d in engine.tick(now, policies):
             # O(1): the new policy serves at once, the entries move over in the
             # background (kick_migration) and on touch; no request sees a gap.

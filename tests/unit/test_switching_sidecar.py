@@ -83,12 +83,14 @@ def test_switch_and_rollback_migrate_every_entry_and_are_counted(
     start = app.switching.next_window_at
     now = drive(app, start, 90, 0.020)
     assert app.l1.stats()["t"].policy == "lirs"
+    # Exported at 0 before the first switch, so that Prometheus sees it change.
+    assert switches(app) == {("lirs", "sits"): 0.0, ("sits", "lirs"): 0.0}
     with caplog.at_level(logging.INFO, logger="cachefleet"):
         now = drive(app, now, 3, 0.060)
     stats = app.l1.stats()["t"]
     assert stats.policy == "sits"
     assert stats.entries == entries  # nothing lost in the switch
-    assert switches(app) == {("lirs", "sits"): 1.0}
+    assert switches(app) == {("lirs", "sits"): 1.0, ("sits", "lirs"): 0.0}
     line = next(r.getMessage() for r in caplog.records if "policy switch" in r.getMessage())
     logged = json.loads(line.split(" ", 2)[2])
     assert logged["tenant"] == "t"
