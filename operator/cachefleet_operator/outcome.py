@@ -48,3 +48,13 @@ class Outcome:
 def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
     """``clock()`` as an RFC 3339 UTC timestamp with second precision."""
     return datetime.fromtimestamp(clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(text: str | None) -> float | None:
+    """Unix time of a :func:`now_rfc3339` string; None if absent or unreadable."""
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

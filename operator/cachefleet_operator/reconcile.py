@@ -66,11 +66,20 @@ from cachefleet_operator.invalidation import (
 )
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import (
+    MetricsSource,
     MetricsSourceFactory,
     MetricsUnavailable,
+    PolicySwitches,
+    PolicySwitchSource,
     prometheus_source,
 )
-from cachefleet_operator.outcome import Event, Outcome, SecretUnavailable, now_rfc3339
+from cachefleet_operator.outcome import (
+    Event,
+    Outcome,
+    SecretUnavailable,
+    now_rfc3339,
+    parse_rfc3339,
+)
 from cachefleet_operator.pressure import TenantPressure, slo_pressure
 from cachefleet_operator.publisher import (
     ControlPlaneFactory,
@@ -87,6 +96,11 @@ EVENT_MIN_MOVE = 0.005
 RETRY_BASE_DELAY_S = 2.0
 #: Longest retry delay after a temporary fault, seconds.
 RETRY_MAX_DELAY_S = 60.0
+#: Shortest span of policy switches worth a query: a reconcile sooner than this
+#: after the last report leaves the span to the next one (nothing is lost).
+POLICY_EVENTS_MIN_SPAN_S = 5.0
+#: Longest span one reconcile reports (after a long outage, older switches are not).
+POLICY_EVENTS_MAX_SPAN_S = 3600.0
 
 READY = "Ready"
 DEGRADED = "Degraded"
@@ -99,6 +113,36 @@ class SecretReader(Protocol):
     """Reads one key of a Secret (injectable; the default uses the Kubernetes API)."""
 
     async def read(self, namespace: str, name: str, key: str) -> str: ...
+
+
+def policy_switch_events(found: list[PolicySwitches]) -> list[Event]:
+    """One Event per tenant and (from, to): the sidecars' switches and rollbacks.
+
+    The switching engine only ever switches *to* SITS; a move away from SITS
+    is its rollback (docs/sits.md).
+    """
+    events = []
+    for s in found:
+        pods = f"{s.pods} pod{'' if s.pods == 1 else 's'}"
+        if s.from_policy == protocol.Policy.SITS.value:
+            events.append(
+                Event(
+                    "Normal",
+                    "PolicyRolledBack",
+                    f"tenant {s.tenant}: L1 policy rolled back {s.from_policy} -> "
+                    f"{s.to_policy} on {pods} (the switch did not bring P99 under its bar)",
+                )
+            )
+        else:
+            events.append(
+                Event(
+                    "Normal",
+                    "PolicySwitched",
+                    f"tenant {s.tenant}: L1 policy switched {s.from_policy} -> {s.to_policy} "
+                    f"on {pods} (P99 stayed over its baseline)",
+                )
+            )
+    return events
 
 
 def retry_delay(retry: int) -> float:
@@ -303,6 +347,7 @@ class Reconciler:
         metrics: OperatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
         invalidator: InvalidatorFactory | None = None,
+        policy_events_min_span_s: float = POLICY_EVENTS_MIN_SPAN_S,
     ) -> None:
         self.invalidator = invalidator or redis_invalidator
         self.metrics_source = metrics_source
@@ -310,6 +355,7 @@ class Reconciler:
         self.secrets = secrets
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
+        self.policy_events_min_span_s = policy_events_min_span_s
 
     async def redis_url(self, namespace: str, spec: InferenceCacheSpec | RedisEndpoint) -> str:
         redis = spec if isinstance(spec, RedisEndpoint) else spec.redis
@@ -358,6 +404,7 @@ class Reconciler:
         faults: list[tuple[str, str]] = []
 
         metrics: dict[str, TenantMetrics] | None
+        source: MetricsSource | None = None
         try:
             source = self.metrics_source(str(spec.prometheus.url), spec.prometheus.timeout_seconds)
             metrics = await source.fetch(
@@ -424,6 +471,10 @@ class Reconciler:
         events: list[Event] = list(epoch_events)
         status: dict[str, Any] = {"observedGeneration": generation, **epoch_status}
         if published:
+            switch_events, events_until = await self._policy_switches(source, cache, previous, now)
+            events.extend(switch_events)
+            if events_until is not None:
+                status["policyEventsUntil"] = events_until
             moves = quota_moves(prev_shares or None, allocation, EVENT_MIN_MOVE)
             if moves and prev_shares:
                 gained = sum(1 for m in moves if (m.after or 0.0) >= (m.before or 0.0))
@@ -516,6 +567,35 @@ class Reconciler:
             outcome.failure_message = "; ".join(f"{r}: {m}" for r, m in faults)
             outcome.result = "degraded"
         return outcome
+
+    async def _policy_switches(
+        self,
+        source: MetricsSource | None,
+        cache: str,
+        previous: InferenceCacheStatus,
+        now: str,
+    ) -> tuple[list[Event], str | None]:
+        """Events for the sidecars' policy switches since the last report, and the new mark.
+
+        Spans tile time: each starts at ``status.policyEventsUntil`` and ends
+        now, so a switch is reported once. The first reconcile only sets the
+        mark (switches from before the operator watched are not news); a
+        failed or too short query leaves the mark, so the next one covers it.
+        """
+        if source is None or not isinstance(source, PolicySwitchSource):
+            return [], None
+        at = parse_rfc3339(now)
+        since = parse_rfc3339(previous.policy_events_until)
+        if at is None or since is None:
+            return [], now
+        span = at - since
+        if span < self.policy_events_min_span_s:
+            return [], None
+        try:
+            found = await source.policy_switches(cache, min(span, POLICY_EVENTS_MAX_SPAN_S), at)
+        except MetricsUnavailable:
+            return [], None
+        return policy_switch_events(found), now
 
     async def _epochs(
         self, url: str, cache: str, spec: InferenceCacheSpec, previous: InferenceCacheStatus

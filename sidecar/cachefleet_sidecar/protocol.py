@@ -566,6 +566,29 @@ def promql_rps(cache: str, window: str) -> str:
     return f'sum by (tenant) (rate({METRIC_REQUESTS}{{cache="{cache}"}}[{window}]))'
 
 
+#: Counter, labels cache, tenant, from_policy, to_policy: L1 policy switches of a
+#: sidecar's switching engine (to ``sits``) and their rollbacks (from ``sits``). The
+#: sidecar exports each tenant's two series at 0 before its first switch, so that
+#: a first switch is a change Prometheus can see (docs/sits.md).
+METRIC_POLICY_SWITCHES = "cachefleet_policy_switches_total"
+
+
+def promql_policy_switches(cache: str, span: str) -> str:
+    """Per tenant and (from, to): how many series (pods) counted a switch over ``span``.
+
+    Each series' value now minus its value ``span`` ago (``offset``), not
+    ``increase()``: evaluated at instants that tile time (each query's span
+    starts where the last one ended), these differences add up exactly, with no
+    change lost between two scrapes that straddle a boundary. A series new
+    within the span counts if it is above 0; a counter reset is not counted.
+    """
+    x = f'{METRIC_POLICY_SWITCHES}{{cache="{cache}"}}'
+    return (
+        "count by (tenant, from_policy, to_policy) "
+        f"((({x} - ({x} offset {span})) > 0) or ({x} > 0 unless ({x} offset {span})))"
+    )
+
+
 # --------------------------------------------------------------------- redis URLs
 
 #: URL schemes that name a Redis Cluster, and the plain scheme of each node.
