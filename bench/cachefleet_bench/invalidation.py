@@ -14,6 +14,9 @@ runs two phases:
    propagation is measured from the CAS reply to the moment the last of the
    32 acknowledgements was seen (the same clock and code path the operator
    uses for ``status.propagationSeconds``). Reported: p50 / p90 / p99 / max.
+   ``--processes N`` hosts the subscribers in N child processes instead;
+   ``--process-per-subscriber`` gives each its own process, as separate pods
+   would have (their own event loop and CPU scheduling, not one shared loop).
 2. **Stale reads under fault injection.** Two complete in-process sidecars
    (HTTP proxy, L1, L2 in Redis, control sync) in front of a stand-in
    upstream whose answers carry a *truth version*; three clients read at
@@ -62,8 +65,10 @@ TARGET_P99_S = 0.010
 TARGET_STALE = 0
 #: Bound on one invalidation's wait for acknowledgements, seconds.
 ACK_TIMEOUT_S = 5.0
-#: Bound on the subscribers' first acknowledgement at start-up, seconds.
+#: Bound on the subscribers' first acknowledgement at start-up, seconds (plus
+#: STARTUP_PER_PROCESS_S per child process: each imports the sidecar on a loaded box).
 STARTUP_TIMEOUT_S = 20.0
+STARTUP_PER_PROCESS_S = 3.0
 #: How long Redis is paused in the pause fault, seconds.
 REDIS_PAUSE_S = 0.3
 #: Invalidations measured with a single subscriber (the baseline).
@@ -96,6 +101,8 @@ class Report:
     max_ms: float
     incomplete: int
     stale_reads: int = 0
+    #: Child processes that hosted the subscribers (0: the bench's own process).
+    processes: int = 0
     reads: int = 0
     reads_by_tier: dict[str, int] = field(default_factory=dict)
     fault_rounds: dict[str, int] = field(default_factory=dict)
@@ -113,10 +120,10 @@ def quantile(values: Sequence[float], q: float) -> float:
 # --------------------------------------------------------------- phase 1
 
 
-async def _wait_acked(url: str, pods: set[str]) -> None:
+async def _wait_acked(url: str, pods: set[str], processes: int = 0) -> None:
     client = protocol.redis_from_url(url)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S + STARTUP_PER_PROCESS_S * processes
         while not pods <= set(await protocol.read_acks(client, CACHE)):
             if time.monotonic() > deadline:
                 raise RuntimeError("subscribers did not acknowledge in time")
@@ -174,7 +181,7 @@ async def propagation(
     times: list[float] = []
     incomplete = 0
     try:
-        await _wait_acked(url, set(pods))
+        await _wait_acked(url, set(pods), processes)
         async with Invalidator.from_url(url, CACHE, poll_s=POLL_S) as inv:
             await inv.invalidate("cache", timeout_s=ACK_TIMEOUT_S)  # warm-up, not counted
             for _ in range(invalidations):
@@ -325,6 +332,7 @@ async def run(args: argparse.Namespace) -> Report:
             p99_ms=quantile(times, 0.99) * 1000,
             max_ms=max(times, default=float("nan")) * 1000,
             incomplete=incomplete,
+            processes=args.processes,
         )
         if args.fault_rounds > 0:
             reads, stale, per_fault, fault_incomplete = await stale_reads(
@@ -346,7 +354,8 @@ def table(report: Report) -> str:
     ok_stale = report.stale_reads <= TARGET_STALE
     lines = [
         f"invalidation propagation: CAS -> last of {report.subscribers} acknowledgements "
-        f"({report.invalidations} invalidations, loopback)",
+        f"({report.invalidations} invalidations, loopback, subscribers in "
+        + (f"{report.processes} processes)" if report.processes else "one process)"),
         f"  {'p50':>8} {'p90':>8} {'p99':>8} {'max':>8}  incomplete",
         f"  {report.p50_ms:7.2f}ms {report.p90_ms:7.2f}ms {report.p99_ms:7.2f}ms "
         f"{report.max_ms:7.2f}ms  {report.incomplete}",
@@ -384,11 +393,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         default=0,
         help="child processes hosting the subscribers (0: all in this process)",
     )
+    parser.add_argument(
+        "--process-per-subscriber",
+        action="store_true",
+        help="one child process per subscriber, as separate pods (overrides --processes)",
+    )
     parser.add_argument("--fault-rounds", type=int, default=40, help="0 skips phase 2")
     parser.add_argument("--redis-url", default=None, help="default: start a redis-server")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the numbers here")
     parser.add_argument("--quick", action="store_true", help="200 invalidations, 15 fault rounds")
     args = parser.parse_args(list(argv))
+    if args.process_per_subscriber:
+        args.processes = args.subscribers
     if args.quick:
         args.invalidations = min(args.invalidations, 200)
         args.fault_rounds = min(args.fault_rounds, 15)

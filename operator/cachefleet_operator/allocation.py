@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -356,13 +357,14 @@ def _share_for_hit_ratio(curve: HitCurve, hit: float, capacity: int) -> float | 
     """The smallest share of ``capacity`` whose predicted hit ratio reaches ``hit``."""
     if hit <= 0.0:
         return 0.0
-    prev_x, prev_y = 0.0, 0.0
-    for x, y in curve.points:
-        if y >= hit - 1e-12:
-            size = x if y <= prev_y else prev_x + (x - prev_x) * (hit - prev_y) / (y - prev_y)
-            return size / capacity if capacity > 0 else None
-        prev_x, prev_y = x, y
-    return None
+    xs, ys = curve.xs, curve.ys
+    k = bisect_left(ys, hit - 1e-12)  # the first point reaching it (hit ratios ascend)
+    if k >= len(ys):
+        return None
+    x, y = xs[k], ys[k]
+    prev_x, prev_y = (xs[k - 1], ys[k - 1]) if k > 0 else (0.0, 0.0)
+    size = x if y <= prev_y else prev_x + (x - prev_x) * (hit - prev_y) / (y - prev_y)
+    return size / capacity if capacity > 0 else None
 
 
 def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
@@ -623,11 +625,18 @@ def _best_extension(
         return None
     base = curve.at(lo * capacity)
     best: tuple[float, float] | None = None
-    ends = [x / capacity for x, _ in curve.points if lo * capacity < x < hi * capacity]
-    for to in (*ends, hi):
+    xs, ys = curve.xs, curve.ys
+    # the candidate ends: every curve point strictly inside (lo, hi), then hi itself
+    first = bisect_right(xs, lo * capacity)
+    last = bisect_left(xs, hi * capacity, first)
+    for k in range(first, last + 1):
+        if k < last:
+            to, hit = xs[k] / capacity, ys[k]
+        else:
+            to, hit = hi, curve.at(hi * capacity)
         if to - lo <= EPS:
             continue
-        per = value * (curve.at(to * capacity) - base) / (to - lo)
+        per = value * (hit - base) / (to - lo)
         if best is None or per > best[0] * (1.0 + 1e-9):
             best = (per, to)
     return best

@@ -501,6 +501,10 @@ class InferenceCacheStatus(_Observed):
         default=None,
         description="spec.model.version last acted on (a change advances the model's epoch).",
     )
+    policy_events_until: str | None = Field(
+        default=None,
+        description="End of the span whose L1 policy switches are reported as Events (RFC 3339).",
+    )
     conditions: list[Condition] | None = Field(
         default=None, description="Ready, Degraded and SLAViolated."
     )

@@ -15,8 +15,9 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -33,7 +34,7 @@ def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, fl
 
 @dataclass(frozen=True, slots=True)
 class HitCurve:
-    """Hit ratio by cache bytes: ``points`` are (bytes, hit ratio), ascending, from (0, 0)."""
+    """Hit ratio by cache bytes: ``points`` are (bytes, hit ratio), both ascending, from (0, 0)."""
 
     points: tuple[tuple[float, float], ...]
     #: Fraction of requests that are first accesses (no size ever makes them hits).
@@ -42,6 +43,13 @@ class HitCurve:
     requests: float
     #: Bytes of the distinct data the tenant showed in the curve's window (None: unknown).
     footprint_bytes: float | None = None
+    #: The points' sizes and hit ratios apart (derived, for bisection).
+    xs: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    ys: tuple[float, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "xs", tuple(x for x, _ in self.points))
+        object.__setattr__(self, "ys", tuple(y for _, y in self.points))
 
     @classmethod
     def from_histogram(
@@ -112,20 +120,14 @@ class HitCurve:
 
     def at(self, size: float) -> float:
         """Predicted hit ratio with ``size`` bytes (linear inside a bucket)."""
-        pts = self.points
-        if size <= 0.0 or len(pts) < 2:
+        xs, ys = self.xs, self.ys
+        if size <= 0.0 or len(xs) < 2:
             return 0.0
-        lo, hi = 0, len(pts) - 1
-        if size >= pts[hi][0]:
-            return pts[hi][1]
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if pts[mid][0] <= size:
-                lo = mid
-            else:
-                hi = mid
-        (x0, y0), (x1, y1) = pts[lo], pts[hi]
-        return y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        hi = bisect_right(xs, size)
+        if hi >= len(xs):
+            return ys[-1]
+        x0, y0 = xs[hi - 1], ys[hi - 1]
+        return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
 
     @property
     def max_hit_ratio(self) -> float:
@@ -153,6 +155,10 @@ class LatencyDist:
 
     buckets: tuple[tuple[float, float], ...]
     sum_s: float | None = None
+    _mean: float = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_mean", self._compute_mean())
 
     @classmethod
     def from_buckets(
@@ -199,6 +205,9 @@ class LatencyDist:
 
     def mean(self) -> float:
         """The mean (from ``sum_s`` when known, else from bucket midpoints)."""
+        return self._mean
+
+    def _compute_mean(self) -> float:
         if self.sum_s is not None and self.count > 0.0:
             return self.sum_s / self.count
         total, prev_bound, prev_count = 0.0, 0.0, 0.0

@@ -37,8 +37,9 @@ from cachefleet_operator.api import (
     parse_spec,
 )
 from cachefleet_operator.invalidation import InvalidationRunner
+from cachefleet_operator.outcome import Outcome, SecretUnavailable
 from cachefleet_operator.publisher import ControlPlaneUnavailable
-from cachefleet_operator.reconcile import Outcome, Reconciler, SecretUnavailable, retry_delay
+from cachefleet_operator.reconcile import Reconciler, retry_delay
 
 PLURAL = "inferencecaches"
 INVALIDATION_PLURAL = "cacheinvalidations"

@@ -28,7 +28,7 @@ still below it (:meth:`Invalidator.advance_to`), so a restart mid-wait never
 advances the epoch twice, and the status names the one advance there was.
 
 :class:`InvalidationRunner` turns a CacheInvalidation object into a status
-patch (:class:`~cachefleet_operator.reconcile.Outcome`) for the thin kopf
+patch (:class:`~cachefleet_operator.outcome.Outcome`) for the thin kopf
 handler in :mod:`cachefleet_operator.handlers`.
 """
 
@@ -51,17 +51,19 @@ from cachefleet_operator.api import (
     InferenceCacheSpec,
     InvalidationPhase,
     InvalidationScope,
+    RedisEndpoint,
     ScopeType,
     SpecError,
     parse_invalidation_spec,
     parse_spec,
 )
+from cachefleet_operator.metrics import OperatorMetrics
+from cachefleet_operator.outcome import Event, Outcome, SecretUnavailable, now_rfc3339
 from cachefleet_operator.publisher import (
     REDIS_CONNECT_TIMEOUT_S,
     REDIS_SOCKET_TIMEOUT_S,
     ControlPlaneUnavailable,
 )
-from cachefleet_operator.reconcile import Event, Outcome, Reconciler, SecretUnavailable, now_rfc3339
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.epochs import CACHE_SCOPE, model_scope, tenant_scope
 from cachefleet_sidecar.protocol import EpochAck, RedisClient
@@ -336,12 +338,20 @@ def _recorded_epoch(raw_status: Mapping[str, Any] | None) -> int | None:
         return None
 
 
+class RedisAccess(Protocol):
+    """What a run needs from the reconciler: the cache's Redis URL and the operator's metrics."""
+
+    metrics: OperatorMetrics
+
+    async def redis_url(self, namespace: str, spec: InferenceCacheSpec | RedisEndpoint) -> str: ...
+
+
 class InvalidationRunner:
     """Runs one CacheInvalidation; every I/O dependency is injected."""
 
     def __init__(
         self,
-        reconciler: Reconciler,
+        reconciler: RedisAccess,
         *,
         invalidator: InvalidatorFactory = redis_invalidator,
         clock: Callable[[], float] = time.time,

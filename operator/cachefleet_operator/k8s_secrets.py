@@ -11,7 +11,7 @@ import asyncio
 import base64
 from typing import Any
 
-from cachefleet_operator.reconcile import SecretUnavailable
+from cachefleet_operator.outcome import SecretUnavailable
 
 #: Timeout of one Secret read, seconds.
 SECRET_READ_TIMEOUT_S = 5.0

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
@@ -27,6 +28,7 @@ from cachefleet_sidecar.protocol import (
     promql_p95_seconds,
     promql_policy_hits,
     promql_policy_requests,
+    promql_policy_switches,
     promql_reuse_buckets,
     promql_rps,
     promql_upstream_buckets,
@@ -61,6 +63,38 @@ class MetricsSource(Protocol):
 
 #: Builds a source from (url, timeout seconds).
 MetricsSourceFactory = Callable[[str, float], MetricsSource]
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySwitches:
+    """Sidecars (pods) that moved a tenant's L1 from one policy to another in a span."""
+
+    tenant: str
+    from_policy: str
+    to_policy: str
+    pods: int
+
+
+@runtime_checkable
+class PolicySwitchSource(Protocol):
+    """A metrics source that also reports the sidecars' policy switches."""
+
+    async def policy_switches(self, cache: str, span_s: float, at: float) -> list[PolicySwitches]:
+        """Switches counted in the ``span_s`` seconds before ``at`` (Unix time).
+
+        Raises :class:`MetricsUnavailable`.
+        """
+        ...
+
+
+def policy_switches_from(result: list[dict[str, Any]]) -> list[PolicySwitches]:
+    """The answer of :func:`~cachefleet_sidecar.protocol.promql_policy_switches`, sorted."""
+    found = [
+        PolicySwitches(tenant, old, new, round(count))
+        for (tenant, old, new), count in _samples(result, "tenant", "from_policy", "to_policy")
+        if count >= 1
+    ]
+    return sorted(found, key=lambda s: (s.tenant, s.from_policy, s.to_policy))
 
 
 def _samples(result: list[dict[str, Any]], *labels: str) -> Iterator[tuple[tuple[str, ...], float]]:
@@ -179,14 +213,15 @@ class PrometheusMetricsSource:
             url=url, disable_ssl=True, timeout=timeout_s, retry=Retry(total=0, redirect=3)
         )
 
-    def _query(self, promql: str) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._client.custom_query(query=promql)
+    def _query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = None if at is None else {"time": f"{at:.3f}"}
+        result: list[dict[str, Any]] = self._client.custom_query(query=promql, params=params)
         return result
 
-    async def _run(self, promql: str) -> list[dict[str, Any]]:
+    async def _run(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
         try:
             return await asyncio.wait_for(
-                asyncio.to_thread(self._query, promql), timeout=self.timeout_s + 1.0
+                asyncio.to_thread(self._query, promql, at), timeout=self.timeout_s + 1.0
             )
         except TimeoutError as exc:
             raise MetricsUnavailable(
@@ -233,6 +268,10 @@ class PrometheusMetricsSource:
                 "NoMetrics", f"Prometheus at {self.where} has no sidecar metrics for {cache}"
             )
         return metrics
+
+    async def policy_switches(self, cache: str, span_s: float, at: float) -> list[PolicySwitches]:
+        span = f"{max(1, round(span_s * 1000))}ms"
+        return policy_switches_from(await self._run(promql_policy_switches(cache, span), at))
 
 
 def _describe(exc: BaseException) -> str:

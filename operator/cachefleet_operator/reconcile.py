@@ -7,8 +7,10 @@ kind of failure, if any. ``handlers.py`` turns an Outcome into kopf terms
 the logic here is tested with fakes and no Kubernetes at all.
 
 Model version: when ``spec.model.version`` differs from the version in the
-status, the model scope's epoch is advanced (CAS, fence, announce, see
-:mod:`cachefleet_operator.invalidation`) and the reconcile waits up to
+status, the model scope's epoch is advanced to one past the epoch the status
+recorded with the old version (CAS, fence, announce, see
+:mod:`cachefleet_operator.invalidation`; a reconcile whose status patch was
+lost finds Redis already there and does not advance twice) and the reconcile waits up to
 :data:`~cachefleet_operator.invalidation.MODEL_ACK_WAIT_S` for the
 acknowledgements; status then shows ``modelVersion``, the epochs and
 ``sidecars.epochsInSync`` (re-read on every reconcile, so convergence shows
@@ -29,9 +31,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 from redis.exceptions import RedisError
@@ -61,11 +61,26 @@ from cachefleet_operator.api import (
     parse_redis_endpoint,
     parse_spec,
 )
+from cachefleet_operator.invalidation import (
+    MODEL_ACK_WAIT_S,
+    InvalidatorFactory,
+    redis_invalidator,
+)
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import (
+    MetricsSource,
     MetricsSourceFactory,
     MetricsUnavailable,
+    PolicySwitches,
+    PolicySwitchSource,
     prometheus_source,
+)
+from cachefleet_operator.outcome import (
+    Event,
+    Outcome,
+    SecretUnavailable,
+    now_rfc3339,
+    parse_rfc3339,
 )
 from cachefleet_operator.pressure import TenantPressure, slo_pressure
 from cachefleet_operator.publisher import (
@@ -77,15 +92,17 @@ from cachefleet_sidecar import protocol
 from cachefleet_sidecar.epochs import model_scope
 from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota, cache_ref
 
-if TYPE_CHECKING:
-    from cachefleet_operator.invalidation import InvalidatorFactory
-
 #: Share moves smaller than this (fraction of capacity) are not announced as Events.
 EVENT_MIN_MOVE = 0.005
 #: First retry delay after a temporary fault, seconds; doubles per retry.
 RETRY_BASE_DELAY_S = 2.0
 #: Longest retry delay after a temporary fault, seconds.
 RETRY_MAX_DELAY_S = 60.0
+#: Shortest span of policy switches worth a query: a reconcile sooner than this
+#: after the last report leaves the span to the next one (nothing is lost).
+POLICY_EVENTS_MIN_SPAN_S = 5.0
+#: Longest span one reconcile reports (after a long outage, older switches are not).
+POLICY_EVENTS_MAX_SPAN_S = 3600.0
 
 READY = "Ready"
 DEGRADED = "Degraded"
@@ -100,38 +117,34 @@ class SecretReader(Protocol):
     async def read(self, namespace: str, name: str, key: str) -> str: ...
 
 
-class SecretUnavailable(Exception):
-    """The Secret or its key could not be read."""
+def policy_switch_events(found: list[PolicySwitches]) -> list[Event]:
+    """One Event per tenant and (from, to): the sidecars' switches and rollbacks.
 
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """A Kubernetes Event to emit on the object."""
-
-    type: Literal["Normal", "Warning"]
-    reason: str
-    message: str
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What one reconcile did: status to patch, Events, and whether to retry."""
-
-    status: dict[str, Any]
-    events: list[Event] = field(default_factory=list)
-    failure: Literal["temporary", "permanent"] | None = None
-    failure_message: str = ""
-    result: str = "ok"
-    #: Retry delay of a temporary failure, seconds; None = the backoff of :func:`retry_delay`.
-    delay: float | None = None
-    #: Whether the spec is in force (quotas published). A fault that leaves it in
-    #: force (metrics only) is retried by the rebalance timer, not by the change
-    #: handler, so a later spec edit is not queued behind a metrics backoff.
-    applied: bool = False
-
-
-def now_rfc3339(clock: Callable[[], float] = time.time) -> str:
-    return datetime.fromtimestamp(clock(), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    The switching engine only ever switches *to* SITS; a move away from SITS
+    is its rollback (docs/sits.md).
+    """
+    events = []
+    for s in found:
+        pods = f"{s.pods} pod{'' if s.pods == 1 else 's'}"
+        if s.from_policy == protocol.Policy.SITS.value:
+            events.append(
+                Event(
+                    "Normal",
+                    "PolicyRolledBack",
+                    f"tenant {s.tenant}: L1 policy rolled back {s.from_policy} -> "
+                    f"{s.to_policy} on {pods} (the switch did not bring P99 under its bar)",
+                )
+            )
+        else:
+            events.append(
+                Event(
+                    "Normal",
+                    "PolicySwitched",
+                    f"tenant {s.tenant}: L1 policy switched {s.from_policy} -> {s.to_policy} "
+                    f"on {pods} (P99 stayed over its baseline)",
+                )
+            )
+    return events
 
 
 def retry_delay(retry: int) -> float:
@@ -343,18 +356,15 @@ class Reconciler:
         metrics: OperatorMetrics | None = None,
         clock: Callable[[], float] = time.time,
         invalidator: InvalidatorFactory | None = None,
+        policy_events_min_span_s: float = POLICY_EVENTS_MIN_SPAN_S,
     ) -> None:
-        if invalidator is None:
-            # imported here: invalidation builds on this module's Outcome and Event
-            from cachefleet_operator.invalidation import redis_invalidator
-
-            invalidator = redis_invalidator
-        self.invalidator = invalidator
+        self.invalidator = invalidator or redis_invalidator
         self.metrics_source = metrics_source
         self.control_plane = control_plane
         self.secrets = secrets
         self.metrics = metrics or OperatorMetrics()
         self.clock = clock
+        self.policy_events_min_span_s = policy_events_min_span_s
 
     async def redis_url(self, namespace: str, spec: InferenceCacheSpec | RedisEndpoint) -> str:
         redis = spec if isinstance(spec, RedisEndpoint) else spec.redis
@@ -403,6 +413,7 @@ class Reconciler:
         faults: list[tuple[str, str]] = []
 
         metrics: dict[str, TenantMetrics] | None
+        source: MetricsSource | None = None
         try:
             source = self.metrics_source(str(spec.prometheus.url), spec.prometheus.timeout_seconds)
             metrics = await source.fetch(
@@ -469,6 +480,10 @@ class Reconciler:
         events: list[Event] = list(epoch_events)
         status: dict[str, Any] = {"observedGeneration": generation, **epoch_status}
         if published:
+            switch_events, events_until = await self._policy_switches(source, cache, previous, now)
+            events.extend(switch_events)
+            if events_until is not None:
+                status["policyEventsUntil"] = events_until
             moves = quota_moves(prev_shares or None, allocation, EVENT_MIN_MOVE)
             if moves and prev_shares:
                 gained = sum(1 for m in moves if (m.after or 0.0) >= (m.before or 0.0))
@@ -562,6 +577,35 @@ class Reconciler:
             outcome.result = "degraded"
         return outcome
 
+    async def _policy_switches(
+        self,
+        source: MetricsSource | None,
+        cache: str,
+        previous: InferenceCacheStatus,
+        now: str,
+    ) -> tuple[list[Event], str | None]:
+        """Events for the sidecars' policy switches since the last report, and the new mark.
+
+        Spans tile time: each starts at ``status.policyEventsUntil`` and ends
+        now, so a switch is reported once. The first reconcile only sets the
+        mark (switches from before the operator watched are not news); a
+        failed or too short query leaves the mark, so the next one covers it.
+        """
+        if source is None or not isinstance(source, PolicySwitchSource):
+            return [], None
+        at = parse_rfc3339(now)
+        since = parse_rfc3339(previous.policy_events_until)
+        if at is None or since is None:
+            return [], now
+        span = at - since
+        if span < self.policy_events_min_span_s:
+            return [], None
+        try:
+            found = await source.policy_switches(cache, min(span, POLICY_EVENTS_MAX_SPAN_S), at)
+        except MetricsUnavailable:
+            return [], None
+        return policy_switch_events(found), now
+
     async def _epochs(
         self, url: str, cache: str, spec: InferenceCacheSpec, previous: InferenceCacheStatus
     ) -> tuple[dict[str, Any], int, list[Event]]:
@@ -579,15 +623,19 @@ class Reconciler:
                 await protocol.restore_epochs(invalidator.client, cache, known)
             old_version = previous.model_version
             if old_version is not None and old_version != spec.model.version:
-                from cachefleet_operator.invalidation import MODEL_ACK_WAIT_S
-
-                result = await invalidator.invalidate(
-                    scope, timeout_s=MODEL_ACK_WAIT_S, floor=known.get(scope, 0)
+                # The status records the version and the epochs together, so the change
+                # is one advance past the recorded epoch: a reconcile whose status patch
+                # was lost (or an operator that restarted) finds Redis already there and
+                # does not advance again.
+                intended = int(known.get(scope, 0)) + 1
+                epoch, cas_at, advanced = await invalidator.advance_to(scope, intended)
+                result = await invalidator.await_acks(
+                    scope, epoch, timeout_s=MODEL_ACK_WAIT_S, started_at=cas_at
                 )
                 message = (
                     f"model {spec.model.name} {old_version} -> {spec.model.version}: "
-                    f"{scope} advanced to epoch {result.epoch}; "
-                    f"{result.acks}/{result.expected} sidecars acknowledged"
+                    f"{scope} {'advanced' if advanced else 'already advanced'} to epoch "
+                    f"{result.epoch}; {result.acks}/{result.expected} sidecars acknowledged"
                 )
                 if result.propagation_s is not None:
                     message += f" in {result.propagation_s * 1000:.1f} ms"

@@ -88,6 +88,21 @@ IDLE_TICK_S = 5.0
 #: Bytes the key memo may hold (a key keeps its canonical form, about the body's size).
 KEY_MEMO_MAX_BYTES = 64 * 1024 * 1024
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
+#: Entries a policy switch moves per batch between requests (~2 µs each: well under 1 ms).
+MIGRATION_BATCH = 256
+#: Pause between two migration batches, seconds (requests run in between).
+MIGRATION_PAUSE_S = 0.002
+
+
+class _Flight:
+    """One upstream call that concurrent identical misses share (single-flight)."""
+
+    __slots__ = ("future", "joiners")
+
+    def __init__(self, future: asyncio.Future[bytes | None]) -> None:
+        self.future = future
+        #: Requests waiting for this call's answer.
+        self.joiners = 0
 
 
 class Refusal(Exception):
@@ -193,8 +208,9 @@ class Sidecar:
             cache_nondeterministic=config.cache_nondeterministic,
         )
         self._tenant_memo: dict[bytes, str] = {}
-        self._inflight: dict[int, asyncio.Future[bytes | None]] = {}
+        self._inflight: dict[int, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._migration: asyncio.Task[None] | None = None
         self._last_upstream_ok = 0.0
         self.started_at = time.time()
         #: (bytes, limit) per tenant in L2, refreshed in the background by the server.
@@ -338,7 +354,26 @@ class Sidecar:
                 self.mrc.forget(tenant)
         if gone:
             log.info("%d idle tenants expired from L1", len(gone))
+        self.kick_migration()
         return gone
+
+    def kick_migration(self) -> None:
+        """Drain switched partitions in the background, if any (no-op without a running loop)."""
+        if not self.l1.migrating or (self._migration is not None and not self._migration.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # nothing to run it on: touches still move entries; the next kick drains
+        self._migration = loop.create_task(self._drain_migrations())
+        self._background.add(self._migration)
+        self._migration.add_done_callback(self._background.discard)
+
+    async def _drain_migrations(self) -> None:
+        """Move switched partitions' entries in bounded batches, yielding in between."""
+        while self.l1.migrating:
+            self.l1.migrate_step(MIGRATION_BATCH)
+            await asyncio.sleep(MIGRATION_PAUSE_S)
 
     def key_options(self, tenant: str) -> keys.KeyOptions:
         return self._key_options.get(tenant, self._default_options)
@@ -548,26 +583,31 @@ class Sidecar:
         leader = self._inflight.get(key.digest)
         if leader is not None:
             self.metrics.single_flight_joins += 1
-            shared = await asyncio.shield(leader)
+            leader.joiners += 1
+            shared = await asyncio.shield(leader.future)
             if shared is not None:
                 conn.write(shared)
                 tm.request("upstream", "miss", time.perf_counter() - request.started)
                 return
-        future: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
-        self._inflight[key.digest] = future
-        shared_bytes: bytes | None = None
+        flight = _Flight(asyncio.get_running_loop().create_future())
+        self._inflight[key.digest] = flight
+        answer: Entry | None = None
+        l3_answer: bytes | None = None
         try:
             pending: Pending | None = None
             if not lookup.no_cache and self.l3.enabled(tenant):
-                shared_bytes, pending = await self._l3_get(request, lookup, key)
-                if shared_bytes is not None:
-                    conn.write(shared_bytes)
+                l3_answer, pending = await self._l3_get(request, lookup, key)
+                if l3_answer is not None:
+                    conn.write(l3_answer)
                     tm.request("l3", "hit", time.perf_counter() - request.started)
                     return
-            shared_bytes = await self._miss(request, conn, lookup, key, pending)
+            answer = await self._miss(request, conn, lookup, key, pending)
         finally:
             self._inflight.pop(key.digest, None)
-            future.set_result(shared_bytes)
+            # The answer is copied into a response for joiners only when there are some.
+            if l3_answer is None and answer is not None and flight.joiners:
+                l3_answer = answer.response(b"MISS")
+            flight.future.set_result(l3_answer)
 
     async def _miss(
         self,
@@ -576,7 +616,7 @@ class Sidecar:
         lookup: Lookup,
         key: keys.CacheKey,
         pending: Pending | None = None,
-    ) -> bytes | None:
+    ) -> Entry | None:
         """Call upstream, forward, store when correct; returns the answer for joiners.
 
         Only a correct answer (:func:`entry.answer_problem`) of the form the
@@ -601,7 +641,7 @@ class Sidecar:
         )
         entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
         if lookup.no_store:
-            return entry.response(b"MISS")
+            return entry
         problem = answer_problem(status, resp_headers, body, stream=key.stream)
         if problem is None:
             try:  # what is stored must read back: never store a header block loads refuses
@@ -612,7 +652,7 @@ class Sidecar:
             if status == 200:
                 self.metrics.fault("answer_not_stored")
                 log.debug("answer to %s not stored: %s", request.url, problem)
-            return entry.response(b"MISS")
+            return entry
         self._l1_put(tenant, key, entry, cost)
         if pending is not None and lookup.version == self._scope_version:
             self.l3.add(pending, Ref(key.digest, key.sha256_hex, key.stream))
@@ -621,7 +661,7 @@ class Sidecar:
                 self._spawn(self._l2_put(lookup, key, entry))
             else:
                 self.metrics.fault("entry_too_large")
-        return entry.response(b"MISS")
+        return entry
 
     def _upstream_headers(
         self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
@@ -909,13 +949,18 @@ class Sidecar:
         engine.set_host_pressure(self.host.sample().pressure)
         self.l1.set_pressure(pressure)
         policies = {t: s.policy for t, s in self.l1.stats().items()}
+        for tenant, policy in policies.items():
+            if policy != engine.config.target:
+                self.metrics.expect_policy_switches(tenant, policy, engine.config.target)
         for d in engine.tick(now, policies):
-            # One synchronous step: the entries migrate, no request sees a gap.
+            # O(1): the new policy serves at once, the entries move over in the
+            # background (kick_migration) and on touch; no request sees a gap.
             self.l1.set_policy(d.tenant, d.to_policy if d.action == "switch" else None)
             if self.mrc is not None:  # the curve follows the policy in force
                 self.mrc.set_policy(d.tenant, self.l1.stats()[d.tenant].policy)
             self.metrics.policy_switch(d.tenant, d.from_policy, d.to_policy)
             log.info("policy %s %s", d.action, orjson.dumps(d.as_dict()).decode())
+        self.kick_migration()
 
     # -------------------------------------------------------------- control
     def apply_quotas(self, assignment: protocol.QuotaAssignment) -> None:
@@ -952,6 +997,7 @@ class Sidecar:
                     self.mrc.set_policy(tenant, policy)
         else:
             self.l1.set_quotas(None)
+        self.kick_migration()
         if self.l2 is not None:
             for tenant, quota in assignment.tenants.items():
                 self._spawn(self.l2.set_limit(tenant, quota.l2_bytes))
@@ -1068,6 +1114,7 @@ class Sidecar:
                     "l1_quota_bytes": s.capacity_bytes,
                     "l1_entries": s.entries,
                     "l1_evictions": s.evictions,
+                    "l1_migrating_entries": s.migrating,
                     "l2_quota_bytes": self.quotas[t].l2_bytes if t in self.quotas else None,
                     "l2_bytes": self.l2_usage[t][0] if t in self.l2_usage else None,
                 }

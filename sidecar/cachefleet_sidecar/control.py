@@ -27,6 +27,13 @@ Redis, level-triggered as the protocol prescribes:
   re-reads the quotas right after re-subscribing, so nothing published while
   it was away is lost.
 
+The subscription, the acknowledgements, the heartbeats and the reads of the
+quotas and epochs run on the sidecar's lean client
+(:mod:`cachefleet_sidecar.resp`: a dedicated subscribed connection whose
+messages are handled as they are parsed, and one pipelined connection for the
+rest); redis-py only restores epochs after a Redis restart and removes the
+membership at shutdown.
+
 The callbacks run on the event loop and must not block.
 """
 
@@ -40,14 +47,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import protocol
-from cachefleet_sidecar.epochs import EpochTracker
+from cachefleet_sidecar import protocol, resp
+from cachefleet_sidecar.epochs import EpochTracker, parse_epochs
 from cachefleet_sidecar.protocol import (
     ControlMessage,
     EpochAck,
@@ -72,6 +75,9 @@ STOP_TIMEOUT_S = 5.0
 EPOCH_POLL_MIN_GAP_S = 0.01
 
 T = TypeVar("T")
+
+_ACK = resp.Script(protocol.ACK_LUA)
+_HEARTBEAT = resp.Script(protocol.HEARTBEAT_LUA)
 
 
 class ControlSync:
@@ -108,7 +114,10 @@ class ControlSync:
         self._target = protocol.parse_redis_url(redis_url, cluster=cluster)
         self._url = redis_url
         self._client: RedisClient | None = None
+        self._resp: resp.RespClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._notices: set[asyncio.Task[None]] = set()
+        self._resync_now = asyncio.Event()
         self._applied = -1
         self._subscribed = False
         #: Redis failures seen (connect, read, write, heartbeat).
@@ -160,6 +169,12 @@ class ControlSync:
             socket_connect_timeout=self.op_timeout_s,
             socket_timeout=self.op_timeout_s,
         )
+        self._resp = protocol.resp_client(
+            self._url,
+            cluster=self._target.cluster,
+            command_timeout_s=self.op_timeout_s,
+            connect_timeout_s=self.op_timeout_s,
+        )
         self._tasks = [
             asyncio.create_task(self._listen_loop(), name=f"control-listen-{self.pod}"),
             asyncio.create_task(self._heartbeat_loop(), name=f"control-heartbeat-{self.pod}"),
@@ -177,6 +192,7 @@ class ControlSync:
         for this pod's acknowledgements; otherwise the heartbeat just expires.
         """
         tasks, self._tasks = self._tasks, []
+        tasks += list(self._notices)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -190,6 +206,9 @@ class ControlSync:
         if client is not None:
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
+        lean, self._resp = self._resp, None
+        if lean is not None:
+            await lean.aclose()
         self._subscribed = False
 
     async def __aenter__(self) -> ControlSync:
@@ -203,9 +222,10 @@ class ControlSync:
 
     async def resync(self) -> bool:
         """Re-read the quotas now; True if a newer assignment was applied."""
-        client = self._require_client()
-        generation, raw = await self._bounded(
-            client.hmget(protocol.quotas_key(self.cache), ["generation", "assignment"])
+        client = self._require_resp()
+        key = protocol.quotas_key(self.cache)
+        generation, raw = await client.execute(
+            "HMGET", key, "generation", "assignment", key=key, timeout_s=self.op_timeout_s
         )
         self.last_sync_at = time.time()
         if generation is None or raw is None or int(generation) <= self._applied:
@@ -239,16 +259,24 @@ class ControlSync:
         backoff = RECONNECT_BACKOFF_MIN_S
         attempt = 0
         while True:
-            pubsub_client = self._pubsub_client(attempt)
+            confirmed = asyncio.Event()
+            subscriber = resp.Subscriber(
+                self._subscriber_settings(attempt),
+                [protocol.control_channel(self.cache)],
+                self._message,
+                on_subscribed=confirmed.set,
+                background_reconnects=0,  # this loop makes it again, on the next node
+            )
             attempt += 1
             try:
-                async with pubsub_client.pubsub() as pubsub:
-                    await self._bounded(pubsub.subscribe(protocol.control_channel(self.cache)))
-                    self._subscribed = True
-                    self.poke()  # notices may have been missed while away
-                    await self.resync()
-                    backoff = RECONNECT_BACKOFF_MIN_S
-                    await self._consume(pubsub)
+                if not await subscriber.start(self.op_timeout_s):
+                    raise resp.ConnectionLost(f"cannot connect to {subscriber.node.name}")
+                await self._bounded(confirmed.wait())
+                self._subscribed = True
+                self.poke()  # notices may have been missed while away
+                await self.resync()
+                backoff = RECONNECT_BACKOFF_MIN_S
+                await self._consume(subscriber)
             except Exception as exc:  # the loop must outlive any fault
                 self.errors += 1
                 log.warning(
@@ -259,32 +287,40 @@ class ControlSync:
                 )
             finally:
                 self._subscribed = False
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub_client.aclose()
+                await subscriber.aclose()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_BACKOFF_MAX_S)
 
-    async def _consume(self, pubsub: PubSub) -> None:
-        next_sync = time.monotonic() + self.resync_interval_s
-        while True:
-            remaining = next_sync - time.monotonic()
-            if remaining <= 0:
+    async def _consume(self, subscriber: resp.Subscriber) -> None:
+        """Re-read the quotas on a message and every resync interval until the connection ends."""
+        lost = asyncio.ensure_future(subscriber.wait_lost())
+        try:
+            while True:
+                woken = asyncio.ensure_future(self._resync_now.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {lost, woken},
+                        timeout=self.resync_interval_s,
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    woken.cancel()
+                if lost in done:
+                    raise resp.ConnectionLost("the control subscription was lost")
+                self._resync_now.clear()
                 await self.resync()
-                next_sync = time.monotonic() + self.resync_interval_s
-                continue
-            wait = min(remaining, MESSAGE_POLL_S)
-            message = await self._bounded(
-                pubsub.get_message(ignore_subscribe_messages=True, timeout=wait),
-                extra_s=wait,
-            )
-            if message is None or message.get("type") != "message":
-                continue
-            parsed = self._notify(message.get("data"))
-            if parsed is not None and parsed.kind == "epochs":
-                await self._epoch_notice(parsed)
-                continue
-            await self.resync()
-            next_sync = time.monotonic() + self.resync_interval_s
+        finally:
+            lost.cancel()
+
+    def _message(self, _channel: bytes, data: bytes) -> None:
+        """A control message, handled as it is parsed (on the event loop)."""
+        parsed = self._notify(data)
+        if parsed is not None and parsed.kind == "epochs":
+            task = asyncio.get_running_loop().create_task(self._epoch_notice(parsed))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+            return
+        self._resync_now.set()
 
     def _notify(self, data: Any) -> ControlMessage | None:
         try:
@@ -337,7 +373,11 @@ class ControlSync:
             raise RuntimeError("ControlSync has no epoch tracker")
         client = self._require_client()
         sent_at = tracker.clock()
-        current = await self._bounded(protocol.read_epochs(client, self.cache))
+        key = protocol.epochs_key(self.cache)
+        flat = await self._require_resp().execute(
+            "HGETALL", key, key=key, timeout_s=self.op_timeout_s
+        )
+        current = parse_epochs(dict(zip(flat[::2], flat[1::2], strict=True)))
         confirmation = tracker.confirm(current, sent_at)
         if confirmation.changed:
             self._applied_epochs()
@@ -361,14 +401,13 @@ class ControlSync:
         tracker = self.tracker
         if tracker is None:
             return False
-        client = self._require_client()
+        client = self._require_resp()
         async with self._ack_lock:
             known = tracker.known
             if known == self._acked:
                 return False
-            await self._bounded(
-                protocol.write_ack(client, self.cache, EpochAck(pod=self.pod, epochs=known))
-            )
+            call = protocol.ack_call(self.cache, EpochAck(pod=self.pod, epochs=known))
+            await client.run_script(_ACK, call.keys, call.args, timeout_s=self.op_timeout_s)
             self._acked = known
             self.acks_written += 1
             return True
@@ -406,12 +445,9 @@ class ControlSync:
 
     async def beat(self) -> None:
         """Write one heartbeat now."""
-        client = self._require_client()
-        await self._bounded(
-            protocol.write_heartbeat(
-                client, self.cache, self.current_heartbeat(), self.heartbeat_ttl_s
-            )
-        )
+        client = self._require_resp()
+        call = protocol.heartbeat_call(self.cache, self.current_heartbeat(), self.heartbeat_ttl_s)
+        await client.run_script(_HEARTBEAT, call.keys, call.args, timeout_s=self.op_timeout_s)
 
     async def _heartbeat_loop(self) -> None:
         interval = self.heartbeat_ttl_s / 3
@@ -432,22 +468,16 @@ class ControlSync:
             raise RuntimeError("ControlSync is not started")
         return self._client
 
-    def _pubsub_client(self, attempt: int) -> Redis:
-        """A plain connection for SUBSCRIBE; on a cluster, the nodes in turn."""
+    def _require_resp(self) -> resp.RespClient:
+        if self._resp is None:
+            raise RuntimeError("ControlSync is not started")
+        return self._resp
+
+    def _subscriber_settings(self, attempt: int) -> resp.NodeSettings:
+        """Where to SUBSCRIBE; on a cluster, the nodes in turn."""
         target: RedisTarget = self._target
-        host, port = target.nodes[attempt % len(target.nodes)]
-        return Redis(
-            host=host,
-            port=port,
-            db=0 if target.cluster else target.db,
-            username=target.username,
-            password=target.password,
-            ssl=target.tls,
-            ssl_ca_certs=target.ca_file if target.tls else None,
-            socket_connect_timeout=self.op_timeout_s,
-            socket_timeout=self.op_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        settings = self._require_resp().settings
+        return settings.at(target.nodes[attempt % len(target.nodes)])
 
     async def _bounded(self, awaitable: Awaitable[T], extra_s: float = 0.0) -> T:
         # asyncio.timeout, not wait_for: no extra task per call (the ack path is hot)

@@ -13,9 +13,11 @@ Sources, the first readable of each kind:
   v2 or v1): the share of scheduling periods throttled since the previous
   sample.
 
-Hardware performance counters (``perf_event_open``) are not read by this
-version. Where no source is readable the adapter says so once (logged, and
-in ``describe()`` for ``/status``) and reports no pressure.
+Performance counters (``perf_event_open``, :mod:`cachefleet_sidecar.perf`)
+are sampled with the rest, where the kernel allows them, and reported in
+``describe()``; they do not change the pressure. Where no source is readable
+the adapter says so once (logged, and in ``describe()`` for ``/status``) and
+reports no pressure.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cachefleet_sidecar.perf import PerfCounters
 
 log = logging.getLogger("cachefleet.host")
 
@@ -76,8 +80,10 @@ def parse_cpu_stat(text: str) -> tuple[int, int]:
 class HostPressure:
     """Reads this pod's CPU pressure; never raises on the caller's path."""
 
-    def __init__(self, root: Path = Path("/")) -> None:
+    def __init__(self, root: Path = Path("/"), perf: PerfCounters | None = None) -> None:
         self.root = root
+        #: This process's performance counters (same root: a fake root fakes them too).
+        self.perf = perf if perf is not None else PerfCounters(root)
         self.psi: tuple[Path, str] | None = self._first(PSI_FILES, parse_psi_some_avg10)
         self.cpu_stat: tuple[Path, str] | None = self._first(CPU_STAT_FILES, parse_cpu_stat)
         self._last_periods: tuple[int, int] | None = None
@@ -116,6 +122,7 @@ class HostPressure:
         except (OSError, ValueError) as exc:
             self.errors += 1
             log.debug("host pressure sample failed: %s", exc)
+        self.perf.sample()
         return HostSample(psi, throttled)
 
     def describe(self) -> dict[str, Any]:
@@ -125,6 +132,6 @@ class HostPressure:
             "cpu_stat": None
             if self.cpu_stat is None
             else {"file": str(self.cpu_stat[0]), "scope": self.cpu_stat[1]},
-            "perf_events": "not read by this version",
+            "perf_events": self.perf.describe(),
             "errors": self.errors,
         }

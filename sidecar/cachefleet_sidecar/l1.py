@@ -28,10 +28,14 @@ drops partitions not used for a number of :meth:`TenantL1.advance` ticks
 (entries, share and slot), so slots come back.
 
 A partition's policy is, in order: an explicit :meth:`TenantL1.set_policy`
-override, the quota's policy, the L1's default policy. Changing it migrates
-the entries into a fresh policy instance coldest first (so the hottest end up
-the most recent); entries are dropped only when the new capacity is smaller,
-and then the coldest go first.
+override, the quota's policy, the L1's default policy. Changing it is O(1):
+the partition becomes a :class:`~cachefleet_sidecar.policies.migrating.Migration`
+whose front (the new policy) serves at once, while the old structure's
+entries move over when touched and in bounded batches of
+:meth:`TenantL1.migrate_step`, which the owner calls between requests until
+:attr:`TenantL1.migrating` is False. Entries (with their sizes and costs) are
+dropped only when the new capacity is smaller, and then the old structure's
+coldest go first. Switching back mid-way swaps the two structures' roles.
 
 Pure and single-threaded: no I/O, no locks; the sidecar calls it from its
 event loop.
@@ -49,6 +53,7 @@ from cachefleet_sidecar.policies import (
     available_policies,
     make_policy,
 )
+from cachefleet_sidecar.policies.migrating import Migration
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -72,6 +77,8 @@ class TenantStats:
     #: Entries evicted for capacity since the tenant became active, including
     #: those a policy change dropped because the new capacity was smaller.
     evictions: int
+    #: Entries still in the structure of the previous policy (a switch in progress).
+    migrating: int = 0
 
 
 def _check_policy(name: str) -> str:
@@ -246,8 +253,31 @@ class TenantL1(Generic[K, V]):
         gets it at the next call (the sidecar calls once per switching window).
         """
         for part in self._parts.values():
-            if isinstance(part, SITSPolicy):
-                part.pressure = pressure
+            front = part.front if isinstance(part, Migration) else part
+            if isinstance(front, SITSPolicy):
+                front.pressure = pressure
+
+    @property
+    def migrating(self) -> bool:
+        """True while some partition still holds entries of a previous policy."""
+        return any(isinstance(part, Migration) for part in self._parts.values())
+
+    def migrate_step(self, budget: int) -> int:
+        """Move up to ``budget`` entries of switched partitions into their new policy.
+
+        Bounded work, for the owner to call between requests until
+        :attr:`migrating` is False; a partition whose old structure is empty
+        becomes its new policy alone. Returns the number of entries moved.
+        """
+        moved = 0
+        for tenant, part in list(self._parts.items()):
+            if not isinstance(part, Migration):
+                continue
+            if moved < budget:
+                moved += part.step(budget - moved)
+            if part.done:
+                self._replace(tenant, part, part.front)
+        return moved
 
     def remove_tenant(self, tenant: str) -> bool:
         """Drop ``tenant``'s partition and give its share back; True if active."""
@@ -296,6 +326,11 @@ class TenantL1(Generic[K, V]):
             self._apply(self._parts)
         return gone
 
+    def entries(self, tenant: str) -> list[tuple[K, V, int]]:
+        """``tenant``'s resident ``(key, value, size)``, coldest first (O(n): tests, debugging)."""
+        part = self._parts.get(tenant)
+        return [] if part is None else list(part.items())
+
     def stats(self) -> dict[str, TenantStats]:
         """Per active tenant: policy, capacity, bytes used, entries, evictions."""
         return {
@@ -305,6 +340,7 @@ class TenantL1(Generic[K, V]):
                 used_bytes=part.used_bytes,
                 entries=len(part),
                 evictions=self._evictions_before.get(tenant, 0) + part.evictions,
+                migrating=part.pending if isinstance(part, Migration) else 0,
             )
             for tenant, part in self._parts.items()
         }
@@ -374,24 +410,22 @@ class TenantL1(Generic[K, V]):
             capacity = capacities[tenant]
             policy = self._policy_of(tenant)
             if part.name != policy:
-                self._parts[tenant] = self._migrate(tenant, part, policy, capacity)
-            elif part.capacity_bytes != capacity:
+                if isinstance(part, Migration) and part.back.name == policy:
+                    # Back to the policy still draining: swap the roles.
+                    part.resize(capacity)
+                    new: ReplacementPolicy[K, V] = part.reversed()
+                else:
+                    new = Migration(part, make_policy(policy, part.capacity_bytes))
+                self._replace(tenant, part, new)
+                part = new
+            if part.capacity_bytes != capacity:
                 part.resize(capacity)
 
-    def _migrate(
-        self, tenant: str, old: ReplacementPolicy[K, V], policy: str, capacity: int
-    ) -> ReplacementPolicy[K, V]:
-        """A new ``policy`` instance holding ``old``'s entries, hottest kept."""
-        entries = list(old.items())  # coldest first
-        start = len(entries)
-        room = capacity
-        while start > 0 and entries[start - 1][2] <= room:
-            start -= 1
-            room -= entries[start][2]
-        new: ReplacementPolicy[K, V] = make_policy(policy, capacity)
-        for key, value, size in entries[start:]:
-            new.put(key, value, size)
+    def _replace(
+        self, tenant: str, old: ReplacementPolicy[K, V], new: ReplacementPolicy[K, V]
+    ) -> None:
+        """Put ``new`` in ``old``'s place, keeping the tenant's eviction count continuous."""
         self._evictions_before[tenant] = (
-            self._evictions_before.get(tenant, 0) + old.evictions + start
+            self._evictions_before.get(tenant, 0) + old.evictions - new.evictions
         )
-        return new
+        self._parts[tenant] = new

@@ -5,12 +5,23 @@ the keys of one tenant (one cluster slot), so a hit is one round trip and a
 put enforces the tenant's byte quota atomically (see the protocol docstring
 for the exact rules).
 
+The scripts run on the sidecar's own lean client (:mod:`cachefleet_sidecar.resp`:
+one pipelined connection per Redis node, EVALSHA, a deadline per command);
+redis-py is used only to register a tenant for invalidation fencing (once
+per tenant, off the request path).
+
 The cache must never make a request fail or wait long: every operation is
-bounded by ``op_timeout_s``, and a :class:`CircuitBreaker` stops calling
-Redis after ``failure_threshold`` consecutive failures, so once Redis is known
-to be down an operation returns at once (``get`` -> None, ``put`` -> False).
-After ``cooldown_s`` one probe is let through; when it succeeds the tier is
-back without a new object (redis-py reconnects its pool by itself).
+bounded by ``op_timeout_s``, and a :class:`CircuitBreaker` *per Redis node*
+stops calling a node after ``failure_threshold`` consecutive failures on it,
+so once a node is known to be down an operation on its tenants returns at
+once (``get`` -> None, ``put`` -> False) while the other nodes of a cluster
+keep serving (their successes do not reset the dead node's breaker). After
+``cooldown_s`` one probe is let through; when it succeeds the node is back
+without a new object (the client reconnects by itself). Making a connection
+is not an operation's cost: it runs in the background (eagerly at
+:meth:`RedisL2.connect`), and an operation whose budget runs out while its
+connection is still being made is a miss that does not count against the
+breaker.
 
 Choosing the deployment: :meth:`RedisL2.from_url` follows the URL convention
 of :func:`cachefleet_sidecar.protocol.parse_redis_url`: ``redis://host:port/db``
@@ -29,26 +40,26 @@ its slot; :meth:`RedisL2.forget_registrations` makes it register again (after
 Redis lost its state).
 
 Quota: ``set_limit(tenant, n)`` stores the tenant's limit in Redis (shared by
-every sidecar); a limit of 0 or none at all means ``default_limit_bytes``
-given at construction (:data:`DEFAULT_LIMIT_BYTES` unless changed).
+every sidecar) and, when it was lowered, evicts down to it at once; a limit
+of 0 or none at all means ``default_limit_bytes`` given at construction
+(:data:`DEFAULT_LIMIT_BYTES` unless changed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, Literal
 
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar import protocol, resp
 from cachefleet_sidecar.epochs import EpochVector
 from cachefleet_sidecar.protocol import RedisClient
 
@@ -66,12 +77,20 @@ DEFAULT_MAX_EVICT = 64
 DEFAULT_WARMUP_TIMEOUT_S = 2.0
 #: Upper bound of registering a tenant for invalidation fencing (once per tenant), s.
 DEFAULT_REGISTER_TIMEOUT_S = 1.0
+#: Most entries one call of the set-limit script evicts or reclaims.
+SET_LIMIT_BATCH = 1000
+#: Most calls of the set-limit script one :meth:`RedisL2.set_limit` makes.
+SET_LIMIT_MAX_CALLS = 100
+#: Most tenants / epoch vectors whose script keys / arguments are kept ready (then cleared).
+MEMO_LIMIT = 4096
 #: Consecutive failures that open the breaker.
 DEFAULT_FAILURE_THRESHOLD = 3
 #: How long an open breaker refuses calls before letting one probe through, s.
 DEFAULT_COOLDOWN_S = 1.0
-#: Socket connect timeout of the client, seconds (the op timeout bounds it too).
+#: Socket connect timeout of the registration client, seconds (the op timeout bounds it too).
 DEFAULT_CONNECT_TIMEOUT_S = 0.25
+#: Upper bound of making one hot-path connection (TCP, TLS, AUTH), in the background, s.
+DEFAULT_SETUP_TIMEOUT_S = 2.0
 
 #: What a versioned read returns for a stored value that is not an entry of
 #: the reader's epochs (it is dropped from Redis): no entry is empty, so the
@@ -79,7 +98,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 0.25
 CORRUPT: Final = b""
 
 State = Literal["ok", "degraded", "down"]
-T = TypeVar("T")
 
 
 class CircuitBreaker:
@@ -137,6 +155,14 @@ class CircuitBreaker:
             self._opened_at = self._clock()
         self._probing = False
 
+    def neither(self) -> None:
+        """The call said nothing about the node (still connecting): a probe may go again."""
+        self._probing = False
+
+    def copy(self) -> CircuitBreaker:
+        """A fresh breaker with the same settings (one per Redis node)."""
+        return CircuitBreaker(self.failure_threshold, self.cooldown_s, self._clock)
+
 
 @dataclass
 class L2Counters:
@@ -151,22 +177,10 @@ class L2Counters:
     errors: int = 0
     timeouts: int = 0
     short_circuited: int = 0
+    #: Operations whose budget ran out while their connection was still being made.
+    not_ready: int = 0
     #: Reads and writes refused because their epochs were behind the fence.
     stale_refused: int = 0
-
-
-class _Script:
-    """A Lua script run by EVALSHA, loaded again when Redis has forgotten it."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, client: RedisClient, keys: list[str], args: list[Any]) -> Any:
-        try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await client.eval(self.source, len(keys), *keys, *args)
 
 
 class _Failed(enum.Enum):
@@ -183,21 +197,29 @@ def _ints3(reply: Any) -> tuple[int, int, int]:
     return first, second, third
 
 
-_GET = _Script(protocol.L2_GET_LUA)
-_PUT = _Script(protocol.L2_PUT_LUA)
-_USAGE = _Script(protocol.L2_USAGE_LUA)
-_GET_V = _Script(protocol.L2_GET_VERSIONED_LUA)
-_PUT_V = _Script(protocol.L2_PUT_VERSIONED_LUA)
+_GET = resp.Script(protocol.L2_GET_LUA)
+_PUT = resp.Script(protocol.L2_PUT_LUA)
+_USAGE = resp.Script(protocol.L2_USAGE_LUA)
+_GET_V = resp.Script(protocol.L2_GET_VERSIONED_LUA)
+_PUT_V = resp.Script(protocol.L2_PUT_VERSIONED_LUA)
+_SET_LIMIT = resp.Script(protocol.L2_SET_LIMIT_LUA)
+_SCRIPTS = (_GET, _PUT, _USAGE, _GET_V, _PUT_V, _SET_LIMIT)
 
 
 class RedisL2:
-    """Per-tenant byte-bounded response cache in Redis for one InferenceCache."""
+    """Per-tenant byte-bounded response cache in Redis for one InferenceCache.
+
+    ``client`` runs the scripts; ``setup`` (redis-py, same Redis) registers
+    tenants for invalidation fencing. ``breaker`` is the template of the
+    per-node breakers (the first node uses that very object).
+    """
 
     def __init__(
         self,
-        client: RedisClient,
+        client: resp.RespClient,
         cache: str,
         *,
+        setup: RedisClient | None = None,
         op_timeout_s: float = DEFAULT_OP_TIMEOUT_S,
         ttl_s: float = DEFAULT_TTL_S,
         default_limit_bytes: int = DEFAULT_LIMIT_BYTES,
@@ -205,16 +227,19 @@ class RedisL2:
         breaker: CircuitBreaker | None = None,
     ) -> None:
         self._client = client
+        self._setup = setup
         self.cache = cache
         self.op_timeout_s = op_timeout_s
         self.ttl_s = ttl_s
         self.default_limit_bytes = default_limit_bytes
         self.max_evict = max_evict
-        self.breaker = breaker if breaker is not None else CircuitBreaker()
+        first = breaker if breaker is not None else CircuitBreaker()
+        self._breakers: dict[resp.Address, CircuitBreaker] = {client.address_for(None): first}
         self.counters = L2Counters()
         self._last_error: str | None = None
-        self._abandoned: set[asyncio.Future[Any]] = set()
         self._registered: set[str] = set()
+        self._tails: dict[str, list[str]] = {}
+        self._vector_args: dict[EpochVector, list[str]] = {}
         #: Called (synchronously) when a read was refused for being behind the fence.
         self.on_behind: Callable[[], None] | None = None
 
@@ -231,17 +256,25 @@ class RedisL2:
         max_evict: int = DEFAULT_MAX_EVICT,
         breaker: CircuitBreaker | None = None,
     ) -> RedisL2:
-        """Build the tier on a new client for ``url`` (see the module docstring)."""
-        options: dict[str, Any] = {
-            "socket_connect_timeout": min(DEFAULT_CONNECT_TIMEOUT_S, max(op_timeout_s, 0.01)),
-            "socket_timeout": max(op_timeout_s * 4, 0.05),
+        """Build the tier on new clients for ``url`` (see the module docstring)."""
+        client = protocol.resp_client(
+            url,
+            cluster=cluster,
+            command_timeout_s=op_timeout_s,
+            connect_timeout_s=DEFAULT_SETUP_TIMEOUT_S,
+        )
+        setup = protocol.redis_from_url(
+            url,
+            cluster=cluster,
+            socket_connect_timeout=DEFAULT_REGISTER_TIMEOUT_S,
+            socket_timeout=DEFAULT_REGISTER_TIMEOUT_S,
             # No client-side retries: the breaker decides when to try again.
-            "retry": Retry(NoBackoff(), 0),
-        }
-        client = protocol.redis_from_url(url, cluster=cluster, **options)
+            retry=Retry(NoBackoff(), 0),
+        )
         return cls(
             client,
             cache,
+            setup=setup,
             op_timeout_s=op_timeout_s,
             ttl_s=ttl_s,
             default_limit_bytes=default_limit_bytes,
@@ -252,12 +285,31 @@ class RedisL2:
     # ----------------------------------------------------------------- state
 
     @property
+    def breaker(self) -> CircuitBreaker:
+        """The breaker of the first node (the only one of a standalone Redis)."""
+        return self._breakers[self._client.address_for(None)]
+
+    def breaker_for(self, address: resp.Address) -> CircuitBreaker:
+        """The breaker of the node at ``address`` (made on first use)."""
+        breaker = self._breakers.get(address)
+        if breaker is None:
+            breaker = self._breakers[address] = self.breaker.copy()
+        return breaker
+
+    def node_states(self) -> dict[str, str]:
+        """``host:port`` -> breaker state of every node this tier has used."""
+        return {f"{h}:{p}": b.state for (h, p), b in sorted(self._breakers.items())}
+
+    @property
     def state(self) -> State:
-        """``down`` while the breaker is open, ``degraded`` after recent failures."""
-        breaker_state = self.breaker.state
-        if breaker_state == "open":
+        """``down`` while every node's breaker is open, ``degraded`` after recent failures."""
+        states = [b.state for b in self._breakers.values()]
+        if all(state == "open" for state in states):
             return "down"
-        if breaker_state == "half_open" or self.breaker.consecutive_failures:
+        if any(
+            state != "closed" or b.consecutive_failures
+            for state, b in zip(states, self._breakers.values(), strict=True)
+        ):
             return "degraded"
         return "ok"
 
@@ -270,19 +322,21 @@ class RedisL2:
     async def connect(self, timeout_s: float = DEFAULT_WARMUP_TIMEOUT_S) -> bool:
         """Connect and load the scripts now, so the first request is one round trip.
 
-        Call it at start-up: a cold client (cluster discovery, script upload)
-        can take longer than ``op_timeout_s``. Bounded by ``timeout_s``; never
-        raises. On False the tier still works: the breaker retries later.
+        Call it at start-up: a cold client (TLS handshake, cluster discovery,
+        script upload) can take longer than ``op_timeout_s``. Bounded by
+        ``timeout_s``; never raises. On False the tier still works: the
+        connections keep being made in the background and the breakers retry.
         """
         try:
             async with asyncio.timeout(timeout_s):
-                for script in (_GET, _PUT, _USAGE, _GET_V, _PUT_V):
-                    await self._client.script_load(script.source)
+                await self._client.connect(timeout_s)
+                await self._client.load_scripts(_SCRIPTS, timeout_s)
         except Exception as exc:  # a cache fault must never fail start-up
             self.counters.errors += 1
-            self._fail(f"connect: {type(exc).__name__}: {exc}")
+            self._fail(self.breaker, f"connect: {type(exc).__name__}: {exc}")
             return False
-        self.breaker.success()
+        for node in self._client.nodes:
+            self.breaker_for(node.address).success()
         return True
 
     async def get(
@@ -298,35 +352,28 @@ class RedisL2:
         if vector is not None:
             return await self._get_versioned(tenant, digest_hex, vector)
         keys = protocol.l2_keys(self.cache, tenant, digest_hex)
-
-        async def call() -> bytes | None:
-            raw = await _GET(self._client, keys, [])
-            return None if raw is None else bytes(raw)
-
-        found = await self._guarded(call)
-        if found is _FAILED:
+        raw = await self._run(_GET, keys, ())
+        if raw is _FAILED:
             return None
-        if found is None:
+        if raw is None:
             self.counters.misses += 1
             return None
         self.counters.hits += 1
-        return found
+        return bytes(raw)
 
     async def _get_versioned(
         self, tenant: str, digest_hex: str, vector: EpochVector
     ) -> bytes | None:
-        keys = protocol.l2_versioned_keys(self.cache, tenant, digest_hex)
-        args = protocol.vector_args(vector)
-
-        async def call() -> tuple[int, bytes | None]:
-            reply = await _GET_V(self._client, keys, args)
-            status = int(reply[0])
-            return status, (bytes(reply[1]) if status == 1 else None)
-
-        found = await self._guarded(call)
-        if found is _FAILED:
+        keys = self._versioned_keys(tenant, digest_hex)
+        reply = await self._run(_GET_V, keys, self._args_of(vector))
+        if reply is _FAILED:
             return None
-        status, value = found
+        try:
+            status = int(reply[0])
+            value = bytes(reply[1]) if status == 1 else None
+        except (TypeError, ValueError, IndexError):
+            self.counters.errors += 1
+            return None
         if status == -1:
             self.counters.stale_refused += 1
             if self.on_behind is not None:
@@ -340,6 +387,24 @@ class RedisL2:
             return None
         self.counters.hits += 1
         return value
+
+    def _versioned_keys(self, tenant: str, digest_hex: str) -> list[str]:
+        """:func:`protocol.l2_versioned_keys`, the tenant's part computed once."""
+        tail = self._tails.get(tenant)
+        if tail is None:
+            if len(self._tails) >= MEMO_LIMIT:
+                self._tails.clear()
+            tail = self._tails[tenant] = protocol.l2_versioned_keys(self.cache, tenant, "")[1:]
+        return [protocol.entry_key(self.cache, tenant, digest_hex), *tail]
+
+    def _args_of(self, vector: EpochVector) -> list[str]:
+        """:func:`protocol.vector_args` of ``vector``, computed once per vector."""
+        args = self._vector_args.get(vector)
+        if args is None:
+            if len(self._vector_args) >= MEMO_LIMIT:
+                self._vector_args.clear()
+            args = self._vector_args[vector] = protocol.vector_args(vector)
+        return args
 
     def forget_registrations(self) -> None:
         """Register every tenant again before its next versioned write."""
@@ -355,7 +420,7 @@ class RedisL2:
         """
         versioned = vector is not None
         keys = (
-            protocol.l2_versioned_keys(self.cache, tenant, digest_hex)
+            self._versioned_keys(tenant, digest_hex)
             if versioned
             else protocol.l2_keys(self.cache, tenant, digest_hex)
         )
@@ -366,27 +431,21 @@ class RedisL2:
             self.max_evict,
         ]
         if vector is not None:
-            args += protocol.vector_args(vector)
+            args += self._args_of(vector)
 
         if versioned and tenant not in self._registered:
-            # Once per tenant, off the request path (puts run in the background):
-            # a few round trips to two slots, so it gets a longer bound.
-            async def register() -> bool:
-                await protocol.register_tenant(self._client, self.cache, tenant)
-                return True
-
-            if await self._guarded(register, DEFAULT_REGISTER_TIMEOUT_S) is not True:
+            if not await self._register(tenant, keys[0]):
                 return False
             self._registered.add(tenant)
 
-        async def call() -> tuple[int, int, int]:
-            script = _PUT_V if versioned else _PUT
-            return _ints3(await script(self._client, keys, args))
-
-        reply = await self._guarded(call)
+        reply = await self._run(_PUT_V if versioned else _PUT, keys, args)
         if reply is _FAILED:
             return False
-        status, evicted, reclaimed = reply
+        try:
+            status, evicted, reclaimed = _ints3(reply)
+        except (TypeError, ValueError):
+            self.counters.errors += 1
+            return False
         self.counters.evictions += evicted
         self.counters.reclaimed_expired += reclaimed
         if status == 1:
@@ -398,15 +457,49 @@ class RedisL2:
         self.counters.refused += 1
         return False
 
+    async def _register(self, tenant: str, data_key: str) -> bool:
+        """Register ``tenant`` for fencing (once per tenant, off the request path)."""
+        setup = self._setup
+        if setup is None:
+            return False
+        breaker = self.breaker_for(self._client.address_for(data_key))
+        if not breaker.allow():
+            self.counters.short_circuited += 1
+            return False
+        try:
+            # a few round trips to two slots, so it gets a longer bound
+            async with asyncio.timeout(DEFAULT_REGISTER_TIMEOUT_S):
+                await protocol.register_tenant(setup, self.cache, tenant)
+        except Exception as exc:  # a cache fault must never fail a request
+            self.counters.errors += 1
+            self._fail(breaker, f"register {tenant}: {type(exc).__name__}: {exc}")
+            return False
+        breaker.success()
+        return True
+
     async def set_limit(self, tenant: str, l2_bytes: int) -> bool:
-        """Set the tenant's limit (0 = the default limit). False if Redis refused."""
-        key = protocol.usage_key(self.cache, tenant)
+        """Set the tenant's limit (0 = the default limit); False if Redis refused.
 
-        async def call() -> bool:
-            await self._client.hset(key, "limit", str(max(0, int(l2_bytes))))
-            return True
-
-        return await self._guarded(call) is True
+        A lowered limit takes effect at once: the tenant's expired and least
+        recently used entries go until its bytes fit (in bounded script calls,
+        at most :data:`SET_LIMIT_MAX_CALLS` of :data:`SET_LIMIT_BATCH` entries).
+        """
+        keys = protocol.l2_meta_keys(self.cache, tenant)
+        args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH)
+        for _ in range(SET_LIMIT_MAX_CALLS):
+            reply = await self._run(_SET_LIMIT, keys, args, self._limit_timeout_s)
+            if reply is _FAILED:
+                return False
+            try:
+                evicted, reclaimed, over = _ints3(reply)
+            except (TypeError, ValueError):
+                self.counters.errors += 1
+                return False
+            self.counters.evictions += evicted
+            self.counters.reclaimed_expired += reclaimed
+            if over <= 0:
+                return True
+        return True
 
     async def usage(self, tenant: str) -> tuple[int, int]:
         """(bytes used, limit in force) of ``tenant``; (0, 0) when Redis is unavailable.
@@ -415,34 +508,29 @@ class RedisL2:
         expired entries do not linger in the count.
         """
         keys = protocol.l2_meta_keys(self.cache, tenant)
-        args: list[Any] = [self.default_limit_bytes, self.max_evict]
-
-        async def call() -> tuple[int, int, int]:
-            return _ints3(await _USAGE(self._client, keys, args))
-
-        reply = await self._guarded(call)
+        reply = await self._run(_USAGE, keys, (self.default_limit_bytes, self.max_evict))
         if reply is _FAILED:
             return (0, 0)
-        used, limit, reclaimed = reply
+        try:
+            used, limit, reclaimed = _ints3(reply)
+        except (TypeError, ValueError):
+            self.counters.errors += 1
+            return (0, 0)
         self.counters.reclaimed_expired += reclaimed
         return (used, limit)
 
     async def ping(self) -> bool:
         """One bounded PING that goes through the breaker (readiness probes)."""
-
-        async def call() -> bool:
-            return bool(await self._client.ping())
-
-        return await self._guarded(call) is True
+        return bool(await self._call(None, ("PING",)) == b"PONG")
 
     async def aclose(self) -> None:
-        """Close the client's connections (idempotent)."""
-        for task in list(self._abandoned):
-            task.cancel()
-        try:
-            await self._client.aclose()
-        except (RedisError, OSError) as exc:
-            log.debug("closing the L2 client: %s", exc)
+        """Close the clients' connections (idempotent)."""
+        await self._client.aclose()
+        if self._setup is not None:
+            try:
+                await self._setup.aclose()
+            except (RedisError, OSError) as exc:
+                log.debug("closing the L2 set-up client: %s", exc)
 
     async def __aenter__(self) -> RedisL2:
         return self
@@ -452,50 +540,65 @@ class RedisL2:
 
     # --------------------------------------------------------------- guards
 
-    async def _guarded(
-        self, call: Callable[[], Coroutine[Any, Any, T]], timeout_s: float | None = None
-    ) -> T | Literal[_Failed.FAILED]:
-        """Run ``call`` through the breaker and the timeout; never raises."""
-        if not self.breaker.allow():
+    @property
+    def _limit_timeout_s(self) -> float:
+        # a batch of evictions is more than one lookup: off the request path, so a longer bound
+        return max(self.op_timeout_s, DEFAULT_REGISTER_TIMEOUT_S)
+
+    async def _run(
+        self,
+        script: resp.Script,
+        keys: list[str],
+        args: Sequence[Any],
+        timeout_s: float | None = None,
+    ) -> Any | Literal[_Failed.FAILED]:
+        """Run ``script`` on its keys' node through that node's breaker; never raises."""
+        breaker = self.breaker_for(self._client.address_for(keys[0]))
+        if not breaker.allow():
             self.counters.short_circuited += 1
             return _FAILED
-        # Not asyncio.wait_for: it waits for the cancelled call to clean up,
-        # which a client reconnecting to a dead node can stretch well past the
-        # timeout. The call is abandoned instead and finishes in the background.
-        task = asyncio.ensure_future(call())
         try:
-            await asyncio.wait({task}, timeout=timeout_s or self.op_timeout_s)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        if not task.done():
-            task.cancel()
-            self._abandoned.add(task)
-            task.add_done_callback(self._forget_abandoned)
-            self.counters.timeouts += 1
-            self._fail("timeout")
-            return _FAILED
-        try:
-            result = task.result()
+            reply = await self._client.run_script(
+                script, keys, args, timeout_s=timeout_s or self.op_timeout_s
+            )
         except Exception as exc:  # a cache fault must never fail a request
-            # RedisError, OSError, RedisClusterException (not a RedisError),
-            # or a reply of an unexpected shape.
-            self.counters.errors += 1
-            self._fail(f"{type(exc).__name__}: {exc}")
-            return _FAILED
-        if self.breaker.state != "closed":
+            return self._fault(breaker, exc)
+        if breaker.state != "closed":
             log.info("L2 %s: Redis answers again", self.cache)
-        self.breaker.success()
-        return result
+        breaker.success()
+        return reply
 
-    def _forget_abandoned(self, task: asyncio.Future[Any]) -> None:
-        self._abandoned.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved, so asyncio does not log it
+    async def _call(self, key: str | None, args: tuple[Any, ...]) -> Any:
+        """One plain command on ``key``'s node through its breaker; _FAILED on any fault."""
+        breaker = self.breaker_for(self._client.address_for(key))
+        if not breaker.allow():
+            self.counters.short_circuited += 1
+            return _FAILED
+        try:
+            reply = await self._client.execute(*args, key=key, timeout_s=self.op_timeout_s)
+        except Exception as exc:  # a cache fault must never fail a request
+            return self._fault(breaker, exc)
+        breaker.success()
+        return reply
 
-    def _fail(self, reason: str) -> None:
-        was_open = self.breaker.state != "closed"
-        self.breaker.failure()
+    def _fault(self, breaker: CircuitBreaker, exc: Exception) -> Literal[_Failed.FAILED]:
+        if isinstance(exc, resp.NotReady):
+            # Connection set-up is not the operation's cost: a miss, not a node failure.
+            self.counters.not_ready += 1
+            breaker.neither()
+            return _FAILED
+        if isinstance(exc, resp.CommandTimeout):
+            self.counters.timeouts += 1
+            self._fail(breaker, "timeout")
+            return _FAILED
+        # ReplyError, ConnectionLost, or a reply of an unexpected shape.
+        self.counters.errors += 1
+        self._fail(breaker, f"{type(exc).__name__}: {exc}")
+        return _FAILED
+
+    def _fail(self, breaker: CircuitBreaker, reason: str) -> None:
+        was_open = breaker.state != "closed"
+        breaker.failure()
         if self._last_error is None or not was_open:
             log.warning("L2 %s: %s (state %s)", self.cache, reason, self.state)
         self._last_error = reason

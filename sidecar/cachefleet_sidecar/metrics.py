@@ -192,6 +192,15 @@ class SidecarMetrics:
         key = (tenant, old, new)
         self.policy_switches[key] = self.policy_switches.get(key, 0) + 1
 
+    def expect_policy_switches(self, tenant: str, policy: str, target: str) -> None:
+        """Export ``tenant``'s switch (policy -> target) and rollback series at 0 until used.
+
+        A counter series that first appears at 1 shows Prometheus no change, so
+        the operator would never see a tenant's first switch (docs/sits.md).
+        """
+        self.policy_switches.setdefault((tenant, policy, target), 0)
+        self.policy_switches.setdefault((tenant, target, policy), 0)
+
     def render(self) -> bytes:
         return b"".join(self.exposition())
 

@@ -81,6 +81,7 @@ costs ``len(value)`` bytes; the tenant's limit is ``usage.limit`` or, when that
 is 0 or absent, the default limit the client passes; a put first reclaims
 expired entries, then evicts the tenant's least recently used entries (at most
 ``max_evict`` per call) and refuses the value if it still does not fit.
+Setting a tenant's limit (:data:`L2_SET_LIMIT_LUA`) evicts down to it at once.
 
 Redis URLs (one convention for operator and sidecars, see
 :func:`parse_redis_url`): ``redis://host:port/db`` (or ``rediss://``) is a
@@ -102,6 +103,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
+from cachefleet_sidecar import resp
 from cachefleet_sidecar.epochs import CACHE_SCOPE as CACHE_SCOPE
 from cachefleet_sidecar.epochs import EpochVector, encode_vector, parse_epochs
 from cachefleet_sidecar.epochs import model_scope as model_scope
@@ -432,6 +434,41 @@ return {used, limit_of(meta, ARGV[1]), reclaimed}
 )
 
 
+#: KEYS = :func:`l2_meta_keys`; ARGV[1] = the tenant's new limit (0 = the
+#: default), ARGV[2] = default limit (bytes), ARGV[3] = most entries reclaimed
+#: or evicted by this call. Stores the limit, then reclaims expired entries and
+#: evicts the tenant's least recently used ones until its bytes fit the limit in
+#: force (a lowered limit takes effect at once, not over the next puts). Returns
+#: {evicted, reclaimed, bytes still over the limit}; the caller calls again
+#: while the last is positive (each call is bounded, so Redis is never blocked long).
+L2_SET_LIMIT_LUA = (
+    _L2_LUA_PRELUDE
+    + """
+local meta = {KEYS[1], KEYS[2], KEYS[3], KEYS[4]}
+redis.call('HSET', meta[1], 'limit', ARGV[1])
+local max_n = tonumber(ARGV[3])
+local limit = limit_of(meta, ARGV[2])
+local reclaimed = reap(meta, math.floor(now_us() / 1000), max_n)
+local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+local evicted = 0
+local steps = reclaimed
+while used > limit and steps < max_n do
+  local oldest = redis.call('ZRANGE', meta[2], 0, 0)
+  if #oldest == 0 then
+    redis.call('HSET', meta[1], 'bytes', 0)
+    used = 0
+    break
+  end
+  if forget(meta, oldest[1]) == 1 then evicted = evicted + 1 else reclaimed = reclaimed + 1 end
+  steps = steps + 1
+  used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
+end
+local over = used - limit
+if over < 0 then over = 0 end
+return {evicted, reclaimed, over}
+"""
+)
+
 # ------------------------------------------------------------------------ metrics
 # The sidecar exports these; the operator reads them back through Prometheus.
 # Every sidecar series carries the label ``cache="<namespace>/<name>"``.
@@ -533,6 +570,29 @@ def promql_hit_ratio(cache: str, window: str) -> str:
 def promql_rps(cache: str, window: str) -> str:
     """Per-tenant request rate (all results)."""
     return f'sum by (tenant) (rate({METRIC_REQUESTS}{{cache="{cache}"}}[{window}]))'
+
+
+#: Counter, labels cache, tenant, from_policy, to_policy: L1 policy switches of a
+#: sidecar's switching engine (to ``sits``) and their rollbacks (from ``sits``). The
+#: sidecar exports each tenant's two series at 0 before its first switch, so that
+#: a first switch is a change Prometheus can see (docs/sits.md).
+METRIC_POLICY_SWITCHES = "cachefleet_policy_switches_total"
+
+
+def promql_policy_switches(cache: str, span: str) -> str:
+    """Per tenant and (from, to): how many series (pods) counted a switch over ``span``.
+
+    Each series' value now minus its value ``span`` ago (``offset``), not
+    ``increase()``: evaluated at instants that tile time (each query's span
+    starts where the last one ended), these differences add up exactly, with no
+    change lost between two scrapes that straddle a boundary. A series new
+    within the span counts if it is above 0; a counter reset is not counted.
+    """
+    x = f'{METRIC_POLICY_SWITCHES}{{cache="{cache}"}}'
+    return (
+        "count by (tenant, from_policy, to_policy) "
+        f"((({x} - ({x} offset {span})) > 0) or ({x} > 0 unless ({x} offset {span})))"
+    )
 
 
 # --------------------------------------------------------------------- redis URLs
@@ -643,6 +703,37 @@ def redis_from_url(url: str, *, cluster: bool | None = None, **options: Any) -> 
     return Redis(host=host, port=port, db=target.db, **common, **options)
 
 
+def resp_client(
+    url: str,
+    *,
+    cluster: bool | None = None,
+    command_timeout_s: float = resp.DEFAULT_COMMAND_TIMEOUT_S,
+    connect_timeout_s: float = resp.DEFAULT_CONNECT_TIMEOUT_S,
+) -> resp.RespClient:
+    """The sidecar's lean hot-path client (:mod:`cachefleet_sidecar.resp`) for ``url``.
+
+    Same URL convention, credentials (ACL user) and TLS (``rediss``, ``?ssl_ca_certs``)
+    as :func:`redis_from_url`; it connects lazily (call ``connect()`` to warm up).
+    """
+    target = parse_redis_url(url, cluster=cluster)
+    host, port = target.nodes[0]
+    settings = resp.NodeSettings(
+        host=host,
+        port=port,
+        username=target.username,
+        password=target.password,
+        db=0 if target.cluster else target.db,
+        ssl_context=resp.tls_context(target.ca_file) if target.tls else None,
+        connect_timeout_s=connect_timeout_s,
+    )
+    return resp.RespClient(
+        settings,
+        cluster=target.cluster,
+        startup=target.nodes,
+        command_timeout_s=command_timeout_s,
+    )
+
+
 # ------------------------------------------------------------------ Redis ACLs
 # Least-privilege ACL rules (``ACL SETUSER <user> on ><password> <rules...>``) for the
 # two kinds of Redis user; docs/security.md shows them and a test runs under them.
@@ -735,25 +826,41 @@ async def read_quotas(client: RedisClient, cache: str) -> QuotaAssignment | None
     return QuotaAssignment.model_validate_json(raw)
 
 
+@dataclass(frozen=True)
+class ScriptCall:
+    """One script invocation: the Lua source, its KEYS and ARGV (any client runs it)."""
+
+    source: str
+    keys: list[str]
+    args: list[str]
+
+
+def heartbeat_call(
+    cache: str, heartbeat: Heartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+) -> ScriptCall:
+    """The :data:`HEARTBEAT_LUA` call that registers ``heartbeat`` for ``ttl_s`` seconds."""
+    now = time.time()
+    ttl_ms = max(1, int(ttl_s * 1000))
+    return ScriptCall(
+        HEARTBEAT_LUA,
+        [members_key(cache), member_key(cache, heartbeat.pod), tombstone_key(cache)],
+        [
+            heartbeat.pod,
+            repr(now + ttl_s),
+            str(ttl_ms),
+            heartbeat.model_dump_json(),
+            repr(now),
+            str(ttl_ms * MEMBERS_TTL_FACTOR),
+        ],
+    )
+
+
 async def write_heartbeat(
     client: RedisClient, cache: str, heartbeat: Heartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
 ) -> None:
     """Register ``heartbeat`` as a live member for ``ttl_s`` seconds (not for a deleted cache)."""
-    now = time.time()
-    ttl_ms = max(1, int(ttl_s * 1000))
-    await client.eval(
-        HEARTBEAT_LUA,
-        3,
-        members_key(cache),
-        member_key(cache, heartbeat.pod),
-        tombstone_key(cache),
-        heartbeat.pod,
-        repr(now + ttl_s),
-        str(ttl_ms),
-        heartbeat.model_dump_json(),
-        repr(now),
-        str(ttl_ms * MEMBERS_TTL_FACTOR),
-    )
+    call = heartbeat_call(cache, heartbeat, ttl_s)
+    await client.eval(call.source, len(call.keys), *call.keys, *call.args)
 
 
 async def bury(
@@ -1091,17 +1198,19 @@ async def publish_epochs(client: RedisClient, cache: str, epochs: Mapping[str, i
     await client.publish(control_channel(cache), message.model_dump_json())
 
 
+def ack_call(cache: str, ack: EpochAck) -> ScriptCall:
+    """The :data:`ACK_LUA` call that records ``ack`` and announces it."""
+    return ScriptCall(
+        ACK_LUA,
+        [acks_key(cache), tombstone_key(cache)],
+        [ack.pod, ack.model_dump_json(), ack_channel(cache)],
+    )
+
+
 async def write_ack(client: RedisClient, cache: str, ack: EpochAck) -> None:
     """Record ``ack`` and announce it on :func:`ack_channel` (one round trip)."""
-    await client.eval(
-        ACK_LUA,
-        2,
-        acks_key(cache),
-        tombstone_key(cache),
-        ack.pod,
-        ack.model_dump_json(),
-        ack_channel(cache),
-    )
+    call = ack_call(cache, ack)
+    await client.eval(call.source, len(call.keys), *call.keys, *call.args)
 
 
 async def read_acks(client: RedisClient, cache: str) -> dict[str, EpochAck]:

@@ -4,7 +4,7 @@ Pure: no I/O, no wall time (every call takes ``now``, seconds on any
 monotonic clock), so tests drive it with synthetic latency streams. The
 sidecar feeds it one observation per cached-endpoint request and applies the
 :class:`Decision` objects that :meth:`SwitchingEngine.tick` returns (a switch
-is :meth:`TenantL1.set_policy`, which migrates the entries in one step).
+is :meth:`TenantL1.set_policy`: O(1), the entries move over in bounded batches).
 
 Per tenant and window (default 10 s) the engine computes the P99 of request
 latency and the Shannon entropy of the key stream. Windows with fewer than
@@ -400,11 +400,21 @@ def _round(value: float | None) -> float | None:
 def gpu_pressure(samples: list[Any]) -> float:
     """Saturation of the busiest GPU: the larger of SM and memory-bandwidth busy.
 
+    From NVML GPM's SM occupancy and DRAM bandwidth where the GPU offers them,
+    else from NVML's utilisation gauges.
+
     Memory *used* is left out on purpose: model servers preallocate most of
     the GPU's memory for their KV cache (vLLM: 90 % by default), so it says
     nothing about load.
     """
     busiest = 0.0
     for s in samples:
-        busiest = max(busiest, s.sm_utilization_ratio, s.memory_bandwidth_utilization_ratio)
+        occupancy = getattr(s, "sm_occupancy_ratio", None)
+        dram = getattr(s, "dram_bandwidth_ratio", None)
+        if occupancy is not None and dram is not None:
+            # GPM (Hopper+): how full the SMs and the DRAM bus were, not just
+            # whether any kernel ran (utilization.gpu is 1.0 under one busy kernel).
+            busiest = max(busiest, occupancy, dram)
+        else:
+            busiest = max(busiest, s.sm_utilization_ratio, s.memory_bandwidth_utilization_ratio)
     return min(1.0, busiest)

@@ -187,6 +187,26 @@ async def test_limit_is_shared_by_every_sidecar(make_l2: MakeL2) -> None:
     assert await pod_a.usage("alice") == (200, 200)
 
 
+async def test_lowering_the_limit_evicts_down_to_it_at_once(make_l2: MakeL2) -> None:
+    l2 = make_l2(max_evict=2, default_limit_bytes=10_000)
+    bob = make_l2(default_limit_bytes=10_000)
+    for i in range(20):
+        assert await l2.put("alice", digest(f"q{i}"), b"v" * 100)
+    assert await bob.put("bob", digest("q0"), b"b" * 100)
+    assert await l2.get("alice", digest("q0")) is not None  # q0 is now the most recent
+    assert await l2.set_limit("alice", 450)
+    # At once, not over the next puts (which may evict only max_evict=2 each).
+    assert await l2.usage("alice") == (400, 450)
+    assert l2.counters.evictions == 16
+    assert await l2.get("alice", digest("q0")) == b"v" * 100
+    for i in (17, 18, 19):
+        assert await l2.get("alice", digest(f"q{i}")) == b"v" * 100
+    assert await l2.get("alice", digest("q1")) is None
+    assert await bob.usage("bob") == (100, 10_000)  # other tenants untouched
+    assert await l2.set_limit("alice", 0)  # back to the default: nothing to evict
+    assert await l2.usage("alice") == (400, 10_000)
+
+
 @pytest.mark.redis_cluster
 async def test_tenants_spread_over_cluster_slots(cluster_url: str, cluster_urls: list[str]) -> None:
     l2 = RedisL2.from_url(cluster_url, CACHE, op_timeout_s=1.0)
@@ -370,3 +390,68 @@ async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> 
             assert all(results)
         finally:
             await l2.aclose()
+
+
+@pytest.mark.redis_cluster
+@pytest.mark.slow
+async def test_breaker_is_per_node_healthy_nodes_do_not_reset_a_dead_ones() -> None:
+    with RedisCluster() as cluster:
+        breaker = CircuitBreaker(failure_threshold=2, cooldown_s=60.0)
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+        try:
+            assert await l2.connect()
+            tenants = [f"tenant-{i}" for i in range(24)]
+            for tenant in tenants:
+                assert await l2.put(tenant, digest("q"), b"v")
+            dead = ("127.0.0.1", cluster.nodes[0].port)
+            home = {
+                t: l2._client.address_for(protocol.l2_keys(CACHE, t, digest("q"))[0])
+                for t in tenants
+            }
+            on_dead = [t for t in tenants if home[t] == dead]
+            assert 0 < len(on_dead) < len(tenants)
+            cluster.nodes[0].kill()
+
+            for _ in range(5):  # interleaved: healthy successes between the dead node's calls
+                for tenant in tenants:
+                    got = await l2.get(tenant, digest("q"))
+                    assert (got == b"v") is (tenant not in on_dead)
+            # The dead node cost exactly the failures that opened its breaker; every
+            # later call for its tenants returned at once.
+            assert l2.counters.errors + l2.counters.timeouts == 2
+            assert l2.counters.short_circuited == 5 * len(on_dead) - 2
+            states = l2.node_states()
+            assert states[f"{dead[0]}:{dead[1]}"] == "open"
+            assert sorted(s for n, s in states.items() if n != f"{dead[0]}:{dead[1]}") == [
+                "closed",
+                "closed",
+            ]
+            assert state_of(l2) == "degraded"
+        finally:
+            await l2.aclose()
+
+
+@pytest.mark.redis
+async def test_connecting_does_not_count_against_the_op_budget(own_redis: RedisServer) -> None:
+    # A connection whose set-up outlasts the 50 ms budget (here: AUTH to a paused
+    # server; in production a TLS handshake): the operation is a miss, the breaker
+    # is untouched, and the connection keeps being made for the next operations.
+    reply = redis_command(own_redis.port, "ACL", "SETUSER", "cf", "on", ">pw", "~*", "+@all")
+    assert reply.startswith(b"+OK"), reply
+    url = own_redis.url.replace("redis://", "redis://cf:pw@")
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=60.0)
+    l2 = RedisL2.from_url(url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    try:
+        own_redis.pause()
+        try:
+            for _ in range(3):
+                assert await l2.get("alice", digest("q")) is None
+        finally:
+            own_redis.resume()
+        assert l2.counters.not_ready >= 1
+        assert (l2.counters.errors, l2.counters.timeouts) == (0, 0)
+        assert state_of(breaker) == "closed"  # one failure would have opened it
+        await _until_works(l2, deadline_s=10.0)
+        assert state_of(l2) == "ok"
+    finally:
+        await l2.aclose()

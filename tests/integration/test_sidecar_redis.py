@@ -32,18 +32,25 @@ async def wait_until(predicate: object, timeout_s: float = 5.0) -> None:
 async def test_l2_serves_another_pod_and_survives_a_restart(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
 ) -> None:
-    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a")
+    # Outcomes, not timing: wait for the (asynchronous) L2 write and for the epochs to be
+    # confirmed, with a staleness bound a loaded machine cannot lapse mid-test.
+    bound = {"staleness_bound_s": 60.0}
+    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a", **bound)
     first = await pod_a.chat("shared across pods")
     assert first.headers["x-cache"] == "MISS"
-    await asyncio.sleep(0.1)  # the L2 write is asynchronous
-    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b")
+    l2_a = pod_a.sidecar.l2
+    await wait_until(lambda: l2_a.counters.stores >= 1, timeout_s=20.0)
+    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b", **bound)
+    pod_b.sidecar.l2.op_timeout_s = 5.0  # a loaded machine must not turn the hit into a miss
     from_b = await pod_b.chat("shared across pods")
     assert from_b.headers["x-cache"] == "HIT-L2"
     assert answer(from_b) == answer(first)
+    await wait_until(pod_b.sidecar.tracker.fresh, timeout_s=20.0)
     assert (await pod_b.chat("shared across pods")).headers["x-cache"] == "HIT-L1"
     # Restart pod A (a new process would have an empty L1): still a hit.
     await pod_a.aclose()
-    pod_a2 = await sidecar_factory(redis_url=redis_url, pod="pod-a")
+    pod_a2 = await sidecar_factory(redis_url=redis_url, pod="pod-a", **bound)
+    pod_a2.sidecar.l2.op_timeout_s = 5.0
     assert (await pod_a2.chat("shared across pods")).headers["x-cache"] == "HIT-L2"
     assert upstream.calls[CHAT] == 1
     text = (await pod_b.admin.get("/metrics")).text

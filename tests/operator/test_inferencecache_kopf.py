@@ -19,7 +19,7 @@ import redis
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve
 from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_operator.metrics_source import MetricsUnavailable
+from cachefleet_operator.metrics_source import MetricsUnavailable, PolicySwitches
 from cachefleet_operator.reconcile import Reconciler
 from cachefleet_sidecar import protocol
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory, wait_for
@@ -346,3 +346,59 @@ def test_delete_removes_redis_state_even_with_an_invalid_spec(
         [protocol.usage_key(f"{NAMESPACE}/other", "gold"), protocol.tombstone_key(cache)]
     )
     assert 0 < ttl <= protocol.TOMBSTONE_TTL_S
+
+
+class FakeSwitchMetrics(FakeMetrics):
+    """Also answers the policy-switch query: ``pending`` once, then nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[PolicySwitches] = []
+        self.spans: list[tuple[float, float]] = []  # (span_s, at) of each query
+
+    async def policy_switches(self, cache: str, span_s: float, at: float) -> list[PolicySwitches]:
+        assert cache == f"{NAMESPACE}/chat"
+        self.spans.append((span_s, at))
+        found, self.pending = self.pending, []
+        return found
+
+
+def test_policy_switches_and_rollbacks_become_events_once(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeSwitchMetrics()
+    fake.data = steady_metrics()
+    operator_factory(
+        Reconciler(
+            metrics_source=fake.factory, metrics=OperatorMetrics(), policy_events_min_span_s=1.0
+        )
+    )
+    emulator.create(IC_PATH, cache_body("chat", redis_url))
+    wait_condition(emulator, "chat", "Ready", "True")
+    # The first reconcile only sets the mark; switches older than that are not news.
+    wait_for(lambda: fake.spans, ACT_TIMEOUT_S, "a policy-switch query")
+    fake.pending = [
+        PolicySwitches("gold", "lirs", "sits", 2),
+        PolicySwitches("silver", "sits", "lirs", 1),
+    ]
+    wait_for(lambda: not fake.pending, ACT_TIMEOUT_S, "the switches read")
+    reported = len(fake.spans)
+    wait_for(lambda: len(fake.spans) >= reported + 2, ACT_TIMEOUT_S, "two more queries")
+
+    events = [e for e in emulator.events() if e.get("reason", "").startswith("Policy")]
+    assert sorted((e["reason"], e["type"]) for e in events) == [
+        ("PolicyRolledBack", "Normal"),
+        ("PolicySwitched", "Normal"),
+    ]  # once each, though the operator kept reconciling
+    messages = {e["reason"]: e["message"] for e in events}
+    assert messages["PolicySwitched"].startswith(
+        "tenant gold: L1 policy switched lirs -> sits on 2 pods"
+    )
+    assert messages["PolicyRolledBack"].startswith(
+        "tenant silver: L1 policy rolled back sits -> lirs on 1 pod "
+    )
+    # Each span starts where the one before ended: nothing counted twice or skipped.
+    for (_, before), (span, at) in zip(fake.spans, fake.spans[1:], strict=False):
+        assert at - span == pytest.approx(before)
+    status = emulator.get(f"{IC_PATH}/chat")["status"]  # type: ignore[index]
+    assert status["policyEventsUntil"].endswith("Z")

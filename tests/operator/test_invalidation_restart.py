@@ -78,3 +78,44 @@ async def test_a_recorded_intention_survives_a_redis_fault(redis_url: str) -> No
     assert "epoch" not in faulted.status  # a merge patch: the recorded epoch stays
     done = await runner.run(NS, 1, SPEC, {**first.status, **faulted.status}, cache_obj(redis_url))
     assert (done.status["phase"], done.status["epoch"]) == ("Completed", 1)
+
+
+def with_version(obj: dict[str, Any], version: str) -> dict[str, Any]:
+    spec = dict(obj["spec"])
+    spec["model"] = {"name": "m", "version": version}
+    return spec
+
+
+async def test_a_model_version_change_advances_once_even_when_its_status_is_lost(
+    redis_url: str,
+) -> None:
+    # Prometheus is unreachable (port 9): the reconcile is degraded but still
+    # publishes quotas and runs the epoch flow, which is what is tested here.
+    reconciler = Reconciler(metrics=OperatorMetrics())
+    obj = cache_obj(redis_url)
+    client = aredis.Redis.from_url(redis_url)
+    try:
+        first = await reconciler.reconcile(NS, "chat", 1, with_version(obj, "v1"), {})
+        assert first.status["modelVersion"] == "v1"
+        assert "model:m" not in (first.status.get("epochs") or {})
+
+        v2 = await reconciler.reconcile(NS, "chat", 2, with_version(obj, "v2"), first.status)
+        assert v2.status["modelVersion"] == "v2"
+        assert v2.status["epochs"]["model:m"] == 1
+        [changed] = [e for e in v2.events if e.reason == "ModelVersionChanged"]
+        assert "v1 -> v2" in changed.message
+        assert "advanced to epoch 1" in changed.message
+
+        # the status patch of that reconcile was lost: the next one sees v1 in status again
+        again = await reconciler.reconcile(NS, "chat", 2, with_version(obj, "v2"), first.status)
+        assert again.status["epochs"]["model:m"] == 1
+        [changed] = [e for e in again.events if e.reason == "ModelVersionChanged"]
+        assert "already advanced to epoch 1" in changed.message
+        assert (await protocol.read_epochs(client, CACHE))["model:m"] == 1
+
+        # a later change is a new advance
+        v3 = await reconciler.reconcile(NS, "chat", 3, with_version(obj, "v3"), v2.status)
+        assert v3.status["epochs"]["model:m"] == 2
+        assert (await protocol.read_epochs(client, CACHE))["model:m"] == 2
+    finally:
+        await client.aclose()

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
-from cachefleet_operator.metrics_source import MetricsUnavailable, PrometheusMetricsSource
+from cachefleet_operator.metrics_source import (
+    MetricsUnavailable,
+    PolicySwitches,
+    PrometheusMetricsSource,
+)
 from cachefleet_sidecar import protocol
 
 CACHE = "default/chat"
@@ -105,3 +112,71 @@ async def test_per_tenant_p95_hit_ratio_and_rate(
     assert result["slow"].hit_ratio == pytest.approx(0.0, abs=1e-9)
     assert result["fast"].rps is not None
     assert result["fast"].rps > result["slow"].rps  # type: ignore[operator]
+
+
+def _prom_count(url: str, promql: str) -> float:
+    """``count(...)`` straight from Prometheus' HTTP API (0 when empty or not up yet)."""
+    query = urllib.parse.urlencode({"query": f"count({promql})"})
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/query?{query}", timeout=2) as answer:
+            body = json.load(answer)
+    except OSError:
+        return 0.0
+    result = body.get("data", {}).get("result", [])
+    return float(result[0]["value"][1]) if result else 0.0
+
+
+@pytest.mark.prometheus
+@pytest.mark.slow
+async def test_policy_switches_count_pods_over_tiled_spans(prometheus_factory: object) -> None:
+    """Two sidecars export the switch counter at 0; both switch, one rolls back."""
+    pods = []
+    try:
+        for _ in range(2):
+            registry = CollectorRegistry()
+            counter = Counter(
+                protocol.METRIC_POLICY_SWITCHES.removesuffix("_total"),
+                "policy switches",
+                ["cache", "tenant", "from_policy", "to_policy"],
+                registry=registry,
+            )
+            counter.labels(CACHE, "t", "lirs", "sits")  # at 0, as the sidecar exports them
+            counter.labels(CACHE, "t", "sits", "lirs")
+            server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+            pods.append((counter, server, thread))
+        targets = [f"127.0.0.1:{server.server_port}" for _, server, _ in pods]
+        prom = prometheus_factory({"sidecars": targets}, scrape_interval_s=0.5)  # type: ignore[operator]
+        source = PrometheusMetricsSource(prom.url, timeout_s=2.0)
+        selector = f'{protocol.METRIC_POLICY_SWITCHES}{{cache="{CACHE}"}}'
+        deadline = time.monotonic() + FIRST_DATA_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if _prom_count(prom.url, selector) >= 4:
+                break
+            await asyncio.sleep(0.5)
+        assert _prom_count(prom.url, selector) == 4, "the zero series were not scraped in time"
+        await asyncio.sleep(1.2)  # a few scrapes at 0 on both sides of `start`
+        start = time.time()
+        await asyncio.sleep(1.0)
+        pods[0][0].labels(CACHE, "t", "lirs", "sits").inc()
+        pods[1][0].labels(CACHE, "t", "lirs", "sits").inc()
+        pods[0][0].labels(CACHE, "t", "sits", "lirs").inc()
+        expected = [
+            PolicySwitches("t", "lirs", "sits", 2),
+            PolicySwitches("t", "sits", "lirs", 1),
+        ]
+        found: list[PolicySwitches] = []
+        end = start
+        while found != expected and time.monotonic() < deadline + 10:
+            await asyncio.sleep(0.5)
+            end = time.time()
+            found = await source.policy_switches(CACHE, end - start, end)
+        assert found == expected
+        # The span before `start` saw none of it, and so does the span after `end`.
+        assert await source.policy_switches(CACHE, 1.0, start) == []
+        await asyncio.sleep(1.5)  # more scrapes, no more switches
+        later = time.time()
+        assert await source.policy_switches(CACHE, later - end, later) == []
+    finally:
+        for _, server, thread in pods:
+            server.shutdown()
+            thread.join(5)

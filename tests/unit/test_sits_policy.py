@@ -144,6 +144,54 @@ def test_a_shuffled_loop_larger_than_the_cache_is_no_worse_than_lru() -> None:
     assert replay(SITSPolicy(250), trace) <= replay(LRUPolicy(250), trace)
 
 
+def shuffled_loop(keys: int, n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    order = list(range(keys))
+    trace: list[int] = []
+    while len(trace) < n:
+        rng.shuffle(order)
+        trace += order
+    return trace[:n]
+
+
+def test_a_loop_wider_than_the_cache_freezes_main_as_lirs_does() -> None:
+    """The frozen regime, chosen by its shadow: a fixed resident set instead of cycling."""
+    trace = shuffled_loop(4000, 40_000, seed=7)
+    sits: SITSPolicy[int, int] = SITSPolicy(800)
+    assert replay(sits, trace) < replay(LIRSPolicy(800), trace) - 0.05  # 0.84 against 0.96
+    assert sits.regime == "frozen"
+    assert replay(SITSPolicy(800, shadows=False), trace) > 0.9  # the ghost balance alone cycles
+
+
+def test_a_working_set_replaced_wholesale_turns_to_recency() -> None:
+    rng = random.Random(7)
+    weights = [1.0 / (rank**0.9) for rank in range(1, 2001)]
+    draws = rng.choices(range(2000), weights=weights, k=40_000)
+    trace = [key + (i // 5000) * 1_000_000 for i, key in enumerate(draws)]  # a new set every 5k
+    sits: SITSPolicy[int, int] = SITSPolicy(600)
+    miss = replay(sits, trace)
+    assert sits.regime == "recency"
+    assert miss < replay(LRUPolicy(600), trace) + 0.01  # 0.327 against 0.324
+    assert miss < replay(SITSPolicy(600, shadows=False), trace) - 0.01
+    assert miss < replay(LIRSPolicy(600), trace) - 0.03
+
+
+def test_independent_popularity_keeps_the_adaptive_regime() -> None:
+    trace = zipf_trace(40_000, 10_000, 0.9, seed=3)
+    sits: SITSPolicy[int, int] = SITSPolicy(1000)
+    regimes = set()
+    for start in range(0, len(trace), 2000):
+        replay(sits, trace[start : start + 2000])
+        regimes.add(sits.regime)
+    assert regimes == {"adaptive"}
+
+
+def test_a_regime_can_be_pinned_and_is_validated() -> None:
+    assert SITSPolicy(100, regime="recency", shadows=False).regime == "recency"
+    with pytest.raises(ValueError, match="regime"):
+        SITSPolicy(100, regime="lru")
+
+
 def zipf_trace(n: int, keys: int, alpha: float, seed: int) -> list[int]:
     rng = random.Random(seed)
     weights = [1.0 / (rank**alpha) for rank in range(1, keys + 1)]

@@ -6,6 +6,7 @@ synthetic clock (``switch_tick(now)``), so no test waits for wall time.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -82,12 +83,14 @@ def test_switch_and_rollback_migrate_every_entry_and_are_counted(
     start = app.switching.next_window_at
     now = drive(app, start, 90, 0.020)
     assert app.l1.stats()["t"].policy == "lirs"
+    # Exported at 0 before the first switch, so that Prometheus sees it change.
+    assert switches(app) == {("lirs", "sits"): 0.0, ("sits", "lirs"): 0.0}
     with caplog.at_level(logging.INFO, logger="cachefleet"):
         now = drive(app, now, 3, 0.060)
     stats = app.l1.stats()["t"]
     assert stats.policy == "sits"
     assert stats.entries == entries  # nothing lost in the switch
-    assert switches(app) == {("lirs", "sits"): 1.0}
+    assert switches(app) == {("lirs", "sits"): 1.0, ("sits", "lirs"): 0.0}
     line = next(r.getMessage() for r in caplog.records if "policy switch" in r.getMessage())
     logged = json.loads(line.split(" ", 2)[2])
     assert logged["tenant"] == "t"
@@ -173,3 +176,28 @@ def test_a_switching_fault_is_counted_never_raised(caplog: pytest.LogCaptureFixt
         app._observe("t", 0.01, 1)
     assert app.metrics.cache_faults["policy_switching"] == 1
     assert "policy switching failed" in caplog.text
+
+
+async def test_a_switch_drains_in_the_background_while_the_loop_keeps_serving() -> None:
+    app = make()
+    for key in range(3_000):
+        app.l1.put("t", key, ("t", b"x"), 100)
+    app.l1.set_policy("t", "sits")
+    app.kick_migration()
+    assert app.status()["tenants"]["t"]["l1_migrating_entries"] == 3_000
+    # The loop stays free: this coroutine runs between the batches, and the
+    # partition answers (from either structure) throughout.
+    seen_pending = []
+    for _ in range(10_000):  # bounded; the drain needs ~12 batches
+        pending = app.l1.stats()["t"].migrating
+        seen_pending.append(pending)
+        assert app.l1.get("t", 2_999 - len(seen_pending) % 3_000) == ("t", b"x")
+        if not pending:
+            break
+        await asyncio.sleep(0.001)
+    assert seen_pending[-1] == 0
+    assert len(set(seen_pending)) > 3  # it moved in several batches, not one block
+    assert not app.l1.migrating
+    stats = app.l1.stats()["t"]
+    assert (stats.policy, stats.entries, stats.evictions) == ("sits", 3_000, 0)
+    await app.aclose()

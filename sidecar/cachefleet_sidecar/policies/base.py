@@ -35,7 +35,12 @@ class ReplacementPolicy(Protocol[K, V]):
     * ``put``'s optional ``cost`` (the upstream seconds a hit on the entry
       saves) is a hint: a policy may weigh it, never store less because of it.
     * ``evictions`` counts entries evicted for capacity (by ``put`` and
-      ``resize``); ``remove`` and ``clear`` are not evictions.
+      ``resize``); ``remove``, ``clear``, ``pop_entry`` and ``pop_coldest``
+      are not evictions.
+    * ``pop_entry`` and ``pop_coldest`` take a resident entry out with its
+      size and cost, leaving no trace of it (no ghost, no adaptation): they
+      are how a policy switch moves entries without losing their metadata
+      (:mod:`cachefleet_sidecar.policies.migrating`). Both are O(1) amortised.
     """
 
     @property
@@ -79,6 +84,14 @@ class ReplacementPolicy(Protocol[K, V]):
 
     def items(self) -> Iterator[tuple[K, V, int]]:
         """Resident ``(key, value, size)`` triples, coldest first."""
+        ...
+
+    def pop_entry(self, key: K) -> tuple[V, int, float | None] | None:
+        """Take ``key``'s resident entry out: ``(value, size, cost)``, or None."""
+        ...
+
+    def pop_coldest(self) -> tuple[K, V, int, float | None] | None:
+        """Take out the entry next to be evicted: ``(key, value, size, cost)``; None if empty."""
         ...
 
 

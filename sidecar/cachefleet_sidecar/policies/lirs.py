@@ -88,12 +88,14 @@ _NO_KEY: Hashable = _NoKey()
 
 
 class _Node(Generic[V]):
-    __slots__ = ("size", "status", "value")
+    __slots__ = ("cost", "size", "status", "value")
 
-    def __init__(self, value: V, size: int, status: int) -> None:
+    def __init__(self, value: V, size: int, status: int, cost: float | None = None) -> None:
         self.value = value
         self.size = size
         self.status = status
+        #: Not weighed by LIRS; kept so that a policy switch hands it on.
+        self.cost = cost
 
 
 #: The one node every ghost shares: a ghost keeps no value and no size.
@@ -241,7 +243,7 @@ class LIRSPolicy(Generic[K, V]):
         s = self._s
         node = table.get(key)
         if node is None:
-            node = _Node(value, size, _HIR)
+            node = _Node(value, size, _HIR, cost)
             table[key] = node
             self._resident += 1
             self._used += size
@@ -260,7 +262,7 @@ class LIRSPolicy(Generic[K, V]):
             # re-referenced within the LIR recency horizon. (A ghost is never
             # the bottom of S, so no pruning is due.)
             del self._ghosts[key]
-            node = _Node(value, size, _LIR)
+            node = _Node(value, size, _LIR, cost)
             table[key] = node
             s[key] = node  # keeps its place for the move below
             s.move_to_end(key)
@@ -269,6 +271,7 @@ class LIRSPolicy(Generic[K, V]):
             self._lir_bytes += size
         else:
             self._used += size - node.size
+            node.cost = cost
             if node.status == _LIR:
                 self._lir_bytes += size - node.size
                 node.size = size
@@ -327,6 +330,25 @@ class LIRSPolicy(Generic[K, V]):
         for key, node in self._s.items():
             if node.status == _LIR:
                 yield key, node.value, node.size
+
+    def pop_entry(self, key: K) -> tuple[V, int, float | None] | None:
+        node = self._table.get(key)
+        if node is None or node.status == _GHOST:
+            return None
+        self.remove(key)
+        return node.value, node.size, node.cost
+
+    def pop_coldest(self) -> tuple[K, V, int, float | None] | None:
+        # The next victim: the front of Q, else the bottom LIR block of S.
+        if self._q:
+            key = next(iter(self._q))
+        elif self._s:
+            key = next(iter(self._s))  # pruned: the bottom of S is LIR
+        else:
+            return None
+        node = self._table[key]
+        self.remove(key)
+        return key, node.value, node.size, node.cost
 
     # ----------------------------------------------------------- introspection
 

@@ -1,8 +1,10 @@
 """Byte-bounded least-recently-used replacement.
 
-One ``OrderedDict`` from key to ``(value, size)``: the front is the least
-recently used entry, the end the most recent. Every operation is O(1)
-(amortised); eviction pops from the front until the bytes fit.
+One ``OrderedDict`` from key to ``(value, size, cost)``: the front is the
+least recently used entry, the end the most recent. LRU does not weigh the
+cost; it keeps it so that a policy switch hands it on (see :mod:`.migrating`).
+Every operation is O(1) (amortised); eviction pops from the front until the
+bytes fit.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class LRUPolicy(Generic[K, V]):
         self._capacity = capacity_bytes
         self._used = 0
         self._evictions = 0
-        self._data: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self._data: OrderedDict[K, tuple[V, int, float | None]] = OrderedDict()
 
     @property
     def capacity_bytes(self) -> int:
@@ -69,7 +71,7 @@ class LRUPolicy(Generic[K, V]):
         if old is not None:
             self._used -= old[1]
             data.move_to_end(key)
-        data[key] = (value, size)
+        data[key] = (value, size, cost)
         self._used += size
         if self._used <= self._capacity:
             return []
@@ -92,8 +94,22 @@ class LRUPolicy(Generic[K, V]):
         return self._evict() if self._used > capacity_bytes else []
 
     def items(self) -> Iterator[tuple[K, V, int]]:
-        for key, (value, size) in self._data.items():
+        for key, (value, size, _) in self._data.items():
             yield key, value, size
+
+    def pop_entry(self, key: K) -> tuple[V, int, float | None] | None:
+        entry = self._data.pop(key, None)
+        if entry is None:
+            return None
+        self._used -= entry[1]
+        return entry
+
+    def pop_coldest(self) -> tuple[K, V, int, float | None] | None:
+        if not self._data:
+            return None
+        key, (value, size, cost) = self._data.popitem(last=False)
+        self._used -= size
+        return key, value, size, cost
 
     def _evict(self) -> list[tuple[K, V]]:
         # The entry just stored is at the end, and it alone fits, so the loop
@@ -101,7 +117,7 @@ class LRUPolicy(Generic[K, V]):
         data = self._data
         evicted: list[tuple[K, V]] = []
         while self._used > self._capacity:
-            key, (value, size) = data.popitem(last=False)
+            key, (value, size, _) = data.popitem(last=False)
             self._used -= size
             evicted.append((key, value))
         self._evictions += len(evicted)

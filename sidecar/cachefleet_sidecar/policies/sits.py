@@ -50,8 +50,30 @@ miss costs, and the more expensive entries are spared. With equal costs per
 byte (or no costs) no entry is ever spared and SITS is exactly its
 ghost-driven recency/quick-demotion core.
 
+Regimes chosen by shadow caches. The ghost balance above is one regime
+(*adaptive*); two traffic shapes defeat it, and SITS runs two more regimes
+on the same structures, switching by flags (no entry moves):
+
+* *frozen* (loops and scans wider than the cache): new and ghost-reloaded
+  keys all start on probation, and ``P`` gives way first whatever
+  ``target_p`` says, so ``M`` keeps a fixed resident set, as LIRS keeps its
+  LIR set (the adaptive balance lets ``M`` cycle there, as ARC does);
+* *recency* (a working set replaced wholesale): new keys enter ``M`` at once
+  and a hit banks at most one extra round (a CLOCK, close to LRU), so the
+  old set leaves fast.
+
+Which regime the traffic rewards is measured, not guessed: one key in
+:data:`SAMPLE_RATE` (by hash) also goes through three small *shadow* SITS
+caches, one per regime, each ``1/SAMPLE_RATE`` of the capacity (spatial
+sampling, as SHARDS does for miss-ratio curves). Every
+:data:`SELECT_EVERY` sampled accesses the regime whose shadow missed least
+(counts halved each round, so the recent past weighs most) takes over if it
+missed at least :data:`SELECT_MARGINS` less than the regime in force. A
+shadow holds keys and sizes, no values.
+
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
-capacity`` bytes of ghost sizes (default 2x). Every operation is O(1)
+capacity`` bytes of ghost sizes (default 2x); the shadows together about 3/16
+of the main cache's key metadata. Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
 at most one sparing for its cost.
 """
@@ -64,6 +86,15 @@ from typing import Generic
 
 from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
+#: One key in this many feeds the shadow caches (spatial sampling on the key's hash).
+SAMPLE_RATE = 16
+#: Sampled accesses between two regime choices (benchmarked: docs/sits.md).
+SELECT_EVERY = 128
+#: How much less (relative) a regime's shadow must miss than the regime in
+#: force to take over, per regime: adaptive, frozen, recency.
+SELECT_MARGINS = (0.05, 0.05, 0.08)
+#: Regime names, in the order of the shadows and of SELECT_MARGINS.
+REGIMES = ("adaptive", "frozen", "recency")
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 #: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
@@ -99,6 +130,7 @@ class SITSPolicy(Generic[K, V]):
     __slots__ = (
         "_capacity",
         "_evictions",
+        "_frozen",
         "_ghost_factor",
         "_gm",
         "_gm_bytes",
@@ -106,10 +138,15 @@ class SITSPolicy(Generic[K, V]):
         "_gp_bytes",
         "_m",
         "_m_bytes",
+        "_max_freq",
         "_mean_density",
         "_p",
         "_p_bytes",
         "_pressure",
+        "_recency",
+        "_sampled",
+        "_shadow_misses",
+        "_shadows",
         "_target_p",
         "spared",
     )
@@ -122,6 +159,8 @@ class SITSPolicy(Generic[K, V]):
         *,
         ghost_factor: float = DEFAULT_GHOST_FACTOR,
         pressure: float = 0.0,
+        regime: str = "adaptive",
+        shadows: bool = True,
     ) -> None:
         check_capacity(capacity_bytes)
         if ghost_factor < 0.0:
@@ -143,6 +182,28 @@ class SITSPolicy(Generic[K, V]):
         self.pressure = pressure
         #: Evictions deferred for an entry's cost (a counter).
         self.spared = 0
+        if regime not in REGIMES:
+            raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
+        self._frozen = False
+        self._recency = False
+        self._max_freq = MAX_FREQ
+        self._set_regime(REGIMES.index(regime))
+        #: One shadow per regime (none inside a shadow).
+        self._shadows: list[SITSPolicy[K, bool]] = (
+            [
+                SITSPolicy(
+                    capacity_bytes // SAMPLE_RATE,
+                    ghost_factor=ghost_factor,
+                    regime=name,
+                    shadows=False,
+                )
+                for name in REGIMES
+            ]
+            if shadows
+            else []
+        )
+        self._shadow_misses = [0.0] * len(REGIMES)
+        self._sampled = 0
 
     # ------------------------------------------------------------- properties
 
@@ -162,6 +223,11 @@ class SITSPolicy(Generic[K, V]):
     def target_p_bytes(self) -> int:
         """Bytes the probationary queue may hold before ``M`` gives way."""
         return int(self._target_p)
+
+    @property
+    def regime(self) -> str:
+        """The regime in force: ``adaptive``, ``frozen`` or ``recency`` (see the module doc)."""
+        return "frozen" if self._frozen else "recency" if self._recency else "adaptive"
 
     @property
     def probation_bytes(self) -> int:
@@ -198,11 +264,13 @@ class SITSPolicy(Generic[K, V]):
     # ------------------------------------------------------------- operations
 
     def get(self, key: K) -> V | None:
+        if self._shadows and hash(key) % SAMPLE_RATE == 0:
+            self._shadow_get(key)
         m = self._m
         node = m.get(key)
         if node is not None:
             # CLOCK, not LRU: a hit only counts (no reordering on the hit path).
-            if node.freq < MAX_FREQ:
+            if node.freq < self._max_freq:
                 node.freq += 1
             node.spared = False
             return node.value
@@ -247,28 +315,35 @@ class SITSPolicy(Generic[K, V]):
             node.cost = cost
             node.spared = False
             return self._evict(key)
+        if self._shadows and hash(key) % SAMPLE_RATE == 0:
+            for shadow in self._shadows:
+                if key not in shadow:
+                    shadow.put(key, True, size)
+        frozen = self._frozen
         gsize = self._gp.pop(key, None)
         if gsize is not None:
             # Second use just after leaving probation: P was too small.
             self._gp_bytes -= gsize
-            ratio = self._gm_bytes / self._gp_bytes if self._gp_bytes else 1.0
-            step = size * ratio if ratio > 1.0 else size
-            self._target_p = min(float(self._capacity), self._target_p + step)
-            main = True
+            if not frozen:
+                ratio = self._gm_bytes / self._gp_bytes if self._gp_bytes else 1.0
+                step = size * ratio if ratio > 1.0 else size
+                self._target_p = min(float(self._capacity), self._target_p + step)
+            main = not frozen
         else:
             gsize = self._gm.pop(key, None)
             if gsize is not None:
                 # Reuse just beyond M's reach: M was too small.
                 self._gm_bytes -= gsize
-                ratio = self._gp_bytes / self._gm_bytes if self._gm_bytes else 1.0
-                step = size * ratio if ratio > 1.0 else size
-                self._target_p = max(0.0, self._target_p - step)
-                main = True
+                if not frozen:
+                    ratio = self._gp_bytes / self._gm_bytes if self._gm_bytes else 1.0
+                    step = size * ratio if ratio > 1.0 else size
+                    self._target_p = max(0.0, self._target_p - step)
+                main = not frozen
             else:
                 # Warm-up: while the cache has room, new entries go to M, as
                 # LIRS's first blocks become LIR; once it is full they start
                 # on probation.
-                main = self._p_bytes + self._m_bytes + size <= self._capacity
+                main = self._recency or self._p_bytes + self._m_bytes + size <= self._capacity
         node = _Node(value, size, cost, main)
         if main:
             m[key] = node
@@ -279,6 +354,8 @@ class SITSPolicy(Generic[K, V]):
         return self._evict(key)
 
     def remove(self, key: K) -> bool:
+        for shadow in self._shadows:  # an invalidated entry is gone for them too
+            shadow.remove(key)
         node = self._m.pop(key, None)
         if node is not None:
             self._m_bytes -= node.size
@@ -296,6 +373,8 @@ class SITSPolicy(Generic[K, V]):
         return False
 
     def clear(self) -> None:
+        for shadow in self._shadows:
+            shadow.clear()
         self._p.clear()
         self._m.clear()
         self._gp.clear()
@@ -306,6 +385,8 @@ class SITSPolicy(Generic[K, V]):
         check_capacity(capacity_bytes)
         old = self._capacity
         self._capacity = capacity_bytes
+        for shadow in self._shadows:
+            shadow.resize(capacity_bytes // SAMPLE_RATE)
         # The learnt balance carries over as a share of the new capacity.
         self._target_p = self._target_p * capacity_bytes / old if old else 0.0
         evicted = self._evict(_NO_KEY)
@@ -319,6 +400,35 @@ class SITSPolicy(Generic[K, V]):
             yield key, node.value, node.size
         for key, node in sorted(self._m.items(), key=lambda item: item[1].freq):
             yield key, node.value, node.size
+
+    def pop_entry(self, key: K) -> tuple[V, int, float | None] | None:
+        node = self._m.pop(key, None)
+        if node is not None:
+            self._m_bytes -= node.size
+        else:
+            node = self._p.pop(key, None)
+            if node is None:
+                return None
+            self._p_bytes -= node.size
+        return node.value, node.size, node.cost
+
+    def pop_coldest(self) -> tuple[K, V, int, float | None] | None:
+        # P first, then M's CLOCK (an entry with hits left goes round again,
+        # losing one: each hit buys at most one extra pass, so O(1) amortised).
+        if self._p:
+            key, node = self._p.popitem(last=False)
+            self._p_bytes -= node.size
+            return key, node.value, node.size, node.cost
+        m = self._m
+        while m:
+            key, node = m.popitem(last=False)
+            if node.freq:
+                node.freq -= 1
+                m[key] = node
+                continue
+            self._m_bytes -= node.size
+            return key, node.value, node.size, node.cost
+        return None
 
     # ----------------------------------------------------------- introspection
 
@@ -342,6 +452,12 @@ class SITSPolicy(Generic[K, V]):
         assert 0.0 <= self._target_p <= self._capacity, "target_p out of range"
         assert all(0 <= n.freq <= MAX_FREQ for n in self._m.values()), "hit count"
         assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
+        assert not (self._frozen and self._recency), "two regimes at once"
+        assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
+        for shadow in self._shadows:
+            assert not shadow._shadows, "a shadow with shadows"
+            assert shadow.capacity_bytes == self._capacity // SAMPLE_RATE, "shadow capacity"
+            shadow.check_invariants()
 
     # --------------------------------------------------------------- internals
 
@@ -361,8 +477,9 @@ class SITSPolicy(Generic[K, V]):
         evicted: list[tuple[K, V]] = []
         # Bounded: every pass evicts or spares an entry (at most once each
         # until it is referenced again).
+        target = 0.0 if self._frozen else self._target_p
         while self._p_bytes + self._m_bytes > capacity:
-            queue = p if p and (self._p_bytes > self._target_p or not m) else m
+            queue = p if p and (self._p_bytes > target or not m) else m
             key, node = queue.popitem(last=False)
             if key == protect:
                 # The entry being stored reached the front: behind it are only
@@ -373,8 +490,9 @@ class SITSPolicy(Generic[K, V]):
                     queue = m if queue is p else p
                 key, node = queue.popitem(last=False)
             if node.freq and node.main:
-                # Hit since its last pass: one more round in M per hit (up to 3).
-                node.freq -= 1
+                # Hit since its last pass: one more round in M per hit (up to
+                # the regime's bound: hits banked under another regime lapse).
+                node.freq = min(node.freq, self._max_freq) - 1
                 queue[key] = node
                 continue
             if node.cost is not None and not node.spared and self._spare(node):
@@ -396,6 +514,29 @@ class SITSPolicy(Generic[K, V]):
         if self._gp_bytes > bound or self._gm_bytes > bound:
             self._trim_ghosts()
         return evicted
+
+    def _set_regime(self, index: int) -> None:
+        self._frozen = index == 1
+        self._recency = index == 2
+        self._max_freq = 1 if self._recency else MAX_FREQ
+
+    def _shadow_get(self, key: K) -> None:
+        """A sampled lookup: through every shadow, and now and then a regime choice."""
+        node = self._m.get(key) or self._p.get(key)
+        misses = self._shadow_misses
+        for i, shadow in enumerate(self._shadows):
+            if shadow.get(key) is None:
+                misses[i] += 1.0
+                if node is not None:  # else the put that follows the miss loads it
+                    shadow.put(key, True, node.size)
+        self._sampled += 1
+        if self._sampled % SELECT_EVERY == 0:
+            current = REGIMES.index(self.regime)
+            best = min(range(len(misses)), key=misses.__getitem__)
+            if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
+                self._set_regime(best)
+            for i in range(len(misses)):
+                misses[i] /= 2
 
     def _trim_ghosts(self) -> None:
         bound = self._ghost_factor * self._capacity
