@@ -91,6 +91,7 @@ standalone server; ``redis+cluster://host:port[,host:port...]`` (or
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Iterable, Mapping
@@ -99,6 +100,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -1194,3 +1196,105 @@ async def read_acks(client: RedisClient, cache: str) -> dict[str, EpochAck]:
             continue
         out[pod.decode() if isinstance(pod, bytes) else str(pod)] = ack
     return out
+
+
+# ------------------------------------------------ the invalidation path, lean client
+# The operator's steps after the CAS (fence, announce, read members and acks) are on
+# the propagation path: these run them on :mod:`cachefleet_sidecar.resp` (pipelined,
+# no pydantic per ack). Same keys and scripts as the redis-py functions above.
+
+#: :data:`EPOCH_MERGE_LUA` as the lean client runs it (EVALSHA).
+EPOCH_MERGE_SCRIPT = resp.Script(EPOCH_MERGE_LUA)
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+async def fence_tenants_lean(
+    client: resp.RespClient,
+    cache: str,
+    epochs: Mapping[str, int],
+    tenants: Iterable[str] | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> int:
+    """:func:`fence_tenants` on the lean client: every tenant's fence in one pipelined batch."""
+    if tenants is None:
+        key = l2_tenants_key(cache)
+        raw = await client.execute("SMEMBERS", key, key=key, timeout_s=timeout_s)
+        names = sorted(_text(t) for t in raw)
+    else:
+        names = sorted(set(tenants))
+    args = _merge_args(epochs)
+    if not args or not names:
+        return 0
+    fences = [
+        client.run_script(
+            EPOCH_MERGE_SCRIPT, [tenant_epochs_key(cache, t)], args, timeout_s=timeout_s
+        )
+        for t in names
+    ]
+    await asyncio.gather(*fences)
+    return len(names)
+
+
+async def publish_epochs_lean(
+    client: resp.RespClient,
+    cache: str,
+    epochs: Mapping[str, int],
+    *,
+    timeout_s: float | None = None,
+) -> None:
+    """:func:`publish_epochs` on the lean client."""
+    top = max(epochs.values(), default=0)
+    message = ControlMessage(kind="epochs", generation=top, epochs=dict(epochs))
+    channel = control_channel(cache)
+    await client.execute(
+        "PUBLISH", channel, message.model_dump_json(), key=channel, timeout_s=timeout_s
+    )
+
+
+def ack_epochs(raw: bytes | str) -> tuple[str, dict[str, int]] | None:
+    """(pod, epochs) of one JSON :class:`EpochAck` (hash value or announcement), or None.
+
+    The invalidation wait reads one per sidecar; plain JSON, no model.
+    """
+    try:
+        doc = orjson.loads(raw)
+        pod, epochs = doc["pod"], doc["epochs"]
+        if not isinstance(pod, str) or not isinstance(epochs, dict):
+            return None
+        return pod, {str(s): int(e) for s, e in epochs.items()}
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+async def live_acks_lean(
+    client: resp.RespClient, cache: str, *, timeout_s: float | None = None
+) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """(live pods, acknowledged epochs by pod) read now: :func:`live_members` + :func:`read_acks`.
+
+    A pod is live while its membership score has not passed and its heartbeat
+    key exists. All keys are in the control slot (one node), so the reads are
+    pipelined. Unreadable acks are skipped.
+    """
+    members, acks = members_key(cache), acks_key(cache)
+    pods, flat = await asyncio.gather(
+        client.execute(
+            "ZRANGEBYSCORE", members, repr(time.time()), "+inf", key=members, timeout_s=timeout_s
+        ),
+        client.execute("HGETALL", acks, key=acks, timeout_s=timeout_s),
+    )
+    names = sorted(_text(p) for p in pods)
+    live: list[str] = []
+    if names:
+        keys = [member_key(cache, pod) for pod in names]
+        beats = await client.execute("MGET", *keys, key=keys[0], timeout_s=timeout_s)
+        live = [pod for pod, raw in zip(names, beats, strict=True) if raw is not None]
+    out: dict[str, dict[str, int]] = {}
+    for i in range(0, len(flat) - 1, 2):
+        parsed = ack_epochs(flat[i + 1])
+        if parsed is not None:
+            out[_text(flat[i])] = parsed[1]
+    return live, out
