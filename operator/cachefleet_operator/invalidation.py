@@ -237,8 +237,10 @@ class Invalidator:
             await protocol.fence_tenants(self.client, self.cache, {scope: epoch}, tenants)
             await protocol.publish_epochs(self.client, self.cache, {scope: epoch})
             return
-        await protocol.fence_tenants_lean(self.lean, self.cache, {scope: epoch}, tenants)
-        await protocol.publish_epochs_lean(self.lean, self.cache, {scope: epoch})
+        # fences and announcement in one pipelined batch (the fences queued first)
+        await protocol.fence_tenants_lean(
+            self.lean, self.cache, {scope: epoch}, tenants, announce=True
+        )
 
     async def current(self, scope: str) -> int:
         """The scope's epoch in Redis now (0 when never advanced)."""

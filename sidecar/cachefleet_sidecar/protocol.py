@@ -94,7 +94,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -1227,9 +1227,17 @@ async def fence_tenants_lean(
     epochs: Mapping[str, int],
     tenants: Iterable[str] | None = None,
     *,
+    announce: bool = False,
     timeout_s: float | None = None,
 ) -> int:
-    """:func:`fence_tenants` on the lean client: every tenant's fence in one pipelined batch."""
+    """:func:`fence_tenants` on the lean client: every tenant's fence in one pipelined batch.
+
+    ``announce``: :func:`publish_epochs` in the same batch, queued after the
+    fences (on one node Redis applies them first; on a cluster they may land
+    in any order, and the caller's wait starts only once every fence answered,
+    which is what an acknowledged invalidation rests on). Returns how many
+    tenant slots were fenced.
+    """
     if tenants is None:
         key = l2_tenants_key(cache)
         raw = await client.execute("SMEMBERS", key, key=key, timeout_s=timeout_s)
@@ -1237,15 +1245,17 @@ async def fence_tenants_lean(
     else:
         names = sorted(set(tenants))
     args = _merge_args(epochs)
-    if not args or not names:
+    if not args:
         return 0
-    fences = [
+    batch: list[Awaitable[Any]] = [
         client.run_script(
             EPOCH_MERGE_SCRIPT, [tenant_epochs_key(cache, t)], args, timeout_s=timeout_s
         )
         for t in names
     ]
-    await asyncio.gather(*fences)
+    if announce:
+        batch.append(publish_epochs_lean(client, cache, epochs, timeout_s=timeout_s))
+    await asyncio.gather(*batch)
     return len(names)
 
 
