@@ -10,7 +10,9 @@ One invalidation of a scope (``cache``, ``tenant:<t>`` or ``model:<m>``, see
 2. **fence** the data slot of every registered tenant (only the tenant's own
    slot for a tenant scope): from now on L2 refuses readers and writers with
    the older epoch, in the same round trip as the read;
-3. **announce** the new epoch on the control channel;
+3. **announce** the new epoch on the control channel (in one pipelined batch
+   with the fences, queued after them; the wait starts once every fence
+   answered);
 4. **wait** until every *live* sidecar (fresh heartbeat) has acknowledged an
    epoch at least as new. Acks are read from the acks hash (level) and
    announced on the ack channel (edge: each is taken in as the subscriber
