@@ -10,16 +10,22 @@ One invalidation of a scope (``cache``, ``tenant:<t>`` or ``model:<m>``, see
 2. **fence** the data slot of every registered tenant (only the tenant's own
    slot for a tenant scope): from now on L2 refuses readers and writers with
    the older epoch, in the same round trip as the read;
-3. **announce** the new epoch on the control channel;
+3. **announce** the new epoch on the control channel (in one pipelined batch
+   with the fences, queued after them; the wait starts once every fence
+   answered);
 4. **wait** until every *live* sidecar (fresh heartbeat) has acknowledged an
    epoch at least as new. Acks are read from the acks hash (level) and
-   announced on the ack channel (edge, so the wait wakes at once); membership
+   announced on the ack channel (edge: each is taken in as the subscriber
+   parses it, and the wait wakes once, when the last one arrives); membership
    and the hash are re-read every ``poll_s``, so a sidecar whose heartbeat
    expires (gone) stops being waited for, and a lost message costs at most
    ``poll_s``. The result names the lagging pods when ``timeout_s`` passes.
 
 Propagation time is measured on the invalidator's monotonic clock from the
 moment the CAS reply arrived to the moment the last acknowledgement was seen.
+Steps 2-4 are on that path and run on the sidecar's lean RESP client
+(:mod:`cachefleet_sidecar.resp`: pipelined, one parse per ack, no model);
+the CAS and the other reads stay on redis-py.
 
 Idempotent across operator restarts: the runner first records the epoch it
 intends to reach in the object's status (phase ``Running``) and only then
@@ -42,9 +48,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from cachefleet_operator.api import (
@@ -64,7 +67,7 @@ from cachefleet_operator.publisher import (
     REDIS_SOCKET_TIMEOUT_S,
     ControlPlaneUnavailable,
 )
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar import protocol, resp
 from cachefleet_sidecar.epochs import CACHE_SCOPE, model_scope, tenant_scope
 from cachefleet_sidecar.protocol import EpochAck, RedisClient
 
@@ -127,10 +130,15 @@ def scope_name(scope: InvalidationScope) -> str:
 
 
 class Invalidator:
-    """CAS, fence, announce and wait for one cache, over one Redis client.
+    """CAS, fence, announce and wait for one cache.
 
-    ``waker`` (optional) is a plain connection to one node used only to
-    SUBSCRIBE to the ack channel; without it the wait just polls.
+    ``client`` (redis-py) runs the CAS and the reads that are not on the
+    propagation path. ``lean`` (optional, the sidecar's lean RESP client)
+    runs what is: fence, announce and the level reads of the wait, pipelined.
+    ``waker`` (optional) is where a :class:`~cachefleet_sidecar.resp.Subscriber`
+    listens to the ack channel: each announced ack is taken in as it is
+    parsed (no task, no wake-up per ack) and the wait wakes once, when the
+    last lagging pod has acknowledged. Without it the wait just polls.
     """
 
     def __init__(
@@ -138,16 +146,24 @@ class Invalidator:
         client: RedisClient,
         cache: str,
         *,
-        waker: Redis | None = None,
+        lean: resp.RespClient | None = None,
+        waker: resp.NodeSettings | None = None,
         poll_s: float = ACK_POLL_S,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.client = client
+        self.lean = lean
         self.cache = cache
         self.poll_s = poll_s
         self.clock = clock
         self._waker = waker
-        self._pubsub: PubSub | None = None
+        self._subscriber: resp.Subscriber | None = None
+        # the wait in progress: what it wants, who is still lagging, who was heard
+        self._wanted: tuple[str, int] | None = None
+        self._lagging: set[str] | None = None
+        self._heard: set[str] = set()
+        self._all_in: asyncio.Event | None = None
+        self._all_in_at: float | None = None
 
     @classmethod
     def from_url(cls, url: str, cache: str, **kwargs: Any) -> Invalidator:
@@ -157,28 +173,21 @@ class Invalidator:
             "socket_timeout": REDIS_SOCKET_TIMEOUT_S,
         }
         client = protocol.redis_from_url(url, **timeouts)
-        target = protocol.parse_redis_url(url)
-        host, port = target.nodes[0]
-        waker = Redis(
-            host=host,
-            port=port,
-            db=0 if target.cluster else target.db,
-            username=target.username,
-            password=target.password,
-            ssl=target.tls,
-            **timeouts,
+        lean = protocol.resp_client(
+            url,
+            command_timeout_s=REDIS_SOCKET_TIMEOUT_S,
+            connect_timeout_s=REDIS_CONNECT_TIMEOUT_S,
         )
-        return cls(client, cache, waker=waker, **kwargs)
+        return cls(client, cache, lean=lean, waker=lean.settings, **kwargs)
 
     async def aclose(self) -> None:
-        if self._pubsub is not None:
-            with contextlib.suppress(RedisError, OSError):
-                await self._pubsub.aclose()  # type: ignore[no-untyped-call]
-            self._pubsub = None
-        for client in (self._waker, self.client):
-            if client is not None:
-                with contextlib.suppress(RedisError, OSError):
-                    await client.aclose()
+        if self._subscriber is not None:
+            await self._subscriber.aclose()
+            self._subscriber = None
+        if self.lean is not None:
+            await self.lean.aclose()
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.aclose()
 
     async def __aenter__(self) -> Invalidator:
         return self
@@ -189,28 +198,51 @@ class Invalidator:
     # ------------------------------------------------------------- steps
 
     async def listen(self) -> None:
-        """Subscribe to the ack channel now (idempotent; a failure only means polling)."""
-        if self._pubsub is not None or self._waker is None:
+        """Subscribe to the ack channel now (idempotent; a failure only means polling).
+
+        The subscription outlives one invalidation and re-subscribes after a
+        lost connection (acks missed meanwhile are read from the hash).
+        """
+        if self._waker is None:
             return
-        pubsub = self._waker.pubsub()
-        try:
-            await pubsub.subscribe(protocol.ack_channel(self.cache))
-        except (RedisError, OSError) as exc:
-            log.info("invalidation %s: no ack subscription (%s), polling", self.cache, exc)
-            with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+        if self._subscriber is not None:
+            self._subscriber.node.connect_soon()  # no-op while connected or connecting
             return
-        self._pubsub = pubsub
+        subscribed = asyncio.Event()
+        subscriber = resp.Subscriber(
+            self._waker,
+            [protocol.ack_channel(self.cache)],
+            self._ack_message,
+            on_subscribed=subscribed.set,
+        )
+        self._subscriber = subscriber
+        # wait for the SUBSCRIBE's confirmation too: an ack announced before it is
+        # only seen by the next poll
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REDIS_CONNECT_TIMEOUT_S):
+                if await subscriber.start(REDIS_CONNECT_TIMEOUT_S):
+                    await subscribed.wait()
+        if not subscriber.subscribed:
+            log.info("invalidation %s: no ack subscription yet, polling", self.cache)
 
     async def advance(self, scope: str, *, floor: int = 0) -> tuple[int, float]:
         """CAS, fence and announce; returns (new epoch, clock() when the CAS answered)."""
         await self.listen()
         epoch = await protocol.advance_epoch(self.client, self.cache, scope, floor=floor)
         cas_at = self.clock()
-        tenants = [scope.removeprefix(_TENANT_PREFIX)] if scope.startswith(_TENANT_PREFIX) else None
-        await protocol.fence_tenants(self.client, self.cache, {scope: epoch}, tenants)
-        await protocol.publish_epochs(self.client, self.cache, {scope: epoch})
+        await self._fence_and_announce(scope, epoch)
         return epoch, cas_at
+
+    async def _fence_and_announce(self, scope: str, epoch: int) -> None:
+        tenants = [scope.removeprefix(_TENANT_PREFIX)] if scope.startswith(_TENANT_PREFIX) else None
+        if self.lean is None:
+            await protocol.fence_tenants(self.client, self.cache, {scope: epoch}, tenants)
+            await protocol.publish_epochs(self.client, self.cache, {scope: epoch})
+            return
+        # fences and announcement in one pipelined batch (the fences queued first)
+        await protocol.fence_tenants_lean(
+            self.lean, self.cache, {scope: epoch}, tenants, announce=True
+        )
 
     async def current(self, scope: str) -> int:
         """The scope's epoch in Redis now (0 when never advanced)."""
@@ -232,9 +264,7 @@ class Invalidator:
                 self.client, self.cache, scope, floor=intended - 1
             )
         at = self.clock()
-        tenants = [scope.removeprefix(_TENANT_PREFIX)] if scope.startswith(_TENANT_PREFIX) else None
-        await protocol.fence_tenants(self.client, self.cache, {scope: current}, tenants)
-        await protocol.publish_epochs(self.client, self.cache, {scope: current})
+        await self._fence_and_announce(scope, current)
         return current, at, advanced
 
     async def progress(self, wanted: Mapping[str, int]) -> tuple[list[str], list[str]]:
@@ -243,21 +273,31 @@ class Invalidator:
         acks = await protocol.read_acks(self.client, self.cache)
         return ack_progress(members, acks, wanted)
 
+    async def _lagging_now(self, scope: str, epoch: int) -> tuple[list[str], set[str]]:
+        """(live pods, those whose recorded ack is below ``epoch`` of ``scope``), read now."""
+        if self.lean is None:
+            members = [m.pod for m in await protocol.live_members(self.client, self.cache)]
+            acks = await protocol.read_acks(self.client, self.cache)
+            return members, set(ack_progress(members, acks, {scope: epoch})[1])
+        live, epochs = await protocol.live_acks_lean(self.lean, self.cache)
+        return live, {p for p in live if epochs.get(p, {}).get(scope, 0) < epoch}
+
     async def await_acks(
         self, scope: str, epoch: int, *, timeout_s: float, started_at: float | None = None
     ) -> InvalidationResult:
         """Wait until every live sidecar acknowledged ``epoch`` of ``scope`` (bounded)."""
         start = self.clock() if started_at is None else started_at
         deadline = self.clock() + timeout_s
-        wanted = {scope: epoch}
         await self.listen()
-        while True:
-            members = [m.pod for m in await protocol.live_members(self.client, self.cache)]
-            acks = await protocol.read_acks(self.client, self.cache)
-            _acked, lagging_list = ack_progress(members, acks, wanted)
-            lagging = set(lagging_list)
-            next_poll = self.clock() + self.poll_s
+        # acks announced from now on are heard; earlier ones are in the hash read below
+        self._wanted, self._heard, self._lagging = (scope, epoch), set(), None
+        self._all_in, self._all_in_at = asyncio.Event(), None
+        try:
             while True:
+                members, lagging = await self._lagging_now(scope, epoch)
+                lagging -= self._heard
+                self._lagging = lagging
+                next_poll = self.clock() + self.poll_s
                 now = self.clock()
                 if not lagging:
                     done = len(members)
@@ -267,11 +307,15 @@ class Invalidator:
                     return InvalidationResult(
                         scope, epoch, len(members), len(members) - len(behind), behind
                     )
-                if now >= next_poll:
-                    break
-                pod = await self._next_ack(min(next_poll, deadline) - now, scope, epoch)
-                if pod is not None:
-                    lagging.discard(pod)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(max(0.0, min(next_poll, deadline) - now)):
+                        await self._all_in.wait()
+                if self._all_in.is_set():  # the last lagging pod's ack was announced
+                    assert self._all_in_at is not None
+                    done = len(members)
+                    return InvalidationResult(scope, epoch, done, done, [], self._all_in_at - start)
+        finally:
+            self._wanted, self._lagging, self._all_in = None, None, None
 
     async def invalidate(
         self, scope: str, *, timeout_s: float, floor: int = 0
@@ -280,31 +324,25 @@ class Invalidator:
         epoch, cas_at = await self.advance(scope, floor=floor)
         return await self.await_acks(scope, epoch, timeout_s=timeout_s, started_at=cas_at)
 
-    async def _next_ack(self, wait_s: float, scope: str, epoch: int) -> str | None:
-        """The pod of the next announced ack that covers ``epoch`` of ``scope``, if any.
-
-        Hot path of the wait (one call per ack): plain JSON, no model.
-        """
-        if self._pubsub is None:
-            await asyncio.sleep(max(0.0, wait_s))
-            return None
-        try:
-            message = await self._pubsub.get_message(
-                ignore_subscribe_messages=True, timeout=max(0.0, wait_s)
-            )
-        except (RedisError, OSError):
-            self._pubsub = None  # fall back to polling
-            return None
-        if message is None or message.get("type") != "message":
-            return None
-        try:
-            doc = orjson.loads(message["data"])
-            pod, epochs = doc["pod"], doc["epochs"]
-            if int(epochs.get(scope, 0)) >= epoch:
-                return str(pod)
-        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError):
-            pass
-        return None
+    def _ack_message(self, _channel: bytes, data: bytes) -> None:
+        """One announced ack, taken in as it is parsed (hot path of the wait: one per ack)."""
+        wanted = self._wanted
+        if wanted is None:
+            return
+        parsed = protocol.ack_epochs(data)
+        if parsed is None:
+            return
+        pod, epochs = parsed
+        scope, epoch = wanted
+        if epochs.get(scope, 0) < epoch:
+            return
+        self._heard.add(pod)
+        lagging = self._lagging
+        if lagging is not None and pod in lagging:
+            lagging.discard(pod)
+            if not lagging and self._all_in is not None:
+                self._all_in_at = self.clock()
+                self._all_in.set()
 
 
 class InvalidatorFactory(Protocol):
@@ -426,7 +464,13 @@ class InvalidationRunner:
                 )
             finally:
                 await invalidator.aclose()
-        except (RedisError, OSError, ControlPlaneUnavailable, SecretUnavailable) as exc:
+        except (
+            RedisError,
+            resp.RespError,
+            OSError,
+            ControlPlaneUnavailable,
+            SecretUnavailable,
+        ) as exc:
             message = f"Redis unavailable: {type(exc).__name__}: {exc}"
             # a recorded intention stays recorded (phase Running, its epoch untouched)
             phase = InvalidationPhase.PENDING if recorded is None else InvalidationPhase.RUNNING

@@ -91,14 +91,16 @@ standalone server; ``redis+cluster://host:port[,host:port...]`` (or
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qs, unquote, urlsplit, urlunsplit
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
@@ -321,7 +323,9 @@ return 1
 
 # L2 scripts. Every key they touch carries the tenant's hashtag, so each runs
 # on one cluster slot. Shared helpers first; ``meta`` is {usage, lru, sizes, exp}.
-_L2_LUA_PRELUDE = """
+# A read needs only the first three helpers (the versioned GET defines no others:
+# every helper is a closure made again on each call).
+_L2_LUA_READ_HELPERS = """
 local function now_us()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -347,6 +351,10 @@ local function forget(meta, member)
   end
   return existed
 end
+"""
+_L2_LUA_PRELUDE = (
+    _L2_LUA_READ_HELPERS
+    + """
 -- Reclaim up to n entries whose expiry has passed; returns how many.
 local function reap(meta, now_ms, n)
   local gone = redis.call('ZRANGEBYSCORE', meta[4], '-inf', now_ms, 'LIMIT', 0, n)
@@ -390,6 +398,7 @@ local function store(key, meta, value, ttl_ms, default_limit, max_n)
   return {1, evicted, reclaimed}
 end
 """
+)
 
 #: KEYS = :func:`l2_keys`; no ARGV. Returns the value (and touches the LRU) or
 #: nil; a value that has expired has its accounting dropped on the way.
@@ -1031,12 +1040,16 @@ redis.call('PUBLISH', ARGV[3], ARGV[2])
 return 1
 """
 
-# 1 when every (scope, epoch) pair of ARGV from index `first` is at least the fence.
+# 1 when every (scope, epoch) pair of ARGV from index `first` is at least the fence
+# (the fence's scopes read with one HMGET: each redis.call costs ~1 us of Lua glue).
 _FENCE_LUA = """
 local function current(fence, first)
-  for i = first, #ARGV, 2 do
-    local f = tonumber(redis.call('HGET', fence, ARGV[i]) or '0')
-    if f > tonumber(ARGV[i + 1]) then return 0 end
+  local scopes = {}
+  for i = first, #ARGV, 2 do scopes[#scopes + 1] = ARGV[i] end
+  if #scopes == 0 then return 1 end
+  local seen = redis.call('HMGET', fence, unpack(scopes))
+  for j = 1, #scopes do
+    if tonumber(seen[j] or '0') > tonumber(ARGV[first + 2 * j - 1]) then return 0 end
   end
   return 1
 end
@@ -1048,7 +1061,7 @@ end
 #: or {-1} (the reader's epochs are below the fence: it is behind an
 #: invalidation and must not be served).
 L2_GET_VERSIONED_LUA = (
-    _L2_LUA_PRELUDE
+    _L2_LUA_READ_HELPERS
     + _FENCE_LUA
     + """
 local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
@@ -1063,9 +1076,8 @@ if string.sub(value, 1, string.len(head)) ~= head then
   forget(meta, KEYS[1])
   return {2}
 end
-if redis.call('ZSCORE', meta[2], KEYS[1]) then
-  redis.call('ZADD', meta[2], stamp(meta[2], now_us()), KEYS[1])
-end
+-- touch the LRU (XX: only an entry that is in it)
+redis.call('ZADD', meta[2], 'XX', stamp(meta[2], now_us()), KEYS[1])
 return {1, string.sub(value, string.len(head) + 1)}
 """
 )
@@ -1223,3 +1235,115 @@ async def read_acks(client: RedisClient, cache: str) -> dict[str, EpochAck]:
             continue
         out[pod.decode() if isinstance(pod, bytes) else str(pod)] = ack
     return out
+
+
+# ------------------------------------------------ the invalidation path, lean client
+# The operator's steps after the CAS (fence, announce, read members and acks) are on
+# the propagation path: these run them on :mod:`cachefleet_sidecar.resp` (pipelined,
+# no pydantic per ack). Same keys and scripts as the redis-py functions above.
+
+#: :data:`EPOCH_MERGE_LUA` as the lean client runs it (EVALSHA).
+EPOCH_MERGE_SCRIPT = resp.Script(EPOCH_MERGE_LUA)
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+async def fence_tenants_lean(
+    client: resp.RespClient,
+    cache: str,
+    epochs: Mapping[str, int],
+    tenants: Iterable[str] | None = None,
+    *,
+    announce: bool = False,
+    timeout_s: float | None = None,
+) -> int:
+    """:func:`fence_tenants` on the lean client: every tenant's fence in one pipelined batch.
+
+    ``announce``: :func:`publish_epochs` in the same batch, queued after the
+    fences (on one node Redis applies them first; on a cluster they may land
+    in any order, and the caller's wait starts only once every fence answered,
+    which is what an acknowledged invalidation rests on). Returns how many
+    tenant slots were fenced.
+    """
+    if tenants is None:
+        key = l2_tenants_key(cache)
+        raw = await client.execute("SMEMBERS", key, key=key, timeout_s=timeout_s)
+        names = sorted(_text(t) for t in raw)
+    else:
+        names = sorted(set(tenants))
+    args = _merge_args(epochs)
+    if not args:
+        return 0
+    batch: list[Awaitable[Any]] = [
+        client.run_script(
+            EPOCH_MERGE_SCRIPT, [tenant_epochs_key(cache, t)], args, timeout_s=timeout_s
+        )
+        for t in names
+    ]
+    if announce:
+        batch.append(publish_epochs_lean(client, cache, epochs, timeout_s=timeout_s))
+    await asyncio.gather(*batch)
+    return len(names)
+
+
+async def publish_epochs_lean(
+    client: resp.RespClient,
+    cache: str,
+    epochs: Mapping[str, int],
+    *,
+    timeout_s: float | None = None,
+) -> None:
+    """:func:`publish_epochs` on the lean client."""
+    top = max(epochs.values(), default=0)
+    message = ControlMessage(kind="epochs", generation=top, epochs=dict(epochs))
+    channel = control_channel(cache)
+    await client.execute(
+        "PUBLISH", channel, message.model_dump_json(), key=channel, timeout_s=timeout_s
+    )
+
+
+def ack_epochs(raw: bytes | str) -> tuple[str, dict[str, int]] | None:
+    """(pod, epochs) of one JSON :class:`EpochAck` (hash value or announcement), or None.
+
+    The invalidation wait reads one per sidecar; plain JSON, no model.
+    """
+    try:
+        doc = orjson.loads(raw)
+        pod, epochs = doc["pod"], doc["epochs"]
+        if not isinstance(pod, str) or not isinstance(epochs, dict):
+            return None
+        return pod, {str(s): int(e) for s, e in epochs.items()}
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+async def live_acks_lean(
+    client: resp.RespClient, cache: str, *, timeout_s: float | None = None
+) -> tuple[list[str], dict[str, dict[str, int]]]:
+    """(live pods, acknowledged epochs by pod) read now: :func:`live_members` + :func:`read_acks`.
+
+    A pod is live while its membership score has not passed and its heartbeat
+    key exists. All keys are in the control slot (one node), so the reads are
+    pipelined. Unreadable acks are skipped.
+    """
+    members, acks = members_key(cache), acks_key(cache)
+    pods, flat = await asyncio.gather(
+        client.execute(
+            "ZRANGEBYSCORE", members, repr(time.time()), "+inf", key=members, timeout_s=timeout_s
+        ),
+        client.execute("HGETALL", acks, key=acks, timeout_s=timeout_s),
+    )
+    names = sorted(_text(p) for p in pods)
+    live: list[str] = []
+    if names:
+        keys = [member_key(cache, pod) for pod in names]
+        beats = await client.execute("MGET", *keys, key=keys[0], timeout_s=timeout_s)
+        live = [pod for pod, raw in zip(names, beats, strict=True) if raw is not None]
+    out: dict[str, dict[str, int]] = {}
+    for i in range(0, len(flat) - 1, 2):
+        parsed = ack_epochs(flat[i + 1])
+        if parsed is not None:
+            out[_text(flat[i])] = parsed[1]
+    return live, out

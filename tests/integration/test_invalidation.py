@@ -173,6 +173,13 @@ async def test_l2_refuses_a_reader_behind_the_fence(any_redis: str) -> None:
         assert await l2.get("acme", "ab" * 32, old) is None
         assert await l2.put("acme", "cd" * 32, b"fresh", new)
         assert await l2.get("acme", "cd" * 32, new) == b"fresh"
+        # every scope of the vector is checked against the fence, not only the first
+        refused = l2.counters.stale_refused
+        async with invalidator(any_redis) as inv:
+            assert (await inv.advance("model:m1"))[0] == 1
+        assert await l2.get("acme", "cd" * 32, new) is None
+        assert l2.counters.stale_refused == refused + 1
+        assert not await l2.put("acme", "ef" * 32, b"late write", new)
 
 
 # ------------------------------------------------------------- the checker

@@ -20,7 +20,7 @@ from cachefleet_sidecar.epochs import (
     tenant_scope,
     valid_scope,
 )
-from cachefleet_sidecar.protocol import EpochAck
+from cachefleet_sidecar.protocol import EpochAck, ack_epochs
 
 
 class Clock:
@@ -147,3 +147,19 @@ def test_scope_name_of_a_spec() -> None:
     assert scope_name(InvalidationScope(type=ScopeType.CACHE)) == "cache"
     assert scope_name(InvalidationScope(type=ScopeType.TENANT, tenant="t1")) == "tenant:t1"
     assert scope_name(InvalidationScope(type=ScopeType.MODEL, model="llama")) == "model:llama"
+
+
+def test_ack_epochs_reads_what_the_sidecar_writes_and_skips_junk() -> None:
+    ack = EpochAck(pod="p-1", epochs={"cache": 3, "tenant:a": 7})
+    assert ack_epochs(ack.model_dump_json()) == ("p-1", {"cache": 3, "tenant:a": 7})
+    assert ack_epochs(ack.model_dump_json().encode()) == ("p-1", {"cache": 3, "tenant:a": 7})
+    for junk in (
+        b"",
+        b"not json",
+        b"[]",
+        b'{"pod": "p"}',
+        b'{"pod": 1, "epochs": {}}',
+        b'{"pod": "p", "epochs": []}',
+        b'{"pod": "p", "epochs": {"cache": "x"}}',
+    ):
+        assert ack_epochs(junk) is None, junk
