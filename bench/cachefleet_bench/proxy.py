@@ -374,7 +374,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def compute_targets(series: Sequence[SeriesResult], low: int, high: int) -> list[Target]:
-    """The pass/fail goals of issues 2 and 5 from the measured series."""
+    """The pass/fail goals of issues 2, 5, 8 and 10 from the measured series."""
 
     def at_least(name: str, desc: str, value: float | None, limit: float, unit: str) -> Target:
         return Target(name, desc, value, limit, unit, None if value is None else value >= limit)
@@ -387,6 +387,8 @@ def compute_targets(series: Sequence[SeriesResult], low: int, high: int) -> list
     miss = _metric(series, "miss-sidecar", low, "p50_us")
     direct = _metric(series, "miss-direct", low, "p50_us")
     overhead = None if miss is None or direct is None else miss - direct
+    reference = miss_reference(series, low)
+    l2_p50 = _metric(series, "l2", low, "p50_us")
     return [
         at_least(
             "l1_rps_vs_nginx",
@@ -429,6 +431,27 @@ def compute_targets(series: Sequence[SeriesResult], low: int, high: int) -> list
             _ratio(l1_rps, _metric(series, "l1-nocurves", high, "rps")),
             0.97,
             "x",
+        ),
+        at_least(
+            "l2_rps_vs_l1",
+            f"L2 hit req/s at c={high} >= 40% of the L1 hit's",
+            _ratio(_metric(series, "l2", high, "rps"), l1_rps),
+            0.4,
+            "x",
+        ),
+        at_most(
+            "l2_p50_vs_l1",
+            f"L2 hit p50 at c={low} - the L1 hit's <= 100 us",
+            None if l2_p50 is None or l1_p50 is None else l2_p50 - l1_p50,
+            100.0,
+            "us",
+        ),
+        at_most(
+            "miss_overhead_vs_nginx",
+            f"miss overhead (p50 at c={low}) - nginx proxy_cache's own <= 0 us",
+            None if overhead is None or reference is None else overhead - reference,
+            0.0,
+            "us",
         ),
     ]
 
@@ -1116,7 +1139,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Measure the sidecar's hit path against nginx proxy_cache and a bare uvloop "
             "responder with wrk on loopback: req/s at c=64, p50/p99 at c=1 and c=64, "
-            "CPU per request, ratios and the targets of issues 2 and 5."
+            "CPU per request, ratios and the targets of issues 2, 5, 8 and 10."
         ),
     )
     parser.add_argument(

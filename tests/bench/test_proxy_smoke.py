@@ -104,9 +104,27 @@ def test_targets_pass_fail_and_missing() -> None:
     targets = {
         t.name: t for t in proxy.compute_targets([floor, nginx, slow_l1, direct, miss], 1, 64)
     }
-    assert [t.passed for n, t in targets.items() if n != "curves_cost"] == [False] * 5
+    measured = ("l1_rps_vs_nginx", "l1_p50_vs_nginx", "l1_p50_vs_floor", "l1_rps_vs_floor")
+    assert [targets[n].passed for n in (*measured, "miss_overhead")] == [False] * 5
     assert targets["curves_cost"].passed is None  # no row without curves measured
     assert targets["miss_overhead"].value == pytest.approx(160.0)
+    assert targets["l2_rps_vs_l1"].passed is None  # no L2 row measured
+    assert targets["miss_overhead_vs_nginx"].passed is None  # no nginx miss measured
+
+
+def test_issue_10_targets_compare_l2_with_l1_and_the_miss_with_nginx() -> None:
+    l1 = _series("l1", {1: 9_000, 64: 70_000}, {1: 60, 64: 900})
+    l2 = _series("l2", {1: 5_000, 64: 30_000}, {1: 150, 64: 2_000})
+    direct = _series("miss-direct", {1: 10_000, 64: 90_000}, {1: 40, 64: 700})
+    miss = _series("miss-sidecar", {1: 4_000, 64: 30_000}, {1: 200, 64: 2000})
+    via_nginx = _series("miss-nginx", {1: 4_000, 64: 30_000}, {1: 180, 64: 2000})
+    targets = {t.name: t for t in proxy.compute_targets([l1, l2, direct, miss, via_nginx], 1, 64)}
+    assert targets["l2_rps_vs_l1"].value == pytest.approx(30 / 70)
+    assert targets["l2_rps_vs_l1"].passed is True
+    assert targets["l2_p50_vs_l1"].value == pytest.approx(90.0)
+    assert targets["l2_p50_vs_l1"].passed is True
+    assert targets["miss_overhead_vs_nginx"].value == pytest.approx(160.0 - 140.0)
+    assert targets["miss_overhead_vs_nginx"].passed is False
 
 
 def test_table_shows_ratios_unmeasured_rows_and_verdicts() -> None:
