@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from cachefleet_sidecar.policies import (
     ReplacementPolicy,
     SITSPolicy,
@@ -326,7 +328,11 @@ class TenantRequest:
     """One request of a multi-tenant response-cache workload."""
 
     tenant: str
-    key: str
+    #: The key's 128-bit digest, as the sidecar keys L1 (and as ``simulate``
+    #: does): SITS samples its shadows by ``hash(key)``, which is stable for an
+    #: int and salted per process for a str, so str keys made the figures vary
+    #: from run to run.
+    key: int
     size: int
     upstream_s: float
 
@@ -351,7 +357,10 @@ def load_workload(path: Path) -> list[TenantRequest]:
             try:
                 r = json.loads(line)
                 req = TenantRequest(
-                    str(r["tenant"]), str(r["key"]), int(r["bytes"]), float(r["upstream_s"])
+                    str(r["tenant"]),
+                    xxhash.xxh3_128_intdigest(str(r["key"]).encode()),
+                    int(r["bytes"]),
+                    float(r["upstream_s"]),
                 )
             except (ValueError, KeyError, TypeError) as exc:
                 raise TraceError(
@@ -375,9 +384,9 @@ def replay_workload(
     """
     tenants = sorted({r.tenant for r in requests})
     share = l1_bytes // len(tenants)
-    parts: dict[str, ReplacementPolicy[str, bool]] = {}
+    parts: dict[str, ReplacementPolicy[int, bool]] = {}
     for t in tenants:
-        part: ReplacementPolicy[str, bool] = make_policy(policy, share)
+        part: ReplacementPolicy[int, bool] = make_policy(policy, share)
         if pressure and isinstance(part, SITSPolicy):
             part.pressure = pressure
         parts[t] = part

@@ -366,7 +366,8 @@ def replay(
             win.hit_latency.observe(latency)
         else:
             win.upstream.observe(req.upstream_s)
-            l1.put(tenant, req.digest, True, req.size)
+            # As the sidecar: the miss stores the answer with what it cost upstream.
+            l1.put(tenant, req.digest, True, req.size, req.upstream_s)
         win.lookups += 1
         win.hits += hit
         win.latency.observe(latency)

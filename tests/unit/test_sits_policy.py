@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefleet_sidecar.policies import LIRSPolicy, LRUPolicy, ReplacementPolicy, SITSPolicy
+from cachefleet_sidecar.policies.sits import REGIMES
 
 
 def replay(policy: ReplacementPolicy[int, int], keys: Iterable[int], size: int = 1) -> float:
@@ -176,18 +177,39 @@ def test_a_working_set_replaced_wholesale_turns_to_recency() -> None:
     assert miss < replay(LIRSPolicy(600), trace) - 0.03
 
 
-def test_independent_popularity_keeps_the_adaptive_regime() -> None:
-    trace = zipf_trace(40_000, 10_000, 0.9, seed=3)
+def test_independent_popularity_turns_to_the_stable_regime() -> None:
+    """Zipf draws: never frozen or recency; the long-run shadows pick ``stable``."""
+    trace = zipf_trace(60_000, 10_000, 0.9, seed=3)
     sits: SITSPolicy[int, int] = SITSPolicy(1000)
-    regimes = set()
+    regimes = []
+    misses = 0.0
     for start in range(0, len(trace), 2000):
-        replay(sits, trace[start : start + 2000])
-        regimes.add(sits.regime)
-    assert regimes == {"adaptive"}
+        misses += replay(sits, trace[start : start + 2000]) * 2000
+        regimes.append(sits.regime)
+    assert set(regimes) == {"adaptive", "stable"}
+    assert regimes[0] == "adaptive"  # long-run evidence first
+    assert regimes[-1] == "stable"
+    adaptive_alone = replay(SITSPolicy(1000, shadows=False), trace)
+    assert misses / len(trace) < adaptive_alone - 0.003  # 0.389 against 0.394
+
+
+def test_the_stable_regime_puts_a_reloaded_main_ghost_on_probation() -> None:
+    for regime, probation in (("adaptive", 0), ("stable", 1)):
+        policy: SITSPolicy[int, int] = SITSPolicy(3, regime=regime, shadows=False)
+        for key in (1, 2, 3):
+            policy.put(key, key, 1)  # warm-up: main
+        policy.put(4, 4, 1)  # on probation; main's coldest (1) becomes an M ghost
+        assert 1 not in policy
+        policy.put(1, 1, 1)  # reloaded: 4 leaves, 1 goes to main (adaptive) or probation
+        assert 1 in policy
+        assert policy.probation_bytes == probation, regime
+        assert policy.regime == regime
+        policy.check_invariants()
 
 
 def test_a_regime_can_be_pinned_and_is_validated() -> None:
-    assert SITSPolicy(100, regime="recency", shadows=False).regime == "recency"
+    for regime in REGIMES:
+        assert SITSPolicy(100, regime=regime, shadows=False).regime == regime
     with pytest.raises(ValueError, match="regime"):
         SITSPolicy(100, regime="lru")
 
@@ -316,11 +338,11 @@ OPS = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(ops=OPS)
+@given(ops=OPS, regime=st.sampled_from(REGIMES))
 def test_random_operations_keep_every_invariant(
-    ops: list[tuple[str, int, int, float | None]],
+    ops: list[tuple[str, int, int, float | None]], regime: str
 ) -> None:
-    policy: SITSPolicy[int, tuple[int, int]] = SITSPolicy(100)
+    policy: SITSPolicy[int, tuple[int, int]] = SITSPolicy(100, regime=regime)
     latest: dict[int, tuple[int, int]] = {}
     for step, (op, arg, size, cost) in enumerate(ops):
         if op == "put":

@@ -51,8 +51,8 @@ byte (or no costs) no entry is ever spared and SITS is exactly its
 ghost-driven recency/quick-demotion core.
 
 Regimes chosen by shadow caches. The ghost balance above is one regime
-(*adaptive*); two traffic shapes defeat it, and SITS runs two more regimes
-on the same structures, switching by flags (no entry moves):
+(*adaptive*); other traffic shapes reward other rules, and SITS runs three
+more regimes on the same structures, switching by flags (no entry moves):
 
 * *frozen* (loops and scans wider than the cache): new and ghost-reloaded
   keys all start on probation, and ``P`` gives way first whatever
@@ -60,19 +60,26 @@ on the same structures, switching by flags (no entry moves):
   LIR set (the adaptive balance lets ``M`` cycle there, as ARC does);
 * *recency* (a working set replaced wholesale): new keys enter ``M`` at once
   and a hit banks at most one extra round (a CLOCK, close to LRU), so the
-  old set leaves fast.
+  old set leaves fast;
+* *stable* (independent draws from a fixed popularity, e.g. Zipf): as
+  adaptive, but a key reloaded while its ``M`` ghost is remembered starts on
+  probation, as a LIRS block beyond the LIR horizon stays HIR: only keys
+  reused twice in a row within the horizon take room in ``M``.
 
 Which regime the traffic rewards is measured, not guessed: one key in
-:data:`SAMPLE_RATE` (by hash) also goes through three small *shadow* SITS
+:data:`SAMPLE_RATE` (by hash) also goes through four small *shadow* SITS
 caches, one per regime, each ``1/SAMPLE_RATE`` of the capacity (spatial
 sampling, as SHARDS does for miss-ratio curves). Every
 :data:`SELECT_EVERY` sampled accesses the regime whose shadow missed least
 (counts halved each round, so the recent past weighs most) takes over if it
-missed at least :data:`SELECT_MARGINS` less than the regime in force. A
-shadow holds keys and sizes, no values.
+missed at least :data:`SELECT_MARGINS` less than the regime in force.
+*stable* differs from *adaptive* too little to be told apart over one
+round: it stands in for *adaptive* only while its shadow missed at least
+:data:`STABLE_MARGIN` less over the long run (counts halved every
+:data:`STABLE_HALVING` rounds). A shadow holds keys and sizes, no values.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
-capacity`` bytes of ghost sizes (default 2x); the shadows together about 3/16
+capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
 of the main cache's key metadata. Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
 at most one sparing for its cost.
@@ -93,8 +100,15 @@ SELECT_EVERY = 128
 #: How much less (relative) a regime's shadow must miss than the regime in
 #: force to take over, per regime: adaptive, frozen, recency.
 SELECT_MARGINS = (0.05, 0.05, 0.08)
-#: Regime names, in the order of the shadows and of SELECT_MARGINS.
-REGIMES = ("adaptive", "frozen", "recency")
+#: Regime names, in the order of the shadows (the first three: SELECT_MARGINS).
+REGIMES = ("adaptive", "frozen", "recency", "stable")
+#: How much less (relative) the ``stable`` shadow must have missed than the
+#: ``adaptive`` one over the long run (misses halved every
+#: ``SELECT_EVERY x STABLE_HALVING`` sampled lookups) for ``stable`` to stand
+#: in for ``adaptive`` (benchmarked: docs/sits.md).
+STABLE_MARGIN = 0.01
+#: Regime choices between two halvings of the long-run counts of ``stable``.
+STABLE_HALVING = 16
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 #: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
@@ -134,6 +148,7 @@ class SITSPolicy(Generic[K, V]):
         "_ghost_factor",
         "_gm",
         "_gm_bytes",
+        "_gm_probation",
         "_gp",
         "_gp_bytes",
         "_m",
@@ -147,6 +162,7 @@ class SITSPolicy(Generic[K, V]):
         "_sampled",
         "_shadow_misses",
         "_shadows",
+        "_stable_misses",
         "_target_p",
         "spared",
     )
@@ -186,6 +202,7 @@ class SITSPolicy(Generic[K, V]):
             raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
         self._frozen = False
         self._recency = False
+        self._gm_probation = False
         self._max_freq = MAX_FREQ
         self._set_regime(REGIMES.index(regime))
         #: One shadow per regime (none inside a shadow).
@@ -203,6 +220,8 @@ class SITSPolicy(Generic[K, V]):
             else []
         )
         self._shadow_misses = [0.0] * len(REGIMES)
+        #: Long-run misses of the adaptive and the stable shadows.
+        self._stable_misses = [0.0, 0.0]
         self._sampled = 0
 
     # ------------------------------------------------------------- properties
@@ -226,8 +245,12 @@ class SITSPolicy(Generic[K, V]):
 
     @property
     def regime(self) -> str:
-        """The regime in force: ``adaptive``, ``frozen`` or ``recency`` (see the module doc)."""
-        return "frozen" if self._frozen else "recency" if self._recency else "adaptive"
+        """The regime in force: ``adaptive``, ``frozen``, ``recency`` or ``stable`` (module doc)."""
+        if self._frozen:
+            return "frozen"
+        if self._recency:
+            return "recency"
+        return "stable" if self._gm_probation else "adaptive"
 
     @property
     def probation_bytes(self) -> int:
@@ -338,7 +361,7 @@ class SITSPolicy(Generic[K, V]):
                     ratio = self._gp_bytes / self._gm_bytes if self._gm_bytes else 1.0
                     step = size * ratio if ratio > 1.0 else size
                     self._target_p = max(0.0, self._target_p - step)
-                main = not frozen
+                main = not frozen and not self._gm_probation
             else:
                 # Warm-up: while the cache has room, new entries go to M, as
                 # LIRS's first blocks become LIR; once it is full they start
@@ -452,7 +475,7 @@ class SITSPolicy(Generic[K, V]):
         assert 0.0 <= self._target_p <= self._capacity, "target_p out of range"
         assert all(0 <= n.freq <= MAX_FREQ for n in self._m.values()), "hit count"
         assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
-        assert not (self._frozen and self._recency), "two regimes at once"
+        assert self._frozen + self._recency + self._gm_probation <= 1, "two regimes at once"
         assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
         for shadow in self._shadows:
             assert not shadow._shadows, "a shadow with shadows"
@@ -518,25 +541,41 @@ class SITSPolicy(Generic[K, V]):
     def _set_regime(self, index: int) -> None:
         self._frozen = index == 1
         self._recency = index == 2
+        self._gm_probation = index == 3
         self._max_freq = 1 if self._recency else MAX_FREQ
 
     def _shadow_get(self, key: K) -> None:
         """A sampled lookup: through every shadow, and now and then a regime choice."""
         node = self._m.get(key) or self._p.get(key)
         misses = self._shadow_misses
+        stable = self._stable_misses
         for i, shadow in enumerate(self._shadows):
             if shadow.get(key) is None:
                 misses[i] += 1.0
+                if i == 0:
+                    stable[0] += 1.0
+                elif i == 3:
+                    stable[1] += 1.0
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
         self._sampled += 1
         if self._sampled % SELECT_EVERY == 0:
-            current = REGIMES.index(self.regime)
-            best = min(range(len(misses)), key=misses.__getitem__)
+            # The first three regimes by the recent misses of their shadows
+            # (counts halved every round); "stable" stands for "adaptive" when
+            # its shadow missed less over the long run (it differs from
+            # "adaptive" by too little to be told apart over one round).
+            current = 0 if self._gm_probation else REGIMES.index(self.regime)
+            best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
-                self._set_regime(best)
+                current = best
+            if current == 0 and stable[1] < stable[0] * (1.0 - STABLE_MARGIN):
+                current = 3
+            self._set_regime(current)
             for i in range(len(misses)):
                 misses[i] /= 2
+            if self._sampled % (SELECT_EVERY * STABLE_HALVING) == 0:
+                stable[0] /= 2
+                stable[1] /= 2
 
     def _trim_ghosts(self) -> None:
         bound = self._ghost_factor * self._capacity
