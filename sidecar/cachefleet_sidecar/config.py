@@ -15,6 +15,7 @@ from typing import Any
 
 from . import identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
+from .l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 from .semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
 from .semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
@@ -194,6 +195,8 @@ class SidecarConfig:
     semantic_tenant_bytes: int = DEFAULT_SEMANTIC_BYTES
     #: Model named in /v1/embeddings requests (empty: the request's own model).
     semantic_embeddings_model: str = ""
+    #: Seconds an L3 lookup waits for its embedding before the request goes upstream.
+    semantic_timeout_s: float = DEFAULT_SEMANTIC_TIMEOUT_S
 
 
 def _env(name: str) -> str | None:
@@ -423,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
         "request's model)",
         default="",
     )
+    add(
+        "semantic-timeout",
+        "seconds an L3 lookup waits for its embedding before the request goes upstream "
+        "(after 5 failures in a row the source is not asked for 5 s)",
+        default=str(DEFAULT_SEMANTIC_TIMEOUT_S),
+    )
     return p
 
 
@@ -526,4 +535,5 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_threshold=float(conv("semantic-threshold", ns.semantic_threshold, _threshold)),  # type: ignore[arg-type]
         semantic_tenant_bytes=size("semantic-tenant-bytes", ns.semantic_tenant_bytes),
         semantic_embeddings_model=str(ns.semantic_embeddings_model),
+        semantic_timeout_s=seconds("semantic-timeout", ns.semantic_timeout),
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,11 +37,16 @@ from .metrics import OTHER_TENANT
 
 log = logging.getLogger("cachefleet.sidecar.l3")
 
-#: Seconds one embedding may take before the lookup is given up (a miss).
-EMBED_TIMEOUT_S = 2.0
+#: Seconds one embedding may take before the lookup is given up (a miss); the default of
+#: ``--semantic-timeout``. Every L3 request that misses L1 and L2 waits this long at most.
+EMBED_TIMEOUT_S = 0.5
+#: Consecutive failed embeddings (errors, timeouts) after which L3 stops asking the source...
+BREAKER_FAILURES = 5
+#: ...for this many seconds (lookups count as ``open`` and go upstream at once).
+BREAKER_OPEN_S = 5.0
 #: Buckets of the similarity histogram (cosine of the most similar entry).
 SIMILARITY_BUCKETS: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
-LOOKUP_RESULTS = ("hit", "miss", "guard", "empty", "gone", "skipped", "error")
+LOOKUP_RESULTS = ("hit", "miss", "guard", "empty", "gone", "skipped", "error", "open")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +83,15 @@ class SemanticTier:
         default: semantic.SemanticOptions,
         *,
         max_tenant_series: int = 64,
+        timeout_s: float = EMBED_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cache = cache
+        self.timeout_s = timeout_s
+        self.clock = clock
+        #: Consecutive failed embeddings, and until when (clock) the source is not asked.
+        self.failures = 0
+        self.open_until = 0.0
         self.source = source
         self.default = default
         self.options: dict[str, semantic.SemanticOptions] = {}
@@ -100,7 +113,13 @@ class SemanticTier:
             threshold=config.semantic_threshold,
             max_bytes=config.semantic_tenant_bytes,
         )
-        return cls(config.cache, source, default, max_tenant_series=config.max_tenants)
+        return cls(
+            config.cache,
+            source,
+            default,
+            max_tenant_series=config.max_tenants,
+            timeout_s=config.semantic_timeout_s,
+        )
 
     async def start(self) -> None:
         """Make the source ready; on failure L3 stays off and says why (never raises)."""
@@ -158,14 +177,30 @@ class SemanticTier:
             self.count(tenant, "skipped")
             return None, None
         assert self.source is not None
+        if self.open_until > self.clock():
+            self.count(tenant, "open")  # the source keeps failing: do not make requests wait
+            return None, None
         try:
             vector = await asyncio.wait_for(
-                self.source.embed(probe.text, probe.model), EMBED_TIMEOUT_S
+                self.source.embed(probe.text, probe.model), self.timeout_s
             )
         except (EmbeddingUnavailable, TimeoutError, ValueError) as exc:
             self.count(tenant, "error")
-            log.debug("embedding failed: %s", exc)
+            self.failures += 1
+            if self.failures >= BREAKER_FAILURES:
+                self.open_until = self.clock() + BREAKER_OPEN_S
+                self.failures = 0
+                log.warning(
+                    "semantic tier (L3): %d embeddings failed in a row (last: %s); "
+                    "not asking the source for %.0f s",
+                    BREAKER_FAILURES,
+                    str(exc) or type(exc).__name__,
+                    BREAKER_OPEN_S,
+                )
+            else:
+                log.debug("embedding failed: %s", exc)
             return None, None
+        self.failures = 0
         try:
             match = self.index.lookup(probe, vector, self.tenant_options(tenant).threshold)
         except ValueError as exc:  # the source changed dimension (a new model): start over

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
-from cachefleet_sidecar import semantic
+from cachefleet_sidecar import l3, semantic
 from cachefleet_sidecar.embeddings import (
     EmbeddingUnavailable,
     HashedEmbeddings,
@@ -320,6 +321,51 @@ async def test_the_tier_finds_indexes_and_bounds_its_series() -> None:
     # Switching a tenant off drops its entries.
     tier.set_options({"acme": semantic.SemanticOptions(enabled=False)})
     assert len(tier.index) == 0
+
+
+class _Slow(HashedEmbeddings):
+    """A source that never answers within the tier's timeout, until told to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.hang = True
+
+    async def embed(self, text: str, model: str) -> semantic.Vector:
+        self.calls += 1
+        if self.hang:
+            await asyncio.Event().wait()  # cancelled by the tier's timeout
+        return await super().embed(text, model)
+
+
+async def test_a_failing_source_opens_the_breaker_and_requests_stop_waiting() -> None:
+    now = [100.0]
+    source = _Slow()
+    tier = SemanticTier(
+        "ns/c",
+        source,
+        semantic.SemanticOptions(enabled=True),
+        timeout_s=0.01,
+        clock=lambda: now[0],
+    )
+    await tier.start()
+    scope, opts = Scope("acme"), KeyOptions()
+    for _ in range(l3.BREAKER_FAILURES):
+        assert await tier.lookup("acme", chat(Q), "chat", scope, opts, b"") == (None, None)
+    assert source.calls == l3.BREAKER_FAILURES
+    assert tier._counts["acme"].lookups["error"] == l3.BREAKER_FAILURES
+    # open: the source is not asked, the lookup is a miss at once
+    assert await tier.lookup("acme", chat(Q), "chat", scope, opts, b"") == (None, None)
+    assert source.calls == l3.BREAKER_FAILURES
+    assert tier._counts["acme"].lookups["open"] == 1
+    # after the pause it is asked again, and a success closes it for good
+    now[0] += l3.BREAKER_OPEN_S + 0.1
+    source.hang = False
+    match, pending = await tier.lookup("acme", chat(Q), "chat", scope, opts, b"")
+    assert match is not None
+    assert pending is not None
+    assert source.calls == l3.BREAKER_FAILURES + 1
+    assert tier.failures == 0
 
 
 def test_an_l1_hit_becomes_an_l3_hit_with_its_similarity() -> None:
