@@ -240,6 +240,8 @@ class RedisL2:
         self._registered: set[str] = set()
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
+        #: the versioned read's keys after the entry's and its arguments, packed once
+        self._get_rest: dict[tuple[str, EpochVector], tuple[int, resp.PackedArgs]] = {}
         #: Called (synchronously) when a read was refused for being behind the fence.
         self.on_behind: Callable[[], None] | None = None
 
@@ -364,8 +366,17 @@ class RedisL2:
     async def _get_versioned(
         self, tenant: str, digest_hex: str, vector: EpochVector
     ) -> bytes | None:
-        keys = self._versioned_keys(tenant, digest_hex)
-        reply = await self._run(_GET_V, keys, self._args_of(vector))
+        memo = self._get_rest.get((tenant, vector))
+        if memo is None:
+            if len(self._get_rest) >= MEMO_LIMIT:
+                self._get_rest.clear()
+            keys = self._versioned_keys(tenant, "")
+            rest = resp.pack_args([*keys[1:], *self._args_of(vector)])
+            memo = self._get_rest[tenant, vector] = (len(keys), rest)
+        nkeys, rest = memo
+        key = protocol.entry_key(self.cache, tenant, digest_hex)
+        packed = resp.pack_script(_GET_V, nkeys, key, rest)
+        reply = await self._run(_GET_V, [key], (), packed=packed)
         if reply is _FAILED:
             return None
         try:
@@ -551,16 +562,27 @@ class RedisL2:
         keys: list[str],
         args: Sequence[Any],
         timeout_s: float | None = None,
+        *,
+        packed: bytes | None = None,
     ) -> Any | Literal[_Failed.FAILED]:
-        """Run ``script`` on its keys' node through that node's breaker; never raises."""
+        """Run ``script`` on its keys' node through that node's breaker; never raises.
+
+        ``packed`` is the whole command when the caller has packed it already
+        (:func:`resp.pack_script`); ``keys`` then needs only the first key.
+        """
         breaker = self.breaker_for(self._client.address_for(keys[0]))
         if not breaker.allow():
             self.counters.short_circuited += 1
             return _FAILED
         try:
-            reply = await self._client.run_script(
-                script, keys, args, timeout_s=timeout_s or self.op_timeout_s
-            )
+            if packed is None:
+                reply = await self._client.run_script(
+                    script, keys, args, timeout_s=timeout_s or self.op_timeout_s
+                )
+            else:
+                reply = await self._client.run_packed(
+                    script, keys[0], packed, timeout_s=timeout_s or self.op_timeout_s
+                )
         except Exception as exc:  # a cache fault must never fail a request
             return self._fault(breaker, exc)
         if breaker.state != "closed":
