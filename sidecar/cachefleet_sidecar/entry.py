@@ -90,6 +90,13 @@ def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
     return pairs
 
 
+#: Header blocks found well-formed, and their pairs: the check is a pure function of the
+#: bytes, and the blocks of one upstream repeat (only a well-formed block is kept).
+_checked_blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}
+_CHECKED_BLOCKS_LIMIT = 1024
+_CHECKED_BLOCK_MAX_BYTES = 1024
+
+
 def _error_object(doc: object) -> bool:
     return isinstance(doc, dict) and ("error" in doc or doc.get("object") == "error")
 
@@ -252,7 +259,14 @@ class Entry:
         headers = data[start : start + hlen]
         body = data[start + hlen :]
         stream = bool(flags & _FLAG_STREAM)
-        problem = answer_problem(status, check_header_block(headers), body, stream=stream)
+        pairs = _checked_blocks.get(headers)
+        if pairs is None:
+            pairs = check_header_block(headers)
+            if len(headers) <= _CHECKED_BLOCK_MAX_BYTES:
+                if len(_checked_blocks) >= _CHECKED_BLOCKS_LIMIT:
+                    _checked_blocks.clear()
+                _checked_blocks[headers] = pairs
+        problem = answer_problem(status, pairs, body, stream=stream)
         if problem is not None:
             raise CorruptEntry(f"stored answer refused: {problem}")
         return cls(status, headers, body, stream=stream, tenant=tenant)

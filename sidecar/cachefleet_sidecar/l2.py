@@ -240,8 +240,9 @@ class RedisL2:
         self._registered: set[str] = set()
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
-        #: the versioned read's keys after the entry's and its arguments, packed once
-        self._get_rest: dict[tuple[str, EpochVector], tuple[int, resp.PackedArgs]] = {}
+        #: per tenant: the versioned read's keys after the entry's and its arguments
+        #: under the vector it was last called with, packed once
+        self._get_rest: dict[str, tuple[EpochVector, int, resp.PackedArgs]] = {}
         #: Called (synchronously) when a read was refused for being behind the fence.
         self.on_behind: Callable[[], None] | None = None
 
@@ -366,14 +367,15 @@ class RedisL2:
     async def _get_versioned(
         self, tenant: str, digest_hex: str, vector: EpochVector
     ) -> bytes | None:
-        memo = self._get_rest.get((tenant, vector))
-        if memo is None:
+        memo = self._get_rest.get(tenant)
+        # the tracker hands out one vector object per (tenant, model) until an epoch moves
+        if memo is None or (memo[0] is not vector and memo[0] != vector):
             if len(self._get_rest) >= MEMO_LIMIT:
                 self._get_rest.clear()
             keys = self._versioned_keys(tenant, "")
             rest = resp.pack_args([*keys[1:], *self._args_of(vector)])
-            memo = self._get_rest[tenant, vector] = (len(keys), rest)
-        nkeys, rest = memo
+            memo = self._get_rest[tenant] = (vector, len(keys), rest)
+        _, nkeys, rest = memo
         key = protocol.entry_key(self.cache, tenant, digest_hex)
         packed = resp.pack_script(_GET_V, nkeys, key, rest)
         reply = await self._run(_GET_V, [key], (), packed=packed)
