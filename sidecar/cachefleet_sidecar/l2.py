@@ -352,21 +352,9 @@ class RedisL2:
         exactly ``vector`` is returned; a stored value that is not such an
         entry is dropped and reported as :data:`CORRUPT`.
         """
-        if vector is not None:
-            return await self._get_versioned(tenant, digest_hex, vector)
-        keys = protocol.l2_keys(self.cache, tenant, digest_hex)
-        raw = await self._run(_GET, keys, ())
-        if raw is _FAILED:
-            return None
-        if raw is None:
-            self.counters.misses += 1
-            return None
-        self.counters.hits += 1
-        return bytes(raw)
-
-    async def _get_versioned(
-        self, tenant: str, digest_hex: str, vector: EpochVector
-    ) -> bytes | None:
+        if vector is None:
+            return await self._get_plain(tenant, digest_hex)
+        # the versioned read (the usual one) inline: one coroutine layer less per lookup
         memo = self._get_rest.get(tenant)
         # the tracker hands out one vector object per (tenant, model) until an epoch moves
         if memo is None or (memo[0] is not vector and memo[0] != vector):
@@ -400,6 +388,17 @@ class RedisL2:
             return None
         self.counters.hits += 1
         return value
+
+    async def _get_plain(self, tenant: str, digest_hex: str) -> bytes | None:
+        keys = protocol.l2_keys(self.cache, tenant, digest_hex)
+        raw = await self._run(_GET, keys, ())
+        if raw is _FAILED:
+            return None
+        if raw is None:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        return bytes(raw)
 
     def _versioned_keys(self, tenant: str, digest_hex: str) -> list[str]:
         """:func:`protocol.l2_versioned_keys`, the tenant's part computed once."""

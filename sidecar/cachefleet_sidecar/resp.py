@@ -659,7 +659,10 @@ class RespClient:
         """:meth:`run_script` of a command already packed (:func:`pack_script`) on ``key``."""
         deadline = self._deadline(timeout_s)
         try:
-            if not self.cluster:  # no redirections to follow: one coroutine layer less
+            if not self.cluster:  # no redirections to follow: no coroutine layer between
+                wire = self._default._wire
+                if wire is not None and not wire.closed:
+                    return await wire.send(packed, deadline)
                 return await self._default.call(packed, deadline)
             return await self.execute_at(deadline, key, packed)
         except ReplyError as exc:
