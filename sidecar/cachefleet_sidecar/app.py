@@ -573,8 +573,9 @@ class Sidecar:
                 return
             entry = await self._l2_get(lookup, key)
             if entry is not None:
-                self._l1_put(tenant, key, entry)
-                conn.write(entry.response(b"HIT-L2"))
+                response, promoted = entry.l2_hit()
+                self._l1_put(tenant, key, entry, rendered=promoted)
+                conn.write(response)
                 tm.request("l2", "hit", time.perf_counter() - request.started)
                 return
         if lookup.no_cache and lookup.no_store:
@@ -802,10 +803,19 @@ class Sidecar:
 
     # -------------------------------------------------------------- cache tiers
     def _l1_put(
-        self, tenant: str, key: keys.CacheKey, entry: Entry, cost: float | None = None
+        self,
+        tenant: str,
+        key: keys.CacheKey,
+        entry: Entry,
+        cost: float | None = None,
+        *,
+        rendered: tuple[L1Value, int] | None = None,
     ) -> None:
-        """Store an answer from L2 or upstream in L1 (and count the access for the curves)."""
-        value, size = entry.l1_value()
+        """Store an answer from L2 or upstream in L1 (and count the access for the curves).
+
+        ``rendered`` is ``entry.l1_value()`` when the caller has rendered it already.
+        """
+        value, size = entry.l1_value() if rendered is None else rendered
         if self.mrc is not None:
             self.mrc.access(tenant, key.digest, size)
         try:

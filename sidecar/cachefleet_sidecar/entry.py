@@ -62,8 +62,10 @@ class CorruptEntry(ValueError):
     """Stored bytes that are not an entry this version understands."""
 
 
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
-_FIELD_VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
+#: One header line: a lower-case token name, ": ", a value without control characters.
+_LINE = rb"([!#$%&'*+\-.^_`|~0-9a-z]+): ([\t\x20-\x7e\x80-\xff]*)\r\n"
+_LINES = re.compile(_LINE)
+_BLOCK = re.compile(rb"(?:" + _LINE + rb")*")
 
 
 def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
@@ -72,20 +74,27 @@ def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
     A block is ``name: value\r\n`` lines: lower-case token names, values
     without control characters, and no header that frames or routes the
     response (:data:`HOP_BY_HOP`): the sidecar frames every response itself.
+    The block is checked by one regular expression, not line by line (this
+    runs on every L2 hit).
     """
     if not block:
         return []
     if not block.endswith(b"\r\n"):
         raise CorruptEntry("header block not terminated")
-    pairs = []
-    for line in block[:-2].split(b"\r\n"):
-        name, sep, value = line.partition(b": ")
-        if not sep or _TOKEN.fullmatch(name) is None or _FIELD_VALUE.fullmatch(value) is None:
-            raise CorruptEntry("malformed header line")
+    if _BLOCK.fullmatch(block) is None:
+        raise CorruptEntry("malformed header line")
+    pairs: list[tuple[bytes, bytes]] = _LINES.findall(block)
+    for name, _ in pairs:
         if name in HOP_BY_HOP:
             raise CorruptEntry(f"framing header {name.decode()!r} in a stored entry")
-        pairs.append((name, value))
     return pairs
+
+
+#: Header blocks found well-formed, and their pairs: the check is a pure function of the
+#: bytes, and the blocks of one upstream repeat (only a well-formed block is kept).
+_checked_blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}
+_CHECKED_BLOCKS_LIMIT = 1024
+_CHECKED_BLOCK_MAX_BYTES = 1024
 
 
 def _error_object(doc: object) -> bool:
@@ -158,11 +167,12 @@ def answer_problem(
     return None
 
 
+_PHRASES = {status.value: status.phrase.encode() for status in HTTPStatus}
+
+
 def reason_phrase(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Unknown"
+    """The reason phrase of ``status`` (``b"Unknown"`` for a code HTTP does not name)."""
+    return _PHRASES.get(status, b"Unknown")
 
 
 def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -186,13 +196,18 @@ class Entry:
         self.body = body
         self.stream = stream
 
+    def _prefix(self) -> bytes:
+        """The response up to the X-Cache value: status line, headers, content-length."""
+        return b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nx-cache: " % (
+            self.status,
+            reason_phrase(self.status),
+            self.headers,
+            len(self.body),
+        )
+
     def response(self, x_cache: bytes) -> bytes:
         """The complete HTTP/1.1 response with ``X-Cache: <x_cache>``."""
-        return (
-            b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\nx-cache: %s\r\n\r\n"
-            % (self.status, reason_phrase(self.status), self.headers, len(self.body), x_cache)
-            + self.body
-        )
+        return b"".join((self._prefix(), x_cache, b"\r\n\r\n", self.body))
 
     @property
     def hit_l1(self) -> bytes:
@@ -208,6 +223,13 @@ class Entry:
         """
         hit = self.hit_l1
         return (self.tenant, hit), len(hit) + L1_OVERHEAD_BYTES
+
+    def l2_hit(self) -> tuple[bytes, tuple[L1Value, int]]:
+        """An L2 hit's response and :meth:`l1_value` (its promotion), formatted once."""
+        prefix = self._prefix()
+        hit_l1 = b"".join((prefix, b"HIT-L1\r\n\r\n", self.body))
+        hit_l2 = b"".join((prefix, b"HIT-L2\r\n\r\n", self.body))
+        return hit_l2, ((self.tenant, hit_l1), len(hit_l1) + L1_OVERHEAD_BYTES)
 
     def dumps(self) -> bytes:
         flags = _FLAG_STREAM if self.stream else 0
@@ -237,7 +259,14 @@ class Entry:
         headers = data[start : start + hlen]
         body = data[start + hlen :]
         stream = bool(flags & _FLAG_STREAM)
-        problem = answer_problem(status, check_header_block(headers), body, stream=stream)
+        pairs = _checked_blocks.get(headers)
+        if pairs is None:
+            pairs = check_header_block(headers)
+            if len(headers) <= _CHECKED_BLOCK_MAX_BYTES:
+                if len(_checked_blocks) >= _CHECKED_BLOCKS_LIMIT:
+                    _checked_blocks.clear()
+                _checked_blocks[headers] = pairs
+        problem = answer_problem(status, pairs, body, stream=stream)
         if problem is not None:
             raise CorruptEntry(f"stored answer refused: {problem}")
         return cls(status, headers, body, stream=stream, tenant=tenant)

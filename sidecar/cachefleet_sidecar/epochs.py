@@ -45,6 +45,8 @@ DEFAULT_STALENESS_BOUND_S = 2.0
 CACHE_SCOPE = "cache"
 _TENANT_PREFIX = "tenant:"
 _MODEL_PREFIX = "model:"
+#: Most (tenant, model) vectors EpochTracker.vector keeps built.
+_VECTORS_LIMIT = 4096
 
 #: The epochs an entry is written under: ((scope, epoch), ...) in a fixed order.
 EpochVector = tuple[tuple[str, int], ...]
@@ -119,6 +121,9 @@ class EpochTracker:
         self._known: dict[str, int] = {}
         #: Moves whenever a known epoch moves forward.
         self.version = 0
+        #: vector() per (tenant, model), valid while version is _vectors_version
+        self._vectors: dict[tuple[str, str], EpochVector] = {}
+        self._vectors_version = 0
         #: clock() at which the last confirmed read was sent; None before the first.
         self.confirmed_at: float | None = None
         #: L1 hits may be served while clock() < valid_until.
@@ -177,13 +182,23 @@ class EpochTracker:
         )
 
     def vector(self, tenant: str, model: str) -> EpochVector:
-        """The same epochs with their scope names (what L2 checks and records)."""
-        cache_epoch, tenant_epoch, model_epoch = self.values_for(tenant, model)
-        return (
-            (CACHE_SCOPE, cache_epoch),
-            (tenant_scope(tenant), tenant_epoch),
-            (model_scope(model), model_epoch),
-        )
+        """The same epochs with their scope names (what L2 checks and records).
+
+        Built once per (tenant, model) until an epoch moves: every L2 lookup asks.
+        """
+        vectors = self._vectors
+        if self._vectors_version != self.version or len(vectors) >= _VECTORS_LIMIT:
+            vectors.clear()
+            self._vectors_version = self.version
+        vector = vectors.get((tenant, model))
+        if vector is None:
+            cache_epoch, tenant_epoch, model_epoch = self.values_for(tenant, model)
+            vector = vectors[tenant, model] = (
+                (CACHE_SCOPE, cache_epoch),
+                (tenant_scope(tenant), tenant_epoch),
+                (model_scope(model), model_epoch),
+            )
+        return vector
 
 
 def scopes_of(vector: Iterable[tuple[str, int]]) -> list[str]:

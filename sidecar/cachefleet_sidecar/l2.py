@@ -240,6 +240,9 @@ class RedisL2:
         self._registered: set[str] = set()
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
+        #: per tenant: the versioned read's keys after the entry's and its arguments
+        #: under the vector it was last called with, packed once
+        self._get_rest: dict[str, tuple[EpochVector, int, resp.PackedArgs]] = {}
         #: Called (synchronously) when a read was refused for being behind the fence.
         self.on_behind: Callable[[], None] | None = None
 
@@ -349,23 +352,21 @@ class RedisL2:
         exactly ``vector`` is returned; a stored value that is not such an
         entry is dropped and reported as :data:`CORRUPT`.
         """
-        if vector is not None:
-            return await self._get_versioned(tenant, digest_hex, vector)
-        keys = protocol.l2_keys(self.cache, tenant, digest_hex)
-        raw = await self._run(_GET, keys, ())
-        if raw is _FAILED:
-            return None
-        if raw is None:
-            self.counters.misses += 1
-            return None
-        self.counters.hits += 1
-        return bytes(raw)
-
-    async def _get_versioned(
-        self, tenant: str, digest_hex: str, vector: EpochVector
-    ) -> bytes | None:
-        keys = self._versioned_keys(tenant, digest_hex)
-        reply = await self._run(_GET_V, keys, self._args_of(vector))
+        if vector is None:
+            return await self._get_plain(tenant, digest_hex)
+        # the versioned read (the usual one) inline: one coroutine layer less per lookup
+        memo = self._get_rest.get(tenant)
+        # the tracker hands out one vector object per (tenant, model) until an epoch moves
+        if memo is None or (memo[0] is not vector and memo[0] != vector):
+            if len(self._get_rest) >= MEMO_LIMIT:
+                self._get_rest.clear()
+            keys = self._versioned_keys(tenant, "")
+            rest = resp.pack_args([*keys[1:], *self._args_of(vector)])
+            memo = self._get_rest[tenant] = (vector, len(keys), rest)
+        _, nkeys, rest = memo
+        key = protocol.entry_key(self.cache, tenant, digest_hex)
+        packed = resp.pack_script(_GET_V, nkeys, key, rest)
+        reply = await self._run(_GET_V, [key], (), packed=packed)
         if reply is _FAILED:
             return None
         try:
@@ -387,6 +388,17 @@ class RedisL2:
             return None
         self.counters.hits += 1
         return value
+
+    async def _get_plain(self, tenant: str, digest_hex: str) -> bytes | None:
+        keys = protocol.l2_keys(self.cache, tenant, digest_hex)
+        raw = await self._run(_GET, keys, ())
+        if raw is _FAILED:
+            return None
+        if raw is None:
+            self.counters.misses += 1
+            return None
+        self.counters.hits += 1
+        return bytes(raw)
 
     def _versioned_keys(self, tenant: str, digest_hex: str) -> list[str]:
         """:func:`protocol.l2_versioned_keys`, the tenant's part computed once."""
@@ -551,16 +563,27 @@ class RedisL2:
         keys: list[str],
         args: Sequence[Any],
         timeout_s: float | None = None,
+        *,
+        packed: bytes | None = None,
     ) -> Any | Literal[_Failed.FAILED]:
-        """Run ``script`` on its keys' node through that node's breaker; never raises."""
+        """Run ``script`` on its keys' node through that node's breaker; never raises.
+
+        ``packed`` is the whole command when the caller has packed it already
+        (:func:`resp.pack_script`); ``keys`` then needs only the first key.
+        """
         breaker = self.breaker_for(self._client.address_for(keys[0]))
         if not breaker.allow():
             self.counters.short_circuited += 1
             return _FAILED
         try:
-            reply = await self._client.run_script(
-                script, keys, args, timeout_s=timeout_s or self.op_timeout_s
-            )
+            if packed is None:
+                reply = await self._client.run_script(
+                    script, keys, args, timeout_s=timeout_s or self.op_timeout_s
+                )
+            else:
+                reply = await self._client.run_packed(
+                    script, keys[0], packed, timeout_s=timeout_s or self.op_timeout_s
+                )
         except Exception as exc:  # a cache fault must never fail a request
             return self._fault(breaker, exc)
         if breaker.state != "closed":

@@ -11,8 +11,10 @@ caller's own event loop:
   order (RESP answers in order on one connection).
 * **Deadlines, not cancellation.** Every command carries a deadline; when it
   passes, the caller gets :class:`CommandTimeout` and the reply, if it still
-  comes, is dropped. A connection that stays silent with commands waiting
-  for :data:`STALL_S` is dropped and made again.
+  comes, is dropped. One timer per connection, at the earliest deadline of
+  its waiting commands, enforces them (not a timer per command). A connection
+  that stays silent with commands waiting for :data:`STALL_S` is dropped and
+  made again.
 * **Connection set-up is not a command's cost.** Connecting (TCP, TLS, AUTH,
   SELECT) runs as its own task: a command waits for it within its deadline
   only, and a deadline that passes while the connection is still being made
@@ -48,6 +50,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import ssl
 from binascii import crc_hqx
 from collections import deque
@@ -145,6 +148,36 @@ class Script:
         self.sha = hashlib.sha1(self.source).hexdigest().encode()
 
 
+#: Part of a command packed once for many calls: (number of arguments, their RESP bulk strings).
+PackedArgs = tuple[int, bytes]
+
+
+def pack_args(items: Sequence[Any]) -> PackedArgs:
+    """``items`` as RESP bulk strings without the array header (see :func:`pack_script`)."""
+    packed = _pack(tuple(items))
+    return len(items), packed[packed.index(b"\r\n") + 2 :]
+
+
+def pack_script(script: Script, nkeys: int, key: str, rest: PackedArgs) -> bytes:
+    """``EVALSHA sha nkeys key *rest``: the keys after the first and the arguments packed once.
+
+    The same bytes as packing the whole command, for less work on a hot path
+    where only ``key`` changes from call to call.
+    """
+    k = key.encode()
+    n = b"%d" % nkeys
+    return b"*%d\r\n$7\r\nEVALSHA\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n%s" % (
+        rest[0] + 4,
+        len(script.sha),
+        script.sha,
+        len(n),
+        n,
+        len(k),
+        k,
+        rest[1],
+    )
+
+
 def key_slot(key: str | bytes) -> int:
     """The cluster hash slot of ``key`` (CRC16/XMODEM of its hashtag, or of the whole key)."""
     raw = key.encode() if isinstance(key, str) else key
@@ -154,11 +187,6 @@ def key_slot(key: str | bytes) -> int:
         if end > start + 1:
             raw = raw[start + 1 : end]
     return crc_hqx(raw, 0) % SLOTS
-
-
-def _expire(future: asyncio.Future[Any], what: str) -> None:
-    if not future.done():
-        future.set_exception(CommandTimeout(what))
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -178,6 +206,12 @@ class _Wire(asyncio.Protocol):
         self._reader = hiredis.Reader()
         self.transport: asyncio.Transport | None = None
         self.pending: deque[asyncio.Future[Any]] = deque()
+        #: the deadline (loop time) of each pending command, in the same order
+        self._due: deque[float] = deque()
+        #: one timer per connection, at the earliest deadline of a pending command (a timer
+        #: per command costs more than the rest of the command's bookkeeping together)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self._out: list[bytes] = []
         self._flush_scheduled = False
         #: loop time of the last byte received, or of the send that found nothing pending
@@ -209,6 +243,7 @@ class _Wire(asyncio.Protocol):
                     self.push(reply)
                 continue
             future = pending.popleft()
+            self._due.popleft()
             if future.done():  # its deadline passed: nobody waits for this reply
                 continue
             if isinstance(reply, hiredis.ReplyError):
@@ -224,7 +259,11 @@ class _Wire(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         reason = f"connection to {self._node.name} lost{why}"
+        self._due.clear()
         while self.pending:
             future = self.pending.popleft()
             if not future.done():
@@ -234,22 +273,55 @@ class _Wire(asyncio.Protocol):
         self._node._lost(self)
 
     # sending
-    def send(self, packed: bytes) -> asyncio.Future[Any]:
+    def send(self, packed: bytes, deadline: float = math.inf) -> asyncio.Future[Any]:
+        """Queue a command; its future fails with CommandTimeout at ``deadline`` (loop time)."""
         if self.closed:
             raise ConnectionLost(f"connection to {self._node.name} lost")
         future: asyncio.Future[Any] = self._loop.create_future()
+        if deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = self._loop.call_at(deadline, self._expire)
         if not self.pending:
             self.progress_at = self._loop.time()
             if not self._flush_scheduled and self.transport is not None:
                 # An idle connection (c=1): out now, no loop iteration of delay. Under
                 # load replies are outstanding, and commands are gathered into one write.
                 self.pending.append(future)
+                self._due.append(deadline)
                 self._node.writes += 1
                 self.transport.write(packed)
                 return future
         self.pending.append(future)
+        self._due.append(deadline)
         self.write(packed)
         return future
+
+    def _expire(self) -> None:
+        """Fail the commands whose deadline has passed; drop the connection if it stalled."""
+        self._timer = None
+        self._timer_at = math.inf
+        if self.closed:
+            return
+        now = self._loop.time()
+        expired = False
+        next_at = math.inf
+        for future, due in zip(self.pending, self._due, strict=True):
+            if future.done():
+                continue
+            if due <= now:
+                future.set_exception(CommandTimeout(self._node.name))
+                expired = True
+            elif due < next_at:
+                next_at = due
+        if expired and self.stalled(now):
+            self._node.stalls += 1
+            self.abort(f"no reply for {STALL_S:g}s")
+            return
+        if next_at < math.inf:
+            self._timer_at = next_at
+            self._timer = self._loop.call_at(next_at, self._expire)
 
     def write(self, packed: bytes) -> None:
         """Queue bytes; everything queued in one loop iteration goes out in one write."""
@@ -428,18 +500,7 @@ class Node:
         wire = self._wire
         if wire is None or wire.closed:
             wire = await self.ready(deadline)
-        future = wire.send(packed)
-        loop = asyncio.get_running_loop()
-        handle = loop.call_at(deadline, _expire, future, self.name)
-        try:
-            return await future
-        except CommandTimeout:
-            if wire.stalled(loop.time()):
-                self.stalls += 1
-                wire.abort(f"no reply for {STALL_S:g}s")
-            raise
-        finally:
-            handle.cancel()
+        return await wire.send(packed, deadline)
 
     async def call_asking(self, packed: bytes, deadline: float) -> Any:
         """``ASKING`` then the command, in one write (an ASK redirection)."""
@@ -448,12 +509,7 @@ class Node:
             wire = await self.ready(deadline)
         asking = wire.send(_pack(("ASKING",)))
         asking.add_done_callback(_retrieve)
-        future = wire.send(packed)
-        handle = asyncio.get_running_loop().call_at(deadline, _expire, future, self.name)
-        try:
-            return await future
-        finally:
-            handle.cancel()
+        return await wire.send(packed, deadline)
 
     def send_push(self, packed: bytes) -> None:
         """Write a command whose replies arrive as pushes (SUBSCRIBE); no-op when not connected."""
@@ -594,10 +650,20 @@ class RespClient:
         timeout_s: float | None = None,
     ) -> Any:
         """EVALSHA ``script``; on NOSCRIPT load it on that node and run it again."""
-        deadline = self._deadline(timeout_s)
-        key = keys[0] if keys else None
         packed = _pack((b"EVALSHA", script.sha, len(keys), *keys, *args))
+        return await self.run_packed(script, keys[0] if keys else None, packed, timeout_s=timeout_s)
+
+    async def run_packed(
+        self, script: Script, key: str | None, packed: bytes, *, timeout_s: float | None = None
+    ) -> Any:
+        """:meth:`run_script` of a command already packed (:func:`pack_script`) on ``key``."""
+        deadline = self._deadline(timeout_s)
         try:
+            if not self.cluster:  # no redirections to follow: no coroutine layer between
+                wire = self._default._wire
+                if wire is not None and not wire.closed:
+                    return await wire.send(packed, deadline)
+                return await self._default.call(packed, deadline)
             return await self.execute_at(deadline, key, packed)
         except ReplyError as exc:
             if exc.code != "NOSCRIPT":

@@ -151,6 +151,27 @@ async def test_paused_server_times_out_then_replies_stay_matched(own_redis: Redi
 
 
 @pytest.mark.redis
+async def test_each_waiting_command_keeps_its_own_deadline(own_redis: RedisServer) -> None:
+    # One timer per connection: a short deadline behind a long one still fires on time,
+    # and the long one is still answered once the server is back.
+    client = protocol.resp_client(own_redis.url)
+    try:
+        await client.execute("SET", "a", "A")
+        own_redis.pause()
+        long = asyncio.ensure_future(client.execute("GET", "a", timeout_s=30.0))
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        with pytest.raises(resp.CommandTimeout):
+            await client.execute("GET", "a", timeout_s=0.1)
+        assert time.monotonic() - t0 < 25.0  # not held to the long command's deadline
+        assert not long.done()
+        own_redis.resume()
+        assert await long == b"A"
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.redis
 async def test_silent_connection_is_dropped_and_made_again(
     own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -122,3 +122,19 @@ def test_loads_checks_the_answer_inside_the_envelope() -> None:
     ):
         with pytest.raises(CorruptEntry):
             Entry.loads(bad.dumps())
+
+
+def test_header_block_edge_lines() -> None:
+    # a value may hold ": "; a blank line, a missing ": " or a bare CR may not
+    assert check_header_block(b"x-a: b: c\r\n") == [(b"x-a", b"b: c")]
+    for block in (b"\r\n", b"x-a: b\r\n\r\n", b"x-a:b\r\n", b"x-a: b\rc\r\n", b"X-A: b\r\n"):
+        with pytest.raises(CorruptEntry):
+            check_header_block(block)
+
+
+def test_l2_hit_renders_the_response_and_the_promotion_once() -> None:
+    e = Entry(200, b"content-type: application/json\r\n", b'{"x": 1}', stream=False, tenant="t")
+    response, (value, size) = e.l2_hit()
+    assert response == e.response(b"HIT-L2")
+    assert (value, size) == e.l1_value()
+    assert value == ("t", e.hit_l1)

@@ -163,3 +163,17 @@ def test_ack_epochs_reads_what_the_sidecar_writes_and_skips_junk() -> None:
         b'{"pod": "p", "epochs": {"cache": "x"}}',
     ):
         assert ack_epochs(junk) is None, junk
+
+
+def test_vector_is_built_once_and_follows_every_epoch_move() -> None:
+    tracker = EpochTracker()
+    first = tracker.vector("t", "m")
+    assert tracker.vector("t", "m") is first
+    assert tracker.vector("u", "m") != first
+    tracker.merge({"tenant:t": 3})
+    moved = tracker.vector("t", "m")
+    assert moved == (("cache", 0), ("tenant:t", 3), ("model:m", 0))
+    tracker.merge({"tenant:t": 2})  # behind: nothing moves
+    assert tracker.vector("t", "m") is moved
+    tracker.merge({"model:m": 1})
+    assert tracker.vector("t", "m")[2] == ("model:m", 1)
