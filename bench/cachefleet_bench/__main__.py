@@ -28,6 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "L1 lookup micro-benchmark: lru / lirs / sits vs cachetools",
         (),
     ),
+    "l2": (
+        "cachefleet_bench.l2_micro",
+        "L2 read micro-benchmark: a versioned RedisL2.get vs one plain GET (own redis-server)",
+        ("--reads", "2000", "--repeats", "1"),
+    ),
     "policies": (
         "cachefleet_bench.policies",
         "policy miss ratios on a Mooncake trace: lru / lirs / sits vs libCacheSim",

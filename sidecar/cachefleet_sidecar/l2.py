@@ -1,9 +1,10 @@
 """The L2 tier: a shared Redis (standalone or Redis Cluster) with per-tenant quotas.
 
-Each operation is one Lua script from :mod:`cachefleet_sidecar.protocol` on
-the keys of one tenant (one cluster slot), so a hit is one round trip and a
-put enforces the tenant's byte quota atomically (see the protocol docstring
-for the exact rules).
+Each operation is on the keys of one tenant (one cluster slot) and one round
+trip: a read is plain ``GET`` + fence ``HMGET`` commands in one write, a put
+one Lua script from :mod:`cachefleet_sidecar.protocol` that enforces the
+tenant's byte quota atomically, and hits' LRU touches go later, batched (see
+the protocol docstring for the exact rules).
 
 The scripts run on the sidecar's own lean client (:mod:`cachefleet_sidecar.resp`:
 one pipelined connection per Redis node, EVALSHA, a deadline per command);
@@ -30,14 +31,13 @@ is a standalone server, ``redis+cluster://h1:p1,h2:p2`` a Redis Cluster
 
 Epochs (versioned invalidation, see the protocol docstring): ``get`` and
 ``put`` take the reader's / writer's :data:`~cachefleet_sidecar.epochs.EpochVector`
-and then run the versioned scripts, which compare it with the tenant slot's
-fence in the same round trip: a reader behind an invalidation gets a miss
-(counted in ``stale_refused``, and ``on_behind`` is called so the sidecar
-re-reads its epochs at once), a writer behind one stores nothing. Before the
-first versioned write of a tenant the tier registers the tenant
-(:func:`~cachefleet_sidecar.protocol.register_tenant`) so invalidators fence
-its slot; :meth:`RedisL2.forget_registrations` makes it register again (after
-Redis lost its state).
+and compare it with the tenant slot's fence in the same round trip: a reader
+behind an invalidation gets a miss (counted in ``stale_refused``, and
+``on_behind`` is called so the sidecar re-reads its epochs at once), a writer
+behind one stores nothing. Before the first versioned write of a tenant the
+tier registers the tenant (:func:`~cachefleet_sidecar.protocol.register_tenant`)
+so invalidators fence its slot; :meth:`RedisL2.forget_registrations` makes it
+register again (after Redis lost its state).
 
 Quota: ``set_limit(tenant, n)`` stores the tenant's limit in Redis (shared by
 every sidecar) and, when it was lowered, evicts down to it at once; a limit
@@ -51,7 +51,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -197,13 +197,19 @@ def _ints3(reply: Any) -> tuple[int, int, int]:
     return first, second, third
 
 
-_GET = resp.Script(protocol.L2_GET_LUA)
 _PUT = resp.Script(protocol.L2_PUT_LUA)
 _USAGE = resp.Script(protocol.L2_USAGE_LUA)
-_GET_V = resp.Script(protocol.L2_GET_VERSIONED_LUA)
 _PUT_V = resp.Script(protocol.L2_PUT_VERSIONED_LUA)
 _SET_LIMIT = resp.Script(protocol.L2_SET_LIMIT_LUA)
-_SCRIPTS = (_GET, _PUT, _USAGE, _GET_V, _PUT_V, _SET_LIMIT)
+_TOUCH = resp.Script(protocol.L2_TOUCH_LUA)
+_FORGET_STALE = resp.Script(protocol.L2_FORGET_STALE_LUA)
+_SCRIPTS = (_PUT, _USAGE, _PUT_V, _SET_LIMIT, _TOUCH, _FORGET_STALE)
+
+
+def _pack_get(key: str) -> bytes:
+    """``GET key`` packed (the same bytes as :func:`resp.pack_command`, for less work)."""
+    k = key.encode()
+    return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
 
 
 class RedisL2:
@@ -240,9 +246,13 @@ class RedisL2:
         self._registered: set[str] = set()
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
-        #: per tenant: the versioned read's keys after the entry's and its arguments
-        #: under the vector it was last called with, packed once
-        self._get_rest: dict[str, tuple[EpochVector, int, resp.PackedArgs]] = {}
+        #: per tenant: the vector it was last read under, its fence HMGET packed and
+        #: the head of its entries
+        self._reads: dict[str, tuple[EpochVector, bytes, bytes]] = {}
+        #: per tenant: entry keys hit since the last touch was sent, least recent first
+        self._touches: dict[str, dict[str, None]] = {}
+        self._touch_timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
         #: Called (synchronously) when a read was refused for being behind the fence.
         self.on_behind: Callable[[], None] | None = None
 
@@ -347,58 +357,123 @@ class RedisL2:
     ) -> bytes | None:
         """The cached value or None (miss, Redis down, slow or broken).
 
-        With ``vector`` the read is versioned: it is refused (None) when the
-        tenant's fence is ahead of the vector, and only an entry written under
-        exactly ``vector`` is returned; a stored value that is not such an
-        entry is dropped and reported as :data:`CORRUPT`.
+        With ``vector`` the read is versioned (:func:`protocol.judge_versioned_read`):
+        it is refused (None) when the tenant's fence is ahead of the vector, and
+        only an entry written under exactly ``vector`` is returned; a stored
+        value that is not such an entry is dropped and reported as
+        :data:`CORRUPT`. A hit's LRU touch is sent later, batched.
         """
+        key = protocol.entry_key(self.cache, tenant, digest_hex)
         if vector is None:
-            return await self._get_plain(tenant, digest_hex)
-        # the versioned read (the usual one) inline: one coroutine layer less per lookup
-        memo = self._get_rest.get(tenant)
+            replies = await self._pipe(key, (_pack_get(key),))
+            if replies is _FAILED:
+                return None
+            raw = replies[0]
+            if raw is None:
+                self.counters.misses += 1
+                return None
+            self.counters.hits += 1
+            self._touched(tenant, key)
+            return bytes(raw)
+        memo = self._reads.get(tenant)
         # the tracker hands out one vector object per (tenant, model) until an epoch moves
         if memo is None or (memo[0] is not vector and memo[0] != vector):
-            if len(self._get_rest) >= MEMO_LIMIT:
-                self._get_rest.clear()
-            keys = self._versioned_keys(tenant, "")
-            rest = resp.pack_args([*keys[1:], *self._args_of(vector)])
-            memo = self._get_rest[tenant] = (vector, len(keys), rest)
-        _, nkeys, rest = memo
-        key = protocol.entry_key(self.cache, tenant, digest_hex)
-        packed = resp.pack_script(_GET_V, nkeys, key, rest)
-        reply = await self._run(_GET_V, [key], (), packed=packed)
-        if reply is _FAILED:
+            if len(self._reads) >= MEMO_LIMIT:
+                self._reads.clear()
+            fence = protocol.fence_command(self.cache, tenant, vector)
+            memo = self._reads[tenant] = (vector, fence, protocol.entry_head(vector))
+        _, fence, head = memo
+        get = _pack_get(key)
+        # the breaker and the client inline: no coroutine layer between this and the replies
+        breaker = self.breaker_for(self._client.address_for(key))
+        if not breaker.allow():
+            self.counters.short_circuited += 1
             return None
         try:
-            status = int(reply[0])
-            value = bytes(reply[1]) if status == 1 else None
-        except (TypeError, ValueError, IndexError):
+            futures = self._client.send_now(get + fence, 2 if fence else 1, self.op_timeout_s)
+            if futures is None:
+                replies = await self._client.pipeline(
+                    key, (get, fence) if fence else (get,), timeout_s=self.op_timeout_s
+                )
+            else:
+                try:
+                    await futures[-1]  # replies come in order: the others are in too
+                    replies = [future.result() for future in futures]
+                except BaseException:
+                    resp.abandon(futures)
+                    raise
+            for reply in replies:
+                if isinstance(reply, resp.ReplyError):
+                    raise reply
+        except Exception as exc:  # a cache fault must never fail a request
+            self._fault(breaker, exc)
+            return None
+        if breaker.state != "closed":
+            log.info("L2 %s: Redis answers again", self.cache)
+        breaker.success()
+        try:
+            verdict = protocol.judge_versioned_read(
+                replies[0], replies[1] if fence else (), vector, head
+            )
+        except (TypeError, ValueError, AttributeError):
             self.counters.errors += 1
             return None
-        if status == -1:
+        if type(verdict) is bytes:
+            self.counters.hits += 1
+            self._touched(tenant, key)
+            return verdict
+        if verdict == protocol.READ_BEHIND:
             self.counters.stale_refused += 1
             if self.on_behind is not None:
                 self.on_behind()
             return None
-        if status == 2:
-            self.counters.misses += 1
+        self.counters.misses += 1
+        if verdict == protocol.READ_STALE_ENTRY:
+            keys = protocol.l2_keys(self.cache, tenant, digest_hex)
+            self._spawn(self._run(_FORGET_STALE, keys, (head,)))
             return CORRUPT
-        if value is None:
-            self.counters.misses += 1
-            return None
-        self.counters.hits += 1
-        return value
+        return None
 
-    async def _get_plain(self, tenant: str, digest_hex: str) -> bytes | None:
-        keys = protocol.l2_keys(self.cache, tenant, digest_hex)
-        raw = await self._run(_GET, keys, ())
-        if raw is _FAILED:
-            return None
-        if raw is None:
-            self.counters.misses += 1
-            return None
-        self.counters.hits += 1
-        return bytes(raw)
+    # ------------------------------------------------------------- LRU touches
+
+    def _touched(self, tenant: str, key: str) -> None:
+        """Hold a hit's LRU touch; sent with the tenant's others (see the protocol docstring)."""
+        keys = self._touches.get(tenant)
+        if keys is None:
+            keys = self._touches[tenant] = {}
+        else:
+            keys.pop(key, None)
+        keys[key] = None
+        if len(keys) >= protocol.L2_TOUCH_BATCH:
+            self._spawn(self._send_touches(tenant))
+        elif self._touch_timer is None:
+            self._touch_timer = asyncio.get_running_loop().call_later(
+                protocol.L2_TOUCH_INTERVAL_S, self._touch_timer_fired
+            )
+
+    def _touch_timer_fired(self) -> None:
+        self._touch_timer = None
+        if self._touches:
+            self._spawn(self._send_touches())
+
+    async def _send_touches(self, tenant: str | None = None) -> None:
+        """Send the held touches of ``tenant`` (of every tenant when None); never raises."""
+        if tenant is None:
+            batches, self._touches = self._touches, {}
+        else:
+            held = self._touches.pop(tenant, None)
+            batches = {tenant: held} if held else {}
+        for name, held in batches.items():
+            lru = [protocol.lru_key(self.cache, name)]
+            members = list(held)
+            for i in range(0, len(members), protocol.L2_TOUCH_BATCH):
+                await self._run(_TOUCH, lru, members[i : i + protocol.L2_TOUCH_BATCH])
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        """Run ``work`` in the background, kept referenced until done."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _versioned_keys(self, tenant: str, digest_hex: str) -> list[str]:
         """:func:`protocol.l2_versioned_keys`, the tenant's part computed once."""
@@ -450,6 +525,8 @@ class RedisL2:
                 return False
             self._registered.add(tenant)
 
+        if tenant in self._touches:  # this sidecar's own eviction sees its own reads
+            await self._send_touches(tenant)
         reply = await self._run(_PUT_V if versioned else _PUT, keys, args)
         if reply is _FAILED:
             return False
@@ -498,6 +575,8 @@ class RedisL2:
         """
         keys = protocol.l2_meta_keys(self.cache, tenant)
         args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH)
+        if tenant in self._touches:
+            await self._send_touches(tenant)
         for _ in range(SET_LIMIT_MAX_CALLS):
             reply = await self._run(_SET_LIMIT, keys, args, self._limit_timeout_s)
             if reply is _FAILED:
@@ -536,7 +615,14 @@ class RedisL2:
         return bool(await self._call(None, ("PING",)) == b"PONG")
 
     async def aclose(self) -> None:
-        """Close the clients' connections (idempotent)."""
+        """Send the held LRU touches, then close the clients' connections (idempotent)."""
+        if self._touch_timer is not None:
+            self._touch_timer.cancel()
+            self._touch_timer = None
+        if self._touches:
+            await self._send_touches()
+        for task in list(self._tasks):
+            task.cancel()
         await self._client.aclose()
         if self._setup is not None:
             try:
@@ -590,6 +676,26 @@ class RedisL2:
             log.info("L2 %s: Redis answers again", self.cache)
         breaker.success()
         return reply
+
+    async def _pipe(
+        self, key: str, commands: Sequence[bytes]
+    ) -> list[Any] | Literal[_Failed.FAILED]:
+        """Plain packed commands on ``key``'s node, in one write, through its breaker."""
+        breaker = self.breaker_for(self._client.address_for(key))
+        if not breaker.allow():
+            self.counters.short_circuited += 1
+            return _FAILED
+        try:
+            replies = await self._client.pipeline(key, commands, timeout_s=self.op_timeout_s)
+            for reply in replies:
+                if isinstance(reply, resp.ReplyError):
+                    raise reply
+        except Exception as exc:  # a cache fault must never fail a request
+            return self._fault(breaker, exc)
+        if breaker.state != "closed":
+            log.info("L2 %s: Redis answers again", self.cache)
+        breaker.success()
+        return replies
 
     async def _call(self, key: str | None, args: tuple[Any, ...]) -> Any:
         """One plain command on ``key``'s node through its breaker; _FAILED on any fault."""

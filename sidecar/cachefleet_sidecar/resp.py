@@ -82,8 +82,10 @@ SLOTS: Final = 16384
 
 Address = tuple[str, int]
 
-#: hiredis's command encoder (its stubs type the argument as a 1-tuple).
-_pack = cast(Callable[[tuple[Any, ...]], bytes], hiredis.pack_command)
+#: hiredis's command encoder: a tuple of arguments -> one RESP command (its stubs type
+#: the argument as a 1-tuple).
+pack_command = cast(Callable[[tuple[Any, ...]], bytes], hiredis.pack_command)
+_pack = pack_command
 
 
 class RespError(Exception):
@@ -194,6 +196,26 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
+def abandon(futures: list[Any]) -> None:
+    """Nobody will read these replies: keep their errors from being logged as unread."""
+    for future in futures:
+        future.add_done_callback(_retrieve)
+
+
+async def _replies(futures: list[Any]) -> list[Any]:
+    """The replies of commands sent together; an error reply is its item, other faults raise."""
+    out: list[Any] = []
+    for i, future in enumerate(futures):
+        try:
+            out.append(await future)
+        except ReplyError as exc:
+            out.append(exc)
+        except BaseException:
+            abandon(futures[i + 1 :])
+            raise
+    return out
+
+
 # ----------------------------------------------------------------- connection
 
 
@@ -297,6 +319,29 @@ class _Wire(asyncio.Protocol):
         self._due.append(deadline)
         self.write(packed)
         return future
+
+    def send_many(self, packed: bytes, n: int, deadline: float = math.inf) -> list[Any]:
+        """Queue ``n`` commands packed together, in one write: a future per reply, in order."""
+        if self.closed:
+            raise ConnectionLost(f"connection to {self._node.name} lost")
+        create = self._loop.create_future
+        futures = [create() for _ in range(n)]
+        if deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer_at = deadline
+            self._timer = self._loop.call_at(deadline, self._expire)
+        idle = not self.pending
+        self.pending.extend(futures)
+        self._due.extend([deadline] * n)
+        if idle:
+            self.progress_at = self._loop.time()
+            if not self._flush_scheduled and self.transport is not None:
+                self._node.writes += 1
+                self.transport.write(packed)
+                return futures
+        self.write(packed)
+        return futures
 
     def _expire(self) -> None:
         """Fail the commands whose deadline has passed; drop the connection if it stalled."""
@@ -511,6 +556,13 @@ class Node:
         asking.add_done_callback(_retrieve)
         return await wire.send(packed, deadline)
 
+    async def call_many(self, packed: bytes, n: int, deadline: float) -> list[Any]:
+        """Send ``n`` packed commands in one write; their replies (see :func:`_replies`)."""
+        wire = self._wire
+        if wire is None or wire.closed:
+            wire = await self.ready(deadline)
+        return await _replies(wire.send_many(packed, n, deadline))
+
     def send_push(self, packed: bytes) -> None:
         """Write a command whose replies arrive as pushes (SUBSCRIBE); no-op when not connected."""
         wire = self._wire
@@ -639,6 +691,67 @@ class RespClient:
             except ConnectionLost:
                 self.refresh_soon()
                 raise
+        raise RespError(f"more than {MAX_REDIRECTS} redirections")
+
+    def send_now(self, packed: bytes, n: int, timeout_s: float) -> list[Any] | None:
+        """A standalone server's fast path: ``n`` packed commands written on its open connection.
+
+        Their futures (await the last: replies come in order; on a fault call
+        :func:`abandon`), or None when that path is not open (a cluster, no
+        connection yet): then use :meth:`pipeline`. No coroutine layer between
+        the caller and the replies.
+        """
+        if self.cluster:
+            return None
+        wire = self._default._wire
+        if wire is None or wire.closed:
+            return None
+        return wire.send_many(packed, n, wire._loop.time() + timeout_s)
+
+    async def pipeline(
+        self, key: str | bytes | None, commands: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Packed ``commands`` on ``key``'s node in one write; a reply each, in order.
+
+        A command's error reply is its item (a :class:`ReplyError`), not raised;
+        a lost connection or the deadline raise. Every command must be on
+        ``key``'s slot: a ``MOVED`` / ``ASK`` of the first sends them all again.
+        """
+        deadline = self._deadline(timeout_s)
+        packed = b"".join(commands)
+        n = len(commands)
+        if not self.cluster:
+            wire = self._default._wire
+            if wire is not None and not wire.closed:
+                return await _replies(wire.send_many(packed, n, deadline))
+            return await self._default.call_many(packed, n, deadline)
+        node = await self._owner(key, deadline)
+        for _ in range(MAX_REDIRECTS):
+            try:
+                replies = await node.call_many(packed, n, deadline)
+            except ConnectionLost:
+                self.refresh_soon()
+                raise
+            first = replies[0]
+            if not isinstance(first, ReplyError):
+                return replies
+            code = first.code
+            if code == "MOVED":
+                slot, address = _redirect(first)
+                self.moved += 1
+                self._slots[slot] = address
+                self.refresh_soon()
+                node = self.node(address)
+                continue
+            if code == "ASK":
+                _, address = _redirect(first)
+                self.asked += 1
+                asking = _pack(("ASKING",))
+                both = b"".join(asking + command for command in commands)
+                return (await self.node(address).call_many(both, 2 * n, deadline))[1::2]
+            if code in ("CLUSTERDOWN", "TRYAGAIN"):
+                self.refresh_soon()
+            return replies
         raise RespError(f"more than {MAX_REDIRECTS} redirections")
 
     async def run_script(

@@ -11,7 +11,7 @@ import pytest
 
 from cachefleet_e2e.services import RedisCluster, RedisServer, free_port, redis_command
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.l2 import CircuitBreaker, RedisL2
+from cachefleet_sidecar.l2 import CORRUPT, CircuitBreaker, RedisL2
 
 CACHE = "team-a/chat"
 
@@ -205,6 +205,66 @@ async def test_lowering_the_limit_evicts_down_to_it_at_once(make_l2: MakeL2) -> 
     assert await bob.usage("bob") == (100, 10_000)  # other tenants untouched
     assert await l2.set_limit("alice", 0)  # back to the default: nothing to evict
     assert await l2.usage("alice") == (400, 10_000)
+
+
+async def _lru_order(url: str, tenant: str) -> list[bytes]:
+    client = protocol.redis_from_url(url)
+    try:
+        return list(await client.zrange(protocol.lru_key(CACHE, tenant), 0, -1))
+    finally:
+        await client.aclose()
+
+
+def _entry(tenant: str, name: str) -> bytes:
+    return protocol.entry_key(CACHE, tenant, digest(name)).encode()
+
+
+async def test_hits_touch_the_lru_in_batches_that_every_sidecar_sees(
+    make_l2: MakeL2, backend_url: str
+) -> None:
+    reader, writer = make_l2(), make_l2()
+    assert await writer.set_limit("alice", 300)
+    for name in ("a1", "a2", "a3"):
+        assert await writer.put("alice", digest(name), b"A" * 100)
+    # hits in the order a3, a1: both touches go in one batch, in that order
+    assert await reader.get("alice", digest("a3")) is not None
+    assert await reader.get("alice", digest("a1")) is not None
+    expected = [_entry("alice", n) for n in ("a2", "a3", "a1")]
+    deadline = time.monotonic() + 10.0  # a safety net: the batch goes after 50 ms
+    while await _lru_order(backend_url, "alice") != expected:
+        assert time.monotonic() < deadline, await _lru_order(backend_url, "alice")
+        await asyncio.sleep(0.02)
+    # another sidecar's eviction now takes the least recently read entry
+    assert await writer.put("alice", digest("a4"), b"A" * 100)
+    assert await writer.get("alice", digest("a2")) is None
+    for name in ("a1", "a3", "a4"):
+        assert await writer.get("alice", digest(name)) == b"A" * 100
+
+
+async def test_an_entry_of_other_epochs_is_dropped_unless_rewritten_meanwhile(
+    make_l2: MakeL2, backend_url: str
+) -> None:
+    old = (("cache", 0), ("tenant:acme", 0))
+    new = (("cache", 1), ("tenant:acme", 0))
+    l2 = make_l2()
+    assert await l2.put("acme", digest("q"), b"old answer", old)
+    # a reader ahead of the entry (and not behind the fence): a miss, the entry dropped
+    assert await l2.get("acme", digest("q"), new) == CORRUPT
+    deadline = time.monotonic() + 10.0
+    while await l2.usage("acme") != (0, l2.default_limit_bytes):
+        assert time.monotonic() < deadline, await l2.usage("acme")
+        await asyncio.sleep(0.02)
+    assert await _lru_order(backend_url, "acme") == []
+    # the drop is conditional: an entry of the reader's epochs written meanwhile stays
+    assert await l2.put("acme", digest("q"), b"new answer", new)
+    client = protocol.redis_from_url(backend_url)
+    try:
+        keys = protocol.l2_keys(CACHE, "acme", digest("q"))
+        head = protocol.entry_head(new).decode()
+        assert await client.eval(protocol.L2_FORGET_STALE_LUA, len(keys), *keys, head) == 0
+    finally:
+        await client.aclose()
+    assert await l2.get("acme", digest("q"), new) == b"new answer"
 
 
 @pytest.mark.redis_cluster

@@ -77,6 +77,27 @@ async def test_error_reply_is_a_reply_error_and_the_pipeline_stays_in_step(
 
 
 @pytest.mark.redis
+async def test_a_pipeline_is_one_write_with_a_reply_each_and_errors_as_items(
+    client: resp.RespClient,
+) -> None:
+    await client.connect()
+    await client.execute("SET", "s", "text")
+    node = client.nodes[0]
+    writes_before = node.writes
+    pack = resp.pack_command
+    replies = await client.pipeline(
+        "s", [pack(("GET", "s")), pack(("INCR", "s")), pack(("HMGET", "h", "a", "b"))]
+    )
+    assert node.writes - writes_before == 1
+    assert replies[0] == b"text"
+    assert isinstance(replies[1], resp.ReplyError)
+    assert replies[1].code == "ERR"
+    assert replies[2] == [None, None]
+    # the connection stays in step after an error item
+    assert await client.execute("GET", "s") == b"text"
+
+
+@pytest.mark.redis
 async def test_script_is_loaded_again_after_script_flush(client: resp.RespClient) -> None:
     script = resp.Script(INCR_BY_LUA)
     await client.load_scripts([script])
@@ -255,6 +276,17 @@ async def test_cluster_routes_by_slot_and_follows_moved(cluster_url: str) -> Non
         assert values == [str(i).encode() for i in range(64)]
         assert client.moved > 0
         await until(lambda: _true(len({client.address_for(f"{{t{i}}}:k") for i in range(64)}) == 3))
+        # A pipeline follows MOVED as a whole (its commands share a slot).
+        client._slots = [one] * resp.SLOTS
+        moved = client.moved
+        pack = resp.pack_command
+        for i in range(64):
+            key = f"{{t{i}}}:k"
+            get, missing = await client.pipeline(
+                key, [pack(("GET", key)), pack(("GET", f"{{t{i}}}:other"))]
+            )
+            assert (get, missing) == (str(i).encode(), None)
+        assert client.moved > moved
     finally:
         await client.aclose()
 
@@ -285,6 +317,12 @@ async def test_cluster_follows_ask_during_a_slot_migration(
             assert await client.execute("SET", key, "moved-in", key=key) == b"OK"
             assert client.asked >= 1
             assert redis_command(target[1], "DBSIZE") == b":1\r\n"
+            # A pipeline is asked again as a whole, ASKING before each command.
+            asked = client.asked
+            pack = resp.pack_command
+            replies = await client.pipeline(key, [pack(("GET", key)), pack(("STRLEN", key))])
+            assert replies == [b"moved-in", 8]
+            assert client.asked == asked + 1
         finally:
             redis_cluster.flushall()
             for address in (source, target):

@@ -177,3 +177,46 @@ def test_vector_is_built_once_and_follows_every_epoch_move() -> None:
     assert tracker.vector("t", "m") is moved
     tracker.merge({"model:m": 1})
     assert tracker.vector("t", "m")[2] == ("model:m", 1)
+
+
+# ------------------------------------------------------- the versioned read's verdict
+
+VECTOR = (("cache", 2), ("tenant:acme", 1), ("model:m1", 0))
+
+
+def test_a_versioned_read_serves_only_its_own_epochs_under_a_fence_not_ahead() -> None:
+    from cachefleet_sidecar.protocol import (
+        READ_BEHIND,
+        READ_MISS,
+        READ_STALE_ENTRY,
+        entry_head,
+        judge_versioned_read,
+    )
+
+    head = entry_head(VECTOR)
+    assert head == b"cache=2;tenant:acme=1;model:m1=0\n"
+    fence_equal = [b"2", b"1", None]  # a scope never advanced has no field
+    assert judge_versioned_read(head + b"answer", fence_equal, VECTOR, head) == b"answer"
+    assert judge_versioned_read(None, fence_equal, VECTOR, head) == READ_MISS
+    # a fence behind the reader (its Redis lost state) does not refuse it
+    assert judge_versioned_read(head + b"a", [None, None, None], VECTOR, head) == b"a"
+    # any one scope ahead refuses the read, whatever is stored
+    for i in range(3):
+        ahead: list[bytes | None] = [b"2", b"1", b"0"]
+        ahead[i] = b"%d" % (VECTOR[i][1] + 1)
+        assert judge_versioned_read(head + b"a", ahead, VECTOR, head) == READ_BEHIND
+        assert judge_versioned_read(None, ahead, VECTOR, head) == READ_BEHIND
+    # an entry of other epochs (older or newer) or a planted value is not served
+    older = entry_head((("cache", 1), ("tenant:acme", 1), ("model:m1", 0)))
+    for stored in (older + b"answer", b"garbage", head[:-1] + b"answer"):
+        assert judge_versioned_read(stored, fence_equal, VECTOR, head) == READ_STALE_ENTRY
+
+
+def test_the_fence_command_asks_for_the_vectors_scopes_in_order() -> None:
+    from cachefleet_sidecar import resp
+    from cachefleet_sidecar.protocol import fence_command, tenant_epochs_key
+
+    packed = fence_command("team-a/chat", "acme", VECTOR)
+    key = tenant_epochs_key("team-a/chat", "acme")
+    assert packed == resp.pack_command(("HMGET", key, "cache", "tenant:acme", "model:m1"))
+    assert fence_command("team-a/chat", "acme", ()) == b""
