@@ -348,6 +348,7 @@ class Sidecar:
             self.l2_usage.pop(tenant, None)
         for tenant in gone:
             self.metrics.forget(tenant)
+            self.metrics.forget_policy_switches(tenant)
             self.l2_usage.pop(tenant, None)
             self.l3.forget(tenant)
             if self.mrc is not None:

@@ -192,6 +192,11 @@ class SidecarMetrics:
         key = (tenant, old, new)
         self.policy_switches[key] = self.policy_switches.get(key, 0) + 1
 
+    def forget_policy_switches(self, tenant: str) -> None:
+        """Drop a tenant's switch series (its L1 partition expired; not read as a switch)."""
+        for key in [k for k in self.policy_switches if k[0] == tenant]:
+            del self.policy_switches[key]
+
     def expect_policy_switches(self, tenant: str, policy: str, target: str) -> None:
         """Export ``tenant``'s switch (policy -> target) and rollback series at 0 until used.
 

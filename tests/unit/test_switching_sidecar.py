@@ -201,3 +201,15 @@ async def test_a_switch_drains_in_the_background_while_the_loop_keeps_serving() 
     stats = app.l1.stats()["t"]
     assert (stats.policy, stats.entries, stats.evictions) == ("sits", 3_000, 0)
     await app.aclose()
+
+
+def test_an_expired_tenants_switch_series_go_with_it() -> None:
+    app = make()
+    assert app.switching is not None
+    app.l1.put("t", 1, ("t", b"x"), 100)
+    drive(app, app.switching.next_window_at, 1, 0.020)
+    assert switches(app) == {("lirs", "sits"): 0.0, ("sits", "lirs"): 0.0}
+    assert app.expire_idle(1) == []  # used within the last tick: kept
+    assert app.expire_idle(0) == ["t"]
+    assert "t" not in app.l1.stats()
+    assert switches(app) == {}
