@@ -621,8 +621,10 @@ class RedisL2:
             self._touch_timer = None
         if self._touches:
             await self._send_touches()
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.aclose()
         if self._setup is not None:
             try:

@@ -58,11 +58,11 @@ sidecar's tracker; functions and scripts in the "epochs" section below):
   ``cf:{cf:<cache>}:acked`` (:func:`ack_channel`) so waiters need not poll hard.
 * ``cf:{cf:<cache>|<tenant>}:epochs`` hash: scope -> epoch, the *fence* of one
   tenant's data slot. An invalidator max-merges the new epoch into the fence
-  of every registered tenant after the CAS and before announcing it; the
-  versioned L2 scripts refuse a reader or writer whose epochs are below the
-  fence, in the same round trip as the read or write. That keeps every
-  script single-slot on Redis Cluster (sequencer in the control slot, fence
-  in each data slot) and still makes an L2 read check the epoch atomically.
+  of every registered tenant after the CAS and before announcing it; an L2
+  read or write whose epochs are below the fence is refused, in the same
+  round trip as the read or write (the write's script checks atomically; the
+  read, below, needs no atomicity). That keeps every operation single-slot on
+  Redis Cluster (sequencer in the control slot, fence in each data slot).
 * Versioned entries (:data:`L2_PUT_VERSIONED_LUA`) are stored as
   ``<vector>\n<value>``: each records the epochs it was written under
   (:func:`cachefleet_sidecar.epochs.encode_vector`), and a read serves it only
