@@ -322,6 +322,12 @@ def _run_in_thread(
     return thread, stop, loops
 
 
+def _server_tls(tls: tuple[str, str]) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*tls)
+    return context
+
+
 @contextlib.contextmanager
 def run_emulator(tls: tuple[str, str] | None = None) -> Iterator[EmulatorHandle]:
     """A KubernetesEmulator on 127.0.0.1 in its own thread, stopped on exit.
@@ -334,23 +340,27 @@ def run_emulator(tls: tuple[str, str] | None = None) -> Iterator[EmulatorHandle]
     box: dict[str, Any] = {}
 
     async def main(stop: threading.Event, loop: asyncio.AbstractEventLoop) -> None:
-        async with Emulator() as emu, kmock.Server(emu) as server:
+        # Served by plain aiohttp runners rather than kmock.Server: that one also patches
+        # aiohttp's resolver for the whole process, and two emulators whose lives overlap
+        # (a fixture's and a fleet's, in different threads) then exit out of order and
+        # leave their sessions and handlers unclosed. Clients here use the URL, not a name.
+        async with Emulator() as emu:
             declare_resources(emu)
-            box["emulator"], box["url"] = emu, str(server.url).rstrip("/")
-            runner = None
-            if tls is not None:
-                context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-                context.load_cert_chain(*tls)
-                runner = aiohttp.web.ServerRunner(aiohttp.web.Server(emu))
-                await runner.setup()
-                site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
-                await site.start()
-                box["tls_port"] = runner.addresses[0][1]
-            ready.set()
+            runners: list[aiohttp.web.ServerRunner] = []
             try:
+                for context in (None, _server_tls(tls)) if tls is not None else (None,):
+                    runner = aiohttp.web.ServerRunner(aiohttp.web.Server(emu))
+                    runners.append(runner)
+                    await runner.setup()
+                    await aiohttp.web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context).start()
+                box["emulator"] = emu
+                box["url"] = f"http://127.0.0.1:{runners[0].addresses[0][1]}"
+                if tls is not None:
+                    box["tls_port"] = runners[1].addresses[0][1]
+                ready.set()
                 await asyncio.to_thread(stop.wait)
             finally:
-                if runner is not None:
+                for runner in runners:
                     await runner.cleanup()
 
     thread, stop, _ = _run_in_thread("kmock-emulator", main)
