@@ -97,12 +97,14 @@ MIGRATION_PAUSE_S = 0.002
 class _Flight:
     """One upstream call that concurrent identical misses share (single-flight)."""
 
-    __slots__ = ("future", "joiners")
+    __slots__ = ("future", "joiners", "tier")
 
     def __init__(self, future: asyncio.Future[bytes | None]) -> None:
         self.future = future
         #: Requests waiting for this call's answer.
         self.joiners = 0
+        #: Where the shared answer came from, as the joiners count it: "upstream" or "l3".
+        self.tier = "upstream"
 
 
 class Refusal(Exception):
@@ -589,7 +591,8 @@ class Sidecar:
             shared = await asyncio.shield(leader.future)
             if shared is not None:
                 conn.write(shared)
-                tm.request("upstream", "miss", time.perf_counter() - request.started)
+                result = "hit" if leader.tier == "l3" else "miss"
+                tm.request(leader.tier, result, time.perf_counter() - request.started)
                 return
         flight = _Flight(asyncio.get_running_loop().create_future())
         self._inflight[key.digest] = flight
@@ -600,6 +603,7 @@ class Sidecar:
             if not lookup.no_cache and self.l3.enabled(tenant):
                 l3_answer, pending = await self._l3_get(request, lookup, key)
                 if l3_answer is not None:
+                    flight.tier = "l3"
                     conn.write(l3_answer)
                     tm.request("l3", "hit", time.perf_counter() - request.started)
                     return

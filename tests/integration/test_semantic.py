@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +71,27 @@ async def test_a_paraphrase_is_answered_from_l3_with_its_similarity(
     assert 'cachefleet_l3_entries{cache="test/cache",tenant="acme"} 1.0' in metrics
     assert "cachefleet_l3_similarity_bucket" in metrics
     assert 'tier="l3",result="hit"' in metrics
+
+
+def _requests(metrics: str, tier: str, result: str) -> float:
+    labels = f'tier="{tier}",result="{result}"'
+    found = re.search(r"cachefleet_requests_total\{[^}]*" + labels + r"[^}]*\} ([0-9.]+)", metrics)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_requests_that_join_an_l3_hit_are_counted_as_l3_hits(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    sc = await semantic_sidecar(sidecar_factory, semantic_timeout_s=10.0)
+    assert (await sc.chat(Q)).headers["x-cache"] == "MISS"
+    # a slow embedding keeps the leader's L3 lookup open while the others join it
+    upstream.default_latency_s = 0.5
+    answers = await asyncio.gather(*(sc.chat(PARA) for _ in range(3)))
+    assert [a.headers["x-cache"] for a in answers] == ["HIT-L3"] * 3
+    assert upstream.calls[CHAT] == 1
+    metrics = (await sc.admin.get("/metrics")).text
+    assert _requests(metrics, "l3", "hit") == 3
+    assert _requests(metrics, "upstream", "miss") == 1  # the first request only
 
 
 async def test_never_across_tenants_models_or_sampling(
