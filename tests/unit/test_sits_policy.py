@@ -193,16 +193,25 @@ def test_independent_popularity_turns_to_the_stable_regime() -> None:
     assert misses / len(trace) < adaptive_alone - 0.003  # 0.389 against 0.394
 
 
-def test_the_stable_regime_puts_a_reloaded_main_ghost_on_probation() -> None:
-    for regime, probation in (("adaptive", 0), ("stable", 1)):
-        policy: SITSPolicy[int, int] = SITSPolicy(3, regime=regime, shadows=False)
-        for key in (1, 2, 3):
+def test_the_stable_regime_forgets_ghosts_beyond_one_capacity() -> None:
+    """Ghosts are kept for 2x the capacity; ``stable`` honours only the newest 1x."""
+    for regime, old_is_ghost in (("adaptive", True), ("stable", False)):
+        policy: SITSPolicy[int, int] = SITSPolicy(4, regime=regime, shadows=False)
+        for key in (1, 2, 3, 4):
             policy.put(key, key, 1)  # warm-up: main
-        policy.put(4, 4, 1)  # on probation; main's coldest (1) becomes an M ghost
-        assert 1 not in policy
-        policy.put(1, 1, 1)  # reloaded: 4 leaves, 1 goes to main (adaptive) or probation
-        assert 1 in policy
-        assert policy.probation_bytes == probation, regime
+        for key in range(10, 17):
+            policy.put(key, key, 1)  # each new key on probation pushes the previous out
+        # Probation ghosts, oldest first: 10 .. 15 (6 bytes, within 2x the
+        # capacity); 10 was evicted 6 bytes ago: beyond a horizon of 4 bytes.
+        assert policy.ghost_bytes == 7  # and 1, evicted from main
+        policy.put(10, 10, 1)
+        assert (policy.target_p_bytes > 0) is old_is_ghost, regime  # a ghost grows P
+        # A ghost enters main (main gives way: 16 stays on probation); no ghost
+        # starts on probation and pushes 16 out.
+        assert (16 in policy) is old_is_ghost, regime
+        assert policy.probation_bytes == 1
+        policy.put(15, 15, 1)  # evicted 2 bytes ago: a ghost for both regimes
+        assert policy.target_p_bytes > 0, regime
         assert policy.regime == regime
         policy.check_invariants()
 

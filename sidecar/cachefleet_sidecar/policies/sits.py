@@ -62,9 +62,12 @@ more regimes on the same structures, switching by flags (no entry moves):
   and a hit banks at most one extra round (a CLOCK, close to LRU), so the
   old set leaves fast;
 * *stable* (independent draws from a fixed popularity, e.g. Zipf): as
-  adaptive, but a key reloaded while its ``M`` ghost is remembered starts on
-  probation, as a LIRS block beyond the LIR horizon stays HIR: only keys
-  reused twice in a row within the horizon take room in ``M``.
+  adaptive, but with a shorter ghost horizon (:data:`STABLE_HORIZON`, 1x the
+  capacity, ARC's): a key evicted longer ago than that, counted in bytes
+  evicted to its ghost list since, reloads as a new key (on probation, no
+  balance step). On independent draws a reuse beyond one capacity is the
+  long tail of the popularity, and letting it into ``M`` (as the 2x horizon
+  does, which Mooncake's conversations need) crowds out the popular keys.
 
 Which regime the traffic rewards is measured, not guessed: one key in
 :data:`SAMPLE_RATE` (by hash) also goes through four small *shadow* SITS
@@ -106,7 +109,7 @@ REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: ``adaptive`` one over the long run (misses halved every
 #: ``SELECT_EVERY x STABLE_HALVING`` sampled lookups) for ``stable`` to stand
 #: in for ``adaptive`` (benchmarked: docs/sits.md).
-STABLE_MARGIN = 0.01
+STABLE_MARGIN = 0.015
 #: Regime choices between two halvings of the long-run counts of ``stable``.
 STABLE_HALVING = 16
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
@@ -115,6 +118,10 @@ MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 MAX_FREQ = 3
 #: Ghost bytes per ghost list, as a multiple of the capacity (benchmarked: docs/sits.md).
 DEFAULT_GHOST_FACTOR = 2.0
+#: Ghost horizon of the ``stable`` regime, as a multiple of the capacity: a
+#: ghost evicted longer ago than this (in bytes evicted to its list since)
+#: counts as no ghost there (benchmarked: docs/sits.md).
+STABLE_HORIZON = 1.0
 
 
 class _NoKey:
@@ -148,9 +155,11 @@ class SITSPolicy(Generic[K, V]):
         "_ghost_factor",
         "_gm",
         "_gm_bytes",
-        "_gm_probation",
+        "_gm_clock",
         "_gp",
         "_gp_bytes",
+        "_gp_clock",
+        "_horizon",
         "_m",
         "_m_bytes",
         "_max_freq",
@@ -162,6 +171,7 @@ class SITSPolicy(Generic[K, V]):
         "_sampled",
         "_shadow_misses",
         "_shadows",
+        "_stable",
         "_stable_misses",
         "_target_p",
         "spared",
@@ -185,8 +195,11 @@ class SITSPolicy(Generic[K, V]):
         self._ghost_factor = ghost_factor
         self._p: OrderedDict[K, _Node[V]] = OrderedDict()
         self._m: OrderedDict[K, _Node[V]] = OrderedDict()
-        self._gp: OrderedDict[K, int] = OrderedDict()
-        self._gm: OrderedDict[K, int] = OrderedDict()
+        #: Ghosts: key -> (size, bytes evicted to that list before it).
+        self._gp: OrderedDict[K, tuple[int, int]] = OrderedDict()
+        self._gm: OrderedDict[K, tuple[int, int]] = OrderedDict()
+        self._gp_clock = 0
+        self._gm_clock = 0
         self._p_bytes = 0
         self._m_bytes = 0
         self._gp_bytes = 0
@@ -202,8 +215,9 @@ class SITSPolicy(Generic[K, V]):
             raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
         self._frozen = False
         self._recency = False
-        self._gm_probation = False
+        self._stable = False
         self._max_freq = MAX_FREQ
+        self._horizon = float("inf")
         self._set_regime(REGIMES.index(regime))
         #: One shadow per regime (none inside a shadow).
         self._shadows: list[SITSPolicy[K, bool]] = (
@@ -250,7 +264,7 @@ class SITSPolicy(Generic[K, V]):
             return "frozen"
         if self._recency:
             return "recency"
-        return "stable" if self._gm_probation else "adaptive"
+        return "stable" if self._stable else "adaptive"
 
     @property
     def probation_bytes(self) -> int:
@@ -343,25 +357,31 @@ class SITSPolicy(Generic[K, V]):
                 if key not in shadow:
                     shadow.put(key, True, size)
         frozen = self._frozen
-        gsize = self._gp.pop(key, None)
-        if gsize is not None:
+        ghost = self._gp.pop(key, None)
+        if ghost is not None:
+            self._gp_bytes -= ghost[0]
+            if self._gp_clock - ghost[1] > self._horizon:
+                ghost = None  # beyond the regime's horizon: no ghost
+        if ghost is not None:
             # Second use just after leaving probation: P was too small.
-            self._gp_bytes -= gsize
             if not frozen:
                 ratio = self._gm_bytes / self._gp_bytes if self._gp_bytes else 1.0
                 step = size * ratio if ratio > 1.0 else size
                 self._target_p = min(float(self._capacity), self._target_p + step)
             main = not frozen
         else:
-            gsize = self._gm.pop(key, None)
-            if gsize is not None:
+            ghost = self._gm.pop(key, None)
+            if ghost is not None:
+                self._gm_bytes -= ghost[0]
+                if self._gm_clock - ghost[1] > self._horizon:
+                    ghost = None
+            if ghost is not None:
                 # Reuse just beyond M's reach: M was too small.
-                self._gm_bytes -= gsize
                 if not frozen:
                     ratio = self._gp_bytes / self._gm_bytes if self._gm_bytes else 1.0
                     step = size * ratio if ratio > 1.0 else size
                     self._target_p = max(0.0, self._target_p - step)
-                main = not frozen and not self._gm_probation
+                main = not frozen
             else:
                 # Warm-up: while the cache has room, new entries go to M, as
                 # LIRS's first blocks become LIR; once it is full they start
@@ -387,12 +407,12 @@ class SITSPolicy(Generic[K, V]):
         if node is not None:
             self._p_bytes -= node.size
             return True
-        gsize = self._gp.pop(key, None)
-        if gsize is not None:
-            self._gp_bytes -= gsize
-        gsize = self._gm.pop(key, None)
-        if gsize is not None:
-            self._gm_bytes -= gsize
+        ghost = self._gp.pop(key, None)
+        if ghost is not None:
+            self._gp_bytes -= ghost[0]
+        ghost = self._gm.pop(key, None)
+        if ghost is not None:
+            self._gm_bytes -= ghost[0]
         return False
 
     def clear(self) -> None:
@@ -412,6 +432,7 @@ class SITSPolicy(Generic[K, V]):
             shadow.resize(capacity_bytes // SAMPLE_RATE)
         # The learnt balance carries over as a share of the new capacity.
         self._target_p = self._target_p * capacity_bytes / old if old else 0.0
+        self._set_regime(REGIMES.index(self.regime))  # the horizon follows the capacity
         evicted = self._evict(_NO_KEY)
         self._trim_ghosts()
         return evicted
@@ -459,8 +480,8 @@ class SITSPolicy(Generic[K, V]):
         """Raise ``AssertionError`` if the structures are inconsistent (O(n))."""
         assert self._p_bytes == sum(n.size for n in self._p.values()), "P bytes"
         assert self._m_bytes == sum(n.size for n in self._m.values()), "M bytes"
-        assert self._gp_bytes == sum(self._gp.values()), "GP bytes"
-        assert self._gm_bytes == sum(self._gm.values()), "GM bytes"
+        assert self._gp_bytes == sum(g[0] for g in self._gp.values()), "GP bytes"
+        assert self._gm_bytes == sum(g[0] for g in self._gm.values()), "GM bytes"
         assert self.used_bytes <= self._capacity, "over capacity"
         assert all(not n.main for n in self._p.values()), "M entry in P"
         assert all(n.main for n in self._m.values()), "P entry in M"
@@ -475,7 +496,7 @@ class SITSPolicy(Generic[K, V]):
         assert 0.0 <= self._target_p <= self._capacity, "target_p out of range"
         assert all(0 <= n.freq <= MAX_FREQ for n in self._m.values()), "hit count"
         assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
-        assert self._frozen + self._recency + self._gm_probation <= 1, "two regimes at once"
+        assert self._frozen + self._recency + self._stable <= 1, "two regimes at once"
         assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
         for shadow in self._shadows:
             assert not shadow._shadows, "a shadow with shadows"
@@ -523,14 +544,17 @@ class SITSPolicy(Generic[K, V]):
                 self.spared += 1
                 queue[key] = node
                 continue
+            size = node.size
             if node.main:
-                self._m_bytes -= node.size
-                self._gm[key] = node.size
-                self._gm_bytes += node.size
+                self._m_bytes -= size
+                self._gm[key] = (size, self._gm_clock)
+                self._gm_bytes += size
+                self._gm_clock += size
             else:
-                self._p_bytes -= node.size
-                self._gp[key] = node.size
-                self._gp_bytes += node.size
+                self._p_bytes -= size
+                self._gp[key] = (size, self._gp_clock)
+                self._gp_bytes += size
+                self._gp_clock += size
             evicted.append((key, node.value))
         self._evictions += len(evicted)
         bound = self._ghost_factor * capacity
@@ -541,8 +565,13 @@ class SITSPolicy(Generic[K, V]):
     def _set_regime(self, index: int) -> None:
         self._frozen = index == 1
         self._recency = index == 2
-        self._gm_probation = index == 3
+        self._stable = index == 3
         self._max_freq = 1 if self._recency else MAX_FREQ
+        # A ghost list holds at most ghost_factor x capacity bytes: a horizon
+        # that long is the list itself (no check; ghosts removed from the
+        # middle let older ones stay a little longer than their age says).
+        factor = STABLE_HORIZON if index == 3 else self._ghost_factor
+        self._horizon = factor * self._capacity if factor < self._ghost_factor else float("inf")
 
     def _shadow_get(self, key: K) -> None:
         """A sampled lookup: through every shadow, and now and then a regime choice."""
@@ -564,7 +593,7 @@ class SITSPolicy(Generic[K, V]):
             # (counts halved every round); "stable" stands for "adaptive" when
             # its shadow missed less over the long run (it differs from
             # "adaptive" by too little to be told apart over one round).
-            current = 0 if self._gm_probation else REGIMES.index(self.regime)
+            current = 0 if self._stable else REGIMES.index(self.regime)
             best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
                 current = best
@@ -581,7 +610,7 @@ class SITSPolicy(Generic[K, V]):
         bound = self._ghost_factor * self._capacity
         gp = self._gp
         while self._gp_bytes > bound:
-            self._gp_bytes -= gp.popitem(last=False)[1]
+            self._gp_bytes -= gp.popitem(last=False)[1][0]
         gm = self._gm
         while self._gm_bytes > bound:
-            self._gm_bytes -= gm.popitem(last=False)[1]
+            self._gm_bytes -= gm.popitem(last=False)[1][0]
