@@ -65,9 +65,11 @@ more regimes on the same structures, switching by flags (no entry moves):
   adaptive, but with a shorter ghost horizon (:data:`STABLE_HORIZON`, 1x the
   capacity, ARC's): a key evicted longer ago than that, counted in bytes
   evicted to its ghost list since, reloads as a new key (on probation, no
-  balance step). On independent draws a reuse beyond one capacity is the
-  long tail of the popularity, and letting it into ``M`` (as the 2x horizon
-  does, which Mooncake's conversations need) crowds out the popular keys.
+  balance step), and ``P`` gives way first whatever ``target_p`` says
+  (quick demotion: a second use within the horizon is the way into ``M``).
+  On independent draws a reuse beyond one capacity is the long tail of the
+  popularity, and letting it into ``M`` (as the 2x horizon does, which
+  Mooncake's conversations need) crowds out the popular keys.
 
 Which regime the traffic rewards is measured, not guessed: one key in
 :data:`SAMPLE_RATE` (by hash) also goes through four small *shadow* SITS
@@ -79,7 +81,9 @@ missed at least :data:`SELECT_MARGINS` less than the regime in force.
 *stable* differs from *adaptive* too little to be told apart over one
 round: it stands in for *adaptive* only while its shadow missed at least
 :data:`STABLE_MARGIN` less over the long run (counts halved every
-:data:`STABLE_HALVING` rounds). A shadow holds keys and sizes, no values.
+:data:`STABLE_HALVING` rounds); out of *frozen* or *recency*, though, it
+takes over as *adaptive* would, when its shadow beat the regime in force
+over the last rounds. A shadow holds keys and sizes, no values.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
@@ -99,7 +103,7 @@ from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 #: One key in this many feeds the shadow caches (spatial sampling on the key's hash).
 SAMPLE_RATE = 16
 #: Sampled accesses between two regime choices (benchmarked: docs/sits.md).
-SELECT_EVERY = 128
+SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
 #: force to take over, per regime: adaptive, frozen, recency.
 SELECT_MARGINS = (0.05, 0.05, 0.08)
@@ -111,7 +115,7 @@ REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: in for ``adaptive`` (benchmarked: docs/sits.md).
 STABLE_MARGIN = 0.015
 #: Regime choices between two halvings of the long-run counts of ``stable``.
-STABLE_HALVING = 16
+STABLE_HALVING = 21
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 #: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
@@ -521,7 +525,9 @@ class SITSPolicy(Generic[K, V]):
         evicted: list[tuple[K, V]] = []
         # Bounded: every pass evicts or spares an entry (at most once each
         # until it is referenced again).
-        target = 0.0 if self._frozen else self._target_p
+        # frozen and stable: P gives way first (stable keeps learning target_p
+        # for adaptive, but a fixed popularity rewards quick demotion).
+        target = 0.0 if self._frozen or self._stable else self._target_p
         while self._p_bytes + self._m_bytes > capacity:
             queue = p if p and (self._p_bytes > target or not m) else m
             key, node = queue.popitem(last=False)
@@ -597,6 +603,11 @@ class SITSPolicy(Generic[K, V]):
             best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
                 current = best
+            elif current and misses[3] < misses[current] * (1.0 - SELECT_MARGINS[0]):
+                # Out of frozen or recency, stable may take over at once (as
+                # adaptive would): after a working set was replaced, recency
+                # paid for the switch and stable pays for the steady state.
+                current = 3
             if current == 0 and stable[1] < stable[0] * (1.0 - STABLE_MARGIN):
                 current = 3
             self._set_regime(current)
