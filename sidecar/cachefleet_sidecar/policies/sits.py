@@ -102,6 +102,11 @@ from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
 #: One key in this many feeds the shadow caches (spatial sampling on the key's hash).
 SAMPLE_RATE = 16
+#: A cache of fewer entries than ``SAMPLE_RATE x MIN_SHADOW_ENTRIES`` when it
+#: first fills samples one key in SMALL_SAMPLE_RATE instead (benchmarked:
+#: docs/sits.md): shadows of fewer than ~100 entries cannot rank the regimes.
+MIN_SHADOW_ENTRIES = 50
+SMALL_SAMPLE_RATE = 4
 #: Sampled accesses between two regime choices (benchmarked: docs/sits.md).
 SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
@@ -171,8 +176,11 @@ class SITSPolicy(Generic[K, V]):
         "_p",
         "_p_bytes",
         "_pressure",
+        "_rate",
+        "_rate_chosen",
         "_recency",
         "_sampled",
+        "_select_every",
         "_shadow_misses",
         "_shadows",
         "_stable",
@@ -223,24 +231,19 @@ class SITSPolicy(Generic[K, V]):
         self._max_freq = MAX_FREQ
         self._horizon = float("inf")
         self._set_regime(REGIMES.index(regime))
+        #: One key in ``_rate`` feeds the shadows; chosen when the cache
+        #: first fills (``_choose_rate``), until then SAMPLE_RATE.
+        self._rate = SAMPLE_RATE
+        self._rate_chosen = not shadows
+        self._select_every = SELECT_EVERY
         #: One shadow per regime (none inside a shadow).
-        self._shadows: list[SITSPolicy[K, bool]] = (
-            [
-                SITSPolicy(
-                    capacity_bytes // SAMPLE_RATE,
-                    ghost_factor=ghost_factor,
-                    regime=name,
-                    shadows=False,
-                )
-                for name in REGIMES
-            ]
-            if shadows
-            else []
-        )
+        self._shadows: list[SITSPolicy[K, bool]] = []
         self._shadow_misses = [0.0] * len(REGIMES)
         #: Long-run misses of the adaptive and the stable shadows.
         self._stable_misses = [0.0, 0.0]
         self._sampled = 0
+        if shadows:
+            self._new_shadows()
 
     # ------------------------------------------------------------- properties
 
@@ -305,7 +308,7 @@ class SITSPolicy(Generic[K, V]):
     # ------------------------------------------------------------- operations
 
     def get(self, key: K) -> V | None:
-        if self._shadows and hash(key) % SAMPLE_RATE == 0:
+        if self._shadows and hash(key) % self._rate == 0:
             self._shadow_get(key)
         m = self._m
         node = m.get(key)
@@ -356,7 +359,7 @@ class SITSPolicy(Generic[K, V]):
             node.cost = cost
             node.spared = False
             return self._evict(key)
-        if self._shadows and hash(key) % SAMPLE_RATE == 0:
+        if self._shadows and hash(key) % self._rate == 0:
             for shadow in self._shadows:
                 if key not in shadow:
                     shadow.put(key, True, size)
@@ -433,7 +436,7 @@ class SITSPolicy(Generic[K, V]):
         old = self._capacity
         self._capacity = capacity_bytes
         for shadow in self._shadows:
-            shadow.resize(capacity_bytes // SAMPLE_RATE)
+            shadow.resize(capacity_bytes // self._rate)
         # The learnt balance carries over as a share of the new capacity.
         self._target_p = self._target_p * capacity_bytes / old if old else 0.0
         self._set_regime(REGIMES.index(self.regime))  # the horizon follows the capacity
@@ -504,7 +507,7 @@ class SITSPolicy(Generic[K, V]):
         assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
         for shadow in self._shadows:
             assert not shadow._shadows, "a shadow with shadows"
-            assert shadow.capacity_bytes == self._capacity // SAMPLE_RATE, "shadow capacity"
+            assert shadow.capacity_bytes == self._capacity // self._rate, "shadow capacity"
             shadow.check_invariants()
 
     # --------------------------------------------------------------- internals
@@ -520,6 +523,8 @@ class SITSPolicy(Generic[K, V]):
         capacity = self._capacity
         if self._p_bytes + self._m_bytes <= capacity:
             return []
+        if not self._rate_chosen:
+            self._choose_rate()
         p = self._p
         m = self._m
         evicted: list[tuple[K, V]] = []
@@ -594,7 +599,7 @@ class SITSPolicy(Generic[K, V]):
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
         self._sampled += 1
-        if self._sampled % SELECT_EVERY == 0:
+        if self._sampled % self._select_every == 0:
             # The first three regimes by the recent misses of their shadows
             # (counts halved every round); "stable" stands for "adaptive" when
             # its shadow missed less over the long run (it differs from
@@ -613,9 +618,38 @@ class SITSPolicy(Generic[K, V]):
             self._set_regime(current)
             for i in range(len(misses)):
                 misses[i] /= 2
-            if self._sampled % (SELECT_EVERY * STABLE_HALVING) == 0:
+            if self._sampled % (self._select_every * STABLE_HALVING) == 0:
                 stable[0] /= 2
                 stable[1] /= 2
+
+    def _new_shadows(self) -> None:
+        self._shadows = [
+            SITSPolicy(
+                self._capacity // self._rate,
+                ghost_factor=self._ghost_factor,
+                regime=name,
+                shadows=False,
+            )
+            for name in REGIMES
+        ]
+
+    def _choose_rate(self) -> None:
+        """When the cache first fills: a denser sample if the shadows would be tiny.
+
+        At 1/SAMPLE_RATE a cache of fewer than ``SAMPLE_RATE x MIN_SHADOW_ENTRIES``
+        entries has shadows too small to rank the regimes (docs/sits.md); those
+        sample one key in SMALL_SAMPLE_RATE and choose every as many accesses.
+        The shadows start afresh at the new rate.
+        """
+        self._rate_chosen = True
+        if len(self) >= SAMPLE_RATE * MIN_SHADOW_ENTRIES:
+            return
+        self._rate = SMALL_SAMPLE_RATE
+        self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
+        self._new_shadows()
+        self._shadow_misses = [0.0] * len(REGIMES)
+        self._stable_misses = [0.0, 0.0]
+        self._sampled = 0
 
     def _trim_ghosts(self) -> None:
         bound = self._ghost_factor * self._capacity
