@@ -74,7 +74,10 @@ more regimes on the same structures, switching by flags (no entry moves):
 Which regime the traffic rewards is measured, not guessed: one key in
 :data:`SAMPLE_RATE` (by hash) also goes through four small *shadow* SITS
 caches, one per regime, each ``1/SAMPLE_RATE`` of the capacity (spatial
-sampling, as SHARDS does for miss-ratio curves). Every
+sampling, as SHARDS does for miss-ratio curves); a cache of fewer than
+``SAMPLE_RATE x MIN_SHADOW_ENTRIES`` entries when it first fills samples one
+key in :data:`SMALL_SAMPLE_RATE` instead, so that its shadows still hold
+enough keys to rank the regimes. Every
 :data:`SELECT_EVERY` sampled accesses the regime whose shadow missed least
 (counts halved each round, so the recent past weighs most) takes over if it
 missed at least :data:`SELECT_MARGINS` less than the regime in force.
@@ -87,7 +90,7 @@ over the last rounds. A shadow holds keys and sizes, no values.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
-of the main cache's key metadata. Every operation is O(1)
+of the main cache's key metadata (4/4 below 800 entries). Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
 at most one sparing for its cost.
 """
@@ -104,7 +107,7 @@ from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 SAMPLE_RATE = 16
 #: A cache of fewer entries than ``SAMPLE_RATE x MIN_SHADOW_ENTRIES`` when it
 #: first fills samples one key in SMALL_SAMPLE_RATE instead (benchmarked:
-#: docs/sits.md): shadows of fewer than ~100 entries cannot rank the regimes.
+#: docs/sits.md): shadows of fewer than ~50 entries cannot rank the regimes.
 MIN_SHADOW_ENTRIES = 50
 SMALL_SAMPLE_RATE = 4
 #: Sampled accesses between two regime choices (benchmarked: docs/sits.md).
@@ -272,6 +275,11 @@ class SITSPolicy(Generic[K, V]):
         if self._recency:
             return "recency"
         return "stable" if self._stable else "adaptive"
+
+    @property
+    def shadow_sample_rate(self) -> int:
+        """One key in this many feeds the shadows (0 without shadows)."""
+        return self._rate if self._shadows else 0
 
     @property
     def probation_bytes(self) -> int:
@@ -634,15 +642,17 @@ class SITSPolicy(Generic[K, V]):
         ]
 
     def _choose_rate(self) -> None:
-        """When the cache first fills: a denser sample if the shadows would be tiny.
+        """When the cache first overflows: a denser sample if the shadows would be tiny.
 
-        At 1/SAMPLE_RATE a cache of fewer than ``SAMPLE_RATE x MIN_SHADOW_ENTRIES``
-        entries has shadows too small to rank the regimes (docs/sits.md); those
-        sample one key in SMALL_SAMPLE_RATE and choose every as many accesses.
-        The shadows start afresh at the new rate.
+        At 1/SAMPLE_RATE a cache that holds fewer than ``SAMPLE_RATE x
+        MIN_SHADOW_ENTRIES`` entries (the one that overflows it aside) has
+        shadows too small to rank the regimes (docs/sits.md); it samples one
+        key in SMALL_SAMPLE_RATE instead, and chooses a regime after as many
+        accesses as before (SELECT_EVERY x SAMPLE_RATE / SMALL_SAMPLE_RATE
+        samples). The shadows start afresh at the new rate.
         """
         self._rate_chosen = True
-        if len(self) >= SAMPLE_RATE * MIN_SHADOW_ENTRIES:
+        if len(self) > SAMPLE_RATE * MIN_SHADOW_ENTRIES:
             return
         self._rate = SMALL_SAMPLE_RATE
         self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
