@@ -193,18 +193,82 @@ def test_independent_popularity_turns_to_the_stable_regime() -> None:
     assert misses / len(trace) < adaptive_alone - 0.003  # 0.389 against 0.394
 
 
-def test_the_stable_regime_puts_a_reloaded_main_ghost_on_probation() -> None:
-    for regime, probation in (("adaptive", 0), ("stable", 1)):
-        policy: SITSPolicy[int, int] = SITSPolicy(3, regime=regime, shadows=False)
-        for key in (1, 2, 3):
+def test_the_stable_regime_forgets_ghosts_beyond_one_capacity() -> None:
+    """Ghosts are kept for 2x the capacity; ``stable`` honours only the newest 1x."""
+    for regime, old_is_ghost in (("adaptive", True), ("stable", False)):
+        policy: SITSPolicy[int, int] = SITSPolicy(4, regime=regime, shadows=False)
+        for key in (1, 2, 3, 4):
             policy.put(key, key, 1)  # warm-up: main
-        policy.put(4, 4, 1)  # on probation; main's coldest (1) becomes an M ghost
-        assert 1 not in policy
-        policy.put(1, 1, 1)  # reloaded: 4 leaves, 1 goes to main (adaptive) or probation
-        assert 1 in policy
-        assert policy.probation_bytes == probation, regime
+        for key in range(10, 17):
+            policy.put(key, key, 1)  # each new key on probation pushes the previous out
+        # Probation ghosts, oldest first: 10 .. 15 (6 bytes, within 2x the
+        # capacity); 10 was evicted 6 bytes ago: beyond a horizon of 4 bytes.
+        assert policy.ghost_bytes == 7  # and 1, evicted from main
+        policy.put(10, 10, 1)
+        assert (policy.target_p_bytes > 0) is old_is_ghost, regime  # a ghost grows P
+        # A ghost enters main (main gives way: 16 stays on probation); no ghost
+        # starts on probation and pushes 16 out.
+        assert (16 in policy) is old_is_ghost, regime
+        assert policy.probation_bytes == 1
+        policy.put(15, 15, 1)  # evicted 2 bytes ago: a ghost for both regimes
+        assert policy.target_p_bytes > 0, regime
         assert policy.regime == regime
         policy.check_invariants()
+
+
+def test_the_stable_regime_lets_probation_give_way_first() -> None:
+    """A learnt ``target_p`` protects probation in adaptive, not in stable."""
+    adaptive: SITSPolicy[int, int] = SITSPolicy(10, regime="adaptive", shadows=False)
+    stable: SITSPolicy[int, int] = SITSPolicy(10, regime="stable", shadows=False)
+    for policy in (adaptive, stable):
+        policy._target_p = 5.0  # as if learnt from probation ghosts (white box)
+        for key in range(10):
+            policy.put(key, key, 1)  # warm-up: main
+        for key in range(100, 104):
+            policy.put(key, key, 1)  # new keys on probation
+        policy.check_invariants()
+    # adaptive keeps up to target_p bytes on probation (main gave way), stable
+    # keeps only the newest key there (probation gave way first).
+    assert adaptive.probation_bytes == 4
+    assert stable.probation_bytes == 1
+
+
+def test_stable_takes_over_from_recency_once_a_replaced_set_settles() -> None:
+    """Zipf sets replaced every 40k: recency for the switch, stable for the rest."""
+    rng = random.Random(11)
+    weights = [1.0 / (rank**0.9) for rank in range(1, 4001)]
+    draws = rng.choices(range(4000), weights=weights, k=120_000)
+    trace = [key + (i // 40_000) * 1_000_000 for i, key in enumerate(draws)]
+    sits: SITSPolicy[int, int] = SITSPolicy(1000)
+    regimes = []
+    misses = 0.0
+    for start in range(0, len(trace), 4000):
+        misses += replay(sits, trace[start : start + 4000]) * 4000
+        regimes.append(sits.regime)
+    for phase in (1, 2):  # after each replacement
+        assert "recency" in regimes[phase * 10 : phase * 10 + 3], regimes
+        assert regimes[phase * 10 + 9] == "stable", regimes
+    miss = misses / len(trace)
+    # 0.287 against 0.295 (adaptive alone), 0.303 (recency alone), 0.311 (LRU)
+    assert miss < replay(SITSPolicy(1000, shadows=False), trace) - 0.005
+    assert miss < replay(SITSPolicy(1000, regime="recency", shadows=False), trace) - 0.01
+    assert miss < replay(LRUPolicy(1000), trace) - 0.02
+
+
+def test_a_small_cache_samples_its_shadows_denser() -> None:
+    """Fewer than 800 entries when the cache first fills: one key in 4, not 16."""
+    for entries, rate in ((400, 4), (799, 4), (800, 16), (2000, 16)):  # + 1 overflows
+        policy: SITSPolicy[int, int] = SITSPolicy(entries * 10)
+        for key in range(entries):
+            policy.put(key, key, 10)
+        assert policy.shadow_sample_rate == 16  # not full yet
+        policy.put(entries, entries, 10)  # the first eviction chooses
+        assert policy.shadow_sample_rate == rate, entries
+        policy.check_invariants()  # shadows of capacity / rate
+        policy.resize(entries * 20)
+        assert policy.shadow_sample_rate == rate  # chosen once
+        policy.check_invariants()
+    assert SITSPolicy(100, shadows=False).shadow_sample_rate == 0
 
 
 def test_a_regime_can_be_pinned_and_is_validated() -> None:

@@ -62,25 +62,35 @@ more regimes on the same structures, switching by flags (no entry moves):
   and a hit banks at most one extra round (a CLOCK, close to LRU), so the
   old set leaves fast;
 * *stable* (independent draws from a fixed popularity, e.g. Zipf): as
-  adaptive, but a key reloaded while its ``M`` ghost is remembered starts on
-  probation, as a LIRS block beyond the LIR horizon stays HIR: only keys
-  reused twice in a row within the horizon take room in ``M``.
+  adaptive, but with a shorter ghost horizon (:data:`STABLE_HORIZON`, 1x the
+  capacity, ARC's): a key evicted longer ago than that, counted in bytes
+  evicted to its ghost list since, reloads as a new key (on probation, no
+  balance step), and ``P`` gives way first whatever ``target_p`` says
+  (quick demotion: a second use within the horizon is the way into ``M``).
+  On independent draws a reuse beyond one capacity is the long tail of the
+  popularity, and letting it into ``M`` (as the 2x horizon does, which
+  Mooncake's conversations need) crowds out the popular keys.
 
 Which regime the traffic rewards is measured, not guessed: one key in
 :data:`SAMPLE_RATE` (by hash) also goes through four small *shadow* SITS
 caches, one per regime, each ``1/SAMPLE_RATE`` of the capacity (spatial
-sampling, as SHARDS does for miss-ratio curves). Every
+sampling, as SHARDS does for miss-ratio curves); a cache of fewer than
+``SAMPLE_RATE x MIN_SHADOW_ENTRIES`` entries when it first fills samples one
+key in :data:`SMALL_SAMPLE_RATE` instead, so that its shadows still hold
+enough keys to rank the regimes. Every
 :data:`SELECT_EVERY` sampled accesses the regime whose shadow missed least
 (counts halved each round, so the recent past weighs most) takes over if it
 missed at least :data:`SELECT_MARGINS` less than the regime in force.
 *stable* differs from *adaptive* too little to be told apart over one
 round: it stands in for *adaptive* only while its shadow missed at least
 :data:`STABLE_MARGIN` less over the long run (counts halved every
-:data:`STABLE_HALVING` rounds). A shadow holds keys and sizes, no values.
+:data:`STABLE_HALVING` rounds); out of *frozen* or *recency*, though, it
+takes over as *adaptive* would, when its shadow beat the regime in force
+over the last rounds. A shadow holds keys and sizes, no values.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
-of the main cache's key metadata. Every operation is O(1)
+of the main cache's key metadata (4/4 below 800 entries). Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
 at most one sparing for its cost.
 """
@@ -95,8 +105,13 @@ from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
 #: One key in this many feeds the shadow caches (spatial sampling on the key's hash).
 SAMPLE_RATE = 16
+#: A cache of fewer entries than ``SAMPLE_RATE x MIN_SHADOW_ENTRIES`` when it
+#: first fills samples one key in SMALL_SAMPLE_RATE instead (benchmarked:
+#: docs/sits.md): shadows of fewer than ~50 entries cannot rank the regimes.
+MIN_SHADOW_ENTRIES = 50
+SMALL_SAMPLE_RATE = 4
 #: Sampled accesses between two regime choices (benchmarked: docs/sits.md).
-SELECT_EVERY = 128
+SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
 #: force to take over, per regime: adaptive, frozen, recency.
 SELECT_MARGINS = (0.05, 0.05, 0.08)
@@ -106,15 +121,19 @@ REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: ``adaptive`` one over the long run (misses halved every
 #: ``SELECT_EVERY x STABLE_HALVING`` sampled lookups) for ``stable`` to stand
 #: in for ``adaptive`` (benchmarked: docs/sits.md).
-STABLE_MARGIN = 0.01
+STABLE_MARGIN = 0.015
 #: Regime choices between two halvings of the long-run counts of ``stable``.
-STABLE_HALVING = 16
+STABLE_HALVING = 21
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 #: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
 MAX_FREQ = 3
 #: Ghost bytes per ghost list, as a multiple of the capacity (benchmarked: docs/sits.md).
 DEFAULT_GHOST_FACTOR = 2.0
+#: Ghost horizon of the ``stable`` regime, as a multiple of the capacity: a
+#: ghost evicted longer ago than this (in bytes evicted to its list since)
+#: counts as no ghost there (benchmarked: docs/sits.md).
+STABLE_HORIZON = 1.0
 
 
 class _NoKey:
@@ -148,9 +167,11 @@ class SITSPolicy(Generic[K, V]):
         "_ghost_factor",
         "_gm",
         "_gm_bytes",
-        "_gm_probation",
+        "_gm_clock",
         "_gp",
         "_gp_bytes",
+        "_gp_clock",
+        "_horizon",
         "_m",
         "_m_bytes",
         "_max_freq",
@@ -158,10 +179,14 @@ class SITSPolicy(Generic[K, V]):
         "_p",
         "_p_bytes",
         "_pressure",
+        "_rate",
+        "_rate_chosen",
         "_recency",
         "_sampled",
+        "_select_every",
         "_shadow_misses",
         "_shadows",
+        "_stable",
         "_stable_misses",
         "_target_p",
         "spared",
@@ -185,8 +210,11 @@ class SITSPolicy(Generic[K, V]):
         self._ghost_factor = ghost_factor
         self._p: OrderedDict[K, _Node[V]] = OrderedDict()
         self._m: OrderedDict[K, _Node[V]] = OrderedDict()
-        self._gp: OrderedDict[K, int] = OrderedDict()
-        self._gm: OrderedDict[K, int] = OrderedDict()
+        #: Ghosts: key -> (size, bytes evicted to that list before it).
+        self._gp: OrderedDict[K, tuple[int, int]] = OrderedDict()
+        self._gm: OrderedDict[K, tuple[int, int]] = OrderedDict()
+        self._gp_clock = 0
+        self._gm_clock = 0
         self._p_bytes = 0
         self._m_bytes = 0
         self._gp_bytes = 0
@@ -202,27 +230,23 @@ class SITSPolicy(Generic[K, V]):
             raise ValueError(f"regime must be one of {', '.join(REGIMES)}, got {regime!r}")
         self._frozen = False
         self._recency = False
-        self._gm_probation = False
+        self._stable = False
         self._max_freq = MAX_FREQ
+        self._horizon = float("inf")
         self._set_regime(REGIMES.index(regime))
+        #: One key in ``_rate`` feeds the shadows; chosen when the cache
+        #: first fills (``_choose_rate``), until then SAMPLE_RATE.
+        self._rate = SAMPLE_RATE
+        self._rate_chosen = not shadows
+        self._select_every = SELECT_EVERY
         #: One shadow per regime (none inside a shadow).
-        self._shadows: list[SITSPolicy[K, bool]] = (
-            [
-                SITSPolicy(
-                    capacity_bytes // SAMPLE_RATE,
-                    ghost_factor=ghost_factor,
-                    regime=name,
-                    shadows=False,
-                )
-                for name in REGIMES
-            ]
-            if shadows
-            else []
-        )
+        self._shadows: list[SITSPolicy[K, bool]] = []
         self._shadow_misses = [0.0] * len(REGIMES)
         #: Long-run misses of the adaptive and the stable shadows.
         self._stable_misses = [0.0, 0.0]
         self._sampled = 0
+        if shadows:
+            self._new_shadows()
 
     # ------------------------------------------------------------- properties
 
@@ -250,7 +274,12 @@ class SITSPolicy(Generic[K, V]):
             return "frozen"
         if self._recency:
             return "recency"
-        return "stable" if self._gm_probation else "adaptive"
+        return "stable" if self._stable else "adaptive"
+
+    @property
+    def shadow_sample_rate(self) -> int:
+        """One key in this many feeds the shadows (0 without shadows)."""
+        return self._rate if self._shadows else 0
 
     @property
     def probation_bytes(self) -> int:
@@ -287,7 +316,7 @@ class SITSPolicy(Generic[K, V]):
     # ------------------------------------------------------------- operations
 
     def get(self, key: K) -> V | None:
-        if self._shadows and hash(key) % SAMPLE_RATE == 0:
+        if self._shadows and hash(key) % self._rate == 0:
             self._shadow_get(key)
         m = self._m
         node = m.get(key)
@@ -338,30 +367,36 @@ class SITSPolicy(Generic[K, V]):
             node.cost = cost
             node.spared = False
             return self._evict(key)
-        if self._shadows and hash(key) % SAMPLE_RATE == 0:
+        if self._shadows and hash(key) % self._rate == 0:
             for shadow in self._shadows:
                 if key not in shadow:
                     shadow.put(key, True, size)
         frozen = self._frozen
-        gsize = self._gp.pop(key, None)
-        if gsize is not None:
+        ghost = self._gp.pop(key, None)
+        if ghost is not None:
+            self._gp_bytes -= ghost[0]
+            if self._gp_clock - ghost[1] > self._horizon:
+                ghost = None  # beyond the regime's horizon: no ghost
+        if ghost is not None:
             # Second use just after leaving probation: P was too small.
-            self._gp_bytes -= gsize
             if not frozen:
                 ratio = self._gm_bytes / self._gp_bytes if self._gp_bytes else 1.0
                 step = size * ratio if ratio > 1.0 else size
                 self._target_p = min(float(self._capacity), self._target_p + step)
             main = not frozen
         else:
-            gsize = self._gm.pop(key, None)
-            if gsize is not None:
+            ghost = self._gm.pop(key, None)
+            if ghost is not None:
+                self._gm_bytes -= ghost[0]
+                if self._gm_clock - ghost[1] > self._horizon:
+                    ghost = None
+            if ghost is not None:
                 # Reuse just beyond M's reach: M was too small.
-                self._gm_bytes -= gsize
                 if not frozen:
                     ratio = self._gp_bytes / self._gm_bytes if self._gm_bytes else 1.0
                     step = size * ratio if ratio > 1.0 else size
                     self._target_p = max(0.0, self._target_p - step)
-                main = not frozen and not self._gm_probation
+                main = not frozen
             else:
                 # Warm-up: while the cache has room, new entries go to M, as
                 # LIRS's first blocks become LIR; once it is full they start
@@ -387,12 +422,12 @@ class SITSPolicy(Generic[K, V]):
         if node is not None:
             self._p_bytes -= node.size
             return True
-        gsize = self._gp.pop(key, None)
-        if gsize is not None:
-            self._gp_bytes -= gsize
-        gsize = self._gm.pop(key, None)
-        if gsize is not None:
-            self._gm_bytes -= gsize
+        ghost = self._gp.pop(key, None)
+        if ghost is not None:
+            self._gp_bytes -= ghost[0]
+        ghost = self._gm.pop(key, None)
+        if ghost is not None:
+            self._gm_bytes -= ghost[0]
         return False
 
     def clear(self) -> None:
@@ -409,9 +444,10 @@ class SITSPolicy(Generic[K, V]):
         old = self._capacity
         self._capacity = capacity_bytes
         for shadow in self._shadows:
-            shadow.resize(capacity_bytes // SAMPLE_RATE)
+            shadow.resize(capacity_bytes // self._rate)
         # The learnt balance carries over as a share of the new capacity.
         self._target_p = self._target_p * capacity_bytes / old if old else 0.0
+        self._set_regime(REGIMES.index(self.regime))  # the horizon follows the capacity
         evicted = self._evict(_NO_KEY)
         self._trim_ghosts()
         return evicted
@@ -459,8 +495,8 @@ class SITSPolicy(Generic[K, V]):
         """Raise ``AssertionError`` if the structures are inconsistent (O(n))."""
         assert self._p_bytes == sum(n.size for n in self._p.values()), "P bytes"
         assert self._m_bytes == sum(n.size for n in self._m.values()), "M bytes"
-        assert self._gp_bytes == sum(self._gp.values()), "GP bytes"
-        assert self._gm_bytes == sum(self._gm.values()), "GM bytes"
+        assert self._gp_bytes == sum(g[0] for g in self._gp.values()), "GP bytes"
+        assert self._gm_bytes == sum(g[0] for g in self._gm.values()), "GM bytes"
         assert self.used_bytes <= self._capacity, "over capacity"
         assert all(not n.main for n in self._p.values()), "M entry in P"
         assert all(n.main for n in self._m.values()), "P entry in M"
@@ -475,11 +511,11 @@ class SITSPolicy(Generic[K, V]):
         assert 0.0 <= self._target_p <= self._capacity, "target_p out of range"
         assert all(0 <= n.freq <= MAX_FREQ for n in self._m.values()), "hit count"
         assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
-        assert self._frozen + self._recency + self._gm_probation <= 1, "two regimes at once"
+        assert self._frozen + self._recency + self._stable <= 1, "two regimes at once"
         assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
         for shadow in self._shadows:
             assert not shadow._shadows, "a shadow with shadows"
-            assert shadow.capacity_bytes == self._capacity // SAMPLE_RATE, "shadow capacity"
+            assert shadow.capacity_bytes == self._capacity // self._rate, "shadow capacity"
             shadow.check_invariants()
 
     # --------------------------------------------------------------- internals
@@ -495,12 +531,16 @@ class SITSPolicy(Generic[K, V]):
         capacity = self._capacity
         if self._p_bytes + self._m_bytes <= capacity:
             return []
+        if not self._rate_chosen:
+            self._choose_rate()
         p = self._p
         m = self._m
         evicted: list[tuple[K, V]] = []
         # Bounded: every pass evicts or spares an entry (at most once each
         # until it is referenced again).
-        target = 0.0 if self._frozen else self._target_p
+        # frozen and stable: P gives way first (stable keeps learning target_p
+        # for adaptive, but a fixed popularity rewards quick demotion).
+        target = 0.0 if self._frozen or self._stable else self._target_p
         while self._p_bytes + self._m_bytes > capacity:
             queue = p if p and (self._p_bytes > target or not m) else m
             key, node = queue.popitem(last=False)
@@ -523,14 +563,17 @@ class SITSPolicy(Generic[K, V]):
                 self.spared += 1
                 queue[key] = node
                 continue
+            size = node.size
             if node.main:
-                self._m_bytes -= node.size
-                self._gm[key] = node.size
-                self._gm_bytes += node.size
+                self._m_bytes -= size
+                self._gm[key] = (size, self._gm_clock)
+                self._gm_bytes += size
+                self._gm_clock += size
             else:
-                self._p_bytes -= node.size
-                self._gp[key] = node.size
-                self._gp_bytes += node.size
+                self._p_bytes -= size
+                self._gp[key] = (size, self._gp_clock)
+                self._gp_bytes += size
+                self._gp_clock += size
             evicted.append((key, node.value))
         self._evictions += len(evicted)
         bound = self._ghost_factor * capacity
@@ -541,8 +584,13 @@ class SITSPolicy(Generic[K, V]):
     def _set_regime(self, index: int) -> None:
         self._frozen = index == 1
         self._recency = index == 2
-        self._gm_probation = index == 3
+        self._stable = index == 3
         self._max_freq = 1 if self._recency else MAX_FREQ
+        # A ghost list holds at most ghost_factor x capacity bytes: a horizon
+        # that long is the list itself (no check; ghosts removed from the
+        # middle let older ones stay a little longer than their age says).
+        factor = STABLE_HORIZON if index == 3 else self._ghost_factor
+        self._horizon = factor * self._capacity if factor < self._ghost_factor else float("inf")
 
     def _shadow_get(self, key: K) -> None:
         """A sampled lookup: through every shadow, and now and then a regime choice."""
@@ -559,29 +607,65 @@ class SITSPolicy(Generic[K, V]):
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
         self._sampled += 1
-        if self._sampled % SELECT_EVERY == 0:
+        if self._sampled % self._select_every == 0:
             # The first three regimes by the recent misses of their shadows
             # (counts halved every round); "stable" stands for "adaptive" when
             # its shadow missed less over the long run (it differs from
             # "adaptive" by too little to be told apart over one round).
-            current = 0 if self._gm_probation else REGIMES.index(self.regime)
+            current = 0 if self._stable else REGIMES.index(self.regime)
             best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
                 current = best
+            elif current and misses[3] < misses[current] * (1.0 - SELECT_MARGINS[0]):
+                # Out of frozen or recency, stable may take over at once (as
+                # adaptive would): after a working set was replaced, recency
+                # paid for the switch and stable pays for the steady state.
+                current = 3
             if current == 0 and stable[1] < stable[0] * (1.0 - STABLE_MARGIN):
                 current = 3
             self._set_regime(current)
             for i in range(len(misses)):
                 misses[i] /= 2
-            if self._sampled % (SELECT_EVERY * STABLE_HALVING) == 0:
+            if self._sampled % (self._select_every * STABLE_HALVING) == 0:
                 stable[0] /= 2
                 stable[1] /= 2
+
+    def _new_shadows(self) -> None:
+        self._shadows = [
+            SITSPolicy(
+                self._capacity // self._rate,
+                ghost_factor=self._ghost_factor,
+                regime=name,
+                shadows=False,
+            )
+            for name in REGIMES
+        ]
+
+    def _choose_rate(self) -> None:
+        """When the cache first overflows: a denser sample if the shadows would be tiny.
+
+        At 1/SAMPLE_RATE a cache that holds fewer than ``SAMPLE_RATE x
+        MIN_SHADOW_ENTRIES`` entries (the one that overflows it aside) has
+        shadows too small to rank the regimes (docs/sits.md); it samples one
+        key in SMALL_SAMPLE_RATE instead, and chooses a regime after as many
+        accesses as before (SELECT_EVERY x SAMPLE_RATE / SMALL_SAMPLE_RATE
+        samples). The shadows start afresh at the new rate.
+        """
+        self._rate_chosen = True
+        if len(self) > SAMPLE_RATE * MIN_SHADOW_ENTRIES:
+            return
+        self._rate = SMALL_SAMPLE_RATE
+        self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
+        self._new_shadows()
+        self._shadow_misses = [0.0] * len(REGIMES)
+        self._stable_misses = [0.0, 0.0]
+        self._sampled = 0
 
     def _trim_ghosts(self) -> None:
         bound = self._ghost_factor * self._capacity
         gp = self._gp
         while self._gp_bytes > bound:
-            self._gp_bytes -= gp.popitem(last=False)[1]
+            self._gp_bytes -= gp.popitem(last=False)[1][0]
         gm = self._gm
         while self._gm_bytes > bound:
-            self._gm_bytes -= gm.popitem(last=False)[1]
+            self._gm_bytes -= gm.popitem(last=False)[1][0]
