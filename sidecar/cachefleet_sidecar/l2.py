@@ -365,10 +365,9 @@ class RedisL2:
         """
         key = protocol.entry_key(self.cache, tenant, digest_hex)
         if vector is None:
-            replies = await self._pipe(key, (_pack_get(key),))
-            if replies is _FAILED:
+            raw = await self._call(key, ("GET", key))
+            if raw is _FAILED:
                 return None
-            raw = replies[0]
             if raw is None:
                 self.counters.misses += 1
                 return None
@@ -408,9 +407,7 @@ class RedisL2:
         except Exception as exc:  # a cache fault must never fail a request
             self._fault(breaker, exc)
             return None
-        if breaker.state != "closed":
-            log.info("L2 %s: Redis answers again", self.cache)
-        breaker.success()
+        self._succeeded(breaker)
         try:
             verdict = protocol.judge_versioned_read(
                 replies[0], replies[1] if fence else (), vector, head
@@ -674,30 +671,8 @@ class RedisL2:
                 )
         except Exception as exc:  # a cache fault must never fail a request
             return self._fault(breaker, exc)
-        if breaker.state != "closed":
-            log.info("L2 %s: Redis answers again", self.cache)
-        breaker.success()
+        self._succeeded(breaker)
         return reply
-
-    async def _pipe(
-        self, key: str, commands: Sequence[bytes]
-    ) -> list[Any] | Literal[_Failed.FAILED]:
-        """Plain packed commands on ``key``'s node, in one write, through its breaker."""
-        breaker = self.breaker_for(self._client.address_for(key))
-        if not breaker.allow():
-            self.counters.short_circuited += 1
-            return _FAILED
-        try:
-            replies = await self._client.pipeline(key, commands, timeout_s=self.op_timeout_s)
-            for reply in replies:
-                if isinstance(reply, resp.ReplyError):
-                    raise reply
-        except Exception as exc:  # a cache fault must never fail a request
-            return self._fault(breaker, exc)
-        if breaker.state != "closed":
-            log.info("L2 %s: Redis answers again", self.cache)
-        breaker.success()
-        return replies
 
     async def _call(self, key: str | None, args: tuple[Any, ...]) -> Any:
         """One plain command on ``key``'s node through its breaker; _FAILED on any fault."""
@@ -709,8 +684,13 @@ class RedisL2:
             reply = await self._client.execute(*args, key=key, timeout_s=self.op_timeout_s)
         except Exception as exc:  # a cache fault must never fail a request
             return self._fault(breaker, exc)
-        breaker.success()
+        self._succeeded(breaker)
         return reply
+
+    def _succeeded(self, breaker: CircuitBreaker) -> None:
+        if breaker.state != "closed":
+            log.info("L2 %s: Redis answers again", self.cache)
+        breaker.success()
 
     def _fault(self, breaker: CircuitBreaker, exc: Exception) -> Literal[_Failed.FAILED]:
         if isinstance(exc, resp.NotReady):
