@@ -316,11 +316,66 @@ class ControlSync:
         """A control message, handled as it is parsed (on the event loop)."""
         parsed = self._notify(data)
         if parsed is not None and parsed.kind == "epochs":
-            task = asyncio.get_running_loop().create_task(self._epoch_notice(parsed))
-            self._notices.add(task)
-            task.add_done_callback(self._notices.discard)
+            self._epoch_notice_now(parsed)
             return
         self._resync_now.set()
+
+    def _epoch_notice_now(self, message: ControlMessage) -> None:
+        """Apply an ``epochs`` notice as it is parsed: merge, then acknowledge at once.
+
+        The hot path of an invalidation: the ack is written from this callback,
+        with no task, lock or coroutine in between (one notice, one write). When
+        that is not possible (an ack is being written by :meth:`ack`, no open
+        connection, a cluster) it falls back to a task running
+        :meth:`ack`.
+        """
+        tracker = self.tracker
+        if tracker is None:
+            return
+        if message.epochs and tracker.merge(message.epochs):
+            self._applied_epochs()
+        else:
+            self.poke()  # a notice without news: make sure by reading the hash
+        if not self._ack_lock.locked() and self._ack_now(tracker):
+            return
+        task = asyncio.get_running_loop().create_task(self._ack_logged())
+        self._notices.add(task)
+        task.add_done_callback(self._notices.discard)
+
+    def _ack_now(self, tracker: EpochTracker) -> bool:
+        """Write the ack of ``tracker.known`` now, without awaiting it; False if it cannot be.
+
+        Acks never go backwards: this one carries the newest epochs, it is
+        queued behind any earlier command on the same connection, and
+        :meth:`ack` (the only other writer) is not running. A failure is logged
+        and forgets what was acknowledged, so the next poll writes it again.
+        """
+        known = tracker.known
+        if known == self._acked:
+            return True
+        client = self._resp
+        if client is None:
+            return False
+        call = protocol.ack_call(self.cache, EpochAck(pod=self.pod, epochs=known))
+        packed = resp.pack_script(
+            _ACK, len(call.keys), call.keys[0], resp.pack_args([*call.keys[1:], *call.args])
+        )
+        futures = client.send_now(packed, 1, self.op_timeout_s)
+        if futures is None:
+            return False
+        self._acked = known
+        futures[0].add_done_callback(self._ack_written)
+        return True
+
+    def _ack_written(self, future: asyncio.Future[Any]) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if exc is None and not future.cancelled():
+            self.acks_written += 1
+            return
+        self.errors += 1
+        self._acked = None  # the poll acknowledges again (and reloads a flushed script)
+        self.poke()
+        log.warning("control %s: ack failed: %s", self.cache, str(exc) or type(exc).__name__)
 
     def _notify(self, data: Any) -> ControlMessage | None:
         try:
@@ -341,14 +396,8 @@ class ControlSync:
         """Ask for an epoch poll now (bounded by :data:`EPOCH_POLL_MIN_GAP_S`)."""
         self._poke.set()
 
-    async def _epoch_notice(self, message: ControlMessage) -> None:
-        """Apply an ``epochs`` notice: merge, then acknowledge; a poll confirms later."""
-        if self.tracker is None:
-            return
-        if message.epochs and self.tracker.merge(message.epochs):
-            self._applied_epochs()
-        else:
-            self.poke()  # a notice without news: make sure by reading the hash
+    async def _ack_logged(self) -> None:
+        """:meth:`ack`, with a failure logged (the poll acknowledges later)."""
         try:
             await self.ack()
         except Exception as exc:  # the poll acknowledges later

@@ -11,6 +11,7 @@ import pytest
 from cachefleet_e2e.services import RedisServer
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.epochs import EpochTracker
 from cachefleet_sidecar.protocol import (
     ControlMessage,
     Heartbeat,
@@ -238,6 +239,42 @@ async def test_failing_callback_is_retried_on_next_resync(redis_url: str) -> Non
         await sync.start()
         await eventually(lambda: sync.applied_generation == 1, "retry of generation 1")
         assert calls[:2] == [1, 1]
+    finally:
+        await sync.stop()
+        await operator.aclose()
+
+
+@pytest.mark.redis
+async def test_an_ack_that_fails_is_written_again_by_the_poll_it_asks_for(redis_url: str) -> None:
+    """A notice is acknowledged from the subscription callback; when that write
+    fails (here: the script cache was flushed, NOSCRIPT), the failure forgets
+    what was acknowledged and pokes the epoch poll, whose ack reloads the
+    script. The regular poll is an hour away, so only the poke can do it."""
+    tracker = EpochTracker()
+    operator = protocol.redis_from_url(redis_url)
+    sync = ControlSync(
+        redis_url, CACHE, "pod-a", lambda _a: None, tracker=tracker, epoch_poll_s=3600.0
+    )
+    try:
+        await sync.start()
+        await eventually(lambda: sync.acks_written >= 1, "the first acknowledgement")
+        written, errors = sync.acks_written, sync.errors
+        await operator.script_flush()
+        epoch = await protocol.advance_epoch(operator, CACHE, "cache")
+        await protocol.publish_epochs(operator, CACHE, {"cache": epoch})
+        acks: dict[str, protocol.EpochAck] = {}
+
+        async def acked() -> bool:
+            acks.update(await protocol.read_acks(operator, CACHE))
+            return "pod-a" in acks and acks["pod-a"].epochs.get("cache") == epoch
+
+        started = time.monotonic()
+        while not await acked():
+            assert time.monotonic() - started < WAIT_S, f"no ack of epoch {epoch}: {acks}"
+            await asyncio.sleep(0.02)
+        assert tracker.known["cache"] == epoch
+        assert sync.errors == errors + 1  # the callback's EVALSHA met NOSCRIPT
+        assert sync.acks_written == written + 1  # the poll's, after reloading the script
     finally:
         await sync.stop()
         await operator.aclose()
