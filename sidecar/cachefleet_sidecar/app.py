@@ -139,6 +139,8 @@ class Lookup:
     no_store: bool
     #: :attr:`Sidecar.scope_version` when the key was made.
     version: int = 0
+    #: The L2 read the fast path sent for this key (an ``l2.L2Read``): L2 was asked.
+    l2_read: Any = None
 
 
 class Sidecar:
@@ -484,8 +486,11 @@ class Sidecar:
         self._rescope()
         log.info("epochs now %s", self.tracker.known)
 
-    def fast(self, request: Request) -> bytes | None:
-        """Answer an L1 hit synchronously; None sends the request down the slow path."""
+    def fast(self, request: Request) -> bytes | asyncio.Future[Any] | None:
+        """Answer an L1 hit synchronously, or start the L2 read (:meth:`resume` answers it).
+
+        None sends the request down the slow path (:meth:`handle`).
+        """
         if request.method != b"POST":
             return None
         kind = keys.CACHEABLE_PATHS.get(request.url)
@@ -510,7 +515,7 @@ class Sidecar:
         except TenantLimitError:
             return None
         if hit is None:
-            return None
+            return self._l2_begin(lookup, lookup.key)
         if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
@@ -522,6 +527,45 @@ class Sidecar:
         if self.switching is not None:
             self._observe(lookup.tenant, seconds, digest)
         return hit[1]
+
+    def _l2_begin(self, lookup: Lookup, key: keys.CacheKey) -> asyncio.Future[Any] | None:
+        """Send the versioned L2 read of an L1 miss now; its last reply's future, or None."""
+        begin = getattr(self.l2, "begin_read", None)
+        if begin is None or not self._l2_allowed(lookup.tenant):
+            return None
+        vector = self._vector(lookup, key)
+        if vector is None or vector is False:
+            return None
+        read = begin(lookup.tenant, key.sha256_hex, vector)
+        if read is None:
+            return None
+        lookup.l2_read = read
+        future: asyncio.Future[Any] = read.futures[-1]
+        return future
+
+    def resume(self, request: Request) -> bytes | None:
+        """The L2 read :meth:`fast` started is done: a hit's answer, or None for :meth:`handle`.
+
+        The slow path does not ask L2 again for this key (a miss or a fault goes
+        on to single-flight and upstream).
+        """
+        lookup = request.memo
+        assert isinstance(lookup, Lookup)
+        assert lookup.key is not None
+        data = self.l2.finish_read(lookup.l2_read)
+        if data is None:
+            return None
+        entry = self._l2_entry(lookup, lookup.key, data)
+        if entry is None:
+            return None
+        tenant = lookup.tenant
+        response, promoted = entry.l2_hit()
+        self._l1_put(tenant, lookup.key, entry, rendered=promoted)
+        seconds = time.perf_counter() - request.started
+        self.metrics.tenant(tenant).request("l2", "hit", seconds)
+        if self.switching is not None:
+            self._observe(tenant, seconds, lookup.key.digest)
+        return response
 
     # ---------------------------------------------------------------- slow path
     async def handle(self, request: Request, conn: Connection) -> None:
@@ -574,7 +618,7 @@ class Sidecar:
                     self.mrc.access(tenant, key.digest, len(hit[1]))
                 tm.request("l1", "hit", time.perf_counter() - request.started)
                 return
-            entry = await self._l2_get(lookup, key)
+            entry = None if lookup.l2_read is not None else await self._l2_get(lookup, key)
             if entry is not None:
                 response, promoted = entry.l2_hit()
                 self._l1_put(tenant, key, entry, rendered=promoted)
@@ -910,7 +954,12 @@ class Sidecar:
         data = await self.l2.get(tenant, key.sha256_hex, vector)
         if data is None:
             return None
-        if vector is not None and lookup.version != self._scope_version:
+        return self._l2_entry(lookup, key, data)
+
+    def _l2_entry(self, lookup: Lookup, key: keys.CacheKey, data: bytes) -> Entry | None:
+        """The entry an L2 read returned, if this request may be answered with it."""
+        tenant = lookup.tenant
+        if self._versioned and lookup.version != self._scope_version:
             return None  # the epochs moved while the read was out: do not serve it
         try:
             if len(data) > self.l2_max_entry_bytes + 64 * 1024:  # body + envelope and headers
@@ -1246,6 +1295,9 @@ class AdminHandler:
         self.sidecar = sidecar
 
     def fast(self, request: Request) -> bytes | None:
+        return None
+
+    def resume(self, request: Request) -> bytes | None:
         return None
 
     async def handle(self, request: Request, conn: Connection) -> None:

@@ -212,6 +212,33 @@ def _pack_get(key: str) -> bytes:
     return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
 
 
+class L2Read:
+    """A versioned read in flight (:meth:`RedisL2.begin_read`): its replies' futures."""
+
+    __slots__ = ("breaker", "digest_hex", "fence", "futures", "head", "key", "tenant", "vector")
+
+    def __init__(
+        self,
+        tenant: str,
+        digest_hex: str,
+        key: str,
+        vector: EpochVector,
+        fence: bytes,
+        head: bytes,
+        breaker: CircuitBreaker,
+        futures: list[Any],
+    ) -> None:
+        self.tenant = tenant
+        self.digest_hex = digest_hex
+        self.key = key
+        self.vector = vector
+        self.fence = fence
+        self.head = head
+        self.breaker = breaker
+        #: One per command sent (GET, then the fence's HMGET if any); the last is done last.
+        self.futures = futures
+
+
 class RedisL2:
     """Per-tenant byte-bounded response cache in Redis for one InferenceCache.
 
@@ -374,33 +401,27 @@ class RedisL2:
             self.counters.hits += 1
             self._touched(tenant, key)
             return bytes(raw)
-        memo = self._reads.get(tenant)
-        # the tracker hands out one vector object per (tenant, model) until an epoch moves
-        if memo is None or (memo[0] is not vector and memo[0] != vector):
-            if len(self._reads) >= MEMO_LIMIT:
-                self._reads.clear()
-            fence = protocol.fence_command(self.cache, tenant, vector)
-            memo = self._reads[tenant] = (vector, fence, protocol.entry_head(vector))
-        _, fence, head = memo
+        read = self.begin_read(tenant, digest_hex, vector)
+        if read is not None:
+            try:
+                await read.futures[-1]  # replies come in order: the others are in too
+            except asyncio.CancelledError:
+                resp.abandon(read.futures)
+                raise
+            except Exception:  # finish_read reads every reply's fault
+                pass
+            return self.finish_read(read)
+        # the general path: a breaker's probe or short circuit, a cluster, no connection yet
+        fence, head = self._read_memo(tenant, vector)
         get = _pack_get(key)
-        # the breaker and the client inline: no coroutine layer between this and the replies
         breaker = self.breaker_for(self._client.address_for(key))
         if not breaker.allow():
             self.counters.short_circuited += 1
             return None
         try:
-            futures = self._client.send_now(get + fence, 2 if fence else 1, self.op_timeout_s)
-            if futures is None:
-                replies = await self._client.pipeline(
-                    key, (get, fence) if fence else (get,), timeout_s=self.op_timeout_s
-                )
-            else:
-                try:
-                    await futures[-1]  # replies come in order: the others are in too
-                    replies = [future.result() for future in futures]
-                except BaseException:
-                    resp.abandon(futures)
-                    raise
+            replies = await self._client.pipeline(
+                key, (get, fence) if fence else (get,), timeout_s=self.op_timeout_s
+            )
             for reply in replies:
                 if isinstance(reply, resp.ReplyError):
                     raise reply
@@ -408,9 +429,75 @@ class RedisL2:
             self._fault(breaker, exc)
             return None
         self._succeeded(breaker)
+        return self._judge(tenant, digest_hex, key, vector, head, replies, bool(fence))
+
+    def _read_memo(self, tenant: str, vector: EpochVector) -> tuple[bytes, bytes]:
+        """(the fence's HMGET packed, the entry head) of ``tenant`` under ``vector``."""
+        memo = self._reads.get(tenant)
+        # the tracker hands out one vector object per (tenant, model) until an epoch moves
+        if memo is None or (memo[0] is not vector and memo[0] != vector):
+            if len(self._reads) >= MEMO_LIMIT:
+                self._reads.clear()
+            fence = protocol.fence_command(self.cache, tenant, vector)
+            memo = self._reads[tenant] = (vector, fence, protocol.entry_head(vector))
+        return memo[1], memo[2]
+
+    def begin_read(self, tenant: str, digest_hex: str, vector: EpochVector) -> L2Read | None:
+        """Send a versioned read now, on an open connection; None when it cannot go that way.
+
+        The fast path of an L2 hit: the GET and the fence's HMGET go out in one
+        write, and the caller waits on the last future however it likes (a
+        callback: no task, no coroutine), then calls :meth:`finish_read`. None
+        (nothing sent, nothing counted) when the node's breaker is not closed,
+        on a cluster, or while no connection is open: then use :meth:`get`.
+        """
+        key = protocol.entry_key(self.cache, tenant, digest_hex)
+        breaker = self.breaker_for(self._client.address_for(key))
+        if breaker.state != "closed":
+            return None
+        fence, head = self._read_memo(tenant, vector)
+        futures = self._client.send_now(
+            _pack_get(key) + fence, 2 if fence else 1, self.op_timeout_s
+        )
+        if futures is None:
+            return None
+        return L2Read(tenant, digest_hex, key, vector, fence, head, breaker, futures)
+
+    def finish_read(self, read: L2Read) -> bytes | None:
+        """What :meth:`get` returns, for a :meth:`begin_read` whose futures are all done."""
+        try:
+            replies = [future.result() for future in read.futures]
+            for reply in replies:
+                if isinstance(reply, resp.ReplyError):
+                    raise reply
+        except Exception as exc:  # a cache fault must never fail a request
+            resp.abandon(read.futures)
+            self._fault(read.breaker, exc)
+            return None
+        self._succeeded(read.breaker)
+        return self._judge(
+            read.tenant,
+            read.digest_hex,
+            read.key,
+            read.vector,
+            read.head,
+            replies,
+            bool(read.fence),
+        )
+
+    def _judge(
+        self,
+        tenant: str,
+        digest_hex: str,
+        key: str,
+        vector: EpochVector,
+        head: bytes,
+        replies: list[Any],
+        fenced: bool,
+    ) -> bytes | None:
         try:
             verdict = protocol.judge_versioned_read(
-                replies[0], replies[1] if fence else (), vector, head
+                replies[0], replies[1] if fenced else (), vector, head
             )
         except (TypeError, ValueError, AttributeError):
             self.counters.errors += 1

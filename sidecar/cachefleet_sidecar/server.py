@@ -4,9 +4,12 @@ This is the sidecar's hot loop. A connection parses requests with
 ``httptools`` callbacks and hands each complete request to a
 :class:`Handler`. The handler first gets a synchronous chance
 (:meth:`Handler.fast`): an L1 hit is answered inside ``data_received`` with
-one ``transport.write`` of ready-made bytes, no task, no future. Everything
-else becomes one task per request (:meth:`Handler.handle`). Pipelined
-requests are answered in order; keep-alive follows the client.
+one ``transport.write`` of ready-made bytes, no task, no future. It may also
+hand back a future it started (an L2 read in flight): when that is done the
+connection calls :meth:`Handler.resume` from the future's callback, again
+without a task, and the answer goes out the same way. Everything else
+becomes one task per request (:meth:`Handler.handle`). Pipelined requests
+are answered in order; keep-alive follows the client.
 
 Every resource a client can make the sidecar hold has a bound
 (:class:`Limits`, enforced per connection and, for request bodies, across
@@ -35,7 +38,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import httptools
 
@@ -179,7 +182,13 @@ class Request:
 
 
 class Handler(Protocol):
-    def fast(self, request: Request) -> bytes | None: ...
+    def fast(self, request: Request) -> bytes | asyncio.Future[Any] | None:
+        """The answer now, a future to :meth:`resume` on, or None for :meth:`handle`."""
+        ...
+
+    def resume(self, request: Request) -> bytes | None:
+        """The answer once :meth:`fast`'s future is done, or None for :meth:`handle`."""
+        ...
 
     async def handle(self, request: Request, conn: Connection) -> None: ...
 
@@ -585,6 +594,10 @@ class Connection(asyncio.Protocol):
             response = self.handler.fast(request)
             if response is None:
                 break
+            if not isinstance(response, bytes):  # in flight: resumed from its callback
+                self.busy = True
+                response.add_done_callback(functools.partial(self._resume, request=request))
+                return
             if request.charged:
                 self.limiter.body_bytes -= request.charged
                 request.charged = 0
@@ -603,14 +616,39 @@ class Connection(asyncio.Protocol):
         task = asyncio.get_running_loop().create_task(self.handler.handle(request, self))
         task.add_done_callback(functools.partial(self._done, request=request))
 
+    def _resume(self, _future: asyncio.Future[Any], *, request: Request) -> None:
+        """:meth:`Handler.fast`'s future is done: answer now, or go the slow way."""
+        try:
+            response = self.handler.resume(request)
+        except Exception:
+            log.exception("request handler failed")
+            response = None
+        if self.closing:  # the client left meanwhile
+            self.busy = False
+            self._release(request)
+            return
+        if response is None:
+            task = asyncio.get_running_loop().create_task(self.handler.handle(request, self))
+            task.add_done_callback(functools.partial(self._done, request=request))
+            return
+        self.write(response)
+        self._next(request)
+
     def _done(self, task: asyncio.Task[None], *, request: Request) -> None:
-        self.busy = False
-        self._release(request)
-        self._since = self.limiter.now
         if not task.cancelled() and task.exception() is not None:
+            self.busy = False
+            self._release(request)
+            self._since = self.limiter.now
             log.error("request handler failed", exc_info=task.exception())
             self.close()
             return
+        self._next(request)
+
+    def _next(self, request: Request) -> None:
+        """``request`` is answered: release it, then go on with the connection."""
+        self.busy = False
+        self._release(request)
+        self._since = self.limiter.now
         if not request.keep_alive or self.closing:
             self.close()
         elif self.pending:

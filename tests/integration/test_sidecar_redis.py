@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -210,3 +211,61 @@ async def test_redis_and_epoch_state_are_metrics(
     assert used is not None
     assert used > 0
     assert (await pod.admin.get("/status")).json()["tenants"]["acme"]["l2_bytes"] == used
+
+
+def _raw_chat(content: str) -> bytes:
+    body = json.dumps(
+        {"model": "m1", "messages": [{"role": "user", "content": content}], "temperature": 0}
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[str, bytes]:
+    """(X-Cache, body) of the next response on a keep-alive connection."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower().split("\r\n")
+    fields = dict(line.split(": ", 1) for line in head[1:] if ": " in line)
+    return fields["x-cache"].upper(), await reader.readexactly(int(fields["content-length"]))
+
+
+async def _exchange(url: str, *requests: bytes) -> list[tuple[str, bytes]]:
+    """Send ``requests`` pipelined in one write; their answers, in the order they came."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        writer.write(b"".join(requests))
+        async with asyncio.timeout(20.0):
+            return [await _read_answer(reader) for _ in requests]
+    finally:
+        writer.close()
+
+
+async def test_pipelined_l2_hit_l1_hit_and_miss_are_answered_in_order(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    """An L2 hit is answered from the Redis reply's callback (no task): requests
+    pipelined behind it wait for it, and an L2 miss asks Redis once, not again
+    on the way upstream."""
+    bound = {"staleness_bound_s": 60.0}
+    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a", **bound)
+    ((tier, in_l2),) = await _exchange(pod_a.url, _raw_chat("kept in L2"))
+    assert tier == "MISS"
+    l2_a = pod_a.sidecar.l2
+    await wait_until(lambda: l2_a.counters.stores >= 1, timeout_s=20.0)
+    pod_b = await sidecar_factory(redis_url=redis_url, pod="pod-b", **bound)
+    l2 = pod_b.sidecar.l2
+    l2.op_timeout_s = 5.0  # a loaded machine must not turn the hit into a miss
+    ((tier, in_l1),) = await _exchange(pod_b.url, _raw_chat("kept in L1"))
+    assert tier == "MISS"
+    await wait_until(pod_b.sidecar.tracker.fresh, timeout_s=20.0)
+    hits, misses = l2.counters.hits, l2.counters.misses
+    answers = await _exchange(
+        pod_b.url, _raw_chat("kept in L2"), _raw_chat("kept in L1"), _raw_chat("new")
+    )
+    assert [tier for tier, _ in answers] == ["HIT-L2", "HIT-L1", "MISS"]
+    assert answers[0][1] == in_l2
+    assert answers[1][1] == in_l1
+    assert answers[2][1] not in (in_l1, in_l2)
+    assert (l2.counters.hits, l2.counters.misses) == (hits + 1, misses + 1)
+    assert upstream.calls[CHAT] == 3
