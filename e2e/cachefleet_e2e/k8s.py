@@ -304,22 +304,22 @@ class EmulatorHandle:
 
 def _run_in_thread(
     name: str, main: Callable[[threading.Event, asyncio.AbstractEventLoop], Any]
-) -> tuple[threading.Thread, threading.Event, list[asyncio.AbstractEventLoop]]:
+) -> tuple[threading.Thread, threading.Event]:
+    """Run ``main`` on a new event loop in a daemon thread.
+
+    The loop ends as :func:`asyncio.run` ends one: what ``main`` left running
+    (an HTTP server's request handlers, a client's watch) is cancelled and
+    awaited before the loop closes, not destroyed pending.
+    """
     stop = threading.Event()
-    loops: list[asyncio.AbstractEventLoop] = []
 
     def target() -> None:
-        loop = asyncio.new_event_loop()
-        loops.append(loop)
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(main(stop, loop))
-        finally:
-            loop.close()
+        with asyncio.Runner() as runner:
+            runner.run(main(stop, runner.get_loop()))
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    return thread, stop, loops
+    return thread, stop
 
 
 def _server_tls(tls: tuple[str, str]) -> ssl.SSLContext:
@@ -363,7 +363,7 @@ def run_emulator(tls: tuple[str, str] | None = None) -> Iterator[EmulatorHandle]
                 for runner in runners:
                     await runner.cleanup()
 
-    thread, stop, _ = _run_in_thread("kmock-emulator", main)
+    thread, stop = _run_in_thread("kmock-emulator", main)
     if not ready.wait(STARTUP_TIMEOUT_S):
         stop.set()
         raise EmulatorError("the Kubernetes emulator did not start")
@@ -451,7 +451,7 @@ def run_operator(
             ready_flag=ready,
         )
 
-    thread, _, _ = _run_in_thread("kopf-operator", main)
+    thread, _ = _run_in_thread("kopf-operator", main)
     try:
         if not ready.wait(STARTUP_TIMEOUT_S):
             raise EmulatorError("kopf did not get ready")
