@@ -88,11 +88,28 @@ round: it stands in for *adaptive* only while its shadow missed at least
 takes over as *adaptive* would, when its shadow beat the regime in force
 over the last rounds. A shadow holds keys and sizes, no values.
 
+Shifts (a working set replaced wholesale). The shadows compare regimes over
+rounds, too slowly for the moment a working set is replaced: every access
+the old regime keeps costs misses long after (with the new set on
+probation, behind old entries that banked hits). So twice a round the hits
+of the shadow of the regime in force over the last half round are checked:
+when they fall under their running mean by more than half of it and by more
+than four times their usual change from one probe to the next (measured:
+bursty traffic swings widely and is not mistaken for a shift), SITS takes
+*recency* at once, lets the hits banked in ``M`` by every entry queued
+there before that half round lapse (O(1): an entry carries the probe number
+of its entry into ``M`` and is checked when it comes up for eviction), and
+restarts the shadows empty (their contents are the old set too), so that
+the regimes are compared afresh on the new set. The long-run counts of
+*stable* keep what they learnt of the traffic's shape and pause while the
+shadows refill.
+
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
 of the main cache's key metadata (4/4 below 800 entries). Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
-at most one sparing for its cost.
+at most one sparing for its cost; a detected shift allocates new shadows
+(empty) and touches no entry.
 """
 
 from __future__ import annotations
@@ -134,6 +151,21 @@ DEFAULT_GHOST_FACTOR = 2.0
 #: ghost evicted longer ago than this (in bytes evicted to its list since)
 #: counts as no ghost there (benchmarked: docs/sits.md).
 STABLE_HORIZON = 1.0
+#: Probes per regime choice: twice a round, the hits of the shadow of the
+#: regime in force over the last half round are checked for a collapse
+#: (a working set replaced wholesale; benchmarked: docs/sits.md).
+PROBES_PER_ROUND = 2
+#: A probe's hits collapsed when they fall under their running mean by more
+#: than COLLAPSE_DROP of it and by more than COLLAPSE_NOISE times the running
+#: mean change from one probe to the next (the noise of the traffic itself).
+COLLAPSE_DROP = 0.5
+COLLAPSE_NOISE = 4.0
+#: Weight of the newest probe in those running means.
+COLLAPSE_WEIGHT = 0.125
+#: Regime choices after a detected shift during which the long-run counts of
+#: ``stable`` pause (the shadows refill) and the detector relearns its level
+#: (SHIFT_SETTLE x PROBES_PER_ROUND probes; also before the first detection).
+SHIFT_SETTLE = 4
 
 
 class _NoKey:
@@ -145,11 +177,50 @@ class _NoKey:
 _NO_KEY: Hashable = _NoKey()
 
 
-class _Node(Generic[V]):
-    __slots__ = ("cost", "freq", "main", "size", "spared", "value")
+class _Collapse:
+    """Tells a collapse of the hits per probe from the traffic's own noise.
 
-    def __init__(self, value: V, size: int, cost: float | None, main: bool) -> None:
+    Running means (weight :data:`COLLAPSE_WEIGHT`, plain means over the first
+    probes) of the hits per probe and of the change from one probe to the
+    next; the noise is measured, not assumed: bursty traffic (Mooncake's
+    conversations) swings by more than a binomial count would, and the
+    mean change grows with it. Armed after ``SHIFT_SETTLE x
+    PROBES_PER_ROUND`` probes.
+    """
+
+    __slots__ = ("count", "mean", "noise", "prev")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.mean = self.noise = self.prev = 0.0
+        self.count = 0
+
+    def collapsed(self, hits: float) -> bool:
+        """Feed one probe's hits; True (and the means restart) on a collapse."""
+        if self.count >= SHIFT_SETTLE * PROBES_PER_ROUND:
+            drop = self.mean - hits
+            if drop > COLLAPSE_DROP * self.mean and drop > COLLAPSE_NOISE * self.noise:
+                self.reset()
+                return True
+        if self.count:
+            weight = max(COLLAPSE_WEIGHT, 1.0 / self.count)
+            self.noise += (abs(hits - self.prev) - self.noise) * weight
+            self.mean += (hits - self.mean) * weight
+        else:
+            self.mean = hits
+        self.prev = hits
+        self.count += 1
+        return False
+
+
+class _Node(Generic[V]):
+    __slots__ = ("cost", "freq", "main", "size", "spared", "stamp", "value")
+
+    def __init__(self, value: V, size: int, cost: float | None, main: bool, stamp: int) -> None:
         self.value = value
+        self.stamp = stamp
         self.size = size
         self.cost = cost
         self.main = main
@@ -162,6 +233,7 @@ class SITSPolicy(Generic[K, V]):
 
     __slots__ = (
         "_capacity",
+        "_collapse",
         "_evictions",
         "_frozen",
         "_ghost_factor",
@@ -172,6 +244,8 @@ class SITSPolicy(Generic[K, V]):
         "_gp_bytes",
         "_gp_clock",
         "_horizon",
+        "_index",
+        "_lapse_before",
         "_m",
         "_m_bytes",
         "_max_freq",
@@ -179,6 +253,9 @@ class SITSPolicy(Generic[K, V]):
         "_p",
         "_p_bytes",
         "_pressure",
+        "_probe_every",
+        "_probe_misses",
+        "_probes",
         "_rate",
         "_rate_chosen",
         "_recency",
@@ -186,9 +263,11 @@ class SITSPolicy(Generic[K, V]):
         "_select_every",
         "_shadow_misses",
         "_shadows",
+        "_since_shift",
         "_stable",
         "_stable_misses",
         "_target_p",
+        "shifts",
         "spared",
     )
 
@@ -231,6 +310,7 @@ class SITSPolicy(Generic[K, V]):
         self._frozen = False
         self._recency = False
         self._stable = False
+        self._index = 0
         self._max_freq = MAX_FREQ
         self._horizon = float("inf")
         self._set_regime(REGIMES.index(regime))
@@ -245,6 +325,18 @@ class SITSPolicy(Generic[K, V]):
         #: Long-run misses of the adaptive and the stable shadows.
         self._stable_misses = [0.0, 0.0]
         self._sampled = 0
+        #: Shift detection: the in-force shadow's misses in the current probe,
+        #: probes so far (an entry queued in M is stamped with it), the first
+        #: stamp whose banked hits still count, regime choices since the last
+        #: shift.
+        self._collapse = _Collapse()
+        self._probe_misses = 0
+        self._probe_every = SELECT_EVERY // PROBES_PER_ROUND
+        self._probes = 0
+        self._lapse_before = 0
+        self._since_shift = SHIFT_SETTLE
+        #: Working sets replaced wholesale, as detected (a counter).
+        self.shifts = 0
         if shadows:
             self._new_shadows()
 
@@ -334,6 +426,7 @@ class SITSPolicy(Generic[K, V]):
         self._p_bytes -= node.size
         node.main = True
         node.spared = False
+        node.stamp = self._probes
         m[key] = node
         self._m_bytes += node.size
         return node.value
@@ -366,6 +459,7 @@ class SITSPolicy(Generic[K, V]):
             node.size = size
             node.cost = cost
             node.spared = False
+            node.stamp = self._probes
             return self._evict(key)
         if self._shadows and hash(key) % self._rate == 0:
             for shadow in self._shadows:
@@ -402,7 +496,7 @@ class SITSPolicy(Generic[K, V]):
                 # LIRS's first blocks become LIR; once it is full they start
                 # on probation.
                 main = self._recency or self._p_bytes + self._m_bytes + size <= self._capacity
-        node = _Node(value, size, cost, main)
+        node = _Node(value, size, cost, main, self._probes)
         if main:
             m[key] = node
             self._m_bytes += size
@@ -433,6 +527,7 @@ class SITSPolicy(Generic[K, V]):
     def clear(self) -> None:
         for shadow in self._shadows:
             shadow.clear()
+        self._collapse.reset()  # the hits start again from nothing: no shift
         self._p.clear()
         self._m.clear()
         self._gp.clear()
@@ -513,6 +608,9 @@ class SITSPolicy(Generic[K, V]):
         assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
         assert self._frozen + self._recency + self._stable <= 1, "two regimes at once"
         assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
+        assert self._index == REGIMES.index(self.regime), "regime index"
+        assert self._lapse_before <= self._probes, "lapse ahead of the probes"
+        assert all(n.stamp <= self._probes for n in self._m.values()), "stamp ahead of the probes"
         for shadow in self._shadows:
             assert not shadow._shadows, "a shadow with shadows"
             assert shadow.capacity_bytes == self._capacity // self._rate, "shadow capacity"
@@ -552,6 +650,9 @@ class SITSPolicy(Generic[K, V]):
                 if len(queue) == 1:
                     queue = m if queue is p else p
                 key, node = queue.popitem(last=False)
+            if node.stamp < self._lapse_before:
+                # Queued in M before a detected shift: its banked hits lapse.
+                node.freq = 0
             if node.freq and node.main:
                 # Hit since its last pass: one more round in M per hit (up to
                 # the regime's bound: hits banked under another regime lapse).
@@ -582,6 +683,7 @@ class SITSPolicy(Generic[K, V]):
         return evicted
 
     def _set_regime(self, index: int) -> None:
+        self._index = index
         self._frozen = index == 1
         self._recency = index == 2
         self._stable = index == 3
@@ -596,7 +698,9 @@ class SITSPolicy(Generic[K, V]):
         """A sampled lookup: through every shadow, and now and then a regime choice."""
         node = self._m.get(key) or self._p.get(key)
         misses = self._shadow_misses
-        stable = self._stable_misses
+        # While the shadows refill after a shift, the long-run counts pause.
+        stable = self._stable_misses if self._since_shift >= SHIFT_SETTLE else [0.0, 0.0]
+        in_force = self._index
         for i, shadow in enumerate(self._shadows):
             if shadow.get(key) is None:
                 misses[i] += 1.0
@@ -604,15 +708,25 @@ class SITSPolicy(Generic[K, V]):
                     stable[0] += 1.0
                 elif i == 3:
                     stable[1] += 1.0
+                if i == in_force:
+                    self._probe_misses += 1
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
         self._sampled += 1
+        if self._sampled % self._probe_every == 0:
+            hits = self._probe_every - self._probe_misses
+            self._probe_misses = 0
+            self._probes += 1
+            if self._collapse.collapsed(hits):
+                self._shift()
+                return
         if self._sampled % self._select_every == 0:
+            self._since_shift += 1
             # The first three regimes by the recent misses of their shadows
             # (counts halved every round); "stable" stands for "adaptive" when
             # its shadow missed less over the long run (it differs from
             # "adaptive" by too little to be told apart over one round).
-            current = 0 if self._stable else REGIMES.index(self.regime)
+            current = 0 if self._stable else self._index
             best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
                 current = best
@@ -629,6 +743,25 @@ class SITSPolicy(Generic[K, V]):
             if self._sampled % (self._select_every * STABLE_HALVING) == 0:
                 stable[0] /= 2
                 stable[1] /= 2
+
+    def _shift(self) -> None:
+        """The hits collapsed: a working set was replaced wholesale (module doc).
+
+        Recency takes over at once (the new set enters M without waiting for
+        a round); the hits banked in M by entries queued before the probe
+        that collapsed lapse as they come up (O(1): by their stamp), so the
+        old set leaves in one pass; the shadows restart empty, as their
+        contents are the old set too; the long-run counts of stable keep
+        what they learnt of the traffic's shape and pause while the shadows
+        refill.
+        """
+        self.shifts += 1
+        self._since_shift = 0
+        self._set_regime(2)
+        if self._shadows:
+            self._new_shadows()
+        self._shadow_misses = [0.0] * len(REGIMES)
+        self._lapse_before = self._probes - 1
 
     def _new_shadows(self) -> None:
         self._shadows = [
@@ -656,10 +789,13 @@ class SITSPolicy(Generic[K, V]):
             return
         self._rate = SMALL_SAMPLE_RATE
         self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
+        self._probe_every = self._select_every // PROBES_PER_ROUND
         self._new_shadows()
         self._shadow_misses = [0.0] * len(REGIMES)
         self._stable_misses = [0.0, 0.0]
         self._sampled = 0
+        self._probe_misses = 0
+        self._collapse.reset()
 
     def _trim_ghosts(self) -> None:
         bound = self._ghost_factor * self._capacity
