@@ -650,15 +650,15 @@ class SITSPolicy(Generic[K, V]):
                 if len(queue) == 1:
                     queue = m if queue is p else p
                 key, node = queue.popitem(last=False)
-            if node.stamp < self._lapse_before:
-                # Queued in M before a detected shift: its banked hits lapse.
-                node.freq = 0
             if node.freq and node.main:
-                # Hit since its last pass: one more round in M per hit (up to
-                # the regime's bound: hits banked under another regime lapse).
-                node.freq = min(node.freq, self._max_freq) - 1
-                queue[key] = node
-                continue
+                if node.stamp >= self._lapse_before:
+                    # Hit since its last pass: one more round in M per hit (up
+                    # to the regime's bound: hits banked under another regime
+                    # lapse).
+                    node.freq = min(node.freq, self._max_freq) - 1
+                    queue[key] = node
+                    continue
+                node.freq = 0  # queued in M before a detected shift: its hits lapse
             if node.cost is not None and not node.spared and self._spare(node):
                 node.spared = True
                 self.spared += 1
