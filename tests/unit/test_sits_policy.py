@@ -237,6 +237,27 @@ def test_a_replaced_working_set_is_detected_and_the_old_set_leaves_in_one_pass()
     assert miss < replay(SITSPolicy(3000, shadows=False), trace) - 0.02
 
 
+def test_after_a_shift_the_old_probationers_give_way_first() -> None:
+    """Recency feeds M only: probation keeps room for its fresh entries alone."""
+    policy: SITSPolicy[int, int] = SITSPolicy(10, shadows=False)
+    policy._target_p = 6.0  # as if learnt from probation ghosts (white box)
+    for key in range(10):
+        policy.put(key, key, 1)  # warm-up: main
+    for key in range(100, 105):
+        policy.put(key, key, 1)  # probation, under its target: main gives way
+    policy._probes = 2  # the probe in which the hits collapse (white box)
+    policy.put(105, 105, 1)  # the new set's first entry, on probation too
+    policy._probes = 3
+    policy._shift()
+    assert policy.regime == "recency"
+    assert policy.target_p_bytes == 1  # room for 105 alone
+    for key in range(200, 205):
+        policy.put(key, key, 1)  # recency: into M; the old probationers go
+    assert not any(key in policy for key in range(100, 105))
+    assert all(key in policy for key in (6, 7, 8, 9, 105, *range(200, 205)))
+    policy.check_invariants()
+
+
 def test_independent_popularity_turns_to_the_stable_regime() -> None:
     """Zipf draws: never frozen or recency; the long-run shadows pick ``stable``."""
     trace = zipf_trace(60_000, 10_000, 0.9, seed=3)

@@ -98,18 +98,19 @@ than four times their usual change from one probe to the next (measured:
 bursty traffic swings widely and is not mistaken for a shift), SITS takes
 *recency* at once, lets the hits banked in ``M`` by every entry queued
 there before that half round lapse (O(1): an entry carries the probe number
-of its entry into ``M`` and is checked when it comes up for eviction), and
-restarts the shadows empty (their contents are the old set too), so that
-the regimes are compared afresh on the new set. The long-run counts of
-*stable* keep what they learnt of the traffic's shape and pause while the
-shadows refill.
+of its entry into ``M`` and is checked when it comes up for eviction), lets
+the older entries of ``P`` give way first (``target_p`` is cut to the
+entries loaded since the collapse began), and restarts the shadows empty
+(their contents are the old set too), so that the regimes are compared
+afresh on the new set. The long-run counts of *stable* keep what they
+learnt of the traffic's shape and pause while the shadows refill.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
 of the main cache's key metadata (4/4 below 800 entries). Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
 at most one sparing for its cost; a detected shift allocates new shadows
-(empty) and touches no entry.
+(empty) and reads only the entries loaded into ``P`` during one probe.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ SMALL_SAMPLE_RATE = 4
 SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
 #: force to take over, per regime: adaptive, frozen, recency.
-SELECT_MARGINS = (0.05, 0.05, 0.08)
+SELECT_MARGINS = (0.05, 0.05, 0.10)
 #: Regime names, in the order of the shadows (the first three: SELECT_MARGINS).
 REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: How much less (relative) the ``stable`` shadow must have missed than the
@@ -750,7 +751,8 @@ class SITSPolicy(Generic[K, V]):
         Recency takes over at once (the new set enters M without waiting for
         a round); the hits banked in M by entries queued before the probe
         that collapsed lapse as they come up (O(1): by their stamp), so the
-        old set leaves in one pass; the shadows restart empty, as their
+        old set leaves in one pass, and probation's older entries give way
+        first; the shadows restart empty, as their
         contents are the old set too; the long-run counts of stable keep
         what they learnt of the traffic's shape and pause while the shadows
         refill.
@@ -762,6 +764,16 @@ class SITSPolicy(Generic[K, V]):
             self._new_shadows()
         self._shadow_misses = [0.0] * len(REGIMES)
         self._lapse_before = self._probes - 1
+        # Probation keeps room for its entries loaded since the collapse
+        # began (the new set, at its tail) and no more: the older ones give
+        # way first (else recency, which feeds M only, would keep them for
+        # as long as the old balance said). O(entries loaded in one probe).
+        fresh = 0
+        for node in reversed(self._p.values()):
+            if node.stamp < self._lapse_before:
+                break
+            fresh += node.size
+        self._target_p = float(fresh)
 
     def _new_shadows(self) -> None:
         self._shadows = [
