@@ -193,6 +193,10 @@ def test_a_collapse_of_the_hits_is_told_from_the_noise() -> None:
     bursty = _Collapse()  # Mooncake at 1 %: many probes without a hit, bursts of 40
     for _ in range(500):
         assert not bursty.collapsed(rng.choice((0, 0, 0, 2, 9, 14, 20, 31, 44)))
+    few = _Collapse()  # a loop wider than the cache, cycling: 3 hits a probe, steadily
+    for _ in range(100):
+        assert not few.collapsed(3)
+    assert not few.collapsed(0)  # counting noise, not a collapse
     early = _Collapse()
     for hits in (40,) * (armed - 1) + (0,):
         assert not early.collapsed(hits)  # armed only after SHIFT_SETTLE rounds

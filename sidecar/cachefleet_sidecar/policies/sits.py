@@ -163,6 +163,10 @@ COLLAPSE_DROP = 0.5
 COLLAPSE_NOISE = 4.0
 #: Weight of the newest probe in those running means.
 COLLAPSE_WEIGHT = 0.125
+#: The noise is taken as at least this share of the counting noise,
+#: ``sqrt(mean)``: a few hits per probe that happened to vary little (a loop
+#: wider than the cache, cycling) do not collapse to none.
+COLLAPSE_NOISE_FLOOR = 0.5
 #: Regime choices after a detected shift during which the long-run counts of
 #: ``stable`` pause (the shadows refill) and the detector relearns its level
 #: (SHIFT_SETTLE x PROBES_PER_ROUND probes; also before the first detection).
@@ -185,8 +189,9 @@ class _Collapse:
     probes) of the hits per probe and of the change from one probe to the
     next; the noise is measured, not assumed: bursty traffic (Mooncake's
     conversations) swings by more than a binomial count would, and the
-    mean change grows with it. Armed after ``SHIFT_SETTLE x
-    PROBES_PER_ROUND`` probes.
+    mean change grows with it; a few hits that vary little are still
+    counting noise (:data:`COLLAPSE_NOISE_FLOOR`). Armed after
+    ``SHIFT_SETTLE x PROBES_PER_ROUND`` probes.
     """
 
     __slots__ = ("count", "mean", "noise", "prev")
@@ -202,7 +207,8 @@ class _Collapse:
         """Feed one probe's hits; True (and the means restart) on a collapse."""
         if self.count >= SHIFT_SETTLE * PROBES_PER_ROUND:
             drop = self.mean - hits
-            if drop > COLLAPSE_DROP * self.mean and drop > COLLAPSE_NOISE * self.noise:
+            noise = max(self.noise, COLLAPSE_NOISE_FLOOR * self.mean**0.5)
+            if drop > COLLAPSE_DROP * self.mean and drop > COLLAPSE_NOISE * noise:
                 self.reset()
                 return True
         if self.count:
