@@ -165,6 +165,26 @@ def test_a_loop_wider_than_the_cache_freezes_main_as_lirs_does() -> None:
     assert replay(SITSPolicy(800, shadows=False), trace) > 0.9  # the ghost balance alone cycles
 
 
+def test_a_small_cache_on_a_loop_freezes_by_the_long_run_hits() -> None:
+    """Every regime misses ~all of a loop 20x the cache: frozen is told by its hits."""
+    trace = shuffled_loop(4000, 20_000, seed=7)
+    sits: SITSPolicy[int, int] = SITSPolicy(200)
+    frozen_from = None
+    misses = 0
+    for i, key in enumerate(trace):
+        if sits.get(key) is None:
+            misses += 1
+            sits.put(key, key, 1)
+        if frozen_from is None and sits.regime == "frozen":
+            frozen_from = i
+    # From the third pass of the loop on (by the misses alone: never, 0.979).
+    assert frozen_from is not None
+    assert frozen_from < 10_000, frozen_from
+    assert sits.regime == "frozen"
+    assert sits.shifts == 0
+    assert misses / len(trace) < replay(LIRSPolicy(200), trace)  # 0.9635 against 0.9646
+
+
 def test_a_working_set_replaced_wholesale_turns_to_recency() -> None:
     rng = random.Random(7)
     weights = [1.0 / (rank**0.9) for rank in range(1, 2001)]

@@ -86,7 +86,11 @@ round: it stands in for *adaptive* only while its shadow missed at least
 :data:`STABLE_MARGIN` less over the long run (counts halved every
 :data:`STABLE_HALVING` rounds); out of *frozen* or *recency*, though, it
 takes over as *adaptive* would, when its shadow beat the regime in force
-over the last rounds. A shadow holds keys and sizes, no values.
+over the last rounds. *frozen*, besides the round-by-round rule, stands in
+for *adaptive* when its shadow hit at least :data:`FROZEN_HIT_MARGIN` more
+over the long run: on a loop wider than the cache every regime misses
+nearly everything, and a margin on the misses is met only once *adaptive*
+has cycled to none at all. A shadow holds keys and sizes, no values.
 
 Shifts (a working set replaced wholesale). The shadows compare regimes over
 rounds, too slowly for the moment a working set is replaced: every access
@@ -102,7 +106,7 @@ of its entry into ``M`` and is checked when it comes up for eviction), lets
 the older entries of ``P`` give way first (``target_p`` is cut to the
 entries loaded since the collapse began), and restarts the shadows empty
 (their contents are the old set too), so that the regimes are compared
-afresh on the new set. The long-run counts of *stable* keep what they
+afresh on the new set. The long-run counts keep what they
 learnt of the traffic's shape and pause while the shadows refill.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
@@ -140,8 +144,14 @@ REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: ``SELECT_EVERY x STABLE_HALVING`` sampled lookups) for ``stable`` to stand
 #: in for ``adaptive`` (benchmarked: docs/sits.md).
 STABLE_MARGIN = 0.015
-#: Regime choices between two halvings of the long-run counts of ``stable``.
+#: Regime choices between two halvings of the long-run counts.
 STABLE_HALVING = 21
+#: ``frozen`` stands in for ``adaptive`` when its shadow hit at least this
+#: much more (relative) than the ``adaptive`` one over the long run, and at
+#: least FROZEN_MIN_HITS more: hits, not misses, as on a loop wider than the
+#: cache every regime misses nearly everything (benchmarked: docs/sits.md).
+FROZEN_HIT_MARGIN = 0.15
+FROZEN_MIN_HITS = 4.0
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 #: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
@@ -167,8 +177,8 @@ COLLAPSE_WEIGHT = 0.125
 #: ``sqrt(mean)``: a few hits per probe that happened to vary little (a loop
 #: wider than the cache, cycling) do not collapse to none.
 COLLAPSE_NOISE_FLOOR = 0.5
-#: Regime choices after a detected shift during which the long-run counts of
-#: ``stable`` pause (the shadows refill) and the detector relearns its level
+#: Regime choices after a detected shift during which the long-run counts
+#: pause (the shadows refill) and the detector relearns its level
 #: (SHIFT_SETTLE x PROBES_PER_ROUND probes; also before the first detection).
 SHIFT_SETTLE = 4
 
@@ -253,6 +263,8 @@ class SITSPolicy(Generic[K, V]):
         "_horizon",
         "_index",
         "_lapse_before",
+        "_long_misses",
+        "_long_samples",
         "_m",
         "_m_bytes",
         "_max_freq",
@@ -272,7 +284,6 @@ class SITSPolicy(Generic[K, V]):
         "_shadows",
         "_since_shift",
         "_stable",
-        "_stable_misses",
         "_target_p",
         "shifts",
         "spared",
@@ -329,9 +340,11 @@ class SITSPolicy(Generic[K, V]):
         #: One shadow per regime (none inside a shadow).
         self._shadows: list[SITSPolicy[K, bool]] = []
         self._shadow_misses = [0.0] * len(REGIMES)
-        #: Long-run misses of the adaptive and the stable shadows.
-        self._stable_misses = [0.0, 0.0]
+        #: Long-run misses of the adaptive, stable and frozen shadows, and
+        #: the sampled lookups they count (halved every STABLE_HALVING rounds).
+        self._long_misses = [0.0, 0.0, 0.0]
         self._sampled = 0
+        self._long_samples = 0.0
         #: Shift detection: the in-force shadow's misses in the current probe,
         #: probes so far (an entry queued in M is stamped with it), the first
         #: stamp whose banked hits still count, regime choices since the last
@@ -706,20 +719,24 @@ class SITSPolicy(Generic[K, V]):
         node = self._m.get(key) or self._p.get(key)
         misses = self._shadow_misses
         # While the shadows refill after a shift, the long-run counts pause.
-        stable = self._stable_misses if self._since_shift >= SHIFT_SETTLE else [0.0, 0.0]
+        long = self._long_misses if self._since_shift >= SHIFT_SETTLE else [0.0, 0.0, 0.0]
         in_force = self._index
         for i, shadow in enumerate(self._shadows):
             if shadow.get(key) is None:
                 misses[i] += 1.0
                 if i == 0:
-                    stable[0] += 1.0
+                    long[0] += 1.0
                 elif i == 3:
-                    stable[1] += 1.0
+                    long[1] += 1.0
+                elif i == 1:
+                    long[2] += 1.0
                 if i == in_force:
                     self._probe_misses += 1
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
         self._sampled += 1
+        if self._since_shift >= SHIFT_SETTLE:
+            self._long_samples += 1.0
         if self._sampled % self._probe_every == 0:
             hits = self._probe_every - self._probe_misses
             self._probe_misses = 0
@@ -732,7 +749,10 @@ class SITSPolicy(Generic[K, V]):
             # The first three regimes by the recent misses of their shadows
             # (counts halved every round); "stable" stands for "adaptive" when
             # its shadow missed less over the long run (it differs from
-            # "adaptive" by too little to be told apart over one round).
+            # "adaptive" by too little to be told apart over one round), and
+            # "frozen" when its shadow hit more over the long run (on a loop
+            # wider than the cache all miss nearly everything: a margin on
+            # the misses is met late).
             current = 0 if self._stable else self._index
             best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
@@ -742,14 +762,22 @@ class SITSPolicy(Generic[K, V]):
                 # adaptive would): after a working set was replaced, recency
                 # paid for the switch and stable pays for the steady state.
                 current = 3
-            if current == 0 and stable[1] < stable[0] * (1.0 - STABLE_MARGIN):
-                current = 3
+            if current == 0:
+                # The long run: frozen by its hits (a loop wider than the
+                # cache), else stable by its misses (a fixed popularity).
+                samples = self._long_samples
+                frozen_hits = samples - long[2]
+                adaptive_hits = samples - long[0]
+                if frozen_hits > adaptive_hits * (1.0 + FROZEN_HIT_MARGIN) + FROZEN_MIN_HITS:
+                    current = 1
+                elif long[1] < long[0] * (1.0 - STABLE_MARGIN):
+                    current = 3
             self._set_regime(current)
             for i in range(len(misses)):
                 misses[i] /= 2
             if self._sampled % (self._select_every * STABLE_HALVING) == 0:
-                stable[0] /= 2
-                stable[1] /= 2
+                self._long_misses = [count / 2 for count in self._long_misses]
+                self._long_samples /= 2
 
     def _shift(self) -> None:
         """The hits collapsed: a working set was replaced wholesale (module doc).
@@ -758,10 +786,9 @@ class SITSPolicy(Generic[K, V]):
         a round); the hits banked in M by entries queued before the probe
         that collapsed lapse as they come up (O(1): by their stamp), so the
         old set leaves in one pass, and probation's older entries give way
-        first; the shadows restart empty, as their
-        contents are the old set too; the long-run counts of stable keep
-        what they learnt of the traffic's shape and pause while the shadows
-        refill.
+        first; the shadows restart empty, as their contents are the old set
+        too; the long-run counts keep what they learnt of the traffic's
+        shape and pause while the shadows refill.
         """
         self.shifts += 1
         self._since_shift = 0
@@ -810,7 +837,8 @@ class SITSPolicy(Generic[K, V]):
         self._probe_every = self._select_every // PROBES_PER_ROUND
         self._new_shadows()
         self._shadow_misses = [0.0] * len(REGIMES)
-        self._stable_misses = [0.0, 0.0]
+        self._long_misses = [0.0, 0.0, 0.0]
+        self._long_samples = 0.0
         self._sampled = 0
         self._probe_misses = 0
         self._collapse.reset()
