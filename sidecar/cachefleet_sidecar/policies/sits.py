@@ -106,8 +106,8 @@ of its entry into ``M`` and is checked when it comes up for eviction), lets
 the older entries of ``P`` give way first (``target_p`` is cut to the
 entries loaded since the collapse began), and restarts the shadows empty
 (their contents are the old set too), so that the regimes are compared
-afresh on the new set. The long-run counts keep what they
-learnt of the traffic's shape and pause while the shadows refill.
+afresh on the new set. The long-run counts keep what they learnt of the
+traffic's shape and pause while the shadows refill.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
