@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefleet_sidecar.policies import LIRSPolicy, LRUPolicy, ReplacementPolicy, SITSPolicy
-from cachefleet_sidecar.policies.sits import REGIMES
+from cachefleet_sidecar.policies.sits import PROBES_PER_ROUND, REGIMES, SHIFT_SETTLE, _Collapse
 
 
 def replay(policy: ReplacementPolicy[int, int], keys: Iterable[int], size: int = 1) -> float:
@@ -161,7 +161,28 @@ def test_a_loop_wider_than_the_cache_freezes_main_as_lirs_does() -> None:
     sits: SITSPolicy[int, int] = SITSPolicy(800)
     assert replay(sits, trace) < replay(LIRSPolicy(800), trace) - 0.05  # 0.84 against 0.96
     assert sits.regime == "frozen"
+    assert sits.shifts == 0
     assert replay(SITSPolicy(800, shadows=False), trace) > 0.9  # the ghost balance alone cycles
+
+
+def test_a_small_cache_on_a_loop_freezes_by_the_long_run_hits() -> None:
+    """Every regime misses ~all of a loop 20x the cache: frozen is told by its hits."""
+    trace = shuffled_loop(4000, 20_000, seed=7)
+    sits: SITSPolicy[int, int] = SITSPolicy(200)
+    frozen_from = None
+    misses = 0
+    for i, key in enumerate(trace):
+        if sits.get(key) is None:
+            misses += 1
+            sits.put(key, key, 1)
+        if frozen_from is None and sits.regime == "frozen":
+            frozen_from = i
+    # From the third pass of the loop on (by the misses alone: never, 0.979).
+    assert frozen_from is not None
+    assert frozen_from < 10_000, frozen_from
+    assert sits.regime == "frozen"
+    assert sits.shifts == 0
+    assert misses / len(trace) < replay(LIRSPolicy(200), trace)  # 0.9635 against 0.9646
 
 
 def test_a_working_set_replaced_wholesale_turns_to_recency() -> None:
@@ -177,6 +198,90 @@ def test_a_working_set_replaced_wholesale_turns_to_recency() -> None:
     assert miss < replay(LIRSPolicy(600), trace) - 0.03
 
 
+def test_a_collapse_of_the_hits_is_told_from_the_noise() -> None:
+    """The shift detector: a steady or a bursty hit count is not a collapse."""
+    rng = random.Random(3)
+    armed = SHIFT_SETTLE * PROBES_PER_ROUND
+    steady = _Collapse()
+    for _ in range(500):  # binomial noise around 36 of 48
+        assert not steady.collapsed(sum(rng.random() < 0.75 for _ in range(48)))
+    assert steady.collapsed(12)  # a third of the usual hits
+    assert steady.count == 0  # it relearns its level before it can fire again
+    for _ in range(armed - 1):
+        assert not steady.collapsed(36)
+    assert not steady.collapsed(0)  # not armed yet
+    bursty = _Collapse()  # Mooncake at 1 %: many probes without a hit, bursts of 40
+    for _ in range(500):
+        assert not bursty.collapsed(rng.choice((0, 0, 0, 2, 9, 14, 20, 31, 44)))
+    few = _Collapse()  # a loop wider than the cache, cycling: 3 hits a probe, steadily
+    for _ in range(100):
+        assert not few.collapsed(3)
+    assert not few.collapsed(0)  # counting noise, not a collapse
+    early = _Collapse()
+    for hits in (40,) * (armed - 1) + (0,):
+        assert not early.collapsed(hits)  # armed only after SHIFT_SETTLE rounds
+    assert early.collapsed(0)
+
+
+def shifting_sets(phases: int, length: int, keys: int, alpha: float, seed: int) -> list[int]:
+    """Zipf draws over a set of ``keys`` replaced wholesale every ``length`` accesses."""
+    draws = zipf_trace(phases * length, keys, alpha, seed)
+    return [key + (i // length) * 1_000_000 for i, key in enumerate(draws)]
+
+
+def test_a_replaced_working_set_is_detected_and_the_old_set_leaves_in_one_pass() -> None:
+    """A collapse of the hits: recency at once, banked hits lapse, shadows restart."""
+    trace = shifting_sets(3, 30_000, 8000, 0.6, seed=5)
+    sits: SITSPolicy[int, int] = SITSPolicy(3000)
+    detected: list[int] = []
+    old_left: list[int] = []
+    misses = 0
+    for i, key in enumerate(trace):
+        if sits.get(key) is None:
+            misses += 1
+            sits.put(key, key, 1)
+        if sits.shifts > len(detected):
+            detected.append(i)
+            assert sits.regime == "recency"
+            evictions = sits.evictions
+        elif len(old_left) < len(detected) and sits.evictions >= evictions + 3000:
+            # One pass of the cache after the detection: the old set is gone
+            # (without the lapse, 419 of its 3,000 entries were still there).
+            old = (i // 30_000 - 1) * 1_000_000
+            old_left.append(sum(old + k in sits for k in range(8000)))
+            sits.check_invariants()
+    # Each replacement is seen within ~800 accesses (half a round).
+    assert [d - d % 30_000 for d in detected] == [30_000, 60_000]
+    assert all(d % 30_000 < 2000 for d in detected), detected
+    assert max(old_left) <= 30, old_left  # 1 and 1
+    # 0.451 against 0.463 (LRU), 0.458 (recency alone), 0.482 (adaptive alone)
+    miss = misses / len(trace)
+    assert miss < replay(LRUPolicy(3000), trace) - 0.006
+    assert miss < replay(SITSPolicy(3000, regime="recency", shadows=False), trace) - 0.003
+    assert miss < replay(SITSPolicy(3000, shadows=False), trace) - 0.02
+
+
+def test_after_a_shift_the_old_probationers_give_way_first() -> None:
+    """Recency feeds M only: probation keeps room for its fresh entries alone."""
+    policy: SITSPolicy[int, int] = SITSPolicy(10, shadows=False)
+    policy._target_p = 6.0  # as if learnt from probation ghosts (white box)
+    for key in range(10):
+        policy.put(key, key, 1)  # warm-up: main
+    for key in range(100, 105):
+        policy.put(key, key, 1)  # probation, under its target: main gives way
+    policy._probes = 2  # the probe in which the hits collapse (white box)
+    policy.put(105, 105, 1)  # the new set's first entry, on probation too
+    policy._probes = 3
+    policy._shift()
+    assert policy.regime == "recency"
+    assert policy.target_p_bytes == 1  # room for 105 alone
+    for key in range(200, 205):
+        policy.put(key, key, 1)  # recency: into M; the old probationers go
+    assert not any(key in policy for key in range(100, 105))
+    assert all(key in policy for key in (6, 7, 8, 9, 105, *range(200, 205)))
+    policy.check_invariants()
+
+
 def test_independent_popularity_turns_to_the_stable_regime() -> None:
     """Zipf draws: never frozen or recency; the long-run shadows pick ``stable``."""
     trace = zipf_trace(60_000, 10_000, 0.9, seed=3)
@@ -187,6 +292,7 @@ def test_independent_popularity_turns_to_the_stable_regime() -> None:
         misses += replay(sits, trace[start : start + 2000]) * 2000
         regimes.append(sits.regime)
     assert set(regimes) == {"adaptive", "stable"}
+    assert sits.shifts == 0  # a fixed popularity: its hits never collapse
     assert regimes[0] == "adaptive"  # long-run evidence first
     assert regimes[-1] == "stable"
     adaptive_alone = replay(SITSPolicy(1000, shadows=False), trace)
@@ -396,6 +502,7 @@ OPS = st.lists(
         st.tuples(st.just("remove"), st.integers(0, 30), st.just(0), st.none()),
         st.tuples(st.just("resize"), st.integers(0, 150), st.just(0), st.none()),
         st.tuples(st.just("pressure"), st.integers(0, 10), st.just(0), st.none()),
+        st.tuples(st.just("shift"), st.just(0), st.just(0), st.none()),
     ),
     max_size=200,
 )
@@ -436,6 +543,10 @@ def test_random_operations_keep_every_invariant(
             assert before_keys - after_keys == {k for k, _ in evicted}
             if grew:
                 assert evicted == []  # nothing lost when it still fits
+        elif op == "shift":
+            # As if the hits had collapsed (white box): recency, lapse, new shadows.
+            policy._probes += 2
+            policy._shift()
         else:
             policy.pressure = arg / 10
         policy.check_invariants()

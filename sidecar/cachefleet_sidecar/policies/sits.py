@@ -86,13 +86,35 @@ round: it stands in for *adaptive* only while its shadow missed at least
 :data:`STABLE_MARGIN` less over the long run (counts halved every
 :data:`STABLE_HALVING` rounds); out of *frozen* or *recency*, though, it
 takes over as *adaptive* would, when its shadow beat the regime in force
-over the last rounds. A shadow holds keys and sizes, no values.
+over the last rounds. *frozen*, besides the round-by-round rule, stands in
+for *adaptive* when its shadow hit at least :data:`FROZEN_HIT_MARGIN` more
+over the long run: on a loop wider than the cache every regime misses
+nearly everything, and a margin on the misses is met only once *adaptive*
+has cycled to none at all. A shadow holds keys and sizes, no values.
+
+Shifts (a working set replaced wholesale). The shadows compare regimes over
+rounds, too slowly for the moment a working set is replaced: every access
+the old regime keeps costs misses long after (with the new set on
+probation, behind old entries that banked hits). So twice a round the hits
+of the shadow of the regime in force over the last half round are checked:
+when they fall under their running mean by more than half of it and by more
+than four times their usual change from one probe to the next (measured:
+bursty traffic swings widely and is not mistaken for a shift), SITS takes
+*recency* at once, lets the hits banked in ``M`` by every entry queued
+there before that half round lapse (O(1): an entry carries the probe number
+of its entry into ``M`` and is checked when it comes up for eviction), lets
+the older entries of ``P`` give way first (``target_p`` is cut to the
+entries loaded since the collapse began), and restarts the shadows empty
+(their contents are the old set too), so that the regimes are compared
+afresh on the new set. The long-run counts keep what they learnt of the
+traffic's shape and pause while the shadows refill.
 
 Bounds and cost: ``GP`` and ``GM`` each hold at most ``ghost_factor x
 capacity`` bytes of ghost sizes (default 2x); the shadows together about 4/16
 of the main cache's key metadata (4/4 below 800 entries). Every operation is O(1)
 amortised: a reference earns an entry at most one extra round in ``M`` and
-at most one sparing for its cost.
+at most one sparing for its cost; a detected shift allocates new shadows
+(empty) and reads only the entries loaded into ``P`` during one probe.
 """
 
 from __future__ import annotations
@@ -114,7 +136,7 @@ SMALL_SAMPLE_RATE = 4
 SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
 #: force to take over, per regime: adaptive, frozen, recency.
-SELECT_MARGINS = (0.05, 0.05, 0.08)
+SELECT_MARGINS = (0.05, 0.05, 0.10)
 #: Regime names, in the order of the shadows (the first three: SELECT_MARGINS).
 REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: How much less (relative) the ``stable`` shadow must have missed than the
@@ -122,8 +144,14 @@ REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: ``SELECT_EVERY x STABLE_HALVING`` sampled lookups) for ``stable`` to stand
 #: in for ``adaptive`` (benchmarked: docs/sits.md).
 STABLE_MARGIN = 0.015
-#: Regime choices between two halvings of the long-run counts of ``stable``.
+#: Regime choices between two halvings of the long-run counts.
 STABLE_HALVING = 21
+#: ``frozen`` stands in for ``adaptive`` when its shadow hit at least this
+#: much more (relative) than the ``adaptive`` one over the long run, and at
+#: least FROZEN_MIN_HITS more: hits, not misses, as on a loop wider than the
+#: cache every regime misses nearly everything (benchmarked: docs/sits.md).
+FROZEN_HIT_MARGIN = 0.15
+FROZEN_MIN_HITS = 4.0
 #: Weight of the newest cost-per-byte in the running mean (the sparing bar).
 MEAN_DENSITY_WEIGHT = 1.0 / 256.0
 #: Hits an entry of M banks for extra rounds (a 2-bit counter, as S3-FIFO's).
@@ -134,6 +162,25 @@ DEFAULT_GHOST_FACTOR = 2.0
 #: ghost evicted longer ago than this (in bytes evicted to its list since)
 #: counts as no ghost there (benchmarked: docs/sits.md).
 STABLE_HORIZON = 1.0
+#: Probes per regime choice: twice a round, the hits of the shadow of the
+#: regime in force over the last half round are checked for a collapse
+#: (a working set replaced wholesale; benchmarked: docs/sits.md).
+PROBES_PER_ROUND = 2
+#: A probe's hits collapsed when they fall under their running mean by more
+#: than COLLAPSE_DROP of it and by more than COLLAPSE_NOISE times the running
+#: mean change from one probe to the next (the noise of the traffic itself).
+COLLAPSE_DROP = 0.5
+COLLAPSE_NOISE = 4.0
+#: Weight of the newest probe in those running means.
+COLLAPSE_WEIGHT = 0.125
+#: The noise is taken as at least this share of the counting noise,
+#: ``sqrt(mean)``: a few hits per probe that happened to vary little (a loop
+#: wider than the cache, cycling) do not collapse to none.
+COLLAPSE_NOISE_FLOOR = 0.5
+#: Regime choices after a detected shift during which the long-run counts
+#: pause (the shadows refill) and the detector relearns its level
+#: (SHIFT_SETTLE x PROBES_PER_ROUND probes; also before the first detection).
+SHIFT_SETTLE = 4
 
 
 class _NoKey:
@@ -145,11 +192,52 @@ class _NoKey:
 _NO_KEY: Hashable = _NoKey()
 
 
-class _Node(Generic[V]):
-    __slots__ = ("cost", "freq", "main", "size", "spared", "value")
+class _Collapse:
+    """Tells a collapse of the hits per probe from the traffic's own noise.
 
-    def __init__(self, value: V, size: int, cost: float | None, main: bool) -> None:
+    Running means (weight :data:`COLLAPSE_WEIGHT`, plain means over the first
+    probes) of the hits per probe and of the change from one probe to the
+    next; the noise is measured, not assumed: bursty traffic (Mooncake's
+    conversations) swings by more than a binomial count would, and the
+    mean change grows with it; a few hits that vary little are still
+    counting noise (:data:`COLLAPSE_NOISE_FLOOR`). Armed after
+    ``SHIFT_SETTLE x PROBES_PER_ROUND`` probes.
+    """
+
+    __slots__ = ("count", "mean", "noise", "prev")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.mean = self.noise = self.prev = 0.0
+        self.count = 0
+
+    def collapsed(self, hits: float) -> bool:
+        """Feed one probe's hits; True (and the means restart) on a collapse."""
+        if self.count >= SHIFT_SETTLE * PROBES_PER_ROUND:
+            drop = self.mean - hits
+            noise = max(self.noise, COLLAPSE_NOISE_FLOOR * self.mean**0.5)
+            if drop > COLLAPSE_DROP * self.mean and drop > COLLAPSE_NOISE * noise:
+                self.reset()
+                return True
+        if self.count:
+            weight = max(COLLAPSE_WEIGHT, 1.0 / self.count)
+            self.noise += (abs(hits - self.prev) - self.noise) * weight
+            self.mean += (hits - self.mean) * weight
+        else:
+            self.mean = hits
+        self.prev = hits
+        self.count += 1
+        return False
+
+
+class _Node(Generic[V]):
+    __slots__ = ("cost", "freq", "main", "size", "spared", "stamp", "value")
+
+    def __init__(self, value: V, size: int, cost: float | None, main: bool, stamp: int) -> None:
         self.value = value
+        self.stamp = stamp
         self.size = size
         self.cost = cost
         self.main = main
@@ -162,6 +250,7 @@ class SITSPolicy(Generic[K, V]):
 
     __slots__ = (
         "_capacity",
+        "_collapse",
         "_evictions",
         "_frozen",
         "_ghost_factor",
@@ -172,6 +261,10 @@ class SITSPolicy(Generic[K, V]):
         "_gp_bytes",
         "_gp_clock",
         "_horizon",
+        "_index",
+        "_lapse_before",
+        "_long_misses",
+        "_long_samples",
         "_m",
         "_m_bytes",
         "_max_freq",
@@ -179,6 +272,9 @@ class SITSPolicy(Generic[K, V]):
         "_p",
         "_p_bytes",
         "_pressure",
+        "_probe_every",
+        "_probe_misses",
+        "_probes",
         "_rate",
         "_rate_chosen",
         "_recency",
@@ -186,9 +282,10 @@ class SITSPolicy(Generic[K, V]):
         "_select_every",
         "_shadow_misses",
         "_shadows",
+        "_since_shift",
         "_stable",
-        "_stable_misses",
         "_target_p",
+        "shifts",
         "spared",
     )
 
@@ -231,6 +328,7 @@ class SITSPolicy(Generic[K, V]):
         self._frozen = False
         self._recency = False
         self._stable = False
+        self._index = 0
         self._max_freq = MAX_FREQ
         self._horizon = float("inf")
         self._set_regime(REGIMES.index(regime))
@@ -242,9 +340,23 @@ class SITSPolicy(Generic[K, V]):
         #: One shadow per regime (none inside a shadow).
         self._shadows: list[SITSPolicy[K, bool]] = []
         self._shadow_misses = [0.0] * len(REGIMES)
-        #: Long-run misses of the adaptive and the stable shadows.
-        self._stable_misses = [0.0, 0.0]
+        #: Long-run misses of the adaptive, stable and frozen shadows, and
+        #: the sampled lookups they count (halved every STABLE_HALVING rounds).
+        self._long_misses = [0.0, 0.0, 0.0]
         self._sampled = 0
+        self._long_samples = 0.0
+        #: Shift detection: the in-force shadow's misses in the current probe,
+        #: probes so far (an entry queued in M is stamped with it), the first
+        #: stamp whose banked hits still count, regime choices since the last
+        #: shift.
+        self._collapse = _Collapse()
+        self._probe_misses = 0
+        self._probe_every = SELECT_EVERY // PROBES_PER_ROUND
+        self._probes = 0
+        self._lapse_before = 0
+        self._since_shift = SHIFT_SETTLE
+        #: Working sets replaced wholesale, as detected (a counter).
+        self.shifts = 0
         if shadows:
             self._new_shadows()
 
@@ -334,6 +446,7 @@ class SITSPolicy(Generic[K, V]):
         self._p_bytes -= node.size
         node.main = True
         node.spared = False
+        node.stamp = self._probes
         m[key] = node
         self._m_bytes += node.size
         return node.value
@@ -366,6 +479,7 @@ class SITSPolicy(Generic[K, V]):
             node.size = size
             node.cost = cost
             node.spared = False
+            node.stamp = self._probes
             return self._evict(key)
         if self._shadows and hash(key) % self._rate == 0:
             for shadow in self._shadows:
@@ -402,7 +516,7 @@ class SITSPolicy(Generic[K, V]):
                 # LIRS's first blocks become LIR; once it is full they start
                 # on probation.
                 main = self._recency or self._p_bytes + self._m_bytes + size <= self._capacity
-        node = _Node(value, size, cost, main)
+        node = _Node(value, size, cost, main, self._probes)
         if main:
             m[key] = node
             self._m_bytes += size
@@ -433,6 +547,7 @@ class SITSPolicy(Generic[K, V]):
     def clear(self) -> None:
         for shadow in self._shadows:
             shadow.clear()
+        self._collapse.reset()  # the hits start again from nothing: no shift
         self._p.clear()
         self._m.clear()
         self._gp.clear()
@@ -513,6 +628,9 @@ class SITSPolicy(Generic[K, V]):
         assert all(n.freq == 0 for n in self._p.values()), "hit count on probation"
         assert self._frozen + self._recency + self._stable <= 1, "two regimes at once"
         assert self._max_freq == (1 if self._recency else MAX_FREQ), "hit bound of the regime"
+        assert self._index == REGIMES.index(self.regime), "regime index"
+        assert self._lapse_before <= self._probes, "lapse ahead of the probes"
+        assert all(n.stamp <= self._probes for n in self._m.values()), "stamp ahead of the probes"
         for shadow in self._shadows:
             assert not shadow._shadows, "a shadow with shadows"
             assert shadow.capacity_bytes == self._capacity // self._rate, "shadow capacity"
@@ -553,11 +671,14 @@ class SITSPolicy(Generic[K, V]):
                     queue = m if queue is p else p
                 key, node = queue.popitem(last=False)
             if node.freq and node.main:
-                # Hit since its last pass: one more round in M per hit (up to
-                # the regime's bound: hits banked under another regime lapse).
-                node.freq = min(node.freq, self._max_freq) - 1
-                queue[key] = node
-                continue
+                if node.stamp >= self._lapse_before:
+                    # Hit since its last pass: one more round in M per hit (up
+                    # to the regime's bound: hits banked under another regime
+                    # lapse).
+                    node.freq = min(node.freq, self._max_freq) - 1
+                    queue[key] = node
+                    continue
+                node.freq = 0  # queued in M before a detected shift: its hits lapse
             if node.cost is not None and not node.spared and self._spare(node):
                 node.spared = True
                 self.spared += 1
@@ -582,6 +703,7 @@ class SITSPolicy(Generic[K, V]):
         return evicted
 
     def _set_regime(self, index: int) -> None:
+        self._index = index
         self._frozen = index == 1
         self._recency = index == 2
         self._stable = index == 3
@@ -596,23 +718,42 @@ class SITSPolicy(Generic[K, V]):
         """A sampled lookup: through every shadow, and now and then a regime choice."""
         node = self._m.get(key) or self._p.get(key)
         misses = self._shadow_misses
-        stable = self._stable_misses
+        # While the shadows refill after a shift, the long-run counts pause.
+        long = self._long_misses if self._since_shift >= SHIFT_SETTLE else [0.0, 0.0, 0.0]
+        in_force = self._index
         for i, shadow in enumerate(self._shadows):
             if shadow.get(key) is None:
                 misses[i] += 1.0
                 if i == 0:
-                    stable[0] += 1.0
+                    long[0] += 1.0
                 elif i == 3:
-                    stable[1] += 1.0
+                    long[1] += 1.0
+                elif i == 1:
+                    long[2] += 1.0
+                if i == in_force:
+                    self._probe_misses += 1
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
         self._sampled += 1
+        if self._since_shift >= SHIFT_SETTLE:
+            self._long_samples += 1.0
+        if self._sampled % self._probe_every == 0:
+            hits = self._probe_every - self._probe_misses
+            self._probe_misses = 0
+            self._probes += 1
+            if self._collapse.collapsed(hits):
+                self._shift()
+                return
         if self._sampled % self._select_every == 0:
+            self._since_shift += 1
             # The first three regimes by the recent misses of their shadows
             # (counts halved every round); "stable" stands for "adaptive" when
             # its shadow missed less over the long run (it differs from
-            # "adaptive" by too little to be told apart over one round).
-            current = 0 if self._stable else REGIMES.index(self.regime)
+            # "adaptive" by too little to be told apart over one round), and
+            # "frozen" when its shadow hit more over the long run (on a loop
+            # wider than the cache all miss nearly everything: a margin on
+            # the misses is met late).
+            current = 0 if self._stable else self._index
             best = min(range(3), key=misses.__getitem__)
             if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
                 current = best
@@ -621,14 +762,51 @@ class SITSPolicy(Generic[K, V]):
                 # adaptive would): after a working set was replaced, recency
                 # paid for the switch and stable pays for the steady state.
                 current = 3
-            if current == 0 and stable[1] < stable[0] * (1.0 - STABLE_MARGIN):
-                current = 3
+            if current == 0:
+                # The long run: frozen by its hits (a loop wider than the
+                # cache), else stable by its misses (a fixed popularity).
+                samples = self._long_samples
+                frozen_hits = samples - long[2]
+                adaptive_hits = samples - long[0]
+                if frozen_hits > adaptive_hits * (1.0 + FROZEN_HIT_MARGIN) + FROZEN_MIN_HITS:
+                    current = 1
+                elif long[1] < long[0] * (1.0 - STABLE_MARGIN):
+                    current = 3
             self._set_regime(current)
             for i in range(len(misses)):
                 misses[i] /= 2
             if self._sampled % (self._select_every * STABLE_HALVING) == 0:
-                stable[0] /= 2
-                stable[1] /= 2
+                self._long_misses = [count / 2 for count in self._long_misses]
+                self._long_samples /= 2
+
+    def _shift(self) -> None:
+        """The hits collapsed: a working set was replaced wholesale (module doc).
+
+        Recency takes over at once (the new set enters M without waiting for
+        a round); the hits banked in M by entries queued before the probe
+        that collapsed lapse as they come up (O(1): by their stamp), so the
+        old set leaves in one pass, and probation's older entries give way
+        first; the shadows restart empty, as their contents are the old set
+        too; the long-run counts keep what they learnt of the traffic's
+        shape and pause while the shadows refill.
+        """
+        self.shifts += 1
+        self._since_shift = 0
+        self._set_regime(2)
+        if self._shadows:
+            self._new_shadows()
+        self._shadow_misses = [0.0] * len(REGIMES)
+        self._lapse_before = self._probes - 1
+        # Probation keeps room for its entries loaded since the collapse
+        # began (the new set, at its tail) and no more: the older ones give
+        # way first (else recency, which feeds M only, would keep them for
+        # as long as the old balance said). O(entries loaded in one probe).
+        fresh = 0
+        for node in reversed(self._p.values()):
+            if node.stamp < self._lapse_before:
+                break
+            fresh += node.size
+        self._target_p = float(fresh)
 
     def _new_shadows(self) -> None:
         self._shadows = [
@@ -656,10 +834,14 @@ class SITSPolicy(Generic[K, V]):
             return
         self._rate = SMALL_SAMPLE_RATE
         self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
+        self._probe_every = self._select_every // PROBES_PER_ROUND
         self._new_shadows()
         self._shadow_misses = [0.0] * len(REGIMES)
-        self._stable_misses = [0.0, 0.0]
+        self._long_misses = [0.0, 0.0, 0.0]
+        self._long_samples = 0.0
         self._sampled = 0
+        self._probe_misses = 0
+        self._collapse.reset()
 
     def _trim_ghosts(self) -> None:
         bound = self._ghost_factor * self._capacity
