@@ -368,8 +368,11 @@ class ControlSync:
         return True
 
     def _ack_written(self, future: asyncio.Future[Any]) -> None:
-        exc = None if future.cancelled() else future.exception()
-        if exc is None and not future.cancelled():
+        if future.cancelled():  # shutting down
+            self._acked = None
+            return
+        exc = future.exception()
+        if exc is None:
             self.acks_written += 1
             return
         self.errors += 1
