@@ -212,31 +212,19 @@ def _pack_get(key: str) -> bytes:
     return b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k)
 
 
+@dataclass(slots=True)
 class L2Read:
     """A versioned read in flight (:meth:`RedisL2.begin_read`): its replies' futures."""
 
-    __slots__ = ("breaker", "digest_hex", "fence", "futures", "head", "key", "tenant", "vector")
-
-    def __init__(
-        self,
-        tenant: str,
-        digest_hex: str,
-        key: str,
-        vector: EpochVector,
-        fence: bytes,
-        head: bytes,
-        breaker: CircuitBreaker,
-        futures: list[Any],
-    ) -> None:
-        self.tenant = tenant
-        self.digest_hex = digest_hex
-        self.key = key
-        self.vector = vector
-        self.fence = fence
-        self.head = head
-        self.breaker = breaker
-        #: One per command sent (GET, then the fence's HMGET if any); the last is done last.
-        self.futures = futures
+    tenant: str
+    digest_hex: str
+    key: str
+    vector: EpochVector
+    fence: bytes
+    head: bytes
+    breaker: CircuitBreaker
+    #: One per command sent (GET, then the fence's HMGET if any); the last is done last.
+    futures: list[Any]
 
 
 class RedisL2:
