@@ -67,7 +67,7 @@ from .policies import available_policies
 from .server import Connection, Limiter, Limits, Request, simple_response
 from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
-from .upstream import UpstreamError, UpstreamPool
+from .upstream import Begun, UpstreamError, UpstreamPool
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -141,6 +141,10 @@ class Lookup:
     version: int = 0
     #: The L2 read the fast path sent for this key (an ``l2.L2Read``): L2 was asked.
     l2_read: Any = None
+    #: The upstream call the fast path sent for this miss, its flight and its start.
+    begun: Begun | None = None
+    flight: _Flight | None = None
+    begun_at: float = 0.0
 
 
 class Sidecar:
@@ -515,7 +519,9 @@ class Sidecar:
         except TenantLimitError:
             return None
         if hit is None:
-            return self._l2_begin(lookup, lookup.key)
+            if self.l2 is not None and self._l2_allowed(lookup.tenant):
+                return self._l2_begin(lookup, lookup.key)
+            return self._upstream_begin(request, lookup, lookup.key)
         if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
@@ -531,7 +537,7 @@ class Sidecar:
     def _l2_begin(self, lookup: Lookup, key: keys.CacheKey) -> asyncio.Future[Any] | None:
         """Send the versioned L2 read of an L1 miss now; its last reply's future, or None."""
         begin = getattr(self.l2, "begin_read", None)
-        if begin is None or not self._l2_allowed(lookup.tenant):
+        if begin is None:
             return None
         vector = self._vector(lookup, key)
         if vector is None or vector is False:
@@ -543,29 +549,105 @@ class Sidecar:
         future: asyncio.Future[Any] = read.futures[-1]
         return future
 
-    def resume(self, request: Request) -> bytes | None:
-        """The L2 read :meth:`fast` started is done: a hit's answer, or None for :meth:`handle`.
+    def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
+        """What :meth:`fast` started is done: the answer, a future to wait on, or None.
 
-        The slow path does not ask L2 again for this key (a miss or a fault goes
-        on to single-flight and upstream).
+        After the L2 read: a hit's answer, or on a miss the upstream call sent
+        at once (:meth:`_upstream_begin`). After the upstream call: the answer
+        when it came whole (:meth:`_upstream_answer`). None hands the request
+        to :meth:`handle`, which never asks L2 twice nor sends upstream twice.
         """
         lookup = request.memo
         assert isinstance(lookup, Lookup)
-        assert lookup.key is not None
+        key = lookup.key
+        assert key is not None
+        if lookup.begun is not None:
+            return self._upstream_answer(request, lookup, key)
         data = self.l2.finish_read(lookup.l2_read)
-        if data is None:
-            return None
-        entry = self._l2_entry(lookup, lookup.key, data)
+        entry = None if data is None else self._l2_entry(lookup, key, data)
         if entry is None:
-            return None
+            return self._upstream_begin(request, lookup, key)
         tenant = lookup.tenant
         response, promoted = entry.l2_hit()
-        self._l1_put(tenant, lookup.key, entry, rendered=promoted)
+        self._l1_put(tenant, key, entry, rendered=promoted)
         seconds = time.perf_counter() - request.started
         self.metrics.tenant(tenant).request("l2", "hit", seconds)
         if self.switching is not None:
-            self._observe(tenant, seconds, lookup.key.digest)
+            self._observe(tenant, seconds, key.digest)
         return response
+
+    def _upstream_begin(
+        self, request: Request, lookup: Lookup, key: keys.CacheKey
+    ) -> asyncio.Future[None] | None:
+        """Send a cacheable miss upstream now, without a task; the future of its head.
+
+        Only the plain case: no identical miss in flight (that one is joined),
+        no semantic tier to ask first, storing allowed, and an idle upstream
+        connection. Anything else is None: :meth:`handle` does it.
+        """
+        tenant = lookup.tenant
+        if (
+            lookup.no_store
+            or key.digest in self._inflight
+            or self.l3.enabled(tenant)
+            or (self._versioned and lookup.version != self._scope_version)
+        ):
+            return None
+        headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
+        started = time.perf_counter()
+        begun = self.upstream.begin(request.method, request.url, headers, request.body)
+        if begun is None:
+            return None
+        flight = _Flight(asyncio.get_running_loop().create_future())
+        self._inflight[key.digest] = flight
+        lookup.begun, lookup.flight, lookup.begun_at = begun, flight, started
+        return begun.future
+
+    def _upstream_answer(
+        self, request: Request, lookup: Lookup, key: keys.CacheKey
+    ) -> bytes | None:
+        """The client's answer to a begun miss whose upstream answer came whole and sized.
+
+        Storing it, the metrics and the joiners follow right after the answer
+        is written (:meth:`_upstream_done`); anything else (an error, a body
+        still arriving, a stream) is None and :meth:`handle` relays it.
+        """
+        begun = lookup.begun
+        assert begun is not None
+        whole = begun.complete_body(MAX_BUFFERED_BYTES)
+        if whole is None:
+            return None
+        status, resp_headers, body = whole
+        head = self._relay_head(request, status, resp_headers, len(body), b"MISS")
+        begun.release()
+        asyncio.get_running_loop().call_soon(
+            self._upstream_done, request, lookup, key, status, resp_headers, body
+        )
+        return head + body
+
+    def _upstream_done(
+        self,
+        request: Request,
+        lookup: Lookup,
+        key: keys.CacheKey,
+        status: int,
+        resp_headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """What follows the answer of a begun miss: metrics, store, joiners, switching."""
+        flight = lookup.flight
+        assert flight is not None
+        answer: Entry | None = None
+        try:
+            now = time.perf_counter()
+            cost = now - lookup.begun_at
+            self._forwarded(lookup.tenant, b"MISS", cost, now - request.started)
+            captured = body if len(body) <= self.max_entry_bytes else None
+            answer = self._store_answer(request, lookup, key, status, resp_headers, captured, cost)
+        finally:
+            self._fly_home(key, flight, answer, None)
+        if self.switching is not None:
+            self._observe(lookup.tenant, time.perf_counter() - request.started, key.digest)
 
     # ---------------------------------------------------------------- slow path
     async def handle(self, request: Request, conn: Connection) -> None:
@@ -578,7 +660,9 @@ class Sidecar:
             await self._passthrough(request, conn, tenant=None, reason="not a cached endpoint")
             return
         memo = request.memo
-        if memo is None or (isinstance(memo, Lookup) and memo.version != self._scope_version):
+        if memo is None or (
+            isinstance(memo, Lookup) and memo.version != self._scope_version and memo.begun is None
+        ):
             # Keys moved since the fast path (new epochs): key again, but the identity
             # was decided once for this request (and its mismatches counted once).
             known = memo.tenant if isinstance(memo, Lookup) else None
@@ -602,6 +686,14 @@ class Sidecar:
     ) -> None:
         tenant = lookup.tenant
         tm = self.metrics.tenant(tenant)
+        if lookup.begun is not None:  # the fast path sent it upstream already
+            assert lookup.flight is not None
+            answer: Entry | None = None
+            try:
+                answer = await self._miss(request, conn, lookup, key)
+            finally:
+                self._fly_home(key, lookup.flight, answer, None)
+            return
         if not lookup.no_cache:
             try:
                 hit = (
@@ -640,7 +732,7 @@ class Sidecar:
                 return
         flight = _Flight(asyncio.get_running_loop().create_future())
         self._inflight[key.digest] = flight
-        answer: Entry | None = None
+        answer = None
         l3_answer: bytes | None = None
         try:
             pending: Pending | None = None
@@ -653,11 +745,18 @@ class Sidecar:
                     return
             answer = await self._miss(request, conn, lookup, key, pending)
         finally:
-            self._inflight.pop(key.digest, None)
-            # The answer is copied into a response for joiners only when there are some.
-            if l3_answer is None and answer is not None and flight.joiners:
-                l3_answer = answer.response(b"MISS")
-            flight.future.set_result(l3_answer)
+            self._fly_home(key, flight, answer, l3_answer)
+
+    def _fly_home(
+        self, key: keys.CacheKey, flight: _Flight, answer: Entry | None, l3_answer: bytes | None
+    ) -> None:
+        """The leader of a flight is done: its joiners get its answer (None: go yourselves)."""
+        if self._inflight.get(key.digest) is flight:
+            del self._inflight[key.digest]
+        # The answer is copied into a response for joiners only when there are some.
+        if l3_answer is None and answer is not None and flight.joiners:
+            l3_answer = answer.response(b"MISS")
+        flight.future.set_result(l3_answer)
 
     async def _miss(
         self,
@@ -667,22 +766,51 @@ class Sidecar:
         key: keys.CacheKey,
         pending: Pending | None = None,
     ) -> Entry | None:
-        """Call upstream, forward, store when correct; returns the answer for joiners.
+        """Call upstream (or finish the call the fast path sent), forward, store when correct.
 
-        Only a correct answer (:func:`entry.answer_problem`) of the form the
-        request asked for is stored; an answer larger than the largest entry
-        is passed through and neither stored nor kept for joiners.
+        Returns the answer for joiners; see :meth:`_store_answer`.
         """
         tenant = lookup.tenant
-        headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
-        started = time.perf_counter()
+        if lookup.begun is not None:
+            headers: list[tuple[bytes, bytes]] = []
+            started = lookup.begun_at
+        else:
+            headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
+            started = time.perf_counter()
         captured = await self._forward(
-            request, conn, headers, b"MISS", tenant=tenant, capture=self.max_entry_bytes
+            request,
+            conn,
+            headers,
+            b"MISS",
+            tenant=tenant,
+            capture=self.max_entry_bytes,
+            begun=lookup.begun,
+            started=started,
         )
         cost = time.perf_counter() - started  # upstream seconds a hit will save
         if captured is None:
             return None
         status, resp_headers, body = captured
+        return self._store_answer(request, lookup, key, status, resp_headers, body, cost, pending)
+
+    def _store_answer(
+        self,
+        request: Request,
+        lookup: Lookup,
+        key: keys.CacheKey,
+        status: int,
+        resp_headers: list[tuple[bytes, bytes]],
+        body: bytes | None,
+        cost: float,
+        pending: Pending | None = None,
+    ) -> Entry | None:
+        """Store an upstream answer in L1 (and L2, L3) when correct; the answer for joiners.
+
+        Only a correct answer (:func:`entry.answer_problem`) of the form the
+        request asked for is stored; an answer larger than the largest entry
+        (``body`` None) is neither stored nor kept for joiners.
+        """
+        tenant = lookup.tenant
         if body is None:
             self.metrics.fault("entry_too_large")
             return None
@@ -746,17 +874,25 @@ class Sidecar:
         *,
         tenant: str | None,
         capture: int,
+        begun: Begun | None = None,
+        started: float | None = None,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes | None] | None:
-        """Forward to upstream and relay the answer; None when it broke.
+        """Forward to upstream (or finish ``begun``, sent at ``started``) and relay the
+        answer; None when it broke.
 
         Returns the status, the headers and the body when the body is at most
         ``capture`` bytes (else None in its place: nothing larger is held).
         An HTTP/1.0 client never sees chunked framing: an answer of unknown
         length is relayed as it comes and ended by closing the connection.
         """
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if started is None else started
         try:
-            resp = await self.upstream.request(request.method, request.url, headers, request.body)
+            if begun is not None:
+                resp = await self.upstream.finish(begun)
+            else:
+                resp = await self.upstream.request(
+                    request.method, request.url, headers, request.body
+                )
         except UpstreamError as exc:
             body = orjson.dumps(
                 {
@@ -779,26 +915,18 @@ class Sidecar:
                     "upstream", "error", time.perf_counter() - request.started
                 )
             return None
-        head = [b"HTTP/1.1 %d %s\r\n" % (resp.status, reason_phrase(resp.status))]
-        head += [n + b": " + v + b"\r\n" for n, v in resp.headers if n not in FORWARD_DROP]
         length = resp.content_length
         no_body = request.method == b"HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
         unsized = length is None and not no_body
         chunked = unsized and not request.http10
-        if length is not None:
-            head.append(b"content-length: %d\r\n" % length)
-        elif chunked:
-            head.append(b"transfer-encoding: chunked\r\n")
-        elif unsized:  # HTTP/1.0: the end of the body is the end of the connection
-            head.append(b"connection: close\r\n")
+        pending = self._relay_head(request, resp.status, resp.headers, length, x_cache, chunked)
+        if unsized and not chunked:  # HTTP/1.0: the end of the body is the end of the connection
             request.keep_alive = False
-        head.append(b"x-cache: %s\r\n\r\n" % x_cache)
         # A sized answer that fits is sent in one write once complete (one syscall,
         # and a truncated body can still become a clean 502); anything else
         # (SSE, chunked, large) is relayed as it arrives, the head with the first bytes.
         buffered = length is not None and length <= MAX_BUFFERED_BYTES
         keep = capture if not buffered else max(capture, length or 0)
-        pending = b"".join(head)
         parts: list[bytes] = []
         held: int | None = 0
         try:
@@ -842,13 +970,41 @@ class Sidecar:
             conn.write(pending + (whole or b"") if buffered else pending)
         if chunked:
             conn.write(b"0\r\n\r\n")
-        self._last_upstream_ok = time.monotonic()
-        if tenant is not None:
-            tm = self.metrics.tenant(tenant)
-            tm.upstream.observe(time.perf_counter() - t0)
-            if x_cache == b"MISS":
-                tm.request("upstream", "miss", time.perf_counter() - request.started)
+        if tenant is None:
+            self._last_upstream_ok = time.monotonic()
+        else:
+            now = time.perf_counter()
+            self._forwarded(tenant, x_cache, now - t0, now - request.started)
         return resp.status, resp.headers, whole if held is not None and held <= capture else None
+
+    def _relay_head(
+        self,
+        request: Request,
+        status: int,
+        resp_headers: list[tuple[bytes, bytes]],
+        length: int | None,
+        x_cache: bytes,
+        chunked: bool = False,
+    ) -> bytes:
+        """The head relayed to the client for an upstream answer (``length`` None: unsized)."""
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status))]
+        head += [n + b": " + v + b"\r\n" for n, v in resp_headers if n not in FORWARD_DROP]
+        if length is not None:
+            head.append(b"content-length: %d\r\n" % length)
+        elif chunked:
+            head.append(b"transfer-encoding: chunked\r\n")
+        elif request.method != b"HEAD" and not (status in (204, 304) or 100 <= status < 200):
+            head.append(b"connection: close\r\n")
+        head.append(b"x-cache: %s\r\n\r\n" % x_cache)
+        return b"".join(head)
+
+    def _forwarded(self, tenant: str, x_cache: bytes, upstream_s: float, seconds: float) -> None:
+        """Count an answer relayed from upstream (its upstream time, and a miss's latency)."""
+        self._last_upstream_ok = time.monotonic()
+        tm = self.metrics.tenant(tenant)
+        tm.upstream.observe(upstream_s)
+        if x_cache == b"MISS":
+            tm.request("upstream", "miss", seconds)
 
     # -------------------------------------------------------------- cache tiers
     def _l1_put(
@@ -1297,7 +1453,7 @@ class AdminHandler:
     def fast(self, request: Request) -> bytes | None:
         return None
 
-    def resume(self, request: Request) -> bytes | None:
+    def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
         return None
 
     async def handle(self, request: Request, conn: Connection) -> None:

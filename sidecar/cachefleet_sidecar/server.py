@@ -186,8 +186,13 @@ class Handler(Protocol):
         """The answer now, a future to :meth:`resume` on, or None for :meth:`handle`."""
         ...
 
-    def resume(self, request: Request) -> bytes | None:
-        """The answer once :meth:`fast`'s future is done, or None for :meth:`handle`."""
+    def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
+        """Once :meth:`fast`'s (or the last :meth:`resume`'s) future is done: the
+        answer, another future to resume on, or None for :meth:`handle`.
+
+        None must be safe after the client left: :meth:`handle` then runs all
+        the same (a handler may have work in flight for the request).
+        """
         ...
 
     async def handle(self, request: Request, conn: Connection) -> None: ...
@@ -617,19 +622,22 @@ class Connection(asyncio.Protocol):
         task.add_done_callback(functools.partial(self._done, request=request))
 
     def _resume(self, _future: asyncio.Future[Any], *, request: Request) -> None:
-        """:meth:`Handler.fast`'s future is done: answer now, or go the slow way."""
+        """:meth:`Handler.fast`'s future is done: answer now, wait again, or go the slow way."""
         try:
             response = self.handler.resume(request)
         except Exception:
             log.exception("request handler failed")
             response = None
+        if response is None:  # even for a client that left: what is in flight is finished
+            task = asyncio.get_running_loop().create_task(self.handler.handle(request, self))
+            task.add_done_callback(functools.partial(self._done, request=request))
+            return
+        if not isinstance(response, bytes):
+            response.add_done_callback(functools.partial(self._resume, request=request))
+            return
         if self.closing:  # the client left meanwhile
             self.busy = False
             self._release(request)
-            return
-        if response is None:
-            task = asyncio.get_running_loop().create_task(self.handler.handle(request, self))
-            task.add_done_callback(functools.partial(self._done, request=request))
             return
         self.write(response)
         self._next(request)

@@ -235,6 +235,45 @@ class UpstreamResponse:
         return b"".join(parts)
 
 
+def _failure(conn: _Connection) -> UpstreamError:
+    """Why a request on ``conn`` got no response head."""
+    return UpstreamError(
+        conn.error or "no response", started=conn.received_any, timed_out=conn.timed_out
+    )
+
+
+class Begun:
+    """A request :meth:`UpstreamPool.begin` sent: its connection and a future for its head."""
+
+    __slots__ = ("conn", "future", "pool")
+
+    def __init__(self, conn: _Connection, pool: UpstreamPool, future: asyncio.Future[None]) -> None:
+        self.conn = conn
+        self.pool = pool
+        self.future = future
+
+    def complete_body(self, max_bytes: int) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """Status, headers and body when the whole answer is in, sized and at most
+        ``max_bytes``, else None. Nothing is consumed: :meth:`release` once it is
+        used, or :meth:`UpstreamPool.finish` and the response's chunks go on.
+        """
+        conn = self.conn
+        if not conn.complete or conn.error is not None or conn.buffered > max_bytes:
+            return None
+        value = None
+        for name, v in conn.headers:
+            if name == b"content-length":
+                value = v
+        if value is None or not value.isdigit() or int(value) != conn.buffered:
+            return None
+        body = conn.buffer[0] if len(conn.buffer) == 1 else b"".join(conn.buffer)
+        return conn.status, conn.headers, body
+
+    def release(self) -> None:
+        """The answer :meth:`complete_body` gave is used: the connection goes back to the pool."""
+        self.pool._release(self.conn)
+
+
 class UpstreamPool:
     """Keep-alive connections to one upstream ``http://host:port``."""
 
@@ -342,6 +381,16 @@ class UpstreamPool:
         lines.append(b"\r\ncontent-length: %d\r\n\r\n" % len(body))
         return b"".join(lines)
 
+    def _send(self, conn: _Connection, head: bytes, body: bytes, deadline: float) -> None:
+        assert conn.transport is not None
+        conn.timeout_s = self.read_timeout_s
+        conn.deadline = deadline
+        self._busy.add(conn)
+        self._arm_sweeper()
+        conn.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            conn.transport.write(body)
+
     async def request(
         self,
         method: bytes,
@@ -362,20 +411,10 @@ class UpstreamPool:
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(deadline)
-            assert conn.transport is not None
-            conn.timeout_s = self.read_timeout_s
-            conn.deadline = deadline
-            self._busy.add(conn)
-            self._arm_sweeper()
-            conn.transport.write(head + body if len(body) < 65536 else head)
-            if len(body) >= 65536:
-                conn.transport.write(body)
-            while not conn.headers_done and conn.error is None:
-                await conn.wait()
-            if conn.headers_done:
-                return UpstreamResponse(conn, self)
-            self._release(conn)
-            conn._close()
+            self._send(conn, head, body, deadline)
+            resp = await self._response(conn)
+            if resp is not None:
+                return resp
             # Only a reused keep-alive connection that failed before any response
             # byte, for a request that is safe to repeat, is tried once more.
             retry = (
@@ -387,12 +426,50 @@ class UpstreamPool:
                 and time.monotonic() < deadline
             )
             if not retry:
-                raise UpstreamError(
-                    conn.error or "no response",
-                    started=conn.received_any,
-                    timed_out=conn.timed_out,
-                )
+                raise _failure(conn)
         raise UpstreamError("no usable connection to upstream")
+
+    def begin(
+        self,
+        method: bytes,
+        path: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes = b"",
+    ) -> Begun | None:
+        """Send a request now, without a task, on an idle keep-alive connection.
+
+        None when no connection is idle (then :meth:`request` connects).
+        The returned :class:`Begun`'s ``future`` is done once the response
+        head is in or the connection failed; :meth:`finish` or
+        :meth:`Begun.complete_body` take it from there. A begun request is
+        never sent a second time (it is meant for ``POST``).
+        """
+        conn = self._take_idle()
+        if conn is None:
+            return None
+        deadline = time.monotonic() + self.read_timeout_s
+        self._send(conn, self._head(method, path, headers, body), body, deadline)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        conn.waiter = future
+        return Begun(conn, self, future)
+
+    async def finish(self, begun: Begun) -> UpstreamResponse:
+        """The response to a :meth:`begin` request once its head is in (or UpstreamError)."""
+        resp = await self._response(begun.conn)
+        if resp is None:
+            raise _failure(begun.conn)
+        return resp
+
+    async def _response(self, conn: _Connection) -> UpstreamResponse | None:
+        """The response once its head is in; None when the connection failed first
+        (it is then released and closed)."""
+        while not conn.headers_done and conn.error is None:
+            await conn.wait()
+        if conn.headers_done:
+            return UpstreamResponse(conn, self)
+        self._release(conn)
+        conn._close()
+        return None
 
     async def probe(self) -> bool:
         """True when a TCP connection to the upstream can be opened."""

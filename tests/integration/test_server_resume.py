@@ -35,10 +35,14 @@ class Scripted:
             return future
         return None
 
-    def resume(self, request: Request) -> bytes | None:
+    def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
         self.resumed.append(request.url)
         if request.url in self.slow_after_resume:
             return None
+        if request.url.startswith(b"/defer-twice") and self.resumed.count(request.url) == 1:
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self.futures.append(future)
+            return future  # wait once more (the sidecar: an upstream call after an L2 miss)
         return simple_response(200, b"resumed " + request.url)
 
     async def handle(self, request: Request, conn: Connection) -> None:
@@ -119,3 +123,42 @@ async def test_a_client_gone_while_deferred_is_still_resumed_and_released(
     await until(lambda: handler.resumed == [b"/defer/1"])  # its bookkeeping still runs
     assert handler.handled == []
     assert limiter.body_bytes == 0
+
+
+async def test_a_resume_may_hand_back_another_future_to_wait_on(
+    served: tuple[Scripted, Limiter, int],
+) -> None:
+    handler, _, port = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(get(b"/defer-twice") + get(b"/fast"))
+    await until(lambda: len(handler.futures) == 1)
+    handler.futures[0].set_result(None)
+    await until(lambda: len(handler.futures) == 2)  # resumed once: it waits again
+    await asyncio.sleep(0.05)
+    assert handler.resumed == [b"/defer-twice"]  # nothing more until the second is done
+    handler.futures[1].set_result(None)
+    got = await answers(reader, 2)
+    assert got == [b"resumed /defer-twice", b"fast"]
+    assert handler.resumed == [b"/defer-twice", b"/defer-twice"]
+    assert handler.handled == []
+    writer.close()
+
+
+async def test_a_client_gone_before_a_resume_that_says_slow_still_gets_the_slow_path(
+    served: tuple[Scripted, Limiter, int],
+) -> None:
+    # The handler may have work in flight for the request (the sidecar: an upstream
+    # call whose answer it stores): handle runs all the same, and the budget is freed.
+    handler, limiter, port = served
+    handler.slow_after_resume.add(b"/defer/1")
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = b"x" * 1000
+    writer.write(
+        b"POST /defer/1 HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    await until(lambda: len(handler.futures) == 1)
+    writer.close()
+    await until(lambda: not limiter.connections)
+    handler.futures[0].set_result(None)
+    await until(lambda: handler.handled == [b"/defer/1"])
+    await until(lambda: limiter.body_bytes == 0)

@@ -13,6 +13,7 @@ from cachefleet_e2e.services import RedisServer
 from cachefleet_sidecar import protocol
 
 from .conftest import SidecarFactory
+from .test_fast_miss import spy_on_handle
 from .test_sidecar import CHAT, answer, metric
 
 pytestmark = pytest.mark.redis
@@ -269,3 +270,31 @@ async def test_pipelined_l2_hit_l1_hit_and_miss_are_answered_in_order(
     assert answers[2][1] not in (in_l1, in_l2)
     assert (l2.counters.hits, l2.counters.misses) == (hits + 1, misses + 1)
     assert upstream.calls[CHAT] == 3
+
+
+async def test_an_l2_miss_goes_upstream_from_the_reply_callback(
+    sidecar_factory: SidecarFactory,
+    upstream: FakeUpstream,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On an L2 miss read from the fast path, the upstream call is sent from the
+    Redis reply's callback: no task, L2 read once, the answer stored in L1 and L2."""
+    pod = await sidecar_factory(redis_url=redis_url, staleness_bound_s=60.0)
+    l2 = pod.sidecar.l2
+    l2.op_timeout_s = 5.0  # a loaded machine must not turn the read into a fault
+    pod.sidecar.upstream.max_idle_age_s = 3600.0  # nor let the upstream connection go stale
+    ((tier, _),) = await _exchange(pod.url, _raw_chat("warm-up"))  # opens both connections
+    assert tier == "MISS"
+    await wait_until(lambda: l2.counters.stores >= 1, timeout_s=20.0)
+    await wait_until(pod.sidecar.tracker.fresh, timeout_s=20.0)
+    slow = spy_on_handle(pod, monkeypatch)
+    misses = l2.counters.misses
+    ((tier, first),) = await _exchange(pod.url, _raw_chat("fresh"))
+    assert tier == "MISS"
+    assert slow == []
+    assert l2.counters.misses == misses + 1
+    await wait_until(lambda: l2.counters.stores >= 2, timeout_s=20.0)
+    ((tier, again),) = await _exchange(pod.url, _raw_chat("fresh"))
+    assert (tier, again) == ("HIT-L1", first)
+    assert upstream.calls[CHAT] == 2
