@@ -12,10 +12,15 @@ sends POST bodies), all on loopback. Rows:
     ``cachefleet sidecar`` with a 64 MiB L1 in front of the responder, warm,
     a deterministic chat request; ``X-Cache: HIT-L1`` is checked first;
 ``l2``
-    the sidecar with ``--l1-bytes 0`` and a Redis L2, warm (``HIT-L2``);
+    the sidecar with ``--l1-bytes 0`` and a Redis L2, warm (``HIT-L2``), and
+    its floor, ``floor-l2``: the raw responder answering each request with a
+    value it reads from the same Redis (one ``GET``, ``X-Cache: HIT-REDIS``);
 ``miss``
     unique requests (a counter in the Lua script) through the L1 sidecar and
-    directly to the responder: the sidecar's overhead on a miss.
+    directly to the responder: the sidecar's overhead on a miss; through
+    nginx (its own miss, the reference of issue 10); and through
+    ``miss-relay``, the responder relaying bytes both ways with no parsing,
+    the least any Python proxy adds to a miss.
 
 For each row and concurrency (1 and 64): req/s, p50/p99 latency (wrk
 ``--latency``) and the CPU time per request of the server process(es) under
@@ -107,11 +112,16 @@ SERIES: dict[str, tuple[str, str]] = {
     "nginx": ("nginx", "nginx proxy_cache, 1 worker, warm"),
     "l1": ("l1", "sidecar L1 hit"),
     "l1-nocurves": ("l1", "sidecar L1 hit, miss-ratio curves off (--mrc-samples 0)"),
+    "floor-l2": ("l2", "raw uvloop responder, one Redis GET per request (the L2 hit's floor)"),
     "l2": ("l2", "sidecar L2 hit (Redis, --l1-bytes 0)"),
     "miss-direct": ("miss", "unique requests, responder directly"),
     "miss-sidecar": ("miss", "unique requests through the sidecar (miss)"),
     "miss-nginx": ("miss", "unique requests through nginx proxy_cache (its miss, for reference)"),
+    "miss-relay": ("miss", "unique requests through a bare byte relay (a Python proxy's floor)"),
 }
+
+#: The Redis key the ``floor-l2`` responder reads (holds the upstream's answer).
+FLOOR_REDIS_KEY = "cachefleet-bench:floor"
 
 #: The deterministic chat request of the hit rows (``temperature`` 0).
 CHAT_REQUEST: dict[str, Any] = {
@@ -460,11 +470,27 @@ def compute_targets(series: Sequence[SeriesResult], low: int, high: int) -> list
     ]
 
 
-def miss_reference(series: Sequence[SeriesResult], low: int) -> float | None:
-    """nginx's own miss overhead (p50 at ``low``, nginx - direct), for context."""
-    via = _metric(series, "miss-nginx", low, "p50_us")
+def miss_reference(
+    series: Sequence[SeriesResult], low: int, through: str = "miss-nginx"
+) -> float | None:
+    """The miss overhead of another proxy (p50 at ``low``, ``through`` - direct),
+    for context: nginx's own by default, or the bare relay's (``miss-relay``)."""
+    via = _metric(series, through, low, "p50_us")
     direct = _metric(series, "miss-direct", low, "p50_us")
     return None if via is None or direct is None else via - direct
+
+
+def l2_floor_reference(
+    series: Sequence[SeriesResult], low: int, high: int
+) -> tuple[float, float] | None:
+    """What one Redis round trip costs the bare responder, same run: its p50 gap
+    at ``low`` (floor-l2 - floor) and its req/s ratio at ``high`` (floor-l2 / floor)."""
+    with_redis = _metric(series, "floor-l2", low, "p50_us")
+    bare = _metric(series, "floor", low, "p50_us")
+    ratio = _ratio(_metric(series, "floor-l2", high, "rps"), _metric(series, "floor", high, "rps"))
+    if with_redis is None or bare is None or ratio is None:
+        return None
+    return with_redis - bare, ratio
 
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
@@ -541,6 +567,19 @@ def format_table(result: BenchResult) -> str:
         lines.append(
             "  (for reference: nginx proxy_cache's own miss overhead, same run: "
             f"{reference:.0f} us)"
+        )
+    relay = miss_reference(result.series, low, "miss-relay")
+    if relay is not None:
+        lines.append(
+            "  (for reference: the floor of a proxied miss, a bare Python relay of bytes with"
+            f" no parsing, same run: its own miss overhead {relay:.0f} us)"
+        )
+    floor_l2 = l2_floor_reference(result.series, low, high)
+    if floor_l2 is not None:
+        lines.append(
+            "  (for reference: the floor of an L2 hit, the bare responder with one Redis GET"
+            f" per request, same run: p50 +{floor_l2[0]:.0f} us at c={low},"
+            f" {floor_l2[1]:.2f}x req/s at c={high})"
         )
     return "\n".join(lines)
 
@@ -833,6 +872,36 @@ class Services:
 
         return self._get("responder", start)
 
+    def responder_redis(self) -> int:
+        """The responder answering from Redis, one GET per request: the L2 hit's floor."""
+
+        def start() -> None:
+            redis = self.redis()
+            body = CHAT_COMPLETION_BODY.decode()
+            reply = redis_command(redis, "SET", FLOOR_REDIS_KEY, body)
+            if reply != b"+OK\r\n":
+                raise BenchError(f"redis SET {FLOOR_REDIS_KEY} answered {reply[:100]!r}")
+            port = free_port()
+            argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
+            argv += ["--redis-port", str(redis), "--redis-key", FLOOR_REDIS_KEY]
+            self.progress(f"starting the responder with one Redis GET per request on {HOST}:{port}")
+            self._start("responder-redis", argv, port, env=_clean_env())
+
+        return self._get("responder-redis", start)
+
+    def relay(self) -> int:
+        """The responder relaying bytes to the responder: a proxied miss's floor."""
+
+        def start() -> None:
+            upstream = self.responder()
+            port = free_port()
+            argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
+            argv += ["--relay-port", str(upstream)]
+            self.progress(f"starting the byte relay to the responder on {HOST}:{port}")
+            self._start("relay", argv, port, env=_clean_env())
+
+        return self._get("relay", start)
+
     def nginx(self) -> int:
         def start() -> None:
             binary = shutil.which("nginx") or (
@@ -959,6 +1028,14 @@ def _check_miss(port: int, tenant: bool = True) -> str:
     return "X-Cache: MISS"
 
 
+def _check_relayed(port: int) -> str:
+    """A unique request through the relay must come back with the upstream's answer."""
+    status, _, data = http_post(port, unique_body(f"check{uuid.uuid4().hex[:8]}", 0), {})
+    if status != 200 or data != CHAT_COMPLETION_BODY:
+        raise BenchError(f"{_CHECK_FAILED}a relayed request got status {status}: {data[:200]!r}")
+    return "the responder's answer"
+
+
 def _measure_series(
     services: Services,
     config: BenchConfig,
@@ -980,6 +1057,9 @@ def _measure_series(
         elif name == "miss-nginx":
             port, server = services.nginx(), "nginx"
             result.checked = _check_miss(port, tenant=False)
+        elif name == "miss-relay":
+            port, server = services.relay(), "relay"
+            result.checked = _check_relayed(port)
         elif name in {"l1", "miss-sidecar"}:
             port, server = services.sidecar("sidecar-l1", SIDECAR_L1_BYTES, False), "sidecar-l1"
             if name == "l1":
@@ -990,6 +1070,10 @@ def _measure_series(
             server = "sidecar-l1-nocurves"
             port = services.sidecar(server, SIDECAR_L1_BYTES, False, ("--mrc-samples", "0"))
             result.checked = _warm_until(port, hit_body(), True, "X-Cache", "HIT-L1")
+        elif name == "floor-l2":
+            port, server = services.responder_redis(), "responder-redis"
+            aux.append("redis")
+            result.checked = _warm_until(port, hit_body(), False, "X-Cache", "HIT-REDIS")
         elif name == "l2":
             port, server = services.sidecar("sidecar-l2", 0, True), "sidecar-l2"
             aux.append("redis")

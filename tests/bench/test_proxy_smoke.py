@@ -25,6 +25,7 @@ import pytest
 from cachefleet_bench import __main__ as dispatcher
 from cachefleet_bench import proxy
 from cachefleet_bench.responder import CHAT_COMPLETION_BODY, RESPONSE
+from cachefleet_e2e.services import RedisServer, redis_command
 
 #: Bounds of the smoke run: generous, because CI machines have 2 noisy cores.
 SMOKE_DURATION_S = 1
@@ -127,6 +128,44 @@ def test_issue_10_targets_compare_l2_with_l1_and_the_miss_with_nginx() -> None:
     assert targets["miss_overhead_vs_nginx"].passed is False
 
 
+def test_the_l2_floor_is_the_bare_responder_plus_one_redis_round_trip() -> None:
+    floor = _series("floor", {1: 10_000, 64: 100_000}, {1: 80, 64: 600})
+    floor_l2 = _series("floor-l2", {1: 6_000, 64: 45_000}, {1: 135, 64: 1_300})
+    gap, ratio = proxy.l2_floor_reference([floor, floor_l2], 1, 64) or (None, None)
+    assert gap == pytest.approx(55.0)
+    assert ratio == pytest.approx(0.45)
+    assert proxy.l2_floor_reference([floor], 1, 64) is None  # not measured: no line
+    result = proxy.BenchResult(
+        config={"duration_s": 1, "low_concurrency": 1, "high_concurrency": 64},
+        environment={"cpus": 2},
+        series=[floor, floor_l2],
+        targets=proxy.compute_targets([floor, floor_l2], 1, 64),
+    )
+    assert "one Redis GET per request, same run: p50 +55 us at c=1, 0.45x req/s at c=64" in (
+        proxy.format_table(result)
+    )
+    assert proxy.SERIES["floor-l2"][0] == "l2"  # measured with the L2 row, same run
+
+
+def test_the_miss_floor_is_a_bare_relay_beside_nginx() -> None:
+    direct = _series("miss-direct", {1: 10_000, 64: 90_000}, {1: 80, 64: 700})
+    relay = _series("miss-relay", {1: 6_000, 64: 40_000}, {1: 125, 64: 1_500})
+    via_nginx = _series("miss-nginx", {1: 4_000, 64: 30_000}, {1: 190, 64: 2000})
+    series = [direct, relay, via_nginx]
+    assert proxy.miss_reference(series, 1) == pytest.approx(110.0)  # nginx's by default
+    assert proxy.miss_reference(series, 1, "miss-relay") == pytest.approx(45.0)
+    result = proxy.BenchResult(
+        config={"duration_s": 1, "low_concurrency": 1, "high_concurrency": 64},
+        environment={"cpus": 2},
+        series=series,
+        targets=proxy.compute_targets(series, 1, 64),
+    )
+    table = proxy.format_table(result)
+    assert "nginx proxy_cache's own miss overhead, same run: 110 us" in table
+    assert "bare Python relay of bytes with no parsing, same run: its own miss overhead 45" in table
+    assert proxy.SERIES["miss-relay"][0] == "miss"
+
+
 def test_table_shows_ratios_unmeasured_rows_and_verdicts() -> None:
     floor = _series("floor", {1: 10_000, 64: 100_000}, {1: 80, 64: 600})
     nginx = _series("nginx", {1: 9_000, 64: 80_000}, {1: 100, 64: 700})
@@ -210,6 +249,79 @@ def test_responder_handles_pipelined_requests(responder_port: int) -> None:
             assert chunk, "connection closed early"
             received += chunk
     assert received == RESPONSE * 3
+
+
+@pytest.mark.bench
+@pytest.mark.redis
+def test_responder_answers_from_redis_one_get_per_request(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    import socket
+
+    key = "test:floor"
+    redis_command(redis_server.port, "SET", key, "first")
+    port = proxy.free_port()
+    argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
+    argv += ["--redis-port", str(redis_server.port), "--redis-key", key]
+    proc = proxy.ManagedProcess("responder-redis", argv, tmp_path)
+    try:
+        proc.wait_for_port(port)
+        conn = http.client.HTTPConnection(proxy.HOST, port, timeout=5)
+        conn.request("POST", "/v1/chat/completions", body=proxy.hit_body())
+        response = conn.getresponse()
+        assert (response.status, response.read()) == (200, b"first")
+        assert response.getheader("X-Cache") == "HIT-REDIS"
+        redis_command(redis_server.port, "SET", key, "second")
+        conn.request("GET", "/")  # each request reads Redis again
+        assert conn.getresponse().read() == b"second"
+        conn.close()
+        # pipelined requests: one reply each, in order, on one connection
+        request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        with socket.create_connection((proxy.HOST, port), timeout=5) as sock:
+            sock.sendall(request * 3)
+            received = b""
+            while received.count(b"second") < 3:
+                chunk = sock.recv(65536)
+                assert chunk, "connection closed early"
+                received += chunk
+        assert received.count(b"HTTP/1.1 200 OK") == 3
+        redis_command(redis_server.port, "DEL", key)
+        conn = http.client.HTTPConnection(proxy.HOST, port, timeout=5)
+        conn.request("GET", "/")
+        assert conn.getresponse().status == 502  # nothing in Redis: no answer made up
+        conn.close()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.bench
+def test_relay_passes_requests_and_answers_through_unchanged(
+    responder_port: int, tmp_path: Path
+) -> None:
+    import socket
+
+    port = proxy.free_port()
+    argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
+    proc = proxy.ManagedProcess("relay", [*argv, "--relay-port", str(responder_port)], tmp_path)
+    try:
+        proc.wait_for_port(port)
+        conn = http.client.HTTPConnection(proxy.HOST, port, timeout=5)
+        for _ in range(2):  # one keep-alive connection, two requests
+            conn.request("POST", "/v1/chat/completions", body=proxy.unique_body("t", 1))
+            response = conn.getresponse()
+            assert (response.status, response.read()) == (200, CHAT_COMPLETION_BODY)
+        conn.close()
+        request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+        with socket.create_connection((proxy.HOST, port), timeout=5) as sock:
+            sock.sendall(request * 3)  # sent before the relay's own connection is up
+            received = b""
+            while len(received) < 3 * len(RESPONSE):
+                chunk = sock.recv(65536)
+                assert chunk, "connection closed early"
+                received += chunk
+        assert received == RESPONSE * 3
+    finally:
+        proc.stop()
 
 
 # ------------------------------------------------------- wrk script, for real
