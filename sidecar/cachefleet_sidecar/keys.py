@@ -37,6 +37,7 @@ nature.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -216,7 +217,7 @@ def _message(message: Any, collapse: bool) -> Any:
     if not isinstance(message, dict):
         return message
     out = {name: message[name] for name in sorted(message)}
-    if "content" in out:
+    if collapse and "content" in out:
         out["content"] = _norm_content(out["content"], collapse)
     return out
 
@@ -243,27 +244,27 @@ def canonical_body(body: dict[str, Any], kind: str, options: KeyOptions) -> dict
 
     Raises :class:`Uncacheable` for a ``stream`` that is not a boolean.
     """
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise Uncacheable('"stream" is not a boolean')
+    names = sorted(body)
+    if kind == "embeddings":
+        if "stream" in body:
+            raise Uncacheable('"stream" is not an embeddings parameter')
+    elif "stream" not in body:  # absent means false
+        bisect.insort(names, "stream")
     collapse = options.collapse_whitespace
     out: dict[str, Any] = {}
-    for name in sorted(body):
-        value = body[name]
+    for name in names:  # one pass, in key order: the dict comes out sorted
         if name in NON_SEMANTIC_FIELDS:
             continue
+        value = body.get(name, False)  # only "stream" can be absent
         if name in SAMPLING_FIELDS:
             out[name] = _sampling_value(value)
         elif name == "messages" and kind == "chat" and isinstance(value, list):
             out[name] = [_message(m, collapse) for m in value]
         else:
             out[name] = value
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise Uncacheable('"stream" is not a boolean')
-    if kind == "embeddings":
-        if "stream" in body:
-            raise Uncacheable('"stream" is not an embeddings parameter')
-    elif "stream" not in out:  # absent means false
-        out["stream"] = False
-        out = {name: out[name] for name in sorted(out)}
     return out
 
 

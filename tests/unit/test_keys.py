@@ -26,6 +26,84 @@ def key(body: dict[str, object], scope: Scope = ACME, **opts: bool) -> int:
     return make_key(body, "chat", scope, KeyOptions(**opts)).digest
 
 
+#: The exact canonical bytes of format cf2. Keys outlive a sidecar (L2 entries
+#: of a fleet mid-upgrade): changing the canonical form must change KEY_FORMAT.
+CF2_GOLDEN: list[tuple[str, dict[str, object], KeyOptions, bytes, bytes]] = [
+    (
+        "chat",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "  hi\n there ", "name": "x"}],
+            "temperature": 0,
+            "max_tokens": 8,
+            "user": "u1",
+        },
+        KeyOptions(),
+        b"",
+        b'cf24:acme2:v13:3,74:chat0:{"max_tokens":8,"messages":[{"content":"  hi\\n there ",'
+        b'"name":"x","role":"user"}],"model":"m","stream":false,"temperature":0.0}',
+    ),
+    (
+        "chat",
+        {
+            "stream": True,
+            "model": "m",
+            "messages": [{"content": [{"type": "text", "text": " a  b "}], "role": "user"}],
+            "seed": 3,
+            "top_p": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"b": 1, "a": 2}},
+        },
+        KeyOptions(collapse_whitespace=True),
+        b"x=1",
+        b'cf24:acme2:v13:3,74:chat3:x=1{"messages":[{"content":[{"type":"text","text":"a b"}],'
+        b'"role":"user"}],"model":"m","response_format":{"type":"json_schema","json_schema":'
+        b'{"b":1,"a":2}},"seed":3,"stream":true,"top_p":1.0}',
+    ),
+    (
+        "completions",
+        {
+            "prompt": [1, 2, 3],
+            "model": "m",
+            "temperature": 0.0,
+            "metadata": {"k": "v"},
+            "stream": False,
+        },
+        KeyOptions(),
+        b"",
+        b'cf24:acme2:v13:3,711:completions0:{"model":"m","prompt":[1,2,3],"stream":false,'
+        b'"temperature":0.0}',
+    ),
+    (
+        "embeddings",
+        {"input": ["a", "b"], "model": "e", "encoding_format": "float"},
+        KeyOptions(),
+        b"",
+        b'cf24:acme2:v13:3,710:embeddings0:{"encoding_format":"float","input":["a","b"],"model":"e"}',
+    ),
+    (
+        "chat",
+        {
+            "model": "m",
+            "messages": ["not a dict", {"role": "user", "content": None}],
+            "temperature": 0.7,
+            "presence_penalty": -1,
+        },
+        KeyOptions(cache_nondeterministic=True),
+        b"",
+        b'cf24:acme2:v13:3,74:chat0:{"messages":["not a dict",{"content":null,"role":"user"}],'
+        b'"model":"m","presence_penalty":-1.0,"stream":false,"temperature":0.7}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("kind", "body", "options", "query", "canonical"), CF2_GOLDEN)
+def test_the_canonical_form_is_byte_for_byte_format_cf2(
+    kind: str, body: dict[str, object], options: KeyOptions, query: bytes, canonical: bytes
+) -> None:
+    scope = Scope("acme", "v1", (3, 7))
+    assert make_key(body, kind, scope, options, query=query).canonical == canonical
+
+
 def test_key_order_and_formatting_do_not_matter() -> None:
     a = parse_body(b'{"model":"m","temperature":0,"messages":[{"role":"user","content":"x"}]}')
     b = parse_body(
