@@ -96,7 +96,9 @@ def tenants_and_metrics(draw: st.DrawFn) -> tuple[list[TenantDemand], dict[str, 
             metrics[f"t{i}"] = TenantMetrics(
                 p95_s=draw(st.one_of(opt_pos, st.just(math.nan), st.just(math.inf))),
                 hit_ratio=draw(st.one_of(st.none(), st.floats(0.0, 1.0))),
-                rps=draw(st.one_of(st.none(), st.floats(0.0, 1e5))),
+                # a measured rate is 0 or at least one request over a long window: a
+                # subnormal rate would underflow to 0 when scaled, which is no scaling
+                rps=draw(st.one_of(st.none(), st.just(0.0), st.floats(1e-6, 1e5))),
                 curve=draw(st.one_of(st.none(), curves())),
                 miss_latency=draw(st.one_of(st.none(), st.floats(0.001, 10.0).map(misses))),
             )
