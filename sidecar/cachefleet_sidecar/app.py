@@ -36,7 +36,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -218,6 +218,8 @@ class Sidecar:
         self._tenant_memo: dict[bytes, str] = {}
         self._inflight: dict[int, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        #: Bookkeeping of answers given from the fast path, run once they are written.
+        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
         self._migration: asyncio.Task[None] | None = None
         self._last_upstream_ok = 0.0
         self.started_at = time.time()
@@ -525,14 +527,34 @@ class Sidecar:
         if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
-        digest = lookup.key.digest
-        if self.mrc is not None:
-            self.mrc.access(lookup.tenant, digest, len(hit[1]))
         seconds = time.perf_counter() - request.started
-        self.metrics.tenant(lookup.tenant).request("l1", "hit", seconds)
-        if self.switching is not None:
-            self._observe(lookup.tenant, seconds, digest)
+        self._after_write(self._l1_hit_done, lookup.tenant, lookup.key.digest, hit[1], seconds)
         return hit[1]
+
+    def _after_write(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the next loop turn, once this turn's answers are
+        written: the bookkeeping of a fast-path answer is not on its latency.
+        One callback per turn runs them all."""
+        later = self._later
+        later.append((fn, args))
+        if len(later) == 1:
+            asyncio.get_running_loop().call_soon(self._run_later)
+
+    def _run_later(self) -> None:
+        later, self._later = self._later, []
+        for fn, args in later:
+            try:
+                fn(*args)
+            except Exception:  # bookkeeping never fails an answer already given
+                log.exception("bookkeeping after an answer failed")
+
+    def _l1_hit_done(self, tenant: str, digest: int, response: bytes, seconds: float) -> None:
+        """What follows an L1 hit: the curves' access, the metrics, switching."""
+        if self.mrc is not None:
+            self.mrc.access(tenant, digest, len(response))
+        self.metrics.tenant(tenant).request("l1", "hit", seconds)
+        if self.switching is not None:
+            self._observe(tenant, seconds, digest)
 
     def _l2_begin(self, lookup: Lookup, key: keys.CacheKey) -> asyncio.Future[Any] | None:
         """Send the versioned L2 read of an L1 miss now; its last reply's future, or None."""
@@ -552,7 +574,8 @@ class Sidecar:
     def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
         """What :meth:`fast` started is done: the answer, a future to wait on, or None.
 
-        After the L2 read: a hit's answer, or on a miss the upstream call sent
+        After the L2 read: a hit's answer (its promotion to L1 follows once it
+        is written, :meth:`_l2_hit_done`), or on a miss the upstream call sent
         at once (:meth:`_upstream_begin`). After the upstream call: the answer
         when it came whole (:meth:`_upstream_answer`). None hands the request
         to :meth:`handle`, which never asks L2 twice nor sends upstream twice.
@@ -567,14 +590,25 @@ class Sidecar:
         entry = None if data is None else self._l2_entry(lookup, key, data)
         if entry is None:
             return self._upstream_begin(request, lookup, key)
-        tenant = lookup.tenant
         response, promoted = entry.l2_hit()
-        self._l1_put(tenant, key, entry, rendered=promoted)
         seconds = time.perf_counter() - request.started
+        self._after_write(self._l2_hit_done, lookup.tenant, key, entry, promoted, seconds)
+        return response
+
+    def _l2_hit_done(
+        self,
+        tenant: str,
+        key: keys.CacheKey,
+        entry: Entry,
+        promoted: tuple[L1Value, int],
+        seconds: float,
+    ) -> None:
+        """What follows an L2 hit answered from the fast path, once it is written:
+        the promotion to L1, the metrics and the switching observation."""
+        self._l1_put(tenant, key, entry, rendered=promoted)
         self.metrics.tenant(tenant).request("l2", "hit", seconds)
         if self.switching is not None:
             self._observe(tenant, seconds, key.digest)
-        return response
 
     def _upstream_begin(
         self, request: Request, lookup: Lookup, key: keys.CacheKey
@@ -620,9 +654,7 @@ class Sidecar:
         status, resp_headers, body = whole
         head = self._relay_head(request, status, resp_headers, len(body), b"MISS")
         begun.release()
-        asyncio.get_running_loop().call_soon(
-            self._upstream_done, request, lookup, key, status, resp_headers, body
-        )
+        self._after_write(self._upstream_done, request, lookup, key, status, resp_headers, body)
         return head + body
 
     def _upstream_done(
