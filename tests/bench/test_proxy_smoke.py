@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -236,18 +237,22 @@ def test_responder_answers_every_request_on_one_keep_alive_connection(
         conn.close()
 
 
-@pytest.mark.bench
-def test_responder_handles_pipelined_requests(responder_port: int) -> None:
-    import socket
-
+def pipelined(port: int, count: int, done: Callable[[bytes], bool]) -> bytes:
+    """Send ``count`` GET requests in one write; what came back once ``done`` says so."""
     request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
-    with socket.create_connection((proxy.HOST, responder_port), timeout=5) as sock:
-        sock.sendall(request * 3)
+    with socket.create_connection((proxy.HOST, port), timeout=5) as sock:
+        sock.sendall(request * count)
         received = b""
-        while len(received) < 3 * len(RESPONSE):
+        while not done(received):
             chunk = sock.recv(65536)
             assert chunk, "connection closed early"
             received += chunk
+    return received
+
+
+@pytest.mark.bench
+def test_responder_handles_pipelined_requests(responder_port: int) -> None:
+    received = pipelined(responder_port, 3, lambda got: len(got) >= 3 * len(RESPONSE))
     assert received == RESPONSE * 3
 
 
@@ -256,8 +261,6 @@ def test_responder_handles_pipelined_requests(responder_port: int) -> None:
 def test_responder_answers_from_redis_one_get_per_request(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    import socket
-
     key = "test:floor"
     redis_command(redis_server.port, "SET", key, "first")
     port = proxy.free_port()
@@ -276,14 +279,7 @@ def test_responder_answers_from_redis_one_get_per_request(
         assert conn.getresponse().read() == b"second"
         conn.close()
         # pipelined requests: one reply each, in order, on one connection
-        request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
-        with socket.create_connection((proxy.HOST, port), timeout=5) as sock:
-            sock.sendall(request * 3)
-            received = b""
-            while received.count(b"second") < 3:
-                chunk = sock.recv(65536)
-                assert chunk, "connection closed early"
-                received += chunk
+        received = pipelined(port, 3, lambda got: got.count(b"second") >= 3)
         assert received.count(b"HTTP/1.1 200 OK") == 3
         redis_command(redis_server.port, "DEL", key)
         conn = http.client.HTTPConnection(proxy.HOST, port, timeout=5)
@@ -298,8 +294,6 @@ def test_responder_answers_from_redis_one_get_per_request(
 def test_relay_passes_requests_and_answers_through_unchanged(
     responder_port: int, tmp_path: Path
 ) -> None:
-    import socket
-
     port = proxy.free_port()
     argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
     proc = proxy.ManagedProcess("relay", [*argv, "--relay-port", str(responder_port)], tmp_path)
@@ -311,14 +305,8 @@ def test_relay_passes_requests_and_answers_through_unchanged(
             response = conn.getresponse()
             assert (response.status, response.read()) == (200, CHAT_COMPLETION_BODY)
         conn.close()
-        request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
-        with socket.create_connection((proxy.HOST, port), timeout=5) as sock:
-            sock.sendall(request * 3)  # sent before the relay's own connection is up
-            received = b""
-            while len(received) < 3 * len(RESPONSE):
-                chunk = sock.recv(65536)
-                assert chunk, "connection closed early"
-                received += chunk
+        # on a new connection: they may come before the relay's upstream connection is up
+        received = pipelined(port, 3, lambda got: len(got) >= 3 * len(RESPONSE))
         assert received == RESPONSE * 3
     finally:
         proc.stop()
