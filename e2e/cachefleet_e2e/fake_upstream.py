@@ -142,12 +142,20 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("content-type", ctype)
-        self.send_header("content-length", str(len(body)))
-        self.send_header("x-upstream", "fake")
-        self.end_headers()
-        self.wfile.write(body)
+        """Head and body in one write, as a real server sends a small answer: the
+        proxy then reads it whole, however loaded the machine (``send_response``
+        and ``end_headers`` would write the head on its own)."""
+        self.log_request(status, len(body))
+        reason = self.responses.get(status, ("",))[0]
+        head = (
+            f"{self.protocol_version} {status} {reason}\r\n"
+            f"Server: {self.version_string()}\r\n"
+            f"Date: {self.date_time_string()}\r\n"
+            f"content-type: {ctype}\r\n"
+            f"content-length: {len(body)}\r\n"
+            "x-upstream: fake\r\n\r\n"
+        )
+        self.wfile.write(head.encode("latin-1") + body)
 
     def do_GET(self) -> None:
         self._dispatch(b"")
