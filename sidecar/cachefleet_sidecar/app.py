@@ -64,7 +64,7 @@ from .l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from .metrics import SidecarMetrics, TierUsage, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
-from .server import Connection, Limiter, Limits, Request, simple_response
+from .server import Connection, Limiter, Limits, Outbox, Request, simple_response
 from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
 from .upstream import Begun, UpstreamError, UpstreamPool
@@ -218,8 +218,8 @@ class Sidecar:
         self._tenant_memo: dict[bytes, str] = {}
         self._inflight: dict[int, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        #: Bookkeeping of answers given from the fast path, run once they are written.
-        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        #: The answers of a loop turn and their bookkeeping (the server's connections share it).
+        self.outbox = Outbox()
         self._migration: asyncio.Task[None] | None = None
         self._last_upstream_ok = 0.0
         self.started_at = time.time()
@@ -532,21 +532,9 @@ class Sidecar:
         return hit[1]
 
     def _after_write(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on the next loop turn, once this turn's answers are
-        written: the bookkeeping of a fast-path answer is not on its latency.
-        One callback per turn runs them all."""
-        later = self._later
-        later.append((fn, args))
-        if len(later) == 1:
-            asyncio.get_running_loop().call_soon(self._run_later)
-
-    def _run_later(self) -> None:
-        later, self._later = self._later, []
-        for fn, args in later:
-            try:
-                fn(*args)
-            except Exception:  # bookkeeping never fails an answer already given
-                log.exception("bookkeeping after an answer failed")
+        """Run ``fn(*args)`` once this turn's answers are written (:meth:`Outbox.later`):
+        the bookkeeping of a fast-path answer is not on its latency."""
+        self.outbox.later(fn, *args)
 
     def _l1_hit_done(self, tenant: str, digest: int, response: bytes, seconds: float) -> None:
         """What follows an L1 hit: the curves' access, the metrics, switching."""
@@ -1509,7 +1497,8 @@ class SidecarServer:
                 header_timeout_s=config.header_timeout_s,
                 body_timeout_s=config.body_timeout_s,
                 send_timeout_s=config.send_timeout_s,
-            )
+            ),
+            outbox=self.sidecar.outbox,
         )
         self.connections = self.limiter.connections
         self.sidecar.metrics.gauge_sources.append(self._limit_families)

@@ -11,6 +11,13 @@ without a task, and the answer goes out the same way. Everything else
 becomes one task per request (:meth:`Handler.handle`). Pipelined requests
 are answered in order; keep-alive follows the client.
 
+Answers of one loop turn go out together (:class:`Outbox`): the first one is
+written at once, those that follow it in the same turn (hits parsed from the
+same poll, the L2 replies of one read) at the turn's end, so a burst of
+answers wakes each client once rather than once per answer. The bookkeeping
+of fast-path answers (:meth:`Outbox.later`) runs after the turn's answers
+are written.
+
 Every resource a client can make the sidecar hold has a bound
 (:class:`Limits`, enforced per connection and, for request bodies, across
 connections by a :class:`Limiter`), and each bound has its own answer:
@@ -37,6 +44,7 @@ import functools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -77,16 +85,110 @@ class Limits:
     send_timeout_s: float = 60.0
 
 
+class Outbox:
+    """The answers and the bookkeeping of one event-loop turn, shared by a server's connections.
+
+    The first answer of a turn is written at once and opens the turn (one
+    ``call_soon``). Answers given later in the same turn are held, each
+    connection's in order, and written when the turn ends: the clients of a
+    burst are woken once, when their answers are all out, instead of once
+    per answer while the others are still being made. Waking a client that
+    sleeps in ``epoll_wait`` costs more than the write itself (an
+    inter-processor interrupt, a VM exit on a virtual machine), and a client
+    that handles one answer faster than the sidecar makes the next one sleeps
+    between any two of them.
+
+    :meth:`later` queues bookkeeping (metrics, stores, promotions): it runs
+    once the turn's answers are written, on the next loop turn, after the
+    loop has polled again, so new requests are read first. A failure is
+    logged, never raised: the answer is already given.
+
+    Without a running loop (synchronous callers) answers are written and
+    bookkeeping runs at once.
+    """
+
+    __slots__ = ("_held", "_later", "_turn")
+
+    def __init__(self) -> None:
+        #: The loop the open turn's end is scheduled on (None: no turn is open).
+        self._turn: asyncio.AbstractEventLoop | None = None
+        self._held: list[Connection] = []
+        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    def _holding(self) -> bool:
+        turn = self._turn
+        if turn is None:
+            return False
+        if turn.is_running():
+            return True
+        # The loop stopped before the turn ended (its callbacks are dropped): start afresh.
+        self._turn = None
+        held, self._held = self._held, []
+        for conn in held:
+            conn._held.clear()
+        return False
+
+    def _open(self) -> bool:
+        """Open a turn; False without a running loop."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        loop.call_soon(self._end)
+        self._turn = loop
+        return True
+
+    def answer(self, conn: Connection, data: bytes) -> None:
+        """Write ``data`` to ``conn`` now, or at the end of this turn (after its other answers)."""
+        if self._holding():
+            if not conn._held:
+                self._held.append(conn)
+            conn._held.append(data)
+            return
+        self._open()
+        transport = conn.transport
+        if transport is not None:
+            transport.write(data)
+
+    def later(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` once this turn's answers are written."""
+        self._later.append((fn, args))
+        if not self._holding() and not self._open():
+            self._run(self._take_later())
+
+    def _take_later(self) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
+        later, self._later = self._later, []
+        return later
+
+    def _end(self) -> None:
+        loop, self._turn = self._turn, None
+        held, self._held = self._held, []
+        for conn in held:
+            conn.flush_held()
+        if self._later and loop is not None:
+            loop.call_soon(self._run, self._take_later())
+
+    @staticmethod
+    def _run(later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
+        for fn, args in later:
+            try:
+                fn(*args)
+            except Exception:  # bookkeeping never fails an answer already given
+                log.exception("bookkeeping after an answer failed")
+
+
 class Limiter:
-    """Shared by a server's connections: the body memory budget, the registry, the clock.
+    """Shared by a server's connections: the body memory budget, the registry, the clock,
+    and the :class:`Outbox` of their answers.
 
     ``now`` is a coarse monotonic clock refreshed by :meth:`sweep`, which also
     enforces every connection's timeouts; :meth:`start` runs it every quarter
     of the shortest timeout (at most :data:`MAX_SWEEP_INTERVAL_S`).
     """
 
-    def __init__(self, limits: Limits | None = None) -> None:
+    def __init__(self, limits: Limits | None = None, outbox: Outbox | None = None) -> None:
         self.limits = limits or Limits()
+        self.outbox = outbox or Outbox()
         self.connections: set[Connection] = set()
         self.body_bytes = 0
         #: Requests refused by a limit, by status (414, 431, 413, 503, 408, 400, 501).
@@ -214,6 +316,7 @@ class Connection(asyncio.Protocol):
         "_final",
         "_head_rx",
         "_headers",
+        "_held",
         "_http10",
         "_max_body",
         "_max_body_rx",
@@ -238,6 +341,7 @@ class Connection(asyncio.Protocol):
         "handler",
         "limiter",
         "limits",
+        "outbox",
         "parser",
         "peer",
         "pending",
@@ -248,6 +352,9 @@ class Connection(asyncio.Protocol):
         self.handler = handler
         self.limiter = limiter
         self.limits = lim = limiter.limits
+        self.outbox = limiter.outbox
+        #: Answers written at the end of this loop turn (:class:`Outbox`).
+        self._held: list[bytes] = []
         # Plain attributes: the parser callbacks compare against them on every request.
         self._max_url = lim.max_url_bytes
         self._max_header = lim.max_header_bytes
@@ -306,6 +413,7 @@ class Connection(asyncio.Protocol):
         while self.pending:
             self._release(self.pending.popleft())
         self._stash.clear()
+        self._held.clear()
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
@@ -472,7 +580,7 @@ class Connection(asyncio.Protocol):
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
         if expect and self.transport and not self._is_http10():
-            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # after any answer held
 
     def on_body(self, body: bytes) -> None:
         self._body_len += len(body)
@@ -606,7 +714,8 @@ class Connection(asyncio.Protocol):
             if request.charged:
                 self.limiter.body_bytes -= request.charged
                 request.charged = 0
-            self.write(response)
+            if not self.closing:
+                self.outbox.answer(self, response)
             if not request.keep_alive:
                 self.close()
                 return
@@ -639,7 +748,7 @@ class Connection(asyncio.Protocol):
             self.busy = False
             self._release(request)
             return
-        self.write(response)
+        self.outbox.answer(self, response)
         self._next(request)
 
     def _done(self, task: asyncio.Task[None], *, request: Request) -> None:
@@ -672,6 +781,19 @@ class Connection(asyncio.Protocol):
 
     # --- output
     def write(self, data: bytes) -> None:
+        """Write now (the slow path), after the answers this connection holds."""
+        if self._held:
+            self.flush_held()
+        if self.transport is not None and not self.closing:
+            self.transport.write(data)
+
+    def flush_held(self) -> None:
+        """Write the answers held for the end of the loop turn (:class:`Outbox`)."""
+        held = self._held
+        if not held:
+            return
+        data = held[0] if len(held) == 1 else b"".join(held)
+        held.clear()
         if self.transport is not None and not self.closing:
             self.transport.write(data)
 
@@ -689,6 +811,8 @@ class Connection(asyncio.Protocol):
             self._send_final()
 
     def _send_final(self) -> None:
+        if self._held:
+            self.flush_held()
         final, self._final = self._final, None
         if final is None or self.transport is None or self.closing:
             return
@@ -701,6 +825,8 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
+        if self._held:
+            self.flush_held()
         self.closing = True
         if self.transport is not None:
             self.transport.close()
