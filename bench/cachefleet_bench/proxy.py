@@ -280,6 +280,10 @@ class Measurement:
     aux_cpu_us_per_req: dict[str, float] = field(default_factory=dict)
     #: CPU per request of the load generator itself, microseconds.
     wrk_cpu_us_per_req: float | None = None
+    #: Context switches per request, the whole machine (``ctxt`` of /proc/stat): how often
+    #: a process went to sleep and had to be woken, the costliest part of a loopback
+    #: exchange on a virtual machine. Steadier from run to run than req/s.
+    switches_per_req: float | None = None
 
 
 def make_measurement(
@@ -288,8 +292,9 @@ def make_measurement(
     server_cpu_s: float | None,
     aux_cpu_s: dict[str, float],
     wrk_cpu_s: float | None,
+    switches: int | None = None,
 ) -> Measurement:
-    """Combine wrk's numbers with the CPU seconds sampled around the run."""
+    """Combine wrk's numbers with the CPU seconds (and context switches) sampled around the run."""
 
     def per_req(seconds: float | None) -> float | None:
         if seconds is None or stats.requests <= 0:
@@ -316,6 +321,9 @@ def make_measurement(
         cpu_us_per_req=per_req(server_cpu_s),
         aux_cpu_us_per_req=aux,
         wrk_cpu_us_per_req=per_req(wrk_cpu_s),
+        switches_per_req=(
+            None if switches is None or stats.requests <= 0 else switches / stats.requests
+        ),
     )
 
 
@@ -503,7 +511,7 @@ def format_table(result: BenchResult) -> str:
     header = (
         f"{'series':<13}{'req/s c=' + str(high):>13}{'p50 c=' + str(low):>11}"
         f"{'p99 c=' + str(low):>11}{'p50 c=' + str(high):>11}{'p99 c=' + str(high):>11}"
-        f"{'CPU/req c=' + str(high):>15}{'wrk CPU/req':>13}"
+        f"{'CPU/req c=' + str(high):>15}{'wrk CPU/req':>13}{'cs/req c=' + str(high):>13}"
         f"{'vs nginx':>17}{'vs floor':>17}  notes"
     )
     env = result.environment
@@ -550,6 +558,7 @@ def format_table(result: BenchResult) -> str:
             f"{_fmt(hi.p99_us if hi else None, '.0f'):>11}"
             f"{_fmt(hi.cpu_us_per_req if hi else None, '.1f', ' us'):>15}"
             f"{_fmt(hi.wrk_cpu_us_per_req if hi else None, '.1f', ' us'):>13}"
+            f"{_fmt(hi.switches_per_req if hi else None, '.2f'):>13}"
             f"{ratios[0]:>17}{ratios[1]:>17}  {'; '.join(notes)}"
         )
     lines += ["", "targets:"]
@@ -676,6 +685,23 @@ def _read_stat(pid: int) -> tuple[int, float] | None:
     ppid = int(rest[1])
     utime, stime, cutime, cstime = (int(v) for v in rest[11:15])
     return ppid, (utime + stime + cutime + cstime) / _CLK_TCK
+
+
+def parse_context_switches(proc_stat: str) -> int | None:
+    """The machine's context switches since boot, from the text of /proc/stat."""
+    for line in proc_stat.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "ctxt" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def context_switches() -> int | None:
+    """The machine's context switches since boot (None where /proc/stat does not say)."""
+    try:
+        return parse_context_switches(Path("/proc/stat").read_text())
+    except OSError:
+        return None
 
 
 def process_tree_cpu_s(root: int) -> float:
@@ -1093,11 +1119,14 @@ def _measure_series(
             aux_pids = {a: services.pid(a) for a in aux}
             cpu0 = process_tree_cpu_s(server_pid)
             aux0 = {a: process_tree_cpu_s(p) for a, p in aux_pids.items()}
+            switches0 = context_switches()
             stats, wrk_cpu = run_wrk(port, script, concurrency, config.duration_s)
+            switches1 = context_switches()
             _check_stats(stats)
             cpu1 = process_tree_cpu_s(server_pid)
             aux1 = {a: process_tree_cpu_s(p) - aux0[a] for a, p in aux_pids.items()}
-            m = make_measurement(concurrency, stats, cpu1 - cpu0, aux1, wrk_cpu)
+            switches = None if switches0 is None or switches1 is None else switches1 - switches0
+            m = make_measurement(concurrency, stats, cpu1 - cpu0, aux1, wrk_cpu, switches)
             result.measurements[concurrency] = m
             progress(
                 f"{name}: c={concurrency}: {m.rps:,.0f} req/s, p50 {m.p50_us:.0f} us,"

@@ -79,10 +79,23 @@ def test_cpu_per_request_is_server_cpu_over_requests() -> None:
         "CFBENCH requests=1000 duration_us=1000000 p50_us=1 p90_us=1 p99_us=1 max_us=1 "
         "mean_us=1 connect=0 read=0 write=0 status=0 timeout=0"
     )
-    m = proxy.make_measurement(64, stats, 0.02, {"redis": 0.005}, 0.01)
+    m = proxy.make_measurement(64, stats, 0.02, {"redis": 0.005}, 0.01, 1500)
     assert m.cpu_us_per_req == pytest.approx(20.0)
     assert m.aux_cpu_us_per_req == {"redis": pytest.approx(5.0)}
     assert m.wrk_cpu_us_per_req == pytest.approx(10.0)
+    assert m.switches_per_req == pytest.approx(1.5)
+    assert proxy.make_measurement(64, stats, 0.02, {}, None).switches_per_req is None
+
+
+def test_context_switches_come_from_proc_stat() -> None:
+    text = "cpu  1 2 3 4\nintr 99 1 2\nctxt 123456789\nbtime 1700000000\n"
+    assert proxy.parse_context_switches(text) == 123_456_789
+    assert proxy.parse_context_switches("cpu  1 2 3 4\n") is None
+    here = proxy.context_switches()
+    if here is not None:  # Linux: it only grows
+        later = proxy.context_switches()
+        assert later is not None
+        assert later >= here
 
 
 def test_targets_pass_fail_and_missing() -> None:
@@ -181,6 +194,7 @@ def test_table_shows_ratios_unmeasured_rows_and_verdicts() -> None:
     nginx_line = next(line for line in table.splitlines() if line.startswith("nginx"))
     assert "80,000" in nginx_line
     assert "0.80x | 1.25x" in nginx_line  # vs the floor: req/s c=64 | p50 c=1
+    assert "cs/req c=64" in table.splitlines()[1]  # the header
     assert "l1           NOT MEASURED: the sidecar is not runnable" in table
     assert "[n/a ] L1 hit req/s at c=64 >= 50% of nginx's: not measured" in table
     assert json.loads(json.dumps(result.to_json()))["series"][2]["error"].startswith("the")
