@@ -99,23 +99,25 @@ class Outbox:
     between any two of them.
 
     :meth:`later` queues bookkeeping (metrics, stores, promotions): it runs
-    once the turn's answers are written, on the next loop turn, after the
-    loop has polled again, so new requests are read first. A failure is
-    logged, never raised: the answer is already given.
+    at the turn's end too, in the same callback, once the turn's answers are
+    written. A failure is logged, never raised: the answer is already given.
 
     Without a running loop (synchronous callers) answers are written and
     bookkeeping runs at once.
     """
 
-    __slots__ = ("_held", "_later", "_turn")
+    __slots__ = ("_answered", "_held", "_later", "_turn")
 
     def __init__(self) -> None:
         #: The loop the open turn's end is scheduled on (None: no turn is open).
         self._turn: asyncio.AbstractEventLoop | None = None
+        #: Whether this turn's first answer is written (the next ones are held).
+        self._answered = False
         self._held: list[Connection] = []
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
 
-    def _holding(self) -> bool:
+    def _current(self) -> bool:
+        """Whether a turn is open."""
         turn = self._turn
         if turn is None:
             return False
@@ -123,13 +125,14 @@ class Outbox:
             return True
         # The loop stopped before the turn ended (its callbacks are dropped): start afresh.
         self._turn = None
+        self._answered = False
         held, self._held = self._held, []
         for conn in held:
             conn._held.clear()
         return False
 
     def _open(self) -> bool:
-        """Open a turn; False without a running loop."""
+        """Open a turn (schedule its end); False without a running loop."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -140,20 +143,23 @@ class Outbox:
 
     def answer(self, conn: Connection, data: bytes) -> None:
         """Write ``data`` to ``conn`` now, or at the end of this turn (after its other answers)."""
-        if self._holding():
-            if not conn._held:
-                self._held.append(conn)
-            conn._held.append(data)
-            return
-        self._open()
+        if self._current():
+            if self._answered:
+                if not conn._held:
+                    self._held.append(conn)
+                conn._held.append(data)
+                return
+            self._answered = True
+        elif self._open():
+            self._answered = True
         transport = conn.transport
         if transport is not None:
             transport.write(data)
 
     def later(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` once this turn's answers are written."""
+        """Run ``fn(*args)`` at the end of this turn, once its answers are written."""
         self._later.append((fn, args))
-        if not self._holding() and not self._open():
+        if not self._current() and not self._open():
             self._run(self._take_later())
 
     def _take_later(self) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
@@ -161,12 +167,13 @@ class Outbox:
         return later
 
     def _end(self) -> None:
-        loop, self._turn = self._turn, None
+        self._turn = None
+        self._answered = False
         held, self._held = self._held, []
         for conn in held:
             conn.flush_held()
-        if self._later and loop is not None:
-            loop.call_soon(self._run, self._take_later())
+        if self._later:
+            self._run(self._take_later())
 
     @staticmethod
     def _run(later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
