@@ -88,15 +88,15 @@ class Limits:
 class Outbox:
     """The answers and the bookkeeping of one event-loop turn, shared by a server's connections.
 
-    The first answer of a turn is written at once and opens the turn (one
-    ``call_soon``). Answers given later in the same turn are held, each
-    connection's in order, and written when the turn ends: the clients of a
-    burst are woken once, when their answers are all out, instead of once
-    per answer while the others are still being made. Waking a client that
-    sleeps in ``epoll_wait`` costs more than the write itself (an
-    inter-processor interrupt, a VM exit on a virtual machine), and a client
-    that handles one answer faster than the sidecar makes the next one sleeps
-    between any two of them.
+    A turn opens with its first answer or bookkeeping (one ``call_soon``, its
+    end). The first answer of a turn is written at once. Answers given later
+    in the same turn are held, each connection's in order, and written when
+    the turn ends: the clients of a burst are woken once, when their answers
+    are all out, instead of once per answer while the others are still being
+    made. Waking a client that sleeps in ``epoll_wait`` costs more than the
+    write itself (an inter-processor interrupt, a VM exit on a virtual
+    machine), and a client that handles one answer faster than the sidecar
+    makes the next one sleeps between any two of them.
 
     :meth:`later` queues bookkeeping (metrics, stores, promotions): it runs
     at the turn's end too, in the same callback, once the turn's answers are
