@@ -26,7 +26,8 @@ For each row and concurrency (1 and 64): req/s, p50/p99 latency (wrk
 ``--latency``) and the CPU time per request of the server process(es) under
 test (utime + stime from ``/proc/<pid>/stat`` over the run, the process and
 its descendants; the upstream responder is excluded, Redis is reported
-separately for the L2 row). Ratios to nginx and to the floor and the targets
+separately for the L2 row), and the whole machine's context switches per
+request (``ctxt`` of ``/proc/stat``). Ratios to nginx and to the floor and the targets
 of issues 2 and 5 are printed as a table; ``--json`` and ``--plot`` write
 them out.
 
