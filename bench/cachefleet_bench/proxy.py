@@ -890,14 +890,15 @@ class Services:
         proc = self._procs.get(name)
         return proc.log_tail(limit) if proc is not None else ""
 
-    def responder(self) -> int:
-        def start() -> None:
-            port = free_port()
-            argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
-            self.progress(f"starting the responder on {HOST}:{port}")
-            self._start("responder", argv, port, env=_clean_env())
+    def _start_responder(self, name: str, what: str, extra: Sequence[str] = ()) -> None:
+        """Start ``cachefleet_bench.responder`` (``extra``: its flags) as service ``name``."""
+        port = free_port()
+        argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port), *extra]
+        self.progress(f"starting {what} on {HOST}:{port}")
+        self._start(name, argv, port, env=_clean_env())
 
-        return self._get("responder", start)
+    def responder(self) -> int:
+        return self._get("responder", lambda: self._start_responder("responder", "the responder"))
 
     def responder_redis(self) -> int:
         """The responder answering from Redis, one GET per request: the L2 hit's floor."""
@@ -908,11 +909,9 @@ class Services:
             reply = redis_command(redis, "SET", FLOOR_REDIS_KEY, body)
             if reply != b"+OK\r\n":
                 raise BenchError(f"redis SET {FLOOR_REDIS_KEY} answered {reply[:100]!r}")
-            port = free_port()
-            argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
-            argv += ["--redis-port", str(redis), "--redis-key", FLOOR_REDIS_KEY]
-            self.progress(f"starting the responder with one Redis GET per request on {HOST}:{port}")
-            self._start("responder-redis", argv, port, env=_clean_env())
+            extra = ["--redis-port", str(redis), "--redis-key", FLOOR_REDIS_KEY]
+            what = "the responder with one Redis GET per request"
+            self._start_responder("responder-redis", what, extra)
 
         return self._get("responder-redis", start)
 
@@ -920,12 +919,8 @@ class Services:
         """The responder relaying bytes to the responder: a proxied miss's floor."""
 
         def start() -> None:
-            upstream = self.responder()
-            port = free_port()
-            argv = [sys.executable, "-m", "cachefleet_bench.responder", "--port", str(port)]
-            argv += ["--relay-port", str(upstream)]
-            self.progress(f"starting the byte relay to the responder on {HOST}:{port}")
-            self._start("relay", argv, port, env=_clean_env())
+            extra = ["--relay-port", str(self.responder())]
+            self._start_responder("relay", "the byte relay to the responder", extra)
 
         return self._get("relay", start)
 
