@@ -67,6 +67,24 @@ async def test_a_miss_on_a_warm_connection_is_answered_without_a_task(
     assert misses == 2
 
 
+async def test_concurrent_l1_hits_are_answered_without_a_task_and_all_counted(
+    sidecar: RunningSidecar, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = await sidecar.chat("hot")
+    assert first.headers["x-cache"] == "MISS"
+    slow = spy_on_handle(sidecar, monkeypatch)
+    hits = await asyncio.gather(*(sidecar.chat("hot") for _ in range(16)))
+    assert [r.headers["x-cache"] for r in hits] == ["HIT-L1"] * 16
+    assert {answer(r) for r in hits} == {answer(first)}
+    assert slow == []  # every hit answered on the fast path, with no task
+    assert upstream.calls[CHAT] == 1
+    metrics = (await sidecar.admin.get("/metrics")).text  # the bookkeeping ran for each
+    hits_counted = metric(
+        metrics, "cachefleet_requests_total", tenant="acme", tier="l1", result="hit"
+    )
+    assert hits_counted == 16
+
+
 async def test_a_streamed_answer_to_a_begun_miss_is_relayed_by_the_slow_path(
     sidecar: RunningSidecar, upstream: FakeUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
