@@ -31,6 +31,14 @@ request (``ctxt`` of ``/proc/stat``). Ratios to nginx and to the floor and the t
 of issues 2 and 5 are printed as a table; ``--json`` and ``--plot`` write
 them out.
 
+Each series is measured in ``--rounds`` runs per concurrency, interleaved: round
+1 runs every selected series once, round 2 again in reverse order, and so on,
+and the table shows each series' medians over its rounds. A row's numbers are
+then never minutes older than the row they are compared with: on a shared
+virtual machine whose speed drifts by 2-4x within minutes, two rows measured
+one after the other can differ by more than anything the benchmark is meant
+to show.
+
 Everything the benchmark starts runs in its own process group and is stopped
 in ``finally`` blocks; its files live in one temporary directory removed at
 the end. Only 127.0.0.1 is used.
@@ -47,6 +55,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,8 +81,11 @@ TENANT = "bench"
 SIDECAR_L1_BYTES = 64 * 1024 * 1024
 
 #: Seconds per measured wrk run (wrk takes whole seconds).
-DEFAULT_DURATION_S = 10
+DEFAULT_DURATION_S = 4
 QUICK_DURATION_S = 2
+#: Interleaved runs per series and concurrency (medians are reported).
+DEFAULT_ROUNDS = 3
+QUICK_ROUNDS = 1
 #: Unmeasured load before each series (connections, allocators and CPU caches warm up).
 WARMUP_S = 1
 LOW_CONCURRENCY = 1
@@ -285,6 +297,11 @@ class Measurement:
     #: a process went to sleep and had to be woken, the costliest part of a loopback
     #: exchange on a virtual machine. Steadier from run to run than req/s.
     switches_per_req: float | None = None
+    #: Runs this measurement is the median of (interleaved with the other series).
+    rounds: int = 1
+    #: req/s and p50 of each run, in run order: the spread behind the medians.
+    rps_rounds: tuple[float, ...] = ()
+    p50_us_rounds: tuple[float, ...] = ()
 
 
 def make_measurement(
@@ -312,6 +329,8 @@ def make_measurement(
         requests=stats.requests,
         duration_s=stats.duration_s,
         rps=stats.rps,
+        rps_rounds=(stats.rps,),
+        p50_us_rounds=(stats.p50_us,),
         p50_us=stats.p50_us,
         p90_us=stats.p90_us,
         p99_us=stats.p99_us,
@@ -326,6 +345,56 @@ def make_measurement(
             None if switches is None or stats.requests <= 0 else switches / stats.requests
         ),
     )
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def combine_rounds(runs: Sequence[Measurement]) -> Measurement:
+    """One series' runs at one concurrency as one measurement: medians of the
+    per-run values (req/s, latencies, per-request CPU and context switches),
+    sums of the counts, the largest maximum latency."""
+    if not runs:
+        raise ValueError("no runs to combine")
+    if len({m.concurrency for m in runs}) != 1:
+        raise ValueError("runs at different concurrencies")
+    if len(runs) == 1:
+        return runs[0]
+    aux_names = dict.fromkeys(name for m in runs for name in m.aux_cpu_us_per_req)
+    aux: dict[str, float] = {}
+    for name in aux_names:
+        value = _median([m.aux_cpu_us_per_req.get(name) for m in runs])
+        if value is not None:
+            aux[name] = value
+    cpu = [m.server_cpu_s for m in runs]
+    return Measurement(
+        concurrency=runs[0].concurrency,
+        requests=sum(m.requests for m in runs),
+        duration_s=sum(m.duration_s for m in runs),
+        rps=statistics.median(m.rps for m in runs),
+        p50_us=statistics.median(m.p50_us for m in runs),
+        p90_us=statistics.median(m.p90_us for m in runs),
+        p99_us=statistics.median(m.p99_us for m in runs),
+        max_us=max(m.max_us for m in runs),
+        errors=sum(m.errors for m in runs),
+        non_2xx=sum(m.non_2xx for m in runs),
+        server_cpu_s=None if None in cpu else sum(c for c in cpu if c is not None),
+        cpu_us_per_req=_median([m.cpu_us_per_req for m in runs]),
+        aux_cpu_us_per_req=aux,
+        wrk_cpu_us_per_req=_median([m.wrk_cpu_us_per_req for m in runs]),
+        switches_per_req=_median([m.switches_per_req for m in runs]),
+        rounds=sum(m.rounds for m in runs),
+        rps_rounds=tuple(v for m in runs for v in m.rps_rounds),
+        p50_us_rounds=tuple(v for m in runs for v in m.p50_us_rounds),
+    )
+
+
+def round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """The series of one round in run order: as given in even rounds, reversed in odd
+    ones, so that no series always runs right after the same neighbour."""
+    return list(names) if round_index % 2 == 0 else list(reversed(names))
 
 
 @dataclass
@@ -489,6 +558,25 @@ def miss_reference(
     return None if via is None or direct is None else via - direct
 
 
+#: The proxies of the miss rows, as the CPU reference line names them.
+MISS_PROXIES: dict[str, str] = {
+    "miss-sidecar": "the sidecar",
+    "miss-nginx": "nginx",
+    "miss-relay": "the relay",
+}
+
+
+def miss_cpu_reference(series: Sequence[SeriesResult], low: int) -> list[tuple[str, float]]:
+    """CPU per request of each measured miss proxy at ``low`` concurrency: at c=1 the
+    miss overhead is mostly the proxy's own CPU on the way (nothing else runs)."""
+    found = []
+    for name, label in MISS_PROXIES.items():
+        cpu = _metric(series, name, low, "cpu_us_per_req")
+        if cpu is not None:
+            found.append((label, cpu))
+    return found
+
+
 def l2_floor_reference(
     series: Sequence[SeriesResult], low: int, high: int
 ) -> tuple[float, float] | None:
@@ -516,8 +604,12 @@ def format_table(result: BenchResult) -> str:
         f"{'vs nginx':>17}{'vs floor':>17}  notes"
     )
     env = result.environment
+    rounds = result.config.get("rounds", 1)
+    per_run = f"{result.config['duration_s']:g} s per run"
+    if rounds > 1:
+        per_run += f", medians of {rounds} interleaved runs per series"
     lines = [
-        f"cachefleet bench proxy: wrk -t{WRK_THREADS}, {result.config['duration_s']:g} s per run,"
+        f"cachefleet bench proxy: wrk -t{WRK_THREADS}, {per_run},"
         f" {env.get('cpus', '?')} CPUs; latency in us, ratios = req/s c={high} | p50 c={low}",
     ]
     load = env.get("loadavg_1m_at_start")
@@ -584,6 +676,10 @@ def format_table(result: BenchResult) -> str:
             "  (for reference: the floor of a proxied miss, a bare Python relay of bytes with"
             f" no parsing, same run: its own miss overhead {relay:.0f} us)"
         )
+    miss_cpu = miss_cpu_reference(result.series, low)
+    if miss_cpu:
+        listed = ", ".join(f"{label} {cpu:.0f} us" for label, cpu in miss_cpu)
+        lines.append(f"  (for reference: CPU per miss at c={low}, same run: {listed})")
     floor_l2 = l2_floor_reference(result.series, low, high)
     if floor_l2 is not None:
         lines.append(
@@ -1001,6 +1097,7 @@ class BenchConfig:
 
     duration_s: int = DEFAULT_DURATION_S
     warmup_s: int = WARMUP_S
+    rounds: int = DEFAULT_ROUNDS
     low_concurrency: int = LOW_CONCURRENCY
     high_concurrency: int = HIGH_CONCURRENCY
     only: tuple[str, ...] = ROWS
@@ -1058,84 +1155,127 @@ def _check_relayed(port: int) -> str:
     return "the responder's answer"
 
 
-def _measure_series(
-    services: Services,
-    config: BenchConfig,
-    name: str,
-    progress: Callable[[str], None],
-) -> SeriesResult:
-    title = SERIES[name][1]
-    result = SeriesResult(name=name, title=title)
-    unique = name.startswith("miss")
-    tenant = name in {"l1", "l1-nocurves", "l2", "miss-sidecar"}
+@dataclass
+class _Series:
+    """A series being measured: where its server listens and its runs so far."""
+
+    result: SeriesResult
+    port: int = 0
     server: str | None = None
+    aux: tuple[str, ...] = ()
+    unique: bool = False
+    tenant: bool = False
+    runs: dict[int, list[Measurement]] = field(default_factory=dict)
+
+    def fail(self, exc: BenchError, services: Services, progress: Callable[[str], None]) -> None:
+        """Void the series: its error replaces its numbers (with the server's output
+        when a functional check failed)."""
+        self.result.error = str(exc)
+        self.result.measurements = {}
+        self.runs = {}
+        if self.server is not None and self.result.error.startswith(_CHECK_FAILED):
+            tail = services.log_tail(self.server)
+            if tail:
+                self.result.error += f"\n--- end of the {self.server} output:\n{tail}"
+        progress(f"{self.result.name}: NOT MEASURED: {self.result.error}")
+
+
+def _prepare_series(
+    services: Services, config: BenchConfig, name: str, progress: Callable[[str], None]
+) -> _Series:
+    """Start what a series needs, check it answers as it should, and warm it up."""
+    series = _Series(
+        SeriesResult(name=name, title=SERIES[name][1]),
+        unique=name.startswith("miss"),
+        tenant=name in {"l1", "l1-nocurves", "l2", "miss-sidecar"},
+    )
+    result = series.result
     try:
-        aux: list[str] = []
         if name in {"floor", "miss-direct"}:
-            port, server = services.responder(), "responder"
+            series.port, series.server = services.responder(), "responder"
         elif name == "nginx":
-            port, server = services.nginx(), "nginx"
-            result.checked = _warm_until(port, hit_body(), False, "X-Cache", "HIT")
+            series.port, series.server = services.nginx(), "nginx"
+            result.checked = _warm_until(series.port, hit_body(), False, "X-Cache", "HIT")
         elif name == "miss-nginx":
-            port, server = services.nginx(), "nginx"
-            result.checked = _check_miss(port, tenant=False)
+            series.port, series.server = services.nginx(), "nginx"
+            result.checked = _check_miss(series.port, tenant=False)
         elif name == "miss-relay":
-            port, server = services.relay(), "relay"
-            result.checked = _check_relayed(port)
+            series.port, series.server = services.relay(), "relay"
+            result.checked = _check_relayed(series.port)
         elif name in {"l1", "miss-sidecar"}:
-            port, server = services.sidecar("sidecar-l1", SIDECAR_L1_BYTES, False), "sidecar-l1"
+            series.server = "sidecar-l1"
+            series.port = services.sidecar(series.server, SIDECAR_L1_BYTES, False)
             if name == "l1":
-                result.checked = _warm_until(port, hit_body(), True, "X-Cache", "HIT-L1")
+                result.checked = _warm_until(series.port, hit_body(), True, "X-Cache", "HIT-L1")
             else:
-                result.checked = _check_miss(port)
+                result.checked = _check_miss(series.port)
         elif name == "l1-nocurves":
-            server = "sidecar-l1-nocurves"
-            port = services.sidecar(server, SIDECAR_L1_BYTES, False, ("--mrc-samples", "0"))
-            result.checked = _warm_until(port, hit_body(), True, "X-Cache", "HIT-L1")
+            series.server = "sidecar-l1-nocurves"
+            series.port = services.sidecar(
+                series.server, SIDECAR_L1_BYTES, False, ("--mrc-samples", "0")
+            )
+            result.checked = _warm_until(series.port, hit_body(), True, "X-Cache", "HIT-L1")
         elif name == "floor-l2":
-            port, server = services.responder_redis(), "responder-redis"
-            aux.append("redis")
-            result.checked = _warm_until(port, hit_body(), False, "X-Cache", "HIT-REDIS")
+            series.port, series.server = services.responder_redis(), "responder-redis"
+            series.aux = ("redis",)
+            result.checked = _warm_until(series.port, hit_body(), False, "X-Cache", "HIT-REDIS")
         elif name == "l2":
-            port, server = services.sidecar("sidecar-l2", 0, True), "sidecar-l2"
-            aux.append("redis")
-            result.checked = _warm_until(port, hit_body(), True, "X-Cache", "HIT-L2")
+            series.port, series.server = services.sidecar("sidecar-l2", 0, True), "sidecar-l2"
+            series.aux = ("redis",)
+            result.checked = _warm_until(series.port, hit_body(), True, "X-Cache", "HIT-L2")
         else:  # pragma: no cover - SERIES and this function go together
             raise BenchError(f"unknown series {name}")
-
-        script = services.workdir / f"{name}.lua"
         if config.warmup_s > 0:
             progress(f"{name}: warm-up, c={config.high_concurrency}, {config.warmup_s:g} s")
-            script.write_text(render_wrk_script(unique=unique, nonce=_nonce(), tenant=tenant))
-            run_wrk(port, script, config.high_concurrency, config.warmup_s)
-        for concurrency in config.concurrencies:
-            progress(f"{name}: c={concurrency}, {config.duration_s:g} s")
-            script.write_text(render_wrk_script(unique=unique, nonce=_nonce(), tenant=tenant))
-            server_pid = services.pid(server)
-            aux_pids = {a: services.pid(a) for a in aux}
-            cpu0 = process_tree_cpu_s(server_pid)
-            aux0 = {a: process_tree_cpu_s(p) for a, p in aux_pids.items()}
-            switches0 = context_switches()
-            stats, wrk_cpu = run_wrk(port, script, concurrency, config.duration_s)
-            switches1 = context_switches()
-            _check_stats(stats)
-            cpu1 = process_tree_cpu_s(server_pid)
-            aux1 = {a: process_tree_cpu_s(p) - aux0[a] for a, p in aux_pids.items()}
-            switches = None if switches0 is None or switches1 is None else switches1 - switches0
-            m = make_measurement(concurrency, stats, cpu1 - cpu0, aux1, wrk_cpu, switches)
-            result.measurements[concurrency] = m
-            progress(
-                f"{name}: c={concurrency}: {m.rps:,.0f} req/s, p50 {m.p50_us:.0f} us,"
-                f" p99 {m.p99_us:.0f} us, {_fmt(m.cpu_us_per_req, '.1f')} us CPU/req"
-            )
+            script = _script(services, series)
+            run_wrk(series.port, script, config.high_concurrency, config.warmup_s)
     except BenchError as exc:
-        result.error = str(exc)
-        if server is not None and result.error.startswith(_CHECK_FAILED):
-            tail = services.log_tail(server)
-            if tail:
-                result.error += f"\n--- end of the {server} output:\n{tail}"
-        progress(f"{name}: NOT MEASURED: {result.error}")
-    return result
+        series.fail(exc, services, progress)
+    return series
+
+
+def _script(services: Services, series: _Series) -> Path:
+    """A fresh wrk script for one run (unique bodies never repeat an earlier run's)."""
+    script = services.workdir / f"{series.result.name}.lua"
+    script.write_text(render_wrk_script(unique=series.unique, nonce=_nonce(), tenant=series.tenant))
+    return script
+
+
+def _measure_run(
+    services: Services,
+    config: BenchConfig,
+    series: _Series,
+    concurrency: int,
+    progress: Callable[[str], None],
+    label: str = "",
+) -> None:
+    """One wrk run of a series at one concurrency, with the CPU and context switches
+    around it; a failed run voids the series."""
+    name = series.result.name
+    try:
+        assert series.server is not None
+        progress(f"{label}{name}: c={concurrency}, {config.duration_s:g} s")
+        script = _script(services, series)
+        server_pid = services.pid(series.server)
+        aux_pids = {a: services.pid(a) for a in series.aux}
+        cpu0 = process_tree_cpu_s(server_pid)
+        aux0 = {a: process_tree_cpu_s(p) for a, p in aux_pids.items()}
+        switches0 = context_switches()
+        stats, wrk_cpu = run_wrk(series.port, script, concurrency, config.duration_s)
+        switches1 = context_switches()
+        _check_stats(stats)
+        cpu1 = process_tree_cpu_s(server_pid)
+        aux1 = {a: process_tree_cpu_s(p) - aux0[a] for a, p in aux_pids.items()}
+        switches = None if switches0 is None or switches1 is None else switches1 - switches0
+        m = make_measurement(concurrency, stats, cpu1 - cpu0, aux1, wrk_cpu, switches)
+    except BenchError as exc:
+        series.fail(exc, services, progress)
+        return
+    series.runs.setdefault(concurrency, []).append(m)
+    progress(
+        f"{label}{name}: c={concurrency}: {m.rps:,.0f} req/s, p50 {m.p50_us:.0f} us,"
+        f" p99 {m.p99_us:.0f} us, {_fmt(m.cpu_us_per_req, '.1f')} us CPU/req"
+    )
 
 
 def _check_stats(stats: WrkStats) -> None:
@@ -1178,10 +1318,10 @@ def environment() -> dict[str, Any]:
 def run_benchmark(
     config: BenchConfig, progress: Callable[[str], None] | None = None
 ) -> BenchResult:
-    """Run the series selected by ``config.only``; every service is stopped on return."""
+    """Run the series selected by ``config.only`` in interleaved rounds (see the module
+    docstring); every service is stopped on return."""
     say = progress or (lambda _msg: None)
     names = [name for name, (row, _) in SERIES.items() if row in config.only]
-    series: list[SeriesResult] = []
     env = environment()
     if env["loadavg_1m_at_start"] >= BUSY_LOADAVG:
         say(f"note: load average {env['loadavg_1m_at_start']:g}: the machine is busy")
@@ -1189,13 +1329,25 @@ def run_benchmark(
         tempfile.TemporaryDirectory(prefix="cachefleet-bench-") as tmp,
         Services(Path(tmp), say) as services,
     ):
-        for name in names:
-            series.append(_measure_series(services, config, name, say))
+        prepared = {name: _prepare_series(services, config, name, say) for name in names}
+        for concurrency in config.concurrencies:
+            for index in range(config.rounds):
+                label = f"round {index + 1}/{config.rounds}: " if config.rounds > 1 else ""
+                for name in round_order(names, index):
+                    series = prepared[name]
+                    if series.result.error is None:
+                        _measure_run(services, config, series, concurrency, say, label)
+    for series in prepared.values():
+        if series.result.error is None:
+            series.result.measurements = {
+                c: combine_rounds(runs) for c, runs in series.runs.items()
+            }
+    results = [prepared[name].result for name in names]
     return BenchResult(
         config={**asdict(config), "only": list(config.only), "wrk_threads": WRK_THREADS},
         environment={**env, "loadavg_1m_at_end": round(os.getloadavg()[0], 2)},
-        series=series,
-        targets=compute_targets(series, config.low_concurrency, config.high_concurrency),
+        series=results,
+        targets=compute_targets(results, config.low_concurrency, config.high_concurrency),
     )
 
 
@@ -1235,9 +1387,11 @@ def write_plot(result: BenchResult, path: Path) -> None:
             )
         ax.set_title(title)
         ax.tick_params(axis="x", rotation=30)
+    rounds = result.config.get("rounds", 1)
     fig.suptitle(
         f"cachefleet bench proxy (wrk -t{WRK_THREADS}, {result.config['duration_s']:g} s per run,"
-        f" {result.environment.get('cpus')} CPUs)"
+        + (f" medians of {rounds} runs," if rounds > 1 else "")
+        + f" {result.environment.get('cpus')} CPUs)"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1274,7 +1428,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"{QUICK_DURATION_S} s per run (CI smoke)",
+        help=f"{QUICK_DURATION_S} s per run, {QUICK_ROUNDS} round (CI smoke)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        metavar="R",
+        help=(
+            "interleaved runs per series and concurrency; the table shows medians"
+            f" (default {DEFAULT_ROUNDS})"
+        ),
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG bar chart")
@@ -1303,9 +1467,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.concurrency < WRK_THREADS:
         print(f"--concurrency must be at least {WRK_THREADS}", file=sys.stderr)
         return 2
+    if args.rounds is not None and args.rounds < 1:
+        print("--rounds must be at least 1", file=sys.stderr)
+        return 2
     duration = args.duration or (QUICK_DURATION_S if args.quick else DEFAULT_DURATION_S)
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS)
     config = BenchConfig(
         duration_s=duration,
+        rounds=rounds,
         high_concurrency=args.concurrency,
         only=args.only,
     )

@@ -10,9 +10,11 @@ unmarked tests check the harness's pure parts (wrk output, targets, table).
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -96,6 +98,94 @@ def test_context_switches_come_from_proc_stat() -> None:
         assert later >= here
 
 
+def _run(c: int, rps: float, p50: float, cpu_s: float, requests: int = 1000) -> proxy.Measurement:
+    stats = proxy.WrkStats(
+        requests=requests,
+        duration_s=requests / rps,
+        p50_us=p50,
+        p90_us=p50 * 1.5,
+        p99_us=p50 * 2,
+        max_us=p50 * 3,
+        mean_us=p50,
+        socket_errors=1,
+        non_2xx=0,
+        timeouts=0,
+    )
+    return proxy.make_measurement(c, stats, cpu_s, {"redis": cpu_s / 2}, cpu_s / 4, 2 * requests)
+
+
+def test_rounds_combine_into_medians_sums_and_the_worst_maximum() -> None:
+    runs = [_run(1, 900, 120, 0.030), _run(1, 1000, 100, 0.020), _run(1, 3000, 300, 0.010)]
+    m = proxy.combine_rounds(runs)
+    assert m.rounds == 3
+    assert m.rps == 1000  # the median run, not the mean (1633) a disturbed run would drag
+    assert m.p50_us == 120
+    assert m.p99_us == 240
+    assert m.max_us == 900
+    assert m.requests == 3000
+    assert m.errors == 3
+    assert m.server_cpu_s == pytest.approx(0.060)
+    assert m.cpu_us_per_req == pytest.approx(20.0)
+    assert m.aux_cpu_us_per_req == {"redis": pytest.approx(10.0)}
+    assert m.wrk_cpu_us_per_req == pytest.approx(5.0)
+    assert m.switches_per_req == 2
+    assert m.rps_rounds == (900, 1000, 3000)
+    assert m.p50_us_rounds == (120, 100, 300)
+    assert proxy.combine_rounds(runs[:1]) is runs[0]
+    with pytest.raises(ValueError, match="no runs"):
+        proxy.combine_rounds([])
+    with pytest.raises(ValueError, match="different concurrencies"):
+        proxy.combine_rounds([_run(1, 1, 1, 0.1), _run(64, 1, 1, 0.1)])
+
+
+def test_rounds_alternate_the_order_of_the_series() -> None:
+    names = ["a", "b", "c"]
+    assert proxy.round_order(names, 0) == ["a", "b", "c"]
+    assert proxy.round_order(names, 1) == ["c", "b", "a"]
+    assert proxy.round_order(names, 2) == ["a", "b", "c"]
+
+
+def test_the_benchmark_interleaves_the_series_of_each_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    runs: list[tuple[str, int]] = []
+
+    def prepare(
+        services: proxy.Services, config: proxy.BenchConfig, name: str, progress: object
+    ) -> proxy._Series:
+        series = proxy._Series(proxy.SeriesResult(name=name, title=name))
+        if name == "nginx":
+            series.result.error = "nginx is not installed"
+        return series
+
+    def measure(
+        services: proxy.Services,
+        config: proxy.BenchConfig,
+        series: proxy._Series,
+        concurrency: int,
+        progress: object,
+        label: str = "",
+    ) -> None:
+        runs.append((series.result.name, concurrency))
+        rps = 100.0 * len(runs)
+        series.runs.setdefault(concurrency, []).append(_run(concurrency, rps, rps, 0.01))
+
+    monkeypatch.setattr(proxy, "_prepare_series", prepare)
+    monkeypatch.setattr(proxy, "_measure_run", measure)
+    config = proxy.BenchConfig(duration_s=1, only=("floor", "nginx", "l1"), rounds=3)
+    result = proxy.run_benchmark(config)
+    low = ["floor", "l1", "l1-nocurves"]
+    expected = [(n, 1) for n in low + low[::-1] + low] + [(n, 64) for n in low + low[::-1] + low]
+    assert runs == expected
+    l1 = result.get("l1")
+    assert l1 is not None
+    assert l1.measurements[1].rps_rounds == (200.0, 500.0, 800.0)
+    assert l1.measurements[1].rps == 500.0
+    nginx = result.get("nginx")
+    assert nginx is not None
+    assert nginx.measurements == {}
+
+
 def test_targets_pass_fail_and_missing() -> None:
     floor = _series("floor", {1: 10_000, 64: 100_000}, {1: 80, 64: 600})
     nginx = _series("nginx", {1: 9_000, 64: 80_000}, {1: 100, 64: 700})
@@ -176,6 +266,12 @@ def test_the_miss_floor_is_a_bare_relay_beside_nginx() -> None:
     assert "nginx proxy_cache's own miss overhead, same run: 110 us" in table
     assert "bare Python relay of bytes with no parsing, same run: its own miss overhead 45" in table
     assert proxy.SERIES["miss-relay"][0] == "miss"
+    # The proxies' own CPU per miss at c=1 (the sidecar's row is not in this run).
+    relay.measurements[1] = dataclasses.replace(relay.measurements[1], cpu_us_per_req=30.0)
+    assert proxy.miss_cpu_reference(series, 1) == [("nginx", 10.0), ("the relay", 30.0)]
+    assert "CPU per miss at c=1, same run: nginx 10 us, the relay 30 us" in proxy.format_table(
+        result
+    )
 
 
 def test_table_shows_ratios_unmeasured_rows_and_verdicts() -> None:
@@ -435,6 +531,7 @@ def smoke() -> proxy.BenchResult:
         warmup_s=1,
         high_concurrency=SMOKE_CONCURRENCY,
         only=("floor", "nginx", "l1"),
+        rounds=2,
     )
     return proxy.run_benchmark(config)
 
@@ -456,6 +553,9 @@ def test_floor_and_nginx_rows_are_measured_warm(smoke: proxy.BenchResult) -> Non
             assert m.non_2xx == 0
             assert m.cpu_us_per_req is not None
             assert m.cpu_us_per_req > 0
+            assert m.rounds == 2  # two interleaved runs, combined
+            assert len(m.rps_rounds) == len(m.p50_us_rounds) == 2
+            assert m.p50_us == statistics.median(m.p50_us_rounds)
 
 
 @pytest.mark.bench
@@ -488,6 +588,8 @@ def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
             "1",
             "--only",
             "floor",
+            "--rounds",
+            "2",
             "--json",
             str(out_json),
             "--plot",
@@ -496,13 +598,16 @@ def test_cli_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
     )
     printed = capsys.readouterr().out
     assert code == 0, printed
-    assert "[bench proxy] floor: c=1" in printed
-    assert "[bench proxy] floor: c=64" in printed
+    assert "[bench proxy] round 1/2: floor: c=1" in printed
+    assert "[bench proxy] round 2/2: floor: c=64" in printed
+    assert "medians of 2 interleaved runs per series" in printed
     data = json.loads(out_json.read_text())
+    assert data["config"]["rounds"] == 2
     floor = data["series"][0]
     assert floor["name"] == "floor"
     assert floor["error"] is None
     assert floor["measurements"]["64"]["rps"] > 0
+    assert len(floor["measurements"]["64"]["rps_rounds"]) == 2
     assert out_png.read_bytes().startswith(b"\x89PNG")
 
 
@@ -526,6 +631,7 @@ def test_dispatcher_rejects_unknown_names_and_options(capsys: pytest.CaptureFixt
     assert "unknown benchmark 'nonsense'" in capsys.readouterr().err
     assert dispatcher.main(["all", "--duration", "3"]) == 2
     assert dispatcher.main(["proxy", "--only", "bogus"]) == 2  # argparse error, not a crash
+    assert dispatcher.main(["proxy", "--rounds", "0"]) == 2
     assert dispatcher.main([]) == 2
     assert dispatcher.main(["--help"]) == 0
     assert "proxy" in capsys.readouterr().out
