@@ -35,7 +35,7 @@ demo: deps venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/cachefleet_operator sidecar/cachefleet_sidecar e2e/cachefleet_e2e
+	$(BIN)/mypy operator/cachefleet_operator sidecar/cachefleet_sidecar e2e/cachefleet_e2e router/cachefleet_router
 	$(BIN)/lint-imports
 
 crds: venv

@@ -258,6 +258,10 @@ class TenantQuota(_Model):
     semantic_threshold: float | None = Field(
         default=None, gt=0, le=1, description="L3 similarity threshold; None = sidecar default"
     )
+    priority_class: Literal["Guaranteed", "Standard", "BestEffort"] | None = Field(
+        default=None,
+        description="The tenant's class (admission and routing order); None = Standard",
+    )
 
 
 class QuotaAssignment(_Model):

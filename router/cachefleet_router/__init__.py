@@ -1,0 +1,15 @@
+"""cachefleet's endpoint picker: which model-server pod a request should reach.
+
+The model servers' KV prefix caches decide most of a GPU's work, and only the
+pod that holds a prompt's prefix can skip its prefill. ``cachefleet router``
+is a Gateway API Inference Extension endpoint picker (Envoy ``ext_proc`` over
+gRPC) that sends each request to the ready endpoint with the least expected
+time to first token.
+
+Rooms:
+
+* :mod:`cachefleet_router.endpoints` — the records every room shares: an
+  endpoint, what its model server's metrics say, a request reduced to what
+  routing needs, and the :class:`~cachefleet_router.endpoints.Picker` seam
+  between the gRPC service and the scoring.
+"""

@@ -1,0 +1,106 @@
+"""The records the router's rooms share, and the seam between service and scoring.
+
+Pure: no I/O. The gRPC service (ext_proc) reduces a request body to a
+:class:`RouteRequest`, discovery keeps a list of :class:`Endpoint` with the
+:class:`EndpointMetrics` their model servers export, and a :class:`Picker`
+chooses among them. Several router replicas never need to agree: a picker
+learns from what it routes (:meth:`Picker.pick`, :meth:`Picker.done`) and
+from what the metrics say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+#: Tokens in one KV block of the prefix index (vLLM's prefix caching hashes
+#: 16-token blocks; the index works at a coarser grain, as the Mooncake traces do).
+DEFAULT_BLOCK_TOKENS = 512
+
+
+@dataclass(slots=True)
+class EndpointMetrics:
+    """One scrape of a model server's ``/metrics``, normalised across vLLM and SGLang.
+
+    Gauges are as read; ``*_total`` fields are the raw cumulative counters (the
+    reader of two scrapes takes their difference). ``None``: the server does not
+    export it.
+    """
+
+    #: requests queued for prefill (vLLM ``vllm:num_requests_waiting``)
+    waiting: float = 0.0
+    #: requests being decoded or prefilled (vLLM ``vllm:num_requests_running``)
+    running: float = 0.0
+    #: share of KV cache blocks in use, 0..1 (vLLM ``vllm:kv_cache_usage_perc``)
+    kv_usage: float = 0.0
+    #: prefix cache: tokens looked up and tokens found, cumulative
+    prefix_queries_total: float | None = None
+    prefix_hits_total: float | None = None
+    #: prompt tokens processed, cumulative (``vllm:prompt_tokens_total``)
+    prompt_tokens_total: float | None = None
+    #: seconds spent in prefill, cumulative (``vllm:request_prefill_time_seconds_sum``)
+    prefill_seconds_total: float | None = None
+    #: KV capacity in blocks of ``kv_block_tokens`` tokens, when the server says
+    kv_blocks: int | None = None
+    kv_block_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """A model-server pod the router may send a request to."""
+
+    #: ``host:port`` as the gateway must dial it (the picker's answer)
+    address: str
+    ready: bool = True
+    metrics: EndpointMetrics | None = None
+    #: monotonic time of the last successful scrape (0: never)
+    scraped_at: float = 0.0
+    #: the pod's name when discovery knows it (Kubernetes), else the address
+    name: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class RouteRequest:
+    """A request reduced to what routing needs."""
+
+    #: chained hashes of the prompt's blocks: ``blocks[i]`` depends on blocks 0..i,
+    #: so two prompts share ``blocks[:n]`` exactly when they share their first n blocks
+    blocks: tuple[int, ...] = ()
+    #: the prompt's length in tokens (estimated when no tokenizer is at hand)
+    tokens: int = 0
+    model: str | None = None
+    tenant: str | None = None
+    #: ``Guaranteed`` / ``Standard`` / ``BestEffort``; None: Standard
+    priority_class: str | None = None
+    #: the sidecar's exact-answer cache key, when the request is cacheable (a tie-breaker)
+    answer_key: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class Decision:
+    """Where a request goes, and why (for logs, metrics and tests)."""
+
+    address: str
+    #: expected time to first token on that endpoint, seconds
+    expected_ttft_s: float = 0.0
+    #: leading blocks of the prompt the index believes the endpoint holds
+    matched_blocks: int = 0
+    reason: str = ""
+
+
+class Picker(Protocol):
+    """The seam between the gRPC service and the scoring."""
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        """Choose among ``endpoints`` (already filtered to ready ones); None when empty.
+
+        Records the choice: the chosen endpoint now holds the prompt's blocks and
+        carries its prefill work until :meth:`done`.
+        """
+        ...
+
+    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
+        """The request's first answer bytes came back (``ok``) or it failed."""
+        ...
