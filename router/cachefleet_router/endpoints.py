@@ -2,7 +2,8 @@
 
 Pure: no I/O. The gRPC service (ext_proc) reduces a request body to a
 :class:`RouteRequest`, discovery keeps a list of :class:`Endpoint` with the
-:class:`EndpointMetrics` their model servers export, and a :class:`Picker`
+:class:`EndpointMetrics` their model servers export
+(:mod:`cachefleet_sidecar.modelserver` parses them), and a :class:`Picker`
 chooses among them. Several router replicas never need to agree: a picker
 learns from what it routes (:meth:`Picker.pick`, :meth:`Picker.done`) and
 from what the metrics say.
@@ -14,36 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cachefleet_sidecar.modelserver import ModelServerMetrics
+
+#: What one endpoint's model server says (one scrape); parsed by
+#: :func:`cachefleet_sidecar.modelserver.parse_metrics`, shared with the sidecar's admission.
+EndpointMetrics = ModelServerMetrics
+
 #: Tokens in one KV block of the prefix index (vLLM's prefix caching hashes
 #: 16-token blocks; the index works at a coarser grain, as the Mooncake traces do).
 DEFAULT_BLOCK_TOKENS = 512
-
-
-@dataclass(slots=True)
-class EndpointMetrics:
-    """One scrape of a model server's ``/metrics``, normalised across vLLM and SGLang.
-
-    Gauges are as read; ``*_total`` fields are the raw cumulative counters (the
-    reader of two scrapes takes their difference). ``None``: the server does not
-    export it.
-    """
-
-    #: requests queued for prefill (vLLM ``vllm:num_requests_waiting``)
-    waiting: float = 0.0
-    #: requests being decoded or prefilled (vLLM ``vllm:num_requests_running``)
-    running: float = 0.0
-    #: share of KV cache blocks in use, 0..1 (vLLM ``vllm:kv_cache_usage_perc``)
-    kv_usage: float = 0.0
-    #: prefix cache: tokens looked up and tokens found, cumulative
-    prefix_queries_total: float | None = None
-    prefix_hits_total: float | None = None
-    #: prompt tokens processed, cumulative (``vllm:prompt_tokens_total``)
-    prompt_tokens_total: float | None = None
-    #: seconds spent in prefill, cumulative (``vllm:request_prefill_time_seconds_sum``)
-    prefill_seconds_total: float | None = None
-    #: KV capacity in blocks of ``kv_block_tokens`` tokens, when the server says
-    kv_blocks: int | None = None
-    kv_block_tokens: int | None = None
 
 
 @dataclass(slots=True)
