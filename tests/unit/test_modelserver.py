@@ -61,7 +61,11 @@ def test_pre_v1_vllm_kv_gauge_is_read() -> None:
 
 
 def test_garbage_lines_are_skipped_and_usage_is_clamped() -> None:
-    text = "vllm:num_requests_waiting{x} oops\nvllm:kv_cache_usage_perc 1.7\nvllm:num_requests_running\n"
+    text = (
+        "vllm:num_requests_waiting{x} oops\n"
+        "vllm:kv_cache_usage_perc 1.7\n"
+        "vllm:num_requests_running\n"
+    )
     m = parse_metrics(text)
     assert m.waiting == 0.0
     assert m.kv_usage == 1.0
