@@ -13,6 +13,11 @@ It prints progress every few seconds, then a per-tenant report (what the
 clients saw, what the operator allocated and why, the Events it emitted),
 and writes ``report.json`` and ``demo.png`` (hit ratio, p95 and L1 quota per
 tenant over time) to ``--out``.
+
+Then (``--routing both``, the default; ``only`` skips the cache part) it
+compares ``cachefleet router`` with round-robin on simulated model servers
+(:mod:`cachefleet_e2e.routing_demo`) and writes ``routing.json`` and
+``routing.png`` (time to first token, prefix-cache hits per pod) beside them.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 import httpx
 
+from . import routing_demo
 from .fleet import DEFAULT_TENANTS, LocalFleet
 
 #: (prompt pool size, Zipf exponent or None for a one-off sweep, requests/s) per tenant.
@@ -322,12 +328,42 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("demo-out"), help="report directory")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--routing",
+        choices=("both", "off", "only"),
+        default="both",
+        help="the routing comparison (cachefleet router vs round-robin on simulated model "
+        "servers) after the cache demo, not at all, or alone (default both)",
+    )
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.pods < 1:
         parser.error("--duration must be > 0 and --pods >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # kopf runs in a thread here: its notice that OS signals are not its to handle is noise.
     logging.getLogger("kopf").setLevel(logging.ERROR)
+    errors = 0
+    if args.routing != "only":
+        errors += _cache_demo(args)
+    if args.routing != "off":
+        errors += _routing_demo(args)
+    return 1 if errors else 0
+
+
+def _routing_demo(args: argparse.Namespace) -> int:
+    """The routing comparison; the number of failed requests."""
+    print("\n== routing: cachefleet router vs round-robin", flush=True)
+    result = asyncio.run(routing_demo.compare(routing_demo.RoutingLoad(seed=args.seed)))
+    routing_demo.print_report(result)
+    written = routing_demo.write(result, args.out, plotted=not args.no_plot)
+    print("\nwrote " + ", ".join(written))
+    failed = sum(int(p["errors"]) for p in result["phases"])
+    if failed:
+        print(f"routing: {failed} requests failed", file=sys.stderr)
+    return failed
+
+
+def _cache_demo(args: argparse.Namespace) -> int:
+    """The cache demo; the number of failed requests."""
     try:
         import uvloop
 
@@ -342,8 +378,7 @@ def main(argv: list[str]) -> int:
     if not args.no_plot and plot(result, args.out / "demo.png"):
         written.append(str(args.out / "demo.png"))
     print("\nwrote " + ", ".join(written))
-    errors = sum(t["errors"] for t in summary["tenants"].values())
+    errors = int(sum(t["errors"] for t in summary["tenants"].values()))
     if errors:
         print(f"{errors} requests failed", file=sys.stderr)
-        return 1
-    return 0
+    return errors
