@@ -328,6 +328,25 @@ def test_gateway_reaches_the_picker_and_the_picker_reaches_the_proxy_port() -> N
     assert picker["podSelector"]["matchLabels"].items() <= pod_labels.items()
 
 
+def test_proxy_port_peers_are_one_list_whatever_the_gateway_is() -> None:
+    gateway = [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
+    values = {
+        "router": ROUTER,
+        "monitoring": MONITORING,
+        "networkPolicy": {"gateway": gateway, "namespaces": [CACHE_NS]},
+    }
+    (policy,) = [
+        p for p in docs(values)["NetworkPolicy"] if p["metadata"]["name"].endswith("-sidecar")
+    ]
+    kubernetes_validate.validate(policy, KUBE_VERSION.rsplit(".", 1)[0], strict=True)
+    proxy = next(r["from"] for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == 8080)
+    assert proxy[0] == gateway[0]
+    assert proxy[1]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert proxy[2:] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+
+
 # --------------------------------------------------------------------- monitors
 
 
