@@ -70,6 +70,8 @@ BEST_EFFORT_RULE = (
 BEST_EFFORT_MESSAGE = "a BestEffort tenant has no floor: minShare must be 0"
 REDIS_ONE_OF_RULE = "has(self.url) != has(self.secretRef)"
 REDIS_ONE_OF_MESSAGE = "set exactly one of url and secretRef"
+POOL_REF_RULE = "!has(self.inferencePoolRef) || (has(self.enabled) && self.enabled)"
+POOL_REF_MESSAGE = "inferencePoolRef needs enabled: true"
 IMMUTABLE_RULE = "self == oldSelf"
 IMMUTABLE_MESSAGE = "a CacheInvalidation is one-shot: its spec is immutable"
 
@@ -358,6 +360,60 @@ class TenantSpec(_Model):
         return self
 
 
+class InferencePoolRef(_Model):
+    """An InferencePool (inference.networking.k8s.io/v1) in the cache's namespace."""
+
+    name: str = Field(
+        description="InferencePool name.",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+    )
+
+
+class RoutingSpec(_Model):
+    """Whether the cache's pods are routed by cachefleet's endpoint picker, and through which pool.
+
+    The picker (``cachefleet router``), its Service and the InferencePool are
+    deployed by the Helm chart (``router.*`` values, docs/routing-install.md);
+    the operator validates this field and reports the pool in
+    ``status.routing`` and ``kubectl get inferencecaches``. It creates nothing.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [_cel(POOL_REF_RULE, POOL_REF_MESSAGE, ".inferencePoolRef")]
+        }
+    )
+
+    enabled: bool = Field(
+        default=False,
+        description=(
+            "Requests reach these pods through an InferencePool whose endpoint picker is "
+            "cachefleet's (prefix- and load-aware); the chart's router values deploy it."
+        ),
+    )
+    inference_pool_ref: InferencePoolRef | None = Field(
+        default=None,
+        description=(
+            "An existing InferencePool that routes to these pods (the chart's "
+            "router.existingPool); empty: the pool the chart renders, named after this cache."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _ref_needs_enabled(self) -> RoutingSpec:
+        if self.inference_pool_ref is not None and not self.enabled:
+            raise ValueError(POOL_REF_MESSAGE)
+        return self
+
+    def pool_name(self, cache_name: str) -> str | None:
+        """The InferencePool routing to the cache ``cache_name``; None when routing is off."""
+        if not self.enabled:
+            return None
+        return self.inference_pool_ref.name if self.inference_pool_ref else cache_name
+
+
 class InferenceCacheSpec(_Model):
     """Desired state of an InferenceCache."""
 
@@ -387,6 +443,10 @@ class InferenceCacheSpec(_Model):
     allocation: AllocationTuning = Field(
         default_factory=AllocationTuning,
         description="How eagerly quotas follow the metrics: smoothing, hysteresis, minimum gain.",
+    )
+    routing: RoutingSpec = Field(
+        default_factory=RoutingSpec,
+        description="Routing through cachefleet's endpoint picker (deployed by the Helm chart).",
     )
     tenants: list[TenantSpec] = Field(
         default_factory=list,
@@ -473,6 +533,18 @@ class SidecarStatus(_Observed):
     )
 
 
+class RoutingStatus(_Observed):
+    """Which InferencePool routes to the cache, as spec.routing says."""
+
+    pool: str = Field(description="Name of the InferencePool in the cache's namespace.")
+    pool_source: Literal["Rendered", "Referenced"] = Field(
+        description=(
+            "Rendered: the chart's pool named after the cache; Referenced: "
+            "spec.routing.inferencePoolRef."
+        )
+    )
+
+
 class InferenceCacheStatus(_Observed):
     """Observed state of an InferenceCache, written by the operator."""
 
@@ -504,6 +576,9 @@ class InferenceCacheStatus(_Observed):
     policy_events_until: str | None = Field(
         default=None,
         description="End of the span whose L1 policy switches are reported as Events (RFC 3339).",
+    )
+    routing: RoutingStatus | None = Field(
+        default=None, description="The InferencePool routing to the cache (spec.routing.enabled)."
     )
     conditions: list[Condition] | None = Field(
         default=None, description="Ready, Degraded and SLAViolated."

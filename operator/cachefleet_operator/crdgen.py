@@ -216,6 +216,13 @@ def inference_cache_crd() -> dict[str, Any]:
                 "description": "Tenants meeting their SLA / tenants with SLA and metrics.",
             },
             {"name": "Sidecars", "type": "integer", "jsonPath": ".status.sidecars.seen"},
+            {
+                "name": "Pool",
+                "type": "string",
+                "jsonPath": ".status.routing.pool",
+                "description": "InferencePool routing to the cache (spec.routing).",
+                "priority": 1,
+            },
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
     )

@@ -53,6 +53,7 @@ from cachefleet_operator.api import (
     InferenceCacheStatus,
     ObservedMetrics,
     RedisEndpoint,
+    RoutingStatus,
     SemanticSpec,
     SidecarStatus,
     SpecError,
@@ -248,6 +249,15 @@ def assignment_digest(assignment: QuotaAssignment) -> str:
     body = assignment.model_dump(mode="json", exclude={"generation", "issued_at"})
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def routing_status(name: str, spec: InferenceCacheSpec) -> RoutingStatus | None:
+    """``status.routing`` of the cache ``name``: the pool routing to it, or None when off."""
+    pool = spec.routing.pool_name(name)
+    if pool is None:
+        return None
+    source = "Referenced" if spec.routing.inference_pool_ref is not None else "Rendered"
+    return RoutingStatus(pool=pool, pool_source=source)
 
 
 def _previous_status(raw: Mapping[str, Any] | None) -> InferenceCacheStatus:
@@ -480,6 +490,9 @@ class Reconciler:
 
         events: list[Event] = list(epoch_events)
         status: dict[str, Any] = {"observedGeneration": generation, **epoch_status}
+        routing = routing_status(name, spec)
+        if routing is not None or previous.routing is not None:
+            status["routing"] = routing.wire() if routing is not None else None  # None clears
         if published:
             switch_events, events_until = await self._policy_switches(source, cache, previous, now)
             events.extend(switch_events)

@@ -160,20 +160,33 @@ def test_objects_live_with_the_model_deployment_and_select_validly(mode: str) ->
         assert all(LABEL_VALUE.match(v) and len(v) <= 63 for v in labels.values())
 
 
-def test_adapter_rule_serves_the_metric_the_hpa_asks_for() -> None:
+SATURATION_ON = {"monitoring": {"prometheusOperator": True, "modelServers": {"enabled": True}}}
+
+
+def test_adapter_rules_serve_the_metrics_the_hpa_asks_for() -> None:
     values = yaml.safe_load((ROOT / "deploy" / "prometheus-adapter-values.yaml").read_text())
-    (rule,) = values["rules"]["external"]
-    (hpa,) = kinds(render({"autoscaling": {**BASE, "mode": "hpa"}})["docs"])[
+    rules = {r["name"]["as"]: r for r in values["rules"]["external"]}
+    both = {**BASE, "mode": "hpa", "signals": ["sloPressure", "poolSaturation"]}
+    (hpa,) = kinds(render({"autoscaling": both, **SATURATION_ON})["docs"])[
         "HorizontalPodAutoscaler"
     ]
-    name = hpa["spec"]["metrics"][0]["external"]["metric"]["name"]
-    assert rule["name"]["as"] == name
-    assert rule["seriesQuery"].startswith(name)
-    # namespaced to the HPA's namespace through the cache's own namespace label
-    assert rule["resources"]["overrides"] == {"cache_namespace": {"resource": "namespace"}}
-    # one series per cache reaches the HPA: never a sum over tenants or replicas
-    assert rule["metricsQuery"].startswith("max(")
-    assert "by (cache_namespace, cache_name)" in rule["metricsQuery"]
+    (rule_obj,) = kinds(render(SATURATION_ON)["docs"])["PrometheusRule"]
+    recorded = {
+        r["record"] for g in rule_obj["spec"]["groups"] for r in g["rules"] if "record" in r
+    }
+    names = [m["external"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
+    assert names == ["cachefleet_operator_slo_pressure", "cachefleet_pool_saturation"]
+    for name in names:
+        rule = rules[name]
+        series = rule["seriesQuery"].split("{", 1)[0]
+        # the adapter reads the operator's gauge or the chart's own recorded series
+        assert series == name or series in recorded, series
+        # namespaced to the HPA's namespace through the cache's own namespace label
+        assert rule["resources"]["overrides"] == {"cache_namespace": {"resource": "namespace"}}
+        # one series per cache reaches the HPA: never a sum over tenants, pods or replicas
+        assert rule["metricsQuery"].startswith("max(")
+        assert "by (cache_namespace, cache_name)" in rule["metricsQuery"]
+    assert set(rules) == set(names)
 
 
 def test_notes_name_the_signal_and_the_adapter() -> None:

@@ -32,8 +32,9 @@ PROMTOOL_TIMEOUT_S = 30
 CACHE = "inference/llama"
 
 
-def rules_file(tmp_path: Path) -> Path:
-    (rule,) = kinds(render({"monitoring": {"prometheusOperator": True}})["docs"])["PrometheusRule"]
+def rules_file(tmp_path: Path, monitoring: dict[str, Any] | None = None) -> Path:
+    values = {"monitoring": {"prometheusOperator": True, **(monitoring or {})}}
+    (rule,) = kinds(render(values)["docs"])["PrometheusRule"]
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump(rule["spec"]))
     return path
@@ -51,7 +52,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_rules_pass_promtool_check(tmp_path: Path) -> None:
     result = promtool("check", "rules", str(rules_file(tmp_path)))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert "SUCCESS: 14 rules found" in result.stdout
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -159,6 +160,58 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
     }
     rules = rules_file(tmp_path)
     test_file = tmp_path / "rules_test.yaml"
+    test_file.write_text(
+        yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [tests]})
+    )
+    result = promtool("test", "rules", str(test_file))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.prometheus
+def test_pool_saturation_rules_on_model_server_series(tmp_path: Path) -> None:
+    """What the HPA / KEDA read for autoscaling.signals poolSaturation, from vLLM and SGLang
+    series as the model-server PodMonitor labels them (namespace, pod, cachefleet_io_cache)."""
+    vllm = {"namespace": "inference", "cachefleet_io_cache": "llama"}
+    sgl = {"namespace": "batch", "cachefleet_io_cache": "qwen"}
+    series = [
+        # llama: pod a waits 1 + 1 (two LoRA adapters: summed per pod), pod b 6 -> mean 4 = 1.0x
+        _series("vllm:num_requests_waiting", {**vllm, "pod": "a", "model_name": "x"}, "1x30"),
+        _series("vllm:num_requests_waiting", {**vllm, "pod": "a", "model_name": "y"}, "1x30"),
+        _series("vllm:num_requests_waiting", {**vllm, "pod": "b", "model_name": "x"}, "6x30"),
+        # KV usage 0.25 and 0.5 (b still exports the pre-v1 name too) -> mean 0.375 = 0.75x
+        _series("vllm:kv_cache_usage_perc", {**vllm, "pod": "a"}, "0.25x30"),
+        _series("vllm:kv_cache_usage_perc", {**vllm, "pod": "b"}, "0.5x30"),
+        _series("vllm:gpu_cache_usage_perc", {**vllm, "pod": "b"}, "0.5x30"),
+        # a model server without a cachefleet sidecar counts for no pool
+        _series("vllm:num_requests_waiting", {"namespace": "inference", "pod": "z"}, "100x30"),
+        # qwen on SGLang: queue 1 (0.25x), token usage 0.375 (0.75x): KV is the binding signal
+        _series("sglang:num_queue_reqs", {**sgl, "pod": "q"}, "1x30"),
+        _series("sglang:token_usage", {**sgl, "pod": "q"}, "0.375x30"),
+    ]
+
+    def sample(record: str, cache_ns: str, cache: str, value: float) -> dict[str, Any]:
+        """The recorded series of one cache (its name dropped by the aggregation)."""
+        expr = f'max by (cache_namespace, cache_name) ({record}{{cache_name="{cache}"}})'
+        labels = f'{{cache_name="{cache}",cache_namespace="{cache_ns}"}}'
+        return {
+            "expr": expr,
+            "eval_time": "5m",
+            "exp_samples": [{"labels": labels, "value": value}],
+        }
+
+    tests: dict[str, Any] = {
+        "interval": "1m",
+        "input_series": series,
+        "promql_expr_test": [
+            sample("cachefleet:pool_queue_depth:avg", "inference", "llama", 4.0),
+            sample("cachefleet:pool_kv_usage:avg", "inference", "llama", 0.375),
+            sample("cachefleet:pool_saturation", "inference", "llama", 1.0),
+            sample("cachefleet:pool_saturation", "batch", "qwen", 0.75),
+        ],
+    }
+    # saturation levels of 4 waiting requests and half the KV cache (exact in binary floats)
+    rules = rules_file(tmp_path, {"modelServers": {"queueDepth": 4, "kvCacheUsage": 0.5}})
+    test_file = tmp_path / "pool_test.yaml"
     test_file.write_text(
         yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": [tests]})
     )

@@ -294,6 +294,41 @@ def test_redis_down_is_not_ready_and_recovers(
     assert stored_assignment(redis_url, f"{NAMESPACE}/chat") is not None
 
 
+def test_routing_names_its_pool_in_status_and_clears_when_off(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    """``kubectl get icache -o wide`` shows the pool: the chart's (named after the cache) or
+    the referenced one; routing switched off leaves no pool behind."""
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    emulator.create(IC_PATH, cache_body("chat", redis_url, routing={"enabled": True}))
+
+    def routing() -> Any:
+        return ((emulator.get(f"{IC_PATH}/chat") or {}).get("status") or {}).get("routing")
+
+    wait_for(
+        lambda: routing() == {"pool": "chat", "poolSource": "Rendered"},
+        ACT_TIMEOUT_S,
+        "the rendered pool in status",
+    )
+    emulator.patch(
+        f"{IC_PATH}/chat",
+        {"spec": {"routing": {"enabled": True, "inferencePoolRef": {"name": "llama-pool"}}}},
+    )
+    wait_for(
+        lambda: routing() == {"pool": "llama-pool", "poolSource": "Referenced"},
+        ACT_TIMEOUT_S,
+        "the referenced pool in status",
+    )
+    emulator.patch(f"{IC_PATH}/chat", {"spec": {"routing": {"enabled": False}}})
+    # the reference left behind by the merge patch is refused, naming the field
+    wait_condition(emulator, "chat", "Ready", "False", "InvalidSpec")
+    emulator.patch(f"{IC_PATH}/chat", {"spec": {"routing": {"inferencePoolRef": None}}})
+    wait_condition(emulator, "chat", "Ready", "True")
+    wait_for(lambda: routing() is None, ACT_TIMEOUT_S, "no pool once routing is off")
+
+
 def test_invalid_spec_is_reported_once_with_the_field(
     emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
 ) -> None:

@@ -81,6 +81,13 @@ GOOD = [
         id="guaranteed-sum-exactly-1",
     ),
     pytest.param("inferencecaches", ic(redis={"secretRef": {"name": "s"}}), id="redis-secret"),
+    pytest.param("inferencecaches", ic(routing={}), id="routing-empty"),
+    pytest.param("inferencecaches", ic(routing={"enabled": True}), id="routing-rendered-pool"),
+    pytest.param(
+        "inferencecaches",
+        ic(routing={"enabled": True, "inferencePoolRef": {"name": "llama-pool"}}),
+        id="routing-existing-pool",
+    ),
     pytest.param("cacheinvalidations", cinv(), id="cache-scope"),
     pytest.param(
         "cacheinvalidations", cinv(scope={"type": "Tenant", "tenant": "a"}), id="tenant-scope"
@@ -150,6 +157,18 @@ BAD = [
         id="redis-neither",
     ),
     pytest.param(
+        "inferencecaches",
+        ic(routing={"inferencePoolRef": {"name": "llama-pool"}}),
+        ".spec.routing.inferencePoolRef: inferencePoolRef needs enabled: true",
+        id="pool-ref-without-enabled",
+    ),
+    pytest.param(
+        "inferencecaches",
+        ic(routing={"enabled": False, "inferencePoolRef": {"name": "llama-pool"}}),
+        ".spec.routing.inferencePoolRef: inferencePoolRef needs enabled: true",
+        id="pool-ref-disabled",
+    ),
+    pytest.param(
         "cacheinvalidations",
         cinv(scope={"type": "Tenant"}),
         ".spec.scope.tenant: scope Tenant needs tenant",
@@ -217,6 +236,9 @@ UNKNOWN = [
     ),
     pytest.param(
         ic(redis={"url": "redis://x:1/0", "password": "p"}), "spec.redis.password", id="redis"
+    ),
+    pytest.param(
+        ic(routing={"enabled": True, "targetPort": 8080}), "spec.routing.targetPort", id="routing"
     ),
 ]
 

@@ -100,3 +100,47 @@ namespaced kopf peering, Secrets named by spec.redis.secretRef (read only), Pods
   resources: [pods]
   verbs: [get, list, watch]
 {{- end -}}
+
+{{/* The endpoint picker's namespace: that of router.cache (<namespace>/<name>); fails when unset. */}}
+{{- define "cachefleet.routerNamespace" -}}
+{{- if not .Values.router.cache -}}
+{{- fail "router.cache (<namespace>/<name> of the InferenceCache) is required when router.enabled is true" -}}
+{{- end -}}
+{{- index (splitList "/" .Values.router.cache) 0 -}}
+{{- end -}}
+
+{{/* Name of the picker's Deployment, Service, ServiceAccount and Role. */}}
+{{- define "cachefleet.routerName" -}}
+{{- printf "%s-router" (include "cachefleet.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The InferencePool the picker serves: router.existingPool, else the one rendered, named after the cache. */}}
+{{- define "cachefleet.routerPool" -}}
+{{- .Values.router.existingPool | default (index (splitList "/" .Values.router.cache) 1) -}}
+{{- end -}}
+
+{{/* Labels of the picker's pods that its Service, NetworkPolicy and ServiceMonitor match on. */}}
+{{- define "cachefleet.routerSelectorLabels" -}}
+{{ include "cachefleet.selectorLabels" . }}
+app.kubernetes.io/component: router
+{{- end -}}
+
+{{/* Port of the pool's pods the gateway sends to: router.pool.targetPort, else the sidecar's proxy port. */}}
+{{- define "cachefleet.routerTargetPort" -}}
+{{- .Values.router.pool.targetPort | default .Values.sidecar.proxyPort -}}
+{{- end -}}
+
+{{/* True when the PodMonitor of the model servers' own /metrics renders. */}}
+{{- define "cachefleet.modelServerMonitor" -}}
+{{- include "cachefleet.monitoring" (list . "modelServers") -}}
+{{- end -}}
+
+{{/* PromQL: one series per model-server pod of a cache, from the first of the given metric
+names it exports, aggregated per pod with the given operator and labelled like the operator's
+series (cache_namespace, cache_name). Arguments: (list "sum"|"max" name...). */}}
+{{- define "cachefleet.promqlPerPod" -}}
+{{- $op := first . -}}
+{{- $sel := list -}}
+{{- range rest . -}}{{- $sel = append $sel (printf "%s{cachefleet_io_cache!=\"\"}" .) -}}{{- end -}}
+label_replace(label_replace({{ $op }} by (namespace, pod, cachefleet_io_cache) ({{ join " or " $sel }}), "cache_namespace", "$1", "namespace", "(.*)"), "cache_name", "$1", "cachefleet_io_cache", "(.*)")
+{{- end -}}
