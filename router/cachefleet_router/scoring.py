@@ -18,8 +18,9 @@ the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
   of the mean work this picker routes per request. It covers what other router
   replicas sent; ``routed_since_scrape`` adds what this one sent since.
 * ``rate(e)``: uncached prompt tokens per second of prefill, measured between
-  two scrapes from ``prompt_tokens_total`` minus prefix hits over
-  ``prefill_seconds_total``; ``default_rate`` until measured.
+  scrapes from ``prompt_tokens_total`` minus prefix hits over
+  ``prefill_seconds_total`` (decayed sums); until measured, the mean of the
+  endpoints measured, else ``default_rate``.
 * ``trust(e)``: how far the server's measured prefix hit ratio (``prefix
   hits / queries`` between scrapes, or SGLang's own ratio) agrees with what the
   index predicted for the requests routed there; bounded to
@@ -199,6 +200,9 @@ class ScoringPicker:
         #: smoothed uncached tokens per routed request (a server's queued request costs this)
         self._mean_request_tokens = 0.0
         self._last_sweep = 0.0
+        #: sum and number of the measured prefill rates (an unmeasured endpoint gets the mean)
+        self._measured_sum = 0.0
+        self._measured_count = 0
 
     # -- the Picker protocol ---------------------------------------------------------------
 
@@ -224,8 +228,8 @@ class ScoringPicker:
         else:
             candidates = [s for s in scores if s.wait <= cap] or scores
             reason = "least expected TTFT"
-        best_ttft = min(s.ttft for s in candidates)
-        limit = best_ttft * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
+        best = min(s.ttft for s in candidates)
+        limit = best * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
         tied = [s for s in candidates if s.ttft <= limit]
         key = request.answer_key
         chosen = min(
@@ -293,6 +297,10 @@ class ScoringPicker:
             state = _EndpointState(index=PrefixIndex(capacity), rate=cfg.default_rate)
             self._states[endpoint.address] = state
         state.seen_at = now
+        if not state.measured_rate and self._measured_count:
+            # not measured yet: as fast as the fleet's measured endpoints, not the default
+            # (an endpoint guessed slow would never be sent the traffic that measures it)
+            state.rate = self._measured_sum / self._measured_count
         if (
             endpoint.metrics is not None
             and endpoint.scraped_at > 0
@@ -328,8 +336,13 @@ class ScoringPicker:
                 state.rate_tokens = keep * state.rate_tokens + uncached
                 state.rate_seconds = keep * state.rate_seconds + d_seconds
                 if state.rate_tokens > 0 and state.rate_seconds > 0:
+                    if state.measured_rate:
+                        self._measured_sum -= state.rate
+                    else:
+                        self._measured_count += 1
                     state.rate = state.rate_tokens / state.rate_seconds
                     state.measured_rate = True
+                    self._measured_sum += state.rate
         if meas_ratio is not None and state.pred_tokens > 0:
             state.meas_hits = keep * state.meas_hits + meas_ratio * weight
             state.meas_tokens = keep * state.meas_tokens + weight
@@ -417,6 +430,9 @@ class ScoringPicker:
         for address, state in list(self._states.items()):
             if now - state.seen_at > cfg.forget_after_s:
                 del self._states[address]
+                if state.measured_rate:
+                    self._measured_sum -= state.rate
+                    self._measured_count -= 1
                 continue
             while state.outstanding:
                 head = next(iter(state.outstanding.values()))
