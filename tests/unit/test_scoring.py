@@ -306,3 +306,19 @@ def test_same_inputs_same_decisions() -> None:
 def test_bad_config_names_the_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         ScoringConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_an_unmeasured_endpoint_is_as_fast_as_the_measured_ones() -> None:
+    clock = Clock()
+    picker = make(clock)
+    a, b = fleet("a", "b")
+    _scrape(a, clock.now, prompt_tokens_total=0.0, prefill_seconds_total=0.0)
+    picker.pick(req(tokens=10), [a])
+    clock.now += 1.0
+    _scrape(a, clock.now, prompt_tokens_total=8000.0, prefill_seconds_total=2.0)
+    picker.pick(req(tokens=10), [a])
+    assert picker.rate(a.address) == pytest.approx(4000.0)
+    # b was never sent anything to measure it by: the default (1000/s) would make it
+    # look 4x slower than a, and it would never be sent anything
+    picker.pick(req(tokens=10), [a, b])
+    assert picker.rate(b.address) == pytest.approx(4000.0)
