@@ -40,7 +40,11 @@ block (tracemalloc): the issue's decision-latency target.
 
     cachefleet bench routing [--trace T.jsonl] [--json OUT] [--pods N]
         [--kv-blocks B] [--prefill-rate R] [--speed X] [--scrape-interval S]
-        [--policies a,b] [--limit N] [--epsilon E] [--decision-picks N]
+        [--policies a,b] [--limit N] [--epsilon E] [--replicas K] [--decision-picks N]
+
+``--replicas K`` runs every policy as K independent pickers (router replicas
+that share nothing: each its own index, counters, in-flight view), the
+requests dealt to them in turn.
 """
 
 from __future__ import annotations
@@ -344,6 +348,31 @@ class Precise(_Baseline):
         return Decision(best[2])
 
 
+class Replicas:
+    """Several independent pickers, as several router replicas: requests dealt in turn.
+
+    They share nothing; each learns from what it routes and from the metrics.
+    """
+
+    def __init__(self, pickers: Sequence[Picker]) -> None:
+        self._pickers = list(pickers)
+        self._next = 0
+        self._owner: dict[int, tuple[Decision, Picker]] = {}
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        picker = self._pickers[self._next % len(self._pickers)]
+        self._next += 1
+        decision = picker.pick(request, endpoints)
+        if decision is not None:
+            self._owner[id(decision)] = (decision, picker)
+        return decision
+
+    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
+        owner = self._owner.pop(id(decision), None)
+        if owner is not None:
+            owner[1].done(decision, request, ok=ok)
+
+
 # -- the replay ---------------------------------------------------------------------------
 
 
@@ -369,8 +398,13 @@ def make_policy(
     clock: _Clock,
     kv_blocks: int,
     config: ScoringConfig,
+    replicas: int = 1,
 ) -> Picker:
-    """The picker of policy ``name`` over the simulated pods."""
+    """The picker of policy ``name`` over the simulated pods, as ``replicas`` replicas."""
+    if replicas > 1:
+        return Replicas(
+            [make_policy(name, addresses, pods, clock, kv_blocks, config) for _ in range(replicas)]
+        )
     if name == "round-robin":
         return RoundRobin(addresses)
     if name == "least-loaded":
@@ -395,13 +429,16 @@ def replay(
     prefill_rate: float = DEFAULT_PREFILL_RATE,
     scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
     config: ScoringConfig | None = None,
+    replicas: int = 1,
 ) -> Result:
     """Replay ``trace`` over ``pods`` simulated pods routed by ``policy``; one result row."""
     clock = _Clock()
     addresses = [f"pod-{i}:8000" for i in range(pods)]
     sim = {a: Pod(kv_blocks, prefill_rate) for a in addresses}
     endpoints = [Endpoint(address=a, name=a.partition(":")[0]) for a in addresses]
-    picker = make_policy(policy, addresses, sim, clock, kv_blocks, config or ScoringConfig())
+    picker = make_policy(
+        policy, addresses, sim, clock, kv_blocks, config or ScoringConfig(), replicas
+    )
     outcome = _Outcome()
     busy = dict.fromkeys(addresses, 0.0)
     # events: (time, order, kind, address); kinds: 0 prefill done, 1 scrape
@@ -687,6 +724,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     p.add_argument("--limit", type=_positive(int), help="replay only the first N requests")
+    p.add_argument(
+        "--replicas",
+        type=_positive(int),
+        default=1,
+        help="every policy as this many independent router replicas, requests dealt in turn",
+    )
     p.add_argument("--epsilon", type=float, default=ScoringConfig().epsilon, help="bounded load")
     p.add_argument(
         "--decision-picks",
@@ -732,6 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefill_rate=args.prefill_rate,
                 scrape_interval=args.scrape_interval,
                 config=config,
+                replicas=args.replicas,
             )
         )
         print(
@@ -747,6 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{len(trace)} requests over {trace[-1].arrival:.0f} s, {args.pods} pods x"
         f" {args.kv_blocks} blocks, {args.prefill_rate:g} tokens/s, speed {args.speed:g}"
+        + (f", {args.replicas} router replicas" if args.replicas > 1 else "")
     )
     print(table(results))
     if decision is not None:
@@ -781,6 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "speed": args.speed,
                 "scrape_interval": args.scrape_interval,
                 "epsilon": args.epsilon,
+                "replicas": args.replicas,
             },
             "decision": None
             if decision is None

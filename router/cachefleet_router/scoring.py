@@ -38,6 +38,16 @@ Saturation (every endpoint's ``wait`` at least ``saturated_wait_s``):
 ``BestEffort`` goes to the least-loaded endpoint, keeping the endpoints that
 hold its prefix for the others.
 
+Home: rendezvous hashing of the prompt's block ``home_block`` (4: the first
+2,560 tokens with 512-token blocks) names one endpoint among the ready ones,
+the same in every router replica. The picker believes the home holds the
+prompt's first ``home_block + 1`` blocks, so a family of prompts nobody has
+routed yet settles on its home, and so do the other replicas' requests of
+that family. When the metrics show that this picker routes less than
+``replicated_below_share`` of the endpoints' prompt tokens (its share, from
+``prompt_tokens_total``), other replicas route a conversation's other turns:
+the home is then believed to hold all but the prompt's last block.
+
 Router replicas never need to agree: each learns from what it routes and
 what the metrics say, and a restart loses only the index.
 """
@@ -45,6 +55,7 @@ what the metrics say, and a restart loses only the index.
 from __future__ import annotations
 
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +87,13 @@ class ScoringConfig:
     epsilon: float = 0.5
     #: ... plus this many typical requests' prefill (the cap of an idle fleet is not zero)
     load_slack_requests: float = 2.0
+    #: home: the endpoint that rendezvous hashing of the prompt's block ``home_block`` names
+    #: is believed to hold its first ``home_block + 1`` blocks (-1: no home), so that router
+    #: replicas that share nothing still send a conversation's turns to one endpoint
+    home_block: int = 4
+    #: when this picker routes less than this share of the endpoints' prompt tokens (other
+    #: replicas route the rest), the home is believed to hold all of a prompt but its last block
+    replicated_below_share: float = 0.75
     #: metrics older than this (seconds) are ignored: the endpoint's queue is only what
     #: this picker sent there
     stale_after_s: float = 2.0
@@ -117,6 +135,7 @@ class ScoringConfig:
         for name, value in {
             "epsilon": self.epsilon,
             "load_slack_requests": self.load_slack_requests,
+            "replicated_below_share": self.replicated_below_share,
             "running_weight": self.running_weight,
             "tie_rel": self.tie_rel,
             "tie_abs_s": self.tie_abs_s,
@@ -160,6 +179,8 @@ class _EndpointState:
     #: predicted prefix-hit tokens and routed tokens since the last scrape (raw index)
     pred_hits: float = 0.0
     pred_tokens: float = 0.0
+    #: prompt tokens routed here since the last scrape
+    mine_tokens: float = 0.0
     #: decayed sums: measured hit tokens / looked-up tokens, predicted ones, and the
     #: uncached tokens / prefill seconds behind the rate
     meas_hits: float = 0.0
@@ -200,6 +221,9 @@ class ScoringPicker:
         #: smoothed uncached tokens per routed request (a server's queued request costs this)
         self._mean_request_tokens = 0.0
         self._last_sweep = 0.0
+        #: decayed sums: prompt tokens this picker routed, and the servers' prompt tokens
+        self._mine_tokens = 0.0
+        self._server_tokens = 0.0
         #: sum and number of the measured prefill rates (an unmeasured endpoint gets the mean)
         self._measured_sum = 0.0
         self._measured_count = 0
@@ -213,7 +237,8 @@ class ScoringPicker:
             return None
         self._sweep(now)
         cfg = self.config
-        scores = [self._score(request, e, now) for e in ready]
+        home = self._home(request, ready)
+        scores = [self._score(request, e, now, e.address == home) for e in ready]
         mean_wait = sum(s.wait for s in scores) / len(scores)
         typical = self._mean_request_tokens / (sum(s.state.rate for s in scores) / len(scores))
         cap = (1.0 + cfg.epsilon) * mean_wait + cfg.load_slack_requests * typical
@@ -282,6 +307,12 @@ class ScoringPicker:
         state = self._states.get(address)
         return len(state.outstanding) if state is not None else 0
 
+    def traffic_share(self) -> float:
+        """The share of the endpoints' prompt tokens this picker routed (1: alone, or unknown)."""
+        if self._server_tokens <= 0:
+            return 1.0
+        return min(1.0, self._mine_tokens / self._server_tokens)
+
     def expected_wait(self, endpoint: Endpoint) -> float:
         """Seconds a request sent to ``endpoint`` now would queue before its prefill."""
         now = self._clock()
@@ -330,6 +361,10 @@ class ScoringPicker:
             elif metrics.prefix_hit_ratio is not None and d_prompt:
                 meas_ratio = min(1.0, max(0.0, metrics.prefix_hit_ratio))
                 weight = d_prompt
+            if d_prompt is not None:
+                forget = cfg.smoothing / max(1, len(self._states))
+                self._mine_tokens = (1 - forget) * self._mine_tokens + state.mine_tokens
+                self._server_tokens = (1 - forget) * self._server_tokens + d_prompt
             if d_prompt and d_seconds and d_seconds > 0:
                 uncached = d_prompt * (1.0 - meas_ratio) if meas_ratio is not None else d_prompt
                 # ratio of decayed sums: robust to a counter that moves a scrape before another
@@ -355,6 +390,7 @@ class ScoringPicker:
         if meas_ratio is not None or prev is None:
             state.pred_hits = 0.0
             state.pred_tokens = 0.0
+        state.mine_tokens = 0.0
         state.prev = metrics
         state.scraped_at = scraped_at
         state.routed_since_scrape = 0.0
@@ -378,11 +414,32 @@ class ScoringPicker:
         reported = (queued * self._mean_request_tokens + state.routed_since_scrape) / state.rate
         return max(own, reported)
 
-    def _score(self, request: RouteRequest, endpoint: Endpoint, now: float) -> _Score:
+    def _home(self, request: RouteRequest, ready: Sequence[Endpoint]) -> str | None:
+        """The endpoint every replica sends this prompt's family to when it knows no better."""
+        k = self.config.home_block
+        if k < 0 or len(request.blocks) <= k:
+            return None
+        key = request.blocks[k] & 0xFFFFFFFFFFFFFFFF
+        best: tuple[int, str] | None = None
+        for e in ready:
+            mixed = ((key ^ _address_hash(e.address)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+            mixed ^= mixed >> 29
+            if best is None or (mixed, e.address) > best:
+                best = (mixed, e.address)
+        return best[1] if best is not None else None
+
+    def _score(self, request: RouteRequest, endpoint: Endpoint, now: float, home: bool) -> _Score:
         cfg = self.config
         state = self._state(endpoint, now)
         tokens = float(max(request.tokens, 0))
         matched = state.index.matched(request.blocks) if request.blocks else 0
+        if home:
+            # the home holds the blocks up to home_block if anyone sent it this family; when
+            # other replicas route most of the traffic, it likely holds all but the new turn
+            credit = cfg.home_block + 1
+            if self.traffic_share() < cfg.replicated_below_share:
+                credit = max(credit, len(request.blocks) - 1)
+            matched = max(matched, credit)
         hit = min(tokens, state.trust * cfg.block_tokens * matched)
         uncached = tokens - hit
         wait = self._wait(state, endpoint, now)
@@ -401,6 +458,7 @@ class ScoringPicker:
         tokens = float(max(request.tokens, 0))
         state.pred_hits += min(tokens, cfg.block_tokens * chosen.matched)
         state.pred_tokens += tokens
+        state.mine_tokens += tokens
         self._mean_request_tokens = _smooth(
             self._mean_request_tokens if self._seq > 1 else None, chosen.uncached, 0.05
         )
@@ -444,6 +502,19 @@ class ScoringPicker:
         for key, (_decision, address, seq) in list(self._pending.items()):
             if (address, seq) not in live:
                 del self._pending[key]
+
+
+_ADDRESS_HASHES: dict[str, int] = {}
+
+
+def _address_hash(address: str) -> int:
+    """A hash of an address that every process computes alike (``hash(str)`` is salted)."""
+    value = _ADDRESS_HASHES.get(address)
+    if value is None:
+        value = zlib.crc32(address.encode()) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+        if len(_ADDRESS_HASHES) < 65_536:
+            _ADDRESS_HASHES[address] = value
+    return value
 
 
 def _delta(new: float | None, old: float | None) -> float | None:

@@ -112,3 +112,17 @@ def test_registered_with_a_quick_setting() -> None:
     module, _text, quick = BENCHMARKS["routing"]
     assert module == "cachefleet_bench.routing"
     assert quick == ("--quick",)
+
+
+def test_replicas_that_share_nothing_still_beat_round_robin(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace)
+    requests = bench.load_trace(trace)
+    run = {
+        policy: bench.replay(
+            requests, policy, pods=4, kv_blocks=150, prefill_rate=40000, replicas=3
+        )
+        for policy in ("round-robin", "cachefleet")
+    }
+    assert run["cachefleet"].ttft_mean < 0.8 * run["round-robin"].ttft_mean
+    assert run["cachefleet"].kv_hit > run["round-robin"].kv_hit + 0.1

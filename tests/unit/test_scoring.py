@@ -20,7 +20,12 @@ class Clock:
 
 
 def make(clock: Clock, **config: float) -> ScoringPicker:
-    base: dict[str, float] = {"default_rate": RATE, "tie_rel": 0.0, "tie_abs_s": 1e-9}
+    base: dict[str, float] = {
+        "default_rate": RATE,
+        "tie_rel": 0.0,
+        "tie_abs_s": 1e-9,
+        "home_block": -1,  # the home is tested on its own below
+    }
     base.update(config)
     return ScoringPicker(ScoringConfig(block_tokens=BT, **base), clock=clock)  # type: ignore[arg-type]
 
@@ -322,3 +327,39 @@ def test_an_unmeasured_endpoint_is_as_fast_as_the_measured_ones() -> None:
     # look 4x slower than a, and it would never be sent anything
     picker.pick(req(tokens=10), [a, b])
     assert picker.rate(b.address) == pytest.approx(4000.0)
+
+
+def test_replicas_that_share_nothing_send_a_family_home() -> None:
+    endpoints = fleet("a", "b", "c", "d", "e", "f")
+    one, two = make(Clock(), home_block=4), make(Clock(), home_block=4)
+    homes = set()
+    for family in range(40):
+        prompt = req((1, 2, 3, 4, 1000 + family, 2000 + family))
+        first, second = picked(one, prompt, endpoints), picked(two, prompt, endpoints)
+        one.done(first, prompt, ok=True)
+        two.done(second, prompt, ok=True)
+        assert second.address == first.address
+        assert first.matched_blocks == 5  # believed: the home holds blocks 0..4
+        homes.add(first.address)
+    assert len(homes) >= 4  # families spread over the endpoints
+    short = req((1, 2, 3))  # no block 4: no home, the usual tie-break
+    assert picked(make(Clock(), home_block=4), short, endpoints).address == "a:8000"
+
+
+def test_a_replica_among_many_believes_the_home_holds_the_history() -> None:
+    clock = Clock()
+    picker = make(clock, home_block=4)
+    endpoints = fleet("a", "b", "c")
+    for e in endpoints:
+        _scrape(e, clock.now, prompt_tokens_total=0.0)
+    warm = req(tokens=1000)
+    d = picked(picker, warm, endpoints)
+    picker.done(d, warm, ok=True)
+    assert picker.traffic_share() == 1.0  # nothing measured: alone
+    clock.now += 1.0
+    for e in endpoints:  # the servers saw 4x what this replica sent
+        _scrape(e, clock.now, prompt_tokens_total=4000.0 if e.address == d.address else 0.0)
+    conversation = req(range(1, 13))
+    decision = picked(picker, conversation, endpoints)
+    assert picker.traffic_share() == pytest.approx(0.25)
+    assert decision.matched_blocks == 11  # all but the newest block
