@@ -270,7 +270,13 @@ class ScoringPicker:
         return self._record(request, chosen, now, reason)
 
     def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
-        """Free the request's outstanding work on its endpoint (``ok`` or not)."""
+        """Free the request's outstanding work on its endpoint (``ok`` or not).
+
+        ``decision`` must be the object :meth:`pick` returned (it is looked up by
+        identity); an unknown or repeated one is ignored. The index keeps the prompt's
+        blocks either way: a failure after the prefill leaves them on the server, and a
+        wrong belief is corrected by the trust factor and aged out by the LRU.
+        """
         pending = self._pending.pop(id(decision), None)
         if pending is None or pending[0] is not decision:
             return
