@@ -58,6 +58,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "semantic tier (L3): hit ratio / false hits over a threshold sweep, lookup latency",
         ("--quick",),
     ),
+    "routing": (
+        "cachefleet_bench.routing",
+        "KV-prefix-aware routing on a Mooncake trace: cachefleet vs round-robin / gie-like / ...",
+        ("--quick",),
+    ),
 }
 
 #: Exit code of a benchmark that is not implemented yet (and of usage errors).

@@ -12,4 +12,8 @@ Rooms:
   endpoint, what its model server's metrics say, a request reduced to what
   routing needs, and the :class:`~cachefleet_router.endpoints.Picker` seam
   between the gRPC service and the scoring.
+* :mod:`cachefleet_router.prefix` — the per-endpoint LRU index of the prompt
+  prefixes (chained block hashes) an endpoint is believed to hold.
+* :mod:`cachefleet_router.scoring` — :class:`~cachefleet_router.scoring.ScoringPicker`,
+  the least expected time to first token with a bounded load (docs/routing.md).
 """

@@ -1,0 +1,849 @@
+"""Routing benchmark: a Mooncake trace replayed over simulated model-server pods.
+
+``cachefleet bench routing`` replays a Mooncake-format trace (one JSON object a
+line: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
+512-token blocks, equal prefixes sharing leading ids) over N simulated pods,
+each routed request chosen by one policy. Deterministic: a discrete-event
+simulation in simulated time, no wall clock, no randomness but a seeded one.
+
+The pod model (the issue's): per pod an LRU of B blocks (a prompt's blocks
+are added when its prefill starts, touched last-to-first so eviction eats
+prefixes from the tail) and a serial FIFO prefill queue running at R uncached
+tokens/s. A request's time to first token is its wait in the queue plus
+``(input_length - 512 * matched leading blocks) / R``, the match taken when its
+prefill starts. Arrival times are the trace's divided by ``--speed``.
+
+Every ``--scrape-interval`` simulated seconds each pod exports vLLM-like
+metrics (requests waiting / running, KV usage and capacity, prefix-cache
+queries and hits in tokens, prompt tokens, prefill seconds), which the
+policies that read metrics see, as a router would, up to one period late.
+
+Policies:
+
+* ``round-robin``; ``least-loaded`` (fewest requests routed and not done, as
+  Envoy's least-request balancer); ``session-hash`` (the first block's hash);
+* ``gie-like``: the Gateway API Inference Extension's default scorers, score
+  = 3 x matched-prefix fraction (its own LRU index of B blocks per pod) + 2 x
+  (1 - queue / max queue) from the scraped queue depths, ties broken by a
+  seeded random choice;
+* ``cachefleet``: :class:`cachefleet_router.scoring.ScoringPicker`, the real
+  scoring code, fed the simulated metrics and the simulated clock;
+* ``precise``: the least expected TTFT knowing every pod's real cache (and the
+  blocks of its queued requests) and real queue: an oracle of the same model.
+
+Figures per policy: ``kv_hit`` (prompt tokens served from a pod's prefix
+cache / all prompt tokens), TTFT mean and p50 / p95 / p99 (seconds), and
+``max_load_ratio`` (the most prefill seconds any pod did / the mean over
+pods). A second part times :meth:`ScoringPicker.pick` with 64 endpoints and a
+warmed index (p50 / p99, microseconds) and measures the index's memory per
+block (tracemalloc): the issue's decision-latency target.
+
+    cachefleet bench routing [--trace T.jsonl] [--json OUT] [--pods N]
+        [--kv-blocks B] [--prefill-rate R] [--speed X] [--scrape-interval S]
+        [--policies a,b] [--limit N] [--epsilon E] [--replicas K] [--decision-picks N]
+
+``--replicas K`` runs every policy as K independent pickers (router replicas
+that share nothing: each its own index, counters, in-flight view), the
+requests dealt to them in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+import statistics
+import sys
+import time
+import tracemalloc
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachefleet_router.endpoints import Decision, Endpoint, EndpointMetrics, Picker, RouteRequest
+from cachefleet_router.prefix import PrefixIndex
+from cachefleet_router.scoring import ScoringConfig, ScoringPicker
+
+#: The shared Mooncake synthetic trace: ``../shared/data/`` next to the checkout.
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+)
+#: Tokens per block of the Mooncake traces' ``hash_ids``.
+BLOCK_TOKENS = 512
+#: Defaults (docs/routing.md says how they were chosen): 8 pods of 2,000 blocks
+#: (1 M tokens of KV each), 20,000 uncached tokens/s of prefill each, the trace
+#: played 2x faster.
+DEFAULT_PODS = 8
+DEFAULT_KV_BLOCKS = 2000
+DEFAULT_PREFILL_RATE = 20_000.0
+DEFAULT_SPEED = 2.0
+DEFAULT_SCRAPE_INTERVAL = 0.5
+DEFAULT_DECISION_PICKS = 5000
+DECISION_ENDPOINTS = 64
+POLICIES = ("round-robin", "least-loaded", "session-hash", "gie-like", "cachefleet", "precise")
+#: the issue's targets: cachefleet against these rows
+TARGET_TTFT_VS_GIE = 0.95
+TARGET_TTFT_VS_RR = 0.6
+TARGET_KV_HIT_GAP = 0.02
+TARGET_LOAD_GAP = 0.25
+TARGET_DECISION_P99_US = 1000.0
+
+
+class TraceError(ValueError):
+    """A trace line that is not a Mooncake request."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of the trace, its arrival already in seconds."""
+
+    arrival: float
+    input_length: int
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One policy's row of the JSON."""
+
+    policy: str
+    kv_hit: float
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p95: float
+    ttft_p99: float
+    max_load_ratio: float
+
+
+def load_trace(path: Path, *, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
+    """The trace's requests in arrival order; raises :class:`TraceError` naming the field."""
+    if speed <= 0:
+        raise TraceError(f"--speed must be positive, not {speed}")
+    out: list[TraceRequest] = []
+    try:
+        f = path.open("rb")
+    except OSError as exc:
+        raise TraceError(f"--trace {path}: {exc.strerror}") from None
+    with f:
+        for number, line in enumerate(f, 1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{number}: not a JSON object")
+            ts, length, ids = (record.get(k) for k in ("timestamp", "input_length", "hash_ids"))
+            if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0:
+                raise TraceError(f"{path}:{number}: 'timestamp' must be a number of ms >= 0")
+            if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+                raise TraceError(f"{path}:{number}: 'input_length' must be an integer >= 0")
+            if not isinstance(ids, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in ids
+            ):
+                raise TraceError(f"{path}:{number}: 'hash_ids' must be a list of integers")
+            out.append(TraceRequest(ts / 1000.0 / speed, length, tuple(ids)))
+    if not out:
+        raise TraceError(f"{path}: no requests")
+    out.sort(key=lambda r: r.arrival)  # stable: equal timestamps keep the file's order
+    return out
+
+
+# -- the simulated pods -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Job:
+    request: TraceRequest
+    decision: Decision
+    route: RouteRequest
+    #: uncached tokens as estimated when queued (precise's view of the backlog)
+    estimate: float = 0.0
+    #: its prefill's duration and prefix-cache hit tokens, once started
+    seconds: float = 0.0
+    hit: float = 0.0
+
+
+@dataclass(slots=True)
+class Pod:
+    """One simulated model server: an LRU of KV blocks and a serial prefill queue."""
+
+    capacity: int
+    rate: float
+    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    queue: deque[_Job] = field(default_factory=deque)
+    running: _Job | None = None
+    free_at: float = 0.0
+    #: blocks of queued (not started) jobs, counted
+    pending: Counter[int] = field(default_factory=Counter)
+    backlog_tokens: float = 0.0
+    prompt_tokens_total: float = 0.0
+    prefix_queries_total: float = 0.0
+    prefix_hits_total: float = 0.0
+    prefill_seconds_total: float = 0.0
+
+    def matched(self, blocks: Sequence[int]) -> int:
+        n = 0
+        for block in blocks:
+            if block not in self.cache:
+                break
+            n += 1
+        return n
+
+    def matched_future(self, blocks: Sequence[int]) -> int:
+        """Leading blocks held now or by a queued request (they will be, when it is our turn)."""
+        n = 0
+        for block in blocks:
+            if block not in self.cache and not self.pending[block]:
+                break
+            n += 1
+        return n
+
+    def insert(self, blocks: Sequence[int]) -> None:
+        for block in reversed(blocks):
+            if block in self.cache:
+                self.cache.move_to_end(block)
+            else:
+                self.cache[block] = None
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+
+    def metrics(self) -> EndpointMetrics:
+        return EndpointMetrics(
+            waiting=float(len(self.queue)),
+            running=1.0 if self.running is not None else 0.0,
+            kv_usage=len(self.cache) / self.capacity,
+            prefix_queries_total=self.prefix_queries_total,
+            prefix_hits_total=self.prefix_hits_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            prefill_seconds_total=self.prefill_seconds_total,
+            kv_capacity_tokens=self.capacity * BLOCK_TOKENS,
+            server="vllm",
+        )
+
+
+class _Clock:
+    """The simulated clock the pickers read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the baseline policies ----------------------------------------------------------------
+
+
+class _Baseline:
+    """A baseline picker: the pods' addresses in order, the simulation's view when allowed."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self.slot = {address: i for i, address in enumerate(addresses)}
+
+    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
+        return None
+
+
+class RoundRobin(_Baseline):
+    def __init__(self, addresses: Sequence[str]) -> None:
+        super().__init__(addresses)
+        self._next = 0
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        if not endpoints:
+            return None
+        chosen = endpoints[self._next % len(endpoints)]
+        self._next += 1
+        return Decision(chosen.address)
+
+
+class LeastLoaded(_Baseline):
+    """Fewest requests in flight (routed, not done); ties to the lowest slot."""
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        super().__init__(addresses)
+        self._inflight = dict.fromkeys(addresses, 0)
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        if not endpoints:
+            return None
+        chosen = min(endpoints, key=lambda e: (self._inflight[e.address], self.slot[e.address]))
+        self._inflight[chosen.address] += 1
+        return Decision(chosen.address)
+
+    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
+        self._inflight[decision.address] -= 1
+
+
+class SessionHash(_Baseline):
+    """The first block's hash picks the pod (a session's system prompt sticks to one pod)."""
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        if not endpoints:
+            return None
+        first = request.blocks[0] if request.blocks else 0
+        mixed = (first * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+        return Decision(endpoints[(mixed >> 17) % len(endpoints)].address)
+
+
+class GieLike(_Baseline):
+    """3 x matched-prefix fraction + 2 x (1 - queue / max queue); its own LRU index per pod."""
+
+    def __init__(self, addresses: Sequence[str], kv_blocks: int) -> None:
+        super().__init__(addresses)
+        self._index = {a: PrefixIndex(kv_blocks) for a in addresses}
+        self._random = random.Random(0)
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        if not endpoints:
+            return None
+        n = max(len(request.blocks), 1)
+
+        def queue(e: Endpoint) -> float:
+            return 0.0 if e.metrics is None else e.metrics.waiting + e.metrics.running
+
+        longest = max(queue(e) for e in endpoints)
+        scores = []
+        for e in endpoints:
+            prefix = self._index[e.address].matched(request.blocks) / n
+            load = 1.0 - queue(e) / longest if longest > 0 else 1.0
+            scores.append(3.0 * prefix + 2.0 * load)
+        best = max(scores)
+        tied = [e for e, s in zip(endpoints, scores, strict=True) if s >= best - 1e-12]
+        chosen = tied[0] if len(tied) == 1 else self._random.choice(tied)
+        self._index[chosen.address].insert(request.blocks)
+        return Decision(chosen.address)
+
+
+class Precise(_Baseline):
+    """The least expected TTFT knowing every pod's real cache and real queue (an oracle)."""
+
+    def __init__(self, addresses: Sequence[str], pods: dict[str, Pod], clock: _Clock) -> None:
+        super().__init__(addresses)
+        self._pods = pods
+        self._clock = clock
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        if not endpoints:
+            return None
+        now = self._clock.now
+        best: tuple[float, int, str] | None = None
+        for e in endpoints:
+            pod = self._pods[e.address]
+            wait = max(0.0, pod.free_at - now) + pod.backlog_tokens / pod.rate
+            hit = min(request.tokens, BLOCK_TOKENS * pod.matched_future(request.blocks))
+            ttft = wait + (request.tokens - hit) / pod.rate
+            key = (ttft, self.slot[e.address], e.address)
+            if best is None or key < best:
+                best = key
+        assert best is not None
+        return Decision(best[2])
+
+
+class Replicas:
+    """Several independent pickers, as several router replicas: requests dealt in turn.
+
+    They share nothing; each learns from what it routes and from the metrics.
+    """
+
+    def __init__(self, pickers: Sequence[Picker]) -> None:
+        self._pickers = list(pickers)
+        self._next = 0
+        self._owner: dict[int, tuple[Decision, Picker]] = {}
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        picker = self._pickers[self._next % len(self._pickers)]
+        self._next += 1
+        decision = picker.pick(request, endpoints)
+        if decision is not None:
+            self._owner[id(decision)] = (decision, picker)
+        return decision
+
+    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
+        owner = self._owner.pop(id(decision), None)
+        if owner is not None:
+            owner[1].done(decision, request, ok=ok)
+
+
+# -- the replay ---------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Outcome:
+    ttfts: list[float] = field(default_factory=list)
+    hit_tokens: float = 0.0
+    tokens: float = 0.0
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of already sorted values."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return sorted_values[min(rank, len(sorted_values)) - 1]
+
+
+def make_policy(
+    name: str,
+    addresses: Sequence[str],
+    pods: dict[str, Pod],
+    clock: _Clock,
+    kv_blocks: int,
+    config: ScoringConfig,
+    replicas: int = 1,
+) -> Picker:
+    """The picker of policy ``name`` over the simulated pods, as ``replicas`` replicas."""
+    if replicas > 1:
+        return Replicas(
+            [make_policy(name, addresses, pods, clock, kv_blocks, config) for _ in range(replicas)]
+        )
+    if name == "round-robin":
+        return RoundRobin(addresses)
+    if name == "least-loaded":
+        return LeastLoaded(addresses)
+    if name == "session-hash":
+        return SessionHash(addresses)
+    if name == "gie-like":
+        return GieLike(addresses, kv_blocks)
+    if name == "cachefleet":
+        return ScoringPicker(config, clock=clock)
+    if name == "precise":
+        return Precise(addresses, pods, clock)
+    raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
+
+
+def replay(
+    trace: Sequence[TraceRequest],
+    policy: str,
+    *,
+    pods: int = DEFAULT_PODS,
+    kv_blocks: int = DEFAULT_KV_BLOCKS,
+    prefill_rate: float = DEFAULT_PREFILL_RATE,
+    scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
+    config: ScoringConfig | None = None,
+    replicas: int = 1,
+) -> Result:
+    """Replay ``trace`` over ``pods`` simulated pods routed by ``policy``; one result row."""
+    clock = _Clock()
+    addresses = [f"pod-{i}:8000" for i in range(pods)]
+    sim = {a: Pod(kv_blocks, prefill_rate) for a in addresses}
+    endpoints = [Endpoint(address=a, name=a.partition(":")[0]) for a in addresses]
+    picker = make_policy(
+        policy, addresses, sim, clock, kv_blocks, config or ScoringConfig(), replicas
+    )
+    outcome = _Outcome()
+    busy = dict.fromkeys(addresses, 0.0)
+    # events: (time, order, kind, address); kinds: 0 prefill done, 1 scrape
+    events: list[tuple[float, int, int, str]] = []
+    order = 0
+
+    def start(address: str, job: _Job, now: float) -> None:
+        nonlocal order
+        pod = sim[address]
+        req = job.request
+        matched = pod.matched(req.blocks)
+        hit = min(req.input_length, BLOCK_TOKENS * matched)
+        seconds = (req.input_length - hit) / pod.rate
+        pod.insert(req.blocks)
+        job.seconds = seconds
+        pod.running = job
+        pod.free_at = now + seconds
+        job.hit = hit
+        outcome.hit_tokens += hit
+        outcome.tokens += req.input_length
+        outcome.ttfts.append(pod.free_at - req.arrival)
+        busy[address] += seconds
+        order += 1
+        heapq.heappush(events, (pod.free_at, order, 0, address))
+
+    def finish(address: str, now: float) -> None:
+        pod = sim[address]
+        job = pod.running
+        assert job is not None
+        pod.running = None
+        pod.prompt_tokens_total += job.request.input_length
+        pod.prefix_queries_total += job.request.input_length
+        pod.prefix_hits_total += job.hit
+        pod.prefill_seconds_total += job.seconds
+        picker.done(job.decision, job.route, ok=True)
+        if pod.queue:
+            nxt = pod.queue.popleft()
+            pod.backlog_tokens -= nxt.estimate
+            for block in nxt.request.blocks:
+                pod.pending[block] -= 1
+            start(address, nxt, now)
+
+    def scrape(now: float) -> None:
+        nonlocal order
+        for endpoint in endpoints:
+            endpoint.metrics = sim[endpoint.address].metrics()
+            endpoint.scraped_at = now
+        order += 1
+        heapq.heappush(events, (now + scrape_interval, order, 1, ""))
+
+    order += 1
+    heapq.heappush(events, (scrape_interval, order, 1, ""))
+    last_arrival = trace[-1].arrival if trace else 0.0
+    for req in trace:
+        while events and events[0][0] <= req.arrival:
+            when, _, kind, address = heapq.heappop(events)
+            clock.now = when
+            if kind == 0:
+                finish(address, when)
+            else:
+                scrape(when)
+        clock.now = req.arrival
+        route = RouteRequest(blocks=req.blocks, tokens=req.input_length)
+        decision = picker.pick(route, endpoints)
+        if decision is None:
+            raise RuntimeError(f"policy {policy} chose no endpoint")
+        address = decision.address
+        pod = sim[address]
+        job = _Job(req, decision, route)
+        if pod.running is None:
+            start(address, job, req.arrival)
+        else:
+            hit = min(req.input_length, BLOCK_TOKENS * pod.matched_future(req.blocks))
+            job.estimate = req.input_length - hit
+            pod.backlog_tokens += job.estimate
+            for block in req.blocks:
+                pod.pending[block] += 1
+            pod.queue.append(job)
+    while events:
+        when, _, kind, address = heapq.heappop(events)
+        if kind == 1 and when > last_arrival and all(p.running is None for p in sim.values()):
+            break
+        clock.now = when
+        if kind == 0:
+            finish(address, when)
+        else:
+            scrape(when)
+    ttfts = sorted(outcome.ttfts)
+    loads = list(busy.values())
+    mean_load = statistics.fmean(loads) if loads else 0.0
+    return Result(
+        policy=policy,
+        kv_hit=outcome.hit_tokens / outcome.tokens if outcome.tokens else 0.0,
+        ttft_mean=statistics.fmean(ttfts) if ttfts else 0.0,
+        ttft_p50=_percentile(ttfts, 50),
+        ttft_p95=_percentile(ttfts, 95),
+        ttft_p99=_percentile(ttfts, 99),
+        max_load_ratio=max(loads) / mean_load if mean_load > 0 else 1.0,
+    )
+
+
+# -- the decision-latency part --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionBench:
+    """How long :meth:`ScoringPicker.pick` takes, and what the index costs.
+
+    Wall time includes the moments the OS gave the CPU to another process (on a
+    shared machine, whole 4 ms ticks); the thread's CPU time does not: it is what
+    the code costs.
+    """
+
+    endpoints: int
+    picks: int
+    pick_p50_us: float
+    pick_p99_us: float
+    pick_cpu_p50_us: float
+    pick_cpu_p99_us: float
+    index_blocks: int
+    index_bytes_per_block: float
+
+
+def decision_bench(
+    trace: Sequence[TraceRequest],
+    *,
+    picks: int = DEFAULT_DECISION_PICKS,
+    endpoints: int = DECISION_ENDPOINTS,
+    kv_blocks: int = DEFAULT_KV_BLOCKS,
+    config: ScoringConfig | None = None,
+) -> DecisionBench:
+    """Time ``picks`` decisions among ``endpoints`` after the whole trace warmed the indexes."""
+    clock = _Clock()
+    picker = ScoringPicker(config or ScoringConfig(), clock=clock)
+    fleet = [
+        Endpoint(
+            address=f"pod-{i}:8000",
+            metrics=EndpointMetrics(kv_capacity_tokens=kv_blocks * BLOCK_TOKENS, server="vllm"),
+            scraped_at=1.0,
+        )
+        for i in range(endpoints)
+    ]
+    routes = [RouteRequest(blocks=r.blocks, tokens=r.input_length) for r in trace]
+    clock.now = 1.0
+    for route in routes:  # warm: every endpoint's index fills up
+        decision = picker.pick(route, fleet)
+        assert decision is not None
+        picker.done(decision, route, ok=True)
+    wall: list[int] = []
+    cpu: list[int] = []
+    inflight: deque[tuple[Decision, RouteRequest]] = deque()
+    for i in range(picks):
+        route = routes[i % len(routes)]
+        clock.now += 0.001
+        began, began_cpu = time.perf_counter_ns(), time.thread_time_ns()
+        decision = picker.pick(route, fleet)
+        cpu.append(time.thread_time_ns() - began_cpu)
+        wall.append(time.perf_counter_ns() - began)
+        assert decision is not None
+        inflight.append((decision, route))
+        if len(inflight) > 4 * endpoints:  # a steady number in flight
+            old, old_route = inflight.popleft()
+            picker.done(old, old_route, ok=True)
+    wall.sort()
+    cpu.sort()
+    return DecisionBench(
+        endpoints=endpoints,
+        picks=picks,
+        pick_p50_us=_percentile(wall, 50) / 1000.0,
+        pick_p99_us=_percentile(wall, 99) / 1000.0,
+        pick_cpu_p50_us=_percentile(cpu, 50) / 1000.0,
+        pick_cpu_p99_us=_percentile(cpu, 99) / 1000.0,
+        index_blocks=100_000,
+        index_bytes_per_block=index_bytes_per_block(100_000),
+    )
+
+
+def index_bytes_per_block(blocks: int) -> float:
+    """Bytes one block costs in a full :class:`PrefixIndex` (tracemalloc, 64-bit hashes)."""
+    rng = random.Random(1)
+    hashes = [rng.getrandbits(63) for _ in range(blocks)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex(blocks)
+        for start in range(0, blocks, 64):
+            index.insert(hashes[start : start + 64])
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    # the hashes themselves are ints the request already holds; the index adds its table
+    return (after - before) / blocks + sys.getsizeof(hashes[0])
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:5.2f}" if base > 0 else "   - "
+
+
+def table(results: Sequence[Result]) -> str:
+    """The results as text, with TTFT ratios against ``gie-like`` and ``round-robin``."""
+    by = {r.policy: r for r in results}
+    gie, rr = by.get("gie-like"), by.get("round-robin")
+    lines = [
+        f"{'policy':<13} {'kv_hit':>6} {'mean s':>8} {'p50 s':>8} {'p95 s':>8} {'p99 s':>8}"
+        f" {'load':>5}  {'mean/gie':>8} {'p95/gie':>7} {'mean/rr':>7} {'p95/rr':>6}"
+    ]
+    for r in results:
+        lines.append(
+            f"{r.policy:<13} {r.kv_hit:6.3f} {r.ttft_mean:8.3f} {r.ttft_p50:8.3f}"
+            f" {r.ttft_p95:8.3f} {r.ttft_p99:8.3f} {r.max_load_ratio:5.2f}"
+            f"  {_ratio(r.ttft_mean, gie.ttft_mean if gie else 0):>8}"
+            f" {_ratio(r.ttft_p95, gie.ttft_p95 if gie else 0):>7}"
+            f" {_ratio(r.ttft_mean, rr.ttft_mean if rr else 0):>7}"
+            f" {_ratio(r.ttft_p95, rr.ttft_p95 if rr else 0):>6}"
+        )
+    return "\n".join(lines)
+
+
+def targets(results: Sequence[Result], decision: DecisionBench | None) -> dict[str, bool]:
+    """The issue's routing targets, met or not, for the rows present."""
+    by = {r.policy: r for r in results}
+    ours = by.get("cachefleet")
+    out: dict[str, bool] = {}
+    if ours is None:
+        return out
+    if (gie := by.get("gie-like")) is not None:
+        out["ttft_mean<=0.95x_gie"] = ours.ttft_mean <= TARGET_TTFT_VS_GIE * gie.ttft_mean
+        out["ttft_p95<=0.95x_gie"] = ours.ttft_p95 <= TARGET_TTFT_VS_GIE * gie.ttft_p95
+    if (rr := by.get("round-robin")) is not None:
+        out["ttft_mean<=0.6x_rr"] = ours.ttft_mean <= TARGET_TTFT_VS_RR * rr.ttft_mean
+        out["ttft_p95<=0.6x_rr"] = ours.ttft_p95 <= TARGET_TTFT_VS_RR * rr.ttft_p95
+    if (precise := by.get("precise")) is not None:
+        out["kv_hit_within_0.02_of_precise"] = ours.kv_hit >= precise.kv_hit - TARGET_KV_HIT_GAP
+    if (least := by.get("least-loaded")) is not None:
+        out["load<=least_loaded+0.25"] = (
+            ours.max_load_ratio <= least.max_load_ratio + TARGET_LOAD_GAP
+        )
+    if decision is not None:
+        out["decision_p99<=1ms"] = decision.pick_p99_us <= TARGET_DECISION_P99_US
+        out["decision_cpu_p99<=1ms"] = decision.pick_cpu_p99_us <= TARGET_DECISION_P99_US
+    return out
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a {kind.__name__}: {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+        return value
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cachefleet bench routing",
+        description="Replay a Mooncake trace over simulated pods through each routing policy.",
+    )
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL")
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--pods", type=_positive(int), default=DEFAULT_PODS)
+    p.add_argument(
+        "--kv-blocks", type=_positive(int), default=DEFAULT_KV_BLOCKS, help="per pod, 512 tokens"
+    )
+    p.add_argument(
+        "--prefill-rate",
+        type=_positive(float),
+        default=DEFAULT_PREFILL_RATE,
+        help="uncached tokens/s per pod",
+    )
+    p.add_argument("--speed", type=_positive(float), default=DEFAULT_SPEED, help="time compression")
+    p.add_argument(
+        "--scrape-interval",
+        type=_positive(float),
+        default=DEFAULT_SCRAPE_INTERVAL,
+        help="simulated seconds between metrics scrapes",
+    )
+    p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
+    p.add_argument("--limit", type=_positive(int), help="replay only the first N requests")
+    p.add_argument(
+        "--replicas",
+        type=_positive(int),
+        default=1,
+        help="every policy as this many independent router replicas, requests dealt in turn",
+    )
+    p.add_argument("--epsilon", type=float, default=ScoringConfig().epsilon, help="bounded load")
+    p.add_argument(
+        "--decision-picks",
+        type=int,
+        default=DEFAULT_DECISION_PICKS,
+        help="picks timed with 64 endpoints (0: skip)",
+    )
+    p.add_argument("--quick", action="store_true", help="the first 1,000 requests, fewer picks")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        print(
+            f"cachefleet bench routing: --policies: unknown {unknown or 'empty'}"
+            f" (known: {', '.join(POLICIES)})",
+            file=sys.stderr,
+        )
+        return 2
+    if args.epsilon < 0:
+        print("cachefleet bench routing: --epsilon must not be negative", file=sys.stderr)
+        return 2
+    limit = args.limit if args.limit is not None else (1000 if args.quick else None)
+    picks = min(args.decision_picks, 1000) if args.quick else args.decision_picks
+    try:
+        trace = load_trace(args.trace, speed=args.speed, limit=limit)
+    except TraceError as exc:
+        print(f"cachefleet bench routing: {exc}", file=sys.stderr)
+        return 2
+    config = ScoringConfig(block_tokens=BLOCK_TOKENS, epsilon=args.epsilon)
+    results = []
+    for name in policies:
+        began = time.perf_counter()
+        results.append(
+            replay(
+                trace,
+                name,
+                pods=args.pods,
+                kv_blocks=args.kv_blocks,
+                prefill_rate=args.prefill_rate,
+                scrape_interval=args.scrape_interval,
+                config=config,
+                replicas=args.replicas,
+            )
+        )
+        print(
+            f"routing: {name}: {len(trace)} requests in {time.perf_counter() - began:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    decision = None
+    if picks > 0:
+        decision = decision_bench(trace, picks=picks, kv_blocks=args.kv_blocks, config=config)
+        print("routing: decision latency measured", file=sys.stderr, flush=True)
+    met = targets(results, decision)
+    print(
+        f"{len(trace)} requests over {trace[-1].arrival:.0f} s, {args.pods} pods x"
+        f" {args.kv_blocks} blocks, {args.prefill_rate:g} tokens/s, speed {args.speed:g}"
+        + (f", {args.replicas} router replicas" if args.replicas > 1 else "")
+    )
+    print(table(results))
+    if decision is not None:
+        print(
+            f"pick() with {decision.endpoints} endpoints: wall p50 {decision.pick_p50_us:.0f} us,"
+            f" p99 {decision.pick_p99_us:.0f} us; CPU p50 {decision.pick_cpu_p50_us:.0f} us,"
+            f" p99 {decision.pick_cpu_p99_us:.0f} us;"
+            f" index {decision.index_bytes_per_block:.0f} bytes/block"
+        )
+    for name, ok in met.items():
+        print(f"target {name}: {'met' if ok else 'MISSED'}")
+    if args.json is not None:
+        payload: dict[str, Any] = {
+            "results": [
+                {
+                    "policy": r.policy,
+                    "kv_hit": r.kv_hit,
+                    "ttft_mean": r.ttft_mean,
+                    "ttft_p50": r.ttft_p50,
+                    "ttft_p95": r.ttft_p95,
+                    "ttft_p99": r.ttft_p99,
+                    "max_load_ratio": r.max_load_ratio,
+                }
+                for r in results
+            ],
+            "settings": {
+                "trace": str(args.trace),
+                "requests": len(trace),
+                "pods": args.pods,
+                "kv_blocks": args.kv_blocks,
+                "prefill_rate": args.prefill_rate,
+                "speed": args.speed,
+                "scrape_interval": args.scrape_interval,
+                "epsilon": args.epsilon,
+                "replicas": args.replicas,
+            },
+            "decision": None
+            if decision is None
+            else {
+                "endpoints": decision.endpoints,
+                "picks": decision.picks,
+                "pick_p50_us": decision.pick_p50_us,
+                "pick_p99_us": decision.pick_p99_us,
+                "pick_cpu_p50_us": decision.pick_cpu_p50_us,
+                "pick_cpu_p99_us": decision.pick_cpu_p99_us,
+                "index_bytes_per_block": decision.index_bytes_per_block,
+            },
+            "targets": met,
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

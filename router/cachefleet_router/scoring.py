@@ -1,0 +1,534 @@
+"""Choosing an endpoint by expected time to first token (the router's scoring core).
+
+Pure: no I/O, no asyncio; the clock is injected. :class:`ScoringPicker`
+implements :class:`cachefleet_router.endpoints.Picker`. For each ready
+endpoint ``e`` and a request of ``T`` prompt tokens whose first ``m`` blocks
+the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
+
+    uncached(e)  = T - min(T, trust(e) * block_tokens * m)
+    work(e)      = uncached(e) / rate(e)                       seconds of prefill
+    wait(e)      = max(own(e), queue(e) + routed_since_scrape(e) / rate(e))
+    ttft(e)      = wait(e) + work(e)
+
+* ``own(e)``: the prefill work this picker sent to ``e`` and has not seen
+  :meth:`~ScoringPicker.done` (first answer bytes), minus what the oldest of it
+  has already run, in seconds at ``rate(e)``.
+* ``queue(e)``: what the model server says when its metrics are fresh (scraped
+  within ``stale_after_s``): ``(waiting + running_weight * running)`` requests
+  of the mean work this picker routes per request. It covers what other router
+  replicas sent; ``routed_since_scrape`` adds what this one sent since.
+* ``rate(e)``: uncached prompt tokens per second of prefill, measured between
+  scrapes from ``prompt_tokens_total`` minus prefix hits over
+  ``prefill_seconds_total`` (decayed sums); until measured, the mean of the
+  endpoints measured, else ``default_rate``.
+* ``trust(e)``: how far the server's measured prefix hit ratio (``prefix
+  hits / queries`` between scrapes, or SGLang's own ratio) agrees with what the
+  index predicted for the requests routed there; bounded to
+  ``[trust_min, trust_max]``.
+
+Bounded load: an endpoint whose ``wait`` is above ``(1 + epsilon)`` times the
+mean ``wait`` over the endpoints is not a candidate (when every endpoint is
+idle all are). Among candidates the least ``ttft`` wins; the endpoints
+within ``tie_rel`` / ``tie_abs_s`` of it tie, and a tie goes to the endpoint
+whose sidecar L1 was last sent the same ``answer_key`` (it holds the exact
+answer), then the least ``wait``, then the address.
+
+Saturation (every endpoint's ``wait`` at least ``saturated_wait_s``):
+``Guaranteed`` ignores the bounded-load cap (the least ``ttft`` anywhere), and
+``BestEffort`` goes to the least-loaded endpoint, keeping the endpoints that
+hold its prefix for the others.
+
+Home: rendezvous hashing of the prompt's block ``home_block`` (4: the first
+2,560 tokens with 512-token blocks) names one endpoint among the ready ones,
+the same in every router replica. The picker believes the home holds the
+prompt's first ``home_block + 1`` blocks, so a family of prompts nobody has
+routed yet settles on its home, and so do the other replicas' requests of
+that family. When the metrics show that this picker routes less than
+``replicated_below_share`` of the endpoints' prompt tokens (its share, from
+``prompt_tokens_total``), other replicas route a conversation's other turns:
+the home is then believed to hold all but the prompt's last block.
+
+Router replicas never need to agree: each learns from what it routes and
+what the metrics say, and a restart loses only the index.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from cachefleet_router.endpoints import (
+    DEFAULT_BLOCK_TOKENS,
+    Decision,
+    Endpoint,
+    EndpointMetrics,
+    RouteRequest,
+)
+from cachefleet_router.prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
+
+GUARANTEED = "Guaranteed"
+BEST_EFFORT = "BestEffort"
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringConfig:
+    """The picker's parameters (docs/routing.md says how each was chosen)."""
+
+    #: tokens per block of :attr:`RouteRequest.blocks`
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    #: prefill rate, uncached tokens/s, of an endpoint not measured yet
+    default_rate: float = 10_000.0
+    #: index capacity in blocks of an endpoint whose metrics do not give its KV capacity
+    default_index_blocks: int = DEFAULT_INDEX_BLOCKS
+    #: bounded load: no candidate above (1 + epsilon) x the mean wait
+    epsilon: float = 0.5
+    #: ... plus this many typical requests' prefill (the cap of an idle fleet is not zero)
+    load_slack_requests: float = 2.0
+    #: home: the endpoint that rendezvous hashing of the prompt's block ``home_block`` names
+    #: is believed to hold its first ``home_block + 1`` blocks (-1: no home), so that router
+    #: replicas that share nothing still send a conversation's turns to one endpoint
+    home_block: int = 4
+    #: when this picker routes less than this share of the endpoints' prompt tokens (other
+    #: replicas route the rest), the home is believed to hold all of a prompt but its last block
+    replicated_below_share: float = 0.75
+    #: metrics older than this (seconds) are ignored: the endpoint's queue is only what
+    #: this picker sent there
+    stale_after_s: float = 2.0
+    #: weight of a running request in the server's queue (it is part-way through)
+    running_weight: float = 0.5
+    #: per scrape, the share of the measured rate's and hit ratios' history forgotten (0..1]
+    smoothing: float = 0.1
+    #: bounds of the index's trust factor
+    trust_min: float = 0.25
+    trust_max: float = 1.25
+    #: the predicted hit ratio below which the trust factor is not updated (nothing to judge)
+    trust_min_predicted: float = 0.02
+    #: ties: within tie_rel of the best expected TTFT, or tie_abs_s seconds
+    tie_rel: float = 0.02
+    tie_abs_s: float = 0.002
+    #: every endpoint's wait at least this (seconds): saturated; classes decide
+    saturated_wait_s: float = 2.0
+    #: answer keys remembered per endpoint (the sidecar L1 tie-break)
+    answer_keys: int = 4096
+    #: a routed request never reported done is forgotten after this (seconds)
+    outstanding_ttl_s: float = 120.0
+    #: an endpoint not offered for this long loses its state (index included)
+    forget_after_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "block_tokens": self.block_tokens,
+            "default_rate": self.default_rate,
+            "default_index_blocks": self.default_index_blocks,
+            "stale_after_s": self.stale_after_s,
+            "answer_keys": self.answer_keys,
+            "outstanding_ttl_s": self.outstanding_ttl_s,
+            "forget_after_s": self.forget_after_s,
+            "trust_min": self.trust_min,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"ScoringConfig.{name} must be positive, not {value}")
+        for name, value in {
+            "epsilon": self.epsilon,
+            "load_slack_requests": self.load_slack_requests,
+            "replicated_below_share": self.replicated_below_share,
+            "running_weight": self.running_weight,
+            "tie_rel": self.tie_rel,
+            "tie_abs_s": self.tie_abs_s,
+            "saturated_wait_s": self.saturated_wait_s,
+            "trust_min_predicted": self.trust_min_predicted,
+        }.items():
+            if value < 0:
+                raise ValueError(f"ScoringConfig.{name} must not be negative, not {value}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"ScoringConfig.smoothing must be in (0, 1], not {self.smoothing}")
+        if self.trust_max < self.trust_min:
+            raise ValueError("ScoringConfig.trust_max must not be below trust_min")
+
+
+@dataclass(slots=True)
+class _Routed:
+    """One request this picker sent to an endpoint and has not seen done."""
+
+    seq: int
+    tokens: float  # predicted uncached tokens
+    at: float
+
+
+@dataclass(slots=True)
+class _EndpointState:
+    """What the picker knows of one endpoint beyond its latest metrics."""
+
+    index: PrefixIndex
+    rate: float
+    measured_rate: bool = False
+    trust: float = 1.0
+    outstanding: OrderedDict[int, _Routed] = field(default_factory=OrderedDict)
+    outstanding_tokens: float = 0.0
+    #: when the endpoint last finished a request of ours (the head's start, at the earliest)
+    last_done_at: float = 0.0
+    #: uncached tokens routed here since the last scrape this picker saw
+    routed_since_scrape: float = 0.0
+    #: the scrape the counters below come from
+    scraped_at: float = 0.0
+    prev: EndpointMetrics | None = None
+    #: predicted prefix-hit tokens and routed tokens since the last scrape (raw index)
+    pred_hits: float = 0.0
+    pred_tokens: float = 0.0
+    #: prompt tokens routed here since the last scrape
+    mine_tokens: float = 0.0
+    #: decayed sums: measured hit tokens / looked-up tokens, predicted ones, and the
+    #: uncached tokens / prefill seconds behind the rate
+    meas_hits: float = 0.0
+    meas_tokens: float = 0.0
+    pred_sum_hits: float = 0.0
+    pred_sum_tokens: float = 0.0
+    rate_tokens: float = 0.0
+    rate_seconds: float = 0.0
+    answers: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    seen_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Score:
+    endpoint: Endpoint
+    state: _EndpointState
+    matched: int
+    uncached: float
+    wait: float
+    ttft: float
+
+
+class ScoringPicker:
+    """The least expected time to first token, with a bounded load (see the module doc)."""
+
+    def __init__(
+        self,
+        config: ScoringConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or ScoringConfig()
+        self._clock = clock
+        self._states: dict[str, _EndpointState] = {}
+        #: id(decision) -> (decision kept alive, address, seq)
+        self._pending: dict[int, tuple[Decision, str, int]] = {}
+        self._seq = 0
+        #: smoothed uncached tokens per routed request (a server's queued request costs this)
+        self._mean_request_tokens = 0.0
+        self._last_sweep = 0.0
+        #: decayed sums: prompt tokens this picker routed, and the servers' prompt tokens
+        self._mine_tokens = 0.0
+        self._server_tokens = 0.0
+        #: sum and number of the measured prefill rates (an unmeasured endpoint gets the mean)
+        self._measured_sum = 0.0
+        self._measured_count = 0
+
+    # -- the Picker protocol ---------------------------------------------------------------
+
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        now = self._clock()
+        ready = [e for e in endpoints if e.ready]
+        if not ready:
+            return None
+        self._sweep(now)
+        cfg = self.config
+        home = self._home(request, ready)
+        scores = [self._score(request, e, now, e.address == home) for e in ready]
+        mean_wait = sum(s.wait for s in scores) / len(scores)
+        typical = self._mean_request_tokens / (sum(s.state.rate for s in scores) / len(scores))
+        cap = (1.0 + cfg.epsilon) * mean_wait + cfg.load_slack_requests * typical
+        saturated = all(s.wait >= cfg.saturated_wait_s for s in scores)
+        if saturated and request.priority_class == BEST_EFFORT:
+            least = min(s.wait for s in scores)
+            candidates = [s for s in scores if s.wait <= least]
+            reason = "saturated: BestEffort to the least-loaded"
+        elif saturated and request.priority_class == GUARANTEED:
+            candidates = scores
+            reason = "saturated: Guaranteed, least expected TTFT anywhere"
+        else:
+            candidates = [s for s in scores if s.wait <= cap] or scores
+            reason = "least expected TTFT"
+        best = min(s.ttft for s in candidates)
+        limit = best * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
+        tied = [s for s in candidates if s.ttft <= limit]
+        key = request.answer_key
+        chosen = min(
+            tied,
+            key=lambda s: (
+                not (key is not None and key in s.state.answers),
+                s.wait,
+                s.endpoint.address,
+            ),
+        )
+        if key is not None and key in chosen.state.answers and len(tied) > 1:
+            reason += "; tie to the sidecar holding the answer"
+        return self._record(request, chosen, now, reason)
+
+    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
+        """Free the request's outstanding work on its endpoint (``ok`` or not).
+
+        ``decision`` must be the object :meth:`pick` returned (it is looked up by
+        identity); an unknown or repeated one is ignored. The index keeps the prompt's
+        blocks either way: a failure after the prefill leaves them on the server, and a
+        wrong belief is corrected by the trust factor and aged out by the LRU.
+        """
+        pending = self._pending.pop(id(decision), None)
+        if pending is None or pending[0] is not decision:
+            return
+        _decision, address, seq = pending
+        state = self._states.get(address)
+        if state is None:
+            return
+        routed = state.outstanding.pop(seq, None)
+        if routed is not None:
+            state.outstanding_tokens = max(0.0, state.outstanding_tokens - routed.tokens)
+            state.last_done_at = max(state.last_done_at, self._clock())
+        if not state.outstanding:
+            state.outstanding_tokens = 0.0
+
+    # -- introspection (metrics, logs, tests) ----------------------------------------------
+
+    def index(self, address: str) -> PrefixIndex | None:
+        """The prefix index of ``address`` (None: never routed to or forgotten)."""
+        state = self._states.get(address)
+        return state.index if state is not None else None
+
+    def rate(self, address: str) -> float:
+        """The prefill rate the picker assumes for ``address``, tokens/s."""
+        state = self._states.get(address)
+        return state.rate if state is not None else self.config.default_rate
+
+    def trust(self, address: str) -> float:
+        """The index's trust factor on ``address`` (1: the server agrees with the index)."""
+        state = self._states.get(address)
+        return state.trust if state is not None else 1.0
+
+    def outstanding(self, address: str) -> int:
+        """Requests routed to ``address`` and not yet done."""
+        state = self._states.get(address)
+        return len(state.outstanding) if state is not None else 0
+
+    def traffic_share(self) -> float:
+        """The share of the endpoints' prompt tokens this picker routed (1: alone, or unknown)."""
+        if self._server_tokens <= 0:
+            return 1.0
+        return min(1.0, self._mine_tokens / self._server_tokens)
+
+    def expected_wait(self, endpoint: Endpoint) -> float:
+        """Seconds a request sent to ``endpoint`` now would queue before its prefill."""
+        now = self._clock()
+        return self._wait(self._state(endpoint, now), endpoint, now)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _state(self, endpoint: Endpoint, now: float) -> _EndpointState:
+        cfg = self.config
+        state = self._states.get(endpoint.address)
+        if state is None:
+            capacity = capacity_blocks(endpoint.metrics, cfg.block_tokens, cfg.default_index_blocks)
+            state = _EndpointState(index=PrefixIndex(capacity), rate=cfg.default_rate)
+            self._states[endpoint.address] = state
+        state.seen_at = now
+        if not state.measured_rate and self._measured_count:
+            # not measured yet: as fast as the fleet's measured endpoints, not the default
+            # (an endpoint guessed slow would never be sent the traffic that measures it)
+            state.rate = self._measured_sum / self._measured_count
+        if (
+            endpoint.metrics is not None
+            and endpoint.scraped_at > 0
+            and endpoint.scraped_at != state.scraped_at
+        ):
+            self._learn(state, endpoint.metrics, endpoint.scraped_at)
+        return state
+
+    def _learn(self, state: _EndpointState, metrics: EndpointMetrics, scraped_at: float) -> None:
+        """A new scrape: the index's bound, the prefill rate and the trust factor."""
+        cfg = self.config
+        capacity = capacity_blocks(metrics, cfg.block_tokens, cfg.default_index_blocks)
+        if capacity != state.index.capacity:
+            state.index.resize(capacity)
+        prev = state.prev
+        keep = 1.0 - cfg.smoothing
+        meas_ratio: float | None = None
+        weight = 0.0
+        if prev is not None:
+            d_prompt = _delta(metrics.prompt_tokens_total, prev.prompt_tokens_total)
+            d_queries = _delta(metrics.prefix_queries_total, prev.prefix_queries_total)
+            d_hits = _delta(metrics.prefix_hits_total, prev.prefix_hits_total)
+            d_seconds = _delta(metrics.prefill_seconds_total, prev.prefill_seconds_total)
+            if d_queries is not None and d_hits is not None and d_queries > 0:
+                meas_ratio = min(1.0, max(0.0, d_hits / d_queries))
+                weight = d_queries
+            elif metrics.prefix_hit_ratio is not None and d_prompt:
+                meas_ratio = min(1.0, max(0.0, metrics.prefix_hit_ratio))
+                weight = d_prompt
+            if d_prompt is not None:
+                forget = cfg.smoothing / max(1, len(self._states))
+                self._mine_tokens = (1 - forget) * self._mine_tokens + state.mine_tokens
+                self._server_tokens = (1 - forget) * self._server_tokens + d_prompt
+            if d_prompt and d_seconds and d_seconds > 0:
+                uncached = d_prompt * (1.0 - meas_ratio) if meas_ratio is not None else d_prompt
+                # ratio of decayed sums: robust to a counter that moves a scrape before another
+                state.rate_tokens = keep * state.rate_tokens + uncached
+                state.rate_seconds = keep * state.rate_seconds + d_seconds
+                if state.rate_tokens > 0 and state.rate_seconds > 0:
+                    if state.measured_rate:
+                        self._measured_sum -= state.rate
+                    else:
+                        self._measured_count += 1
+                    state.rate = state.rate_tokens / state.rate_seconds
+                    state.measured_rate = True
+                    self._measured_sum += state.rate
+        if meas_ratio is not None and state.pred_tokens > 0:
+            state.meas_hits = keep * state.meas_hits + meas_ratio * weight
+            state.meas_tokens = keep * state.meas_tokens + weight
+            state.pred_sum_hits = keep * state.pred_sum_hits + state.pred_hits
+            state.pred_sum_tokens = keep * state.pred_sum_tokens + state.pred_tokens
+            predicted = state.pred_sum_hits / state.pred_sum_tokens
+            if predicted >= cfg.trust_min_predicted and state.meas_tokens > 0:
+                trust = (state.meas_hits / state.meas_tokens) / predicted
+                state.trust = min(cfg.trust_max, max(cfg.trust_min, trust))
+        if meas_ratio is not None or prev is None:
+            state.pred_hits = 0.0
+            state.pred_tokens = 0.0
+        state.mine_tokens = 0.0
+        state.prev = metrics
+        state.scraped_at = scraped_at
+        state.routed_since_scrape = 0.0
+
+    def _wait(self, state: _EndpointState, endpoint: Endpoint, now: float) -> float:
+        cfg = self.config
+        own = 0.0
+        if state.outstanding:
+            head = next(iter(state.outstanding.values()))
+            started = max(head.at, state.last_done_at)
+            head_left = max(0.0, head.tokens - max(0.0, now - started) * state.rate)
+            own = (state.outstanding_tokens - head.tokens + head_left) / state.rate
+        metrics = endpoint.metrics
+        if (
+            metrics is None
+            or endpoint.scraped_at <= 0
+            or now - endpoint.scraped_at > cfg.stale_after_s
+        ):
+            return own
+        queued = metrics.waiting + cfg.running_weight * metrics.running
+        reported = (queued * self._mean_request_tokens + state.routed_since_scrape) / state.rate
+        return max(own, reported)
+
+    def _home(self, request: RouteRequest, ready: Sequence[Endpoint]) -> str | None:
+        """The endpoint every replica sends this prompt's family to when it knows no better."""
+        k = self.config.home_block
+        if k < 0 or len(request.blocks) <= k:
+            return None
+        key = request.blocks[k] & 0xFFFFFFFFFFFFFFFF
+        best: tuple[int, str] | None = None
+        for e in ready:
+            mixed = ((key ^ _address_hash(e.address)) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+            mixed ^= mixed >> 29
+            if best is None or (mixed, e.address) > best:
+                best = (mixed, e.address)
+        return best[1] if best is not None else None
+
+    def _score(self, request: RouteRequest, endpoint: Endpoint, now: float, home: bool) -> _Score:
+        cfg = self.config
+        state = self._state(endpoint, now)
+        tokens = float(max(request.tokens, 0))
+        matched = state.index.matched(request.blocks) if request.blocks else 0
+        if home:
+            # the home holds the blocks up to home_block if anyone sent it this family; when
+            # other replicas route most of the traffic, it likely holds all but the new turn
+            credit = cfg.home_block + 1
+            if self.traffic_share() < cfg.replicated_below_share:
+                credit = max(credit, len(request.blocks) - 1)
+            matched = max(matched, credit)
+        hit = min(tokens, state.trust * cfg.block_tokens * matched)
+        uncached = tokens - hit
+        wait = self._wait(state, endpoint, now)
+        return _Score(endpoint, state, matched, uncached, wait, wait + uncached / state.rate)
+
+    def _record(self, request: RouteRequest, chosen: _Score, now: float, reason: str) -> Decision:
+        cfg = self.config
+        state = chosen.state
+        self._seq += 1
+        seq = self._seq
+        if not state.outstanding:
+            state.last_done_at = now
+        state.outstanding[seq] = _Routed(seq, chosen.uncached, now)
+        state.outstanding_tokens += chosen.uncached
+        state.routed_since_scrape += chosen.uncached
+        tokens = float(max(request.tokens, 0))
+        state.pred_hits += min(tokens, cfg.block_tokens * chosen.matched)
+        state.pred_tokens += tokens
+        state.mine_tokens += tokens
+        self._mean_request_tokens = _smooth(
+            self._mean_request_tokens if self._seq > 1 else None, chosen.uncached, 0.05
+        )
+        if request.blocks:
+            state.index.insert(request.blocks)
+        key = request.answer_key
+        if key is not None:
+            state.answers[key] = None
+            state.answers.move_to_end(key)
+            while len(state.answers) > cfg.answer_keys:
+                state.answers.popitem(last=False)
+        decision = Decision(
+            address=chosen.endpoint.address,
+            expected_ttft_s=chosen.ttft,
+            matched_blocks=chosen.matched,
+            reason=reason,
+        )
+        self._pending[id(decision)] = (decision, chosen.endpoint.address, seq)
+        return decision
+
+    def _sweep(self, now: float) -> None:
+        """Forget requests never reported done, and endpoints long gone (bounded memory)."""
+        cfg = self.config
+        if now - self._last_sweep < min(cfg.outstanding_ttl_s, cfg.forget_after_s) / 4:
+            return
+        self._last_sweep = now
+        for address, state in list(self._states.items()):
+            if now - state.seen_at > cfg.forget_after_s:
+                del self._states[address]
+                if state.measured_rate:
+                    self._measured_sum -= state.rate
+                    self._measured_count -= 1
+                continue
+            while state.outstanding:
+                head = next(iter(state.outstanding.values()))
+                if now - head.at <= cfg.outstanding_ttl_s:
+                    break
+                state.outstanding.popitem(last=False)
+                state.outstanding_tokens = max(0.0, state.outstanding_tokens - head.tokens)
+        live = {(a, seq) for a, s in self._states.items() for seq in s.outstanding}
+        for key, (_decision, address, seq) in list(self._pending.items()):
+            if (address, seq) not in live:
+                del self._pending[key]
+
+
+_ADDRESS_HASHES: dict[str, int] = {}
+
+
+def _address_hash(address: str) -> int:
+    """A hash of an address that every process computes alike (``hash(str)`` is salted)."""
+    value = _ADDRESS_HASHES.get(address)
+    if value is None:
+        value = zlib.crc32(address.encode()) * 0x100000001B3 & 0xFFFFFFFFFFFFFFFF
+        if len(_ADDRESS_HASHES) < 65_536:
+            _ADDRESS_HASHES[address] = value
+    return value
+
+
+def _delta(new: float | None, old: float | None) -> float | None:
+    """A counter's increase between two scrapes; None when unknown or reset."""
+    if new is None or old is None or new < old:
+        return None
+    return new - old
+
+
+def _smooth(old: float | None, new: float, alpha: float) -> float:
+    return new if old is None else (1 - alpha) * old + alpha * new
