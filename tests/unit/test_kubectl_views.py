@@ -23,6 +23,7 @@ from cachefleet_operator.api import (
     TenantStatus,
 )
 from cachefleet_operator.kubectl_plugin import cli, views
+from cachefleet_operator.kubectl_plugin.cluster import label_selector
 from cachefleet_operator.outcome import parse_rfc3339
 
 NOW = parse_rfc3339("2026-12-01T12:00:00Z") or 0.0
@@ -293,3 +294,18 @@ def test_durations(text: str, seconds: int) -> None:
 def test_bad_durations_name_the_flag(text: str) -> None:
     with pytest.raises(cli.UsageError, match="--timeout"):
         cli.parse_duration(text, "--timeout")
+
+
+def test_the_cache_selector_as_a_label_selector_query() -> None:
+    selector = {
+        "matchLabels": {"app": "llm", "tier": "serve"},
+        "matchExpressions": [
+            {"key": "zone", "operator": "In", "values": ["a", "b"]},
+            {"key": "canary", "operator": "DoesNotExist"},
+            {"key": "gpu", "operator": "Exists"},
+            {"key": "pool", "operator": "NotIn", "values": ["spot"]},
+        ],
+    }
+    assert label_selector(selector) == (
+        "app=llm,tier=serve,zone in (a,b),!canary,gpu,pool notin (spot)"
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -225,37 +226,53 @@ class Cluster:
 
     def create(self, plural: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         def call() -> Any:
+            # the raw answer: the generated client deserialises only a 201, and an
+            # API server (or an emulator) may answer a create with 200
             return self._custom.create_namespaced_custom_object(
-                GROUP, VERSION, namespace, plural, body, _request_timeout=REQUEST_TIMEOUT_S
+                GROUP,
+                VERSION,
+                namespace,
+                plural,
+                body,
+                _request_timeout=REQUEST_TIMEOUT_S,
+                _preload_content=False,
             )
 
-        return dict(self._call(call, plural, None, namespace))
+        response = self._call(call, plural, None, namespace)
+        created = json.loads(response.data or b"{}")
+        if not isinstance(created, dict) or not (created.get("metadata") or {}).get("name"):
+            raise PluginError(f"the API server's answer to creating a {_KINDS[plural]} has no name")
+        return created
 
     def pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """Pods matching ``selector``, as the API returns them (camelCase; read raw, so a
+        field the generated client's models would refuse does not hide the pod)."""
+
         def call() -> Any:
             return self._core.list_namespaced_pod(
-                namespace, label_selector=selector, _request_timeout=REQUEST_TIMEOUT_S
+                namespace,
+                label_selector=selector,
+                _request_timeout=REQUEST_TIMEOUT_S,
+                _preload_content=False,
             )
 
-        found = self._call(call, "pods", None, namespace)
-        return [self.target.api.sanitize_for_serialization(p) for p in found.items or []]
+        found = json.loads(self._call(call, "pods", None, namespace).data or b"{}")
+        return [p for p in found.get("items") or [] if isinstance(p, dict)]
 
     def secret_value(self, namespace: str, name: str, key: str) -> str:
         def call() -> Any:
             return self._core.read_namespaced_secret(
-                name, namespace, _request_timeout=REQUEST_TIMEOUT_S
+                name, namespace, _request_timeout=REQUEST_TIMEOUT_S, _preload_content=False
             )
 
-        secret = self._call(call, "secrets", name, namespace)
-        data = secret.data or {}
+        secret = json.loads(self._call(call, "secrets", name, namespace).data or b"{}")
+        data = secret.get("data") or {}
         if key not in data:
             raise PluginError(f"Secret {namespace}/{name} has no key {key!r}")
         return base64.b64decode(data[key]).decode().strip()
 
 
 def _api_message(exc: Any) -> str:
-    import json
-
     try:
         body = json.loads(exc.body or "")
         return str(body.get("message") or exc.reason)

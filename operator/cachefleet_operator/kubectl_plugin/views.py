@@ -506,15 +506,15 @@ def pod_info(pod: Mapping[str, Any]) -> PodInfo:
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
     containers = spec.get("containers") or []
-    statuses = status.get("containerStatuses") or status.get("container_statuses") or []
+    statuses = status.get("containerStatuses") or []
     ready = sum(1 for s in statuses if s.get("ready"))
-    restarts = sum(int(s.get("restartCount") or s.get("restart_count") or 0) for s in statuses)
+    restarts = sum(int(s.get("restartCount") or 0) for s in statuses)
     return PodInfo(
         name=str(meta.get("name") or ""),
         phase=str(status.get("phase") or "Unknown"),
         ready=f"{ready}/{len(containers)}",
         restarts=restarts,
-        node=str(spec.get("nodeName") or spec.get("node_name") or NONE),
+        node=str(spec.get("nodeName") or NONE),
     )
 
 
