@@ -9,6 +9,7 @@ decides exactly what the cluster says.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
 import os
@@ -40,12 +41,12 @@ CI_PATH = f"/apis/cachefleet.io/v1alpha1/namespaces/{NAMESPACE}/cacheinvalidatio
 MI = 1024 * 1024
 
 
-def _spec(redis_url: str = "redis://127.0.0.1:1/0") -> dict[str, Any]:
+def _spec(redis: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "selector": {"matchLabels": {"app": "llm"}},
         "model": {"name": "llama-3-8b", "version": "v7"},
         "capacity": {"l1BytesPerPod": 1024 * MI, "l2Bytes": 8 * 1024 * MI},
-        "redis": {"url": redis_url},
+        "redis": redis or {"url": "redis://127.0.0.1:1/0"},
         "prometheus": {"url": "http://127.0.0.1:9"},
         "tenants": [
             {"name": "search", "priorityClass": "Guaranteed", "minShare": 0.5},
@@ -149,6 +150,29 @@ def test_status_of_missing_objects_and_namespaces(
     code, out, err = _run("status", "--kubeconfig", kubeconfig, "-n", "elsewhere")
     assert (code, out) == (0, "")
     assert "No InferenceCaches found in namespace 'elsewhere'" in err
+
+
+def test_status_of_every_namespace(emulator: EmulatorHandle, kubeconfig: str) -> None:
+    _seed(emulator)
+    emulator.create(
+        "/apis/cachefleet.io/v1alpha1/namespaces/batch/inferencecaches",
+        {
+            "apiVersion": "cachefleet.io/v1alpha1",
+            "kind": "InferenceCache",
+            "metadata": {"name": "embed", "namespace": "batch"},
+            "spec": _spec(),
+        },
+    )
+    code, out, _ = _run("status", "-A", "--kubeconfig", kubeconfig)
+    assert code == 0
+    headers = [line for line in out.splitlines() if line.startswith("InferenceCache ")]
+    assert headers == [
+        "InferenceCache batch/embed  model llama-3-8b v7",
+        "InferenceCache default/chat  model llama-3-8b v7",
+    ]
+    code, out, _ = _run("status", "-n", "batch", "--kubeconfig", kubeconfig)
+    assert "none yet (is the operator running" in out
+    assert "default/chat" not in out
 
 
 def test_crds_not_installed(emulator: EmulatorHandle, kubeconfig: str) -> None:
@@ -343,7 +367,20 @@ def test_top_joins_pods_and_heartbeats(
 ) -> None:
     # (the emulator ignores labelSelector: only the cache's pods exist here)
     _pods(emulator, ("llm-0", "llm"), ("llm-1", "llm"))
-    _seed(emulator, redis_url=redis_url)
+    # spec.redis names a Secret, as it does when Redis has a password
+    emulator.emulator.resources["v1/secrets"] = kmock.ResourceInfo(
+        kind="Secret", singular="secret", namespaced=True, verbs={"get", "create"}
+    )
+    emulator.create(
+        f"/api/v1/namespaces/{NAMESPACE}/secrets",
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "chat-redis", "namespace": NAMESPACE},
+            "data": {"url": base64.b64encode(redis_url.encode()).decode()},
+        },
+    )
+    _seed(emulator, redis={"secretRef": {"name": "chat-redis"}})
     cache = protocol.cache_ref(NAMESPACE, "chat")
 
     async def heartbeats() -> None:

@@ -10,6 +10,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TextIO
@@ -100,6 +101,10 @@ def _global_flags(parser: argparse.ArgumentParser, outputs: list[str]) -> None:
         )
 
 
+def _para(text: str) -> str:
+    return textwrap.fill(text, width=78)
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
@@ -114,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser(
         "status",
         help="per cache: tenants, class, shares, L1/L2 bytes, hit ratio, SLA, lagging sidecars",
-        description=(
+        description=_para(
             "Per InferenceCache, from its status as the operator writes it: conditions, quota "
             "generation, SLA attainment, sidecars live / in sync (lagging = live minus in sync), "
             "epochs, the last CacheInvalidation (its lagging pods when it failed), and per tenant "
@@ -134,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     top = sub.add_parser(
         "top",
         help="per pod: heartbeat, quota generation, epochs acknowledged, policy per tenant",
-        description=(
+        description=_para(
             "Per pod of an InferenceCache. Pods, readiness and restarts come from the Kubernetes "
             "API (the cache's spec.selector). Sidecar columns come from the sidecars' heartbeats "
             "and epoch acknowledgements in the cache's Redis (spec.redis: its URL or Secret; "
@@ -156,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     inv = sub.add_parser(
         "invalidate",
         help="create a CacheInvalidation; --wait follows it to Completed or Failed",
-        description=(
+        description=_para(
             "Creates a CacheInvalidation of the InferenceCache NAME. With --wait, follows it like "
             "kubectl rollout status, printing each change, until Completed (exit 0), Failed "
             f"(exit {EXIT_INVALIDATION_FAILED}, lagging pods named) or no outcome within "
@@ -187,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     key = sub.add_parser(
         "explain-key",
         help="the canonical form and digest of a request body; whether two bodies share an entry",
-        description=(
+        description=_para(
             "Keys a request body (FILE, or - for stdin) with the sidecar's own code "
             "(cachefleet_sidecar.keys) and prints its canonical form, its xxh3-128 digest (the L1 "
             "index) and SHA-256 (the L2 entry), or why the sidecar would not cache it. With two "

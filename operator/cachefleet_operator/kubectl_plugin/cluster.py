@@ -39,6 +39,7 @@ REDIS_TIMEOUT_S = 3.0
 CACHES = "inferencecaches"
 INVALIDATIONS = "cacheinvalidations"
 _KINDS = {CACHES: "InferenceCache", INVALIDATIONS: "CacheInvalidation"}
+_BUILTIN_KINDS = {"pods": "Pod", "secrets": "Secret"}
 
 #: Exit status of an error talking to the cluster (kubectl's).
 EXIT_ERROR = 1
@@ -168,7 +169,7 @@ class Cluster:
                     f"the cluster does not serve {plural}.{GROUP}/{VERSION}: the cachefleet CRDs "
                     "are not installed (kubectl apply -f crds/, or install the Helm chart)"
                 ) from exc
-            kind = _KINDS.get(plural, plural)
+            kind = _KINDS.get(plural) or _BUILTIN_KINDS.get(plural, plural)
             where = f" in namespace {namespace!r}" if namespace else ""
             if exc.status == 404 and name is not None:
                 raise NotFound(f'{kind} "{name}" not found{where}') from exc
