@@ -173,6 +173,12 @@ def test_status_of_every_namespace(emulator: EmulatorHandle, kubeconfig: str) ->
     code, out, _ = _run("status", "-n", "batch", "--kubeconfig", kubeconfig)
     assert "none yet (is the operator running" in out
     assert "default/chat" not in out
+    # without -n: the kubeconfig context's namespace
+    other = str(Path(kubeconfig).with_name("batch.kubeconfig"))
+    write_kubeconfig(other, emulator.url, "plugin-token", namespace="batch")
+    code, out, _ = _run("status", "--kubeconfig", other)
+    assert out.startswith("InferenceCache batch/embed ")
+    assert "default/chat" not in out
 
 
 def test_crds_not_installed(emulator: EmulatorHandle, kubeconfig: str) -> None:
@@ -225,7 +231,11 @@ def _operator_stand_in(
             merge = {"Content-Type": "application/merge-patch+json"}
             running = {"phase": "Running", "epoch": 5, "message": "advancing tenant:search"}
             http.patch(f"{CI_PATH}/{name}/status", json={"status": running}, headers=merge)
-            time.sleep(1.2)  # longer than the plugin's poll: it prints Running
+            # the outcome only after the plugin has read the object again (it saw Running)
+            fetch = (kmock.action.FETCH, "cacheinvalidations")
+            before = emulator.emulator.seen.count(fetch)
+            while emulator.emulator.seen.count(fetch) == before and time.monotonic() < deadline:
+                time.sleep(0.05)
             http.patch(f"{CI_PATH}/{name}/status", json={"status": outcome}, headers=merge)
 
     thread = threading.Thread(target=play, daemon=True)
@@ -396,6 +406,7 @@ def test_top_joins_pods_and_heartbeats(
                         quota_generation=generation,
                         policy_by_tenant={"search": protocol.Policy.SITS},
                     ),
+                    ttl_s=300,  # live for the whole test, however slow the machine
                 )
                 await protocol.write_ack(client, cache, protocol.EpochAck(pod=pod, epochs=epochs))
         finally:

@@ -309,3 +309,18 @@ def test_the_cache_selector_as_a_label_selector_query() -> None:
     assert label_selector(selector) == (
         "app=llm,tier=serve,zone in (a,b),!canary,gpu,pool notin (spot)"
     )
+
+
+def test_the_package_installs_the_plugin_as_kubectl_cachefleet() -> None:
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, func = scripts["kubectl-cachefleet"].partition(":")
+    assert getattr(importlib.import_module(module), func) is cli.main
+    out, err = io.StringIO(), io.StringIO()
+    assert cli.main([], out=out, err=err) == cli.EXIT_USAGE
+    assert "status" in err.getvalue()
+    assert "explain-key" in err.getvalue()
