@@ -402,12 +402,10 @@ class Sidecar:
         found = self._key_memo.get(memo_key)
         if found is not None:
             return found
-        body = keys.parse_body(raw) if len(raw) <= keys.MAX_KEYED_BODY_BYTES else None
+        body = keys.keyable_body(raw)
         result: keys.CacheKey | str
-        if len(raw) > keys.MAX_KEYED_BODY_BYTES:
-            result = "body too large to key"
-        elif body is None:
-            result = "body is not an unambiguous JSON object"
+        if isinstance(body, str):
+            result = body
         else:
             epochs: tuple[int, ...] = ()
             if self._versioned:
@@ -677,7 +675,7 @@ class Sidecar:
             return
         kind = keys.CACHEABLE_PATHS.get(path) if request.method == b"POST" else None
         if kind is None:
-            await self._passthrough(request, conn, tenant=None, reason="not a cached endpoint")
+            await self._passthrough(request, conn, tenant=None, reason=keys.NOT_CACHED_ENDPOINT)
             return
         memo = request.memo
         if memo is None or (

@@ -182,6 +182,26 @@ def parse_body(raw: bytes) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+#: Why a body is not keyed before its fields are read (the sidecar's ``X-Cache: BYPASS`` reasons).
+BODY_TOO_LARGE = "body too large to key"
+BODY_NOT_OBJECT = "body is not an unambiguous JSON object"
+#: Why a request to any other path than :data:`CACHEABLE_PATHS` is not cached.
+NOT_CACHED_ENDPOINT = "not a cached endpoint"
+
+
+def keyable_body(raw: bytes) -> dict[str, Any] | str:
+    """The parsed body of a request to key, or why it is not keyed.
+
+    The sidecar's first step for every cacheable request (bodies over
+    :data:`MAX_KEYED_BODY_BYTES` are not parsed at all); ``kubectl cachefleet
+    explain-key`` runs the same one.
+    """
+    if len(raw) > MAX_KEYED_BODY_BYTES:
+        return BODY_TOO_LARGE
+    body = parse_body(raw)
+    return BODY_NOT_OBJECT if body is None else body
+
+
 # ------------------------------------------------------------ normalisation
 def _norm_text(text: str, collapse: bool) -> str:
     return _WS.sub(" ", text.strip()) if collapse else text

@@ -1,0 +1,149 @@
+"""``kubectl cachefleet explain-key`` on real request bodies, through the command line."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from cachefleet_operator.kubectl_plugin import cli, explain
+from cachefleet_sidecar import keys
+
+CHAT = {
+    "model": "llama-3-8b",
+    "messages": [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    "temperature": 0,
+    "max_tokens": 64,
+}
+# the same request as another client writes it: other field order and formatting, 0.0
+# for 0, a user id and metadata (never change the answer), "stream": false spelled out
+CHAT_AGAIN = (
+    b'{\n  "max_tokens": 64, "stream": false, "user": "u-42", "metadata": {"trace": "x"},\n'
+    b'  "messages": [{"content": "You answer in one sentence.", "role": "system"},\n'
+    b'               {"content": "What is the capital of France?", "role": "user"}],\n'
+    b'  "temperature": 0.0, "model": "llama-3-8b"}'
+)
+
+
+def _run(argv: list[str], stdin: bytes = b"") -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+
+    class _Stdin:
+        buffer = io.BytesIO(stdin)
+
+    code = cli.main(["explain-key", *argv], out=out, err=err, stdin=_Stdin())
+    return code, out.getvalue(), err.getvalue()
+
+
+def _write(tmp_path: Path, name: str, body: Any) -> str:
+    path = tmp_path / name
+    path.write_bytes(body if isinstance(body, bytes) else json.dumps(body).encode())
+    return str(path)
+
+
+def test_two_spellings_of_one_request_share_an_entry(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+    b = _write(tmp_path, "b.json", CHAT_AGAIN)
+    code, out, _ = _run([a, b])
+    assert code == 0
+    digest = explain.digest_hex(
+        keys.make_key(CHAT, "chat", keys.Scope(explain.DEFAULT_TENANT))
+    )  # what the sidecar's keying gives the first body
+    assert f"{a} and {b} share one cache entry (digest {digest})" in out
+    assert out.count(f"digest:         {digest}") == 2
+    # the canonical form shows why: sorted fields, 0.0, stream false, no user/metadata
+    assert '"stream":false,"temperature":0.0}' in out
+    assert "u-42" not in out
+
+
+def test_a_differing_field_is_named_with_both_values(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+    b = _write(tmp_path, "b.json", {**CHAT, "max_tokens": 65})
+    code, out, _ = _run([a, b, "-o", "json"])
+    assert code == 0
+    verdict = json.loads(out)["comparison"]
+    assert verdict["shared"] is False
+    assert verdict["difference"]["field"] == "max_tokens"
+    assert (verdict["difference"]["left"], verdict["difference"]["right"]) == ("64", "65")
+    code, text, _ = _run([a, b])
+    assert f"{a} and {b} do NOT share a cache entry: first difference at max_tokens" in text
+
+
+def test_whitespace_in_a_message_differs_unless_the_tenant_collapses_it(tmp_path: Path) -> None:
+    question = {"role": "user", "content": "What  is the capital of France? "}
+    spaced = {**CHAT, "messages": [CHAT["messages"][0], question]}  # type: ignore[index]
+    a = _write(tmp_path, "a.json", CHAT)
+    b = _write(tmp_path, "b.json", spaced)
+    _, out, _ = _run([a, b])
+    assert "first difference at messages[1].content" in out
+    assert '"What  is the capital of France? "' in out
+    _, out, _ = _run([a, b, "--collapse-whitespace"])
+    assert "share one cache entry" in out
+
+
+def test_a_body_the_sidecar_would_not_cache_says_why(tmp_path: Path) -> None:
+    sampled = _write(tmp_path, "sampled.json", {**CHAT, "temperature": 0.7})
+    code, out, _ = _run([sampled])
+    assert code == 0
+    assert "cacheable:      no: not deterministic (temperature != 0 and no seed)" in out
+    assert "digest:" not in out
+    # the tenant option cacheNondeterministic widens what is cached
+    assert "cacheable:      yes" in _run([sampled, "--cache-nondeterministic"])[1]
+    duplicate = _write(tmp_path, "dup.json", b'{"model": "m", "model": "n", "temperature": 0}')
+    assert "no: body is not an unambiguous JSON object" in _run([duplicate])[1]
+    stream = _write(tmp_path, "stream.json", {**CHAT, "stream": "yes"})
+    assert 'no: "stream" is not a boolean' in _run([stream])[1]
+    a = _write(tmp_path, "a.json", CHAT)
+    _, out, _ = _run([a, sampled])
+    assert f"do NOT share a cache entry: {sampled} is not cached: not deterministic" in out
+
+
+def test_other_endpoints_and_query_strings(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+    _, out, _ = _run([a, "--path", "/v1/models"])
+    assert "no: not a cached endpoint (cached: /v1/chat/completions, /v1/completions" in out
+    emb = _write(tmp_path, "emb.json", {"model": "e5", "input": "hello"})
+    _, out, _ = _run([emb, "--path", "/v1/embeddings?api-version=2"])
+    assert "/v1/embeddings?api-version=2 (embeddings)" in out
+    assert "cacheable:      yes" in out
+    doc = json.loads(_run([emb, "--path", "/v1/embeddings?api-version=2", "-o", "json"])[1])
+    plain = json.loads(_run([emb, "--path", "/v1/embeddings", "-o", "json"])[1])
+    assert doc["requests"][0]["digest"] != plain["requests"][0]["digest"]
+
+
+def test_stdin_tenant_version_and_epochs_change_the_digest_not_the_sharing(
+    tmp_path: Path,
+) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+
+    def digest(*flags: str) -> str:
+        code, out, _ = _run(["-", "-o", "json", *flags], stdin=json.dumps(CHAT).encode())
+        assert code == 0
+        found: str = json.loads(out)["requests"][0]["digest"]
+        return found
+
+    base = digest()
+    assert digest("--tenant", "other") != base
+    assert digest("--model-version", "v2") != base
+    assert digest("--epochs", "0,0,0") != base  # a sidecar with Redis keys with epochs
+    _, out, _ = _run([a, "-", "--tenant", "other", "--epochs", "1,2,3"], stdin=CHAT_AGAIN)
+    assert "share one cache entry" in out
+
+
+def test_bad_arguments_name_the_flag_or_file(tmp_path: Path) -> None:
+    code, _, err = _run([str(tmp_path / "missing.json")])
+    assert code == cli.EXIT_USAGE
+    assert "missing.json" in err
+    code, _, err = _run(["-", "--epochs", "1,2"])
+    assert code == cli.EXIT_USAGE
+    assert "--epochs" in err
+
+
+def test_a_body_too_large_to_key(tmp_path: Path) -> None:
+    size = keys.MAX_KEYED_BODY_BYTES + 1
+    big = _write(tmp_path, "big.json", b'{"model": "m", "prompt": "' + b"x" * size + b'"}')
+    assert "cacheable:      no: body too large to key" in _run([big])[1]
