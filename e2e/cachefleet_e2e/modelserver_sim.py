@@ -197,7 +197,9 @@ class ModelServerSim:
     def start(self) -> ModelServerSim:
         self._threads = [
             threading.Thread(target=self._prefill_worker, daemon=True, name="sim-prefill"),
-            threading.Thread(target=self.server.serve_forever, daemon=True, name="sim-http"),
+            threading.Thread(
+                target=self.server.serve_forever, args=(0.05,), daemon=True, name="sim-http"
+            ),
         ]
         for t in self._threads:
             t.start()

@@ -117,7 +117,8 @@ def test_standard_wait_times_out_with_503() -> None:
 def test_abandoned_waiter_leaves_the_queue() -> None:
     a = saturated()
     a.decide(STANDARD, 0.0, "gone")
-    assert a.abandon("gone") and not a.abandon("gone")
+    assert a.abandon("gone")
+    assert not a.abandon("gone")
     assert a.queued == 0
 
 
@@ -140,7 +141,8 @@ def test_shedding_start_and_stop_are_reported_once() -> None:
     a = Admission(AdmissionConfig(max_waiting=4))
     assert a.observe(reading(waiting=5), 0.0) is True
     assert a.observe(reading(waiting=6), 0.5) is False
-    assert a.shedding_since == 0.0 and a.shedding_starts == 1
+    assert a.shedding_since == 0.0
+    assert a.shedding_starts == 1
     assert a.observe(reading(waiting=1), 1.0) is True
     assert a.shedding_since is None
     assert a.describe()["shedding"] is False
