@@ -9,7 +9,8 @@ same object with simulated time.
 The rules (docs/admission.md):
 
 * the server is *saturated* while its prefill queue holds at least
-  ``max_waiting`` requests or its KV cache is at least ``max_kv_usage`` full;
+  ``max_waiting`` requests, its KV cache is at least ``max_kv_usage`` full, or
+  (when ``max_running`` is set) at least that many requests run;
   a reading that failed counts as not saturated (and is counted);
 * a cache hit costs the GPU nothing and is always admitted; only a request
   that would go upstream is asked about;
@@ -55,9 +56,21 @@ MAX_RETRY_AFTER_S = 60
 #: Refusal reasons (the ``reason`` label of the refusal counter and the error body).
 REASON_SATURATED_QUEUE = "saturated_queue"
 REASON_SATURATED_KV = "saturated_kv"
+REASON_SATURATED_RUNNING = "saturated_running"
 REASON_QUEUE_FULL = "queue_full"
 REASON_QUEUE_TIMEOUT = "queue_timeout"
-REASONS = (REASON_SATURATED_QUEUE, REASON_SATURATED_KV, REASON_QUEUE_FULL, REASON_QUEUE_TIMEOUT)
+REASONS = (
+    REASON_SATURATED_QUEUE,
+    REASON_SATURATED_KV,
+    REASON_SATURATED_RUNNING,
+    REASON_QUEUE_FULL,
+    REASON_QUEUE_TIMEOUT,
+)
+_CAUSE_REASON = {
+    "queue": REASON_SATURATED_QUEUE,
+    "kv": REASON_SATURATED_KV,
+    "running": REASON_SATURATED_RUNNING,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +81,9 @@ class AdmissionConfig:
     max_kv_usage: float = DEFAULT_MAX_KV_USAGE
     standard_queue: int = DEFAULT_STANDARD_QUEUE
     standard_max_wait_s: float = DEFAULT_STANDARD_MAX_WAIT_S
+    #: Running requests at which the server counts as saturated (None: not a signal;
+    #: vLLM's batch is full at its ``--max-num-seqs``).
+    max_running: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.max_waiting) and self.max_waiting >= 1):
@@ -76,6 +92,10 @@ class AdmissionConfig:
             raise ValueError(f"max_kv_usage: must be in (0, 1], got {self.max_kv_usage!r}")
         if self.standard_queue < 0:
             raise ValueError(f"standard_queue: must be >= 0, got {self.standard_queue!r}")
+        if self.max_running is not None and not (
+            math.isfinite(self.max_running) and self.max_running >= 1
+        ):
+            raise ValueError(f"max_running: must be a number >= 1, got {self.max_running!r}")
         if not (math.isfinite(self.standard_max_wait_s) and self.standard_max_wait_s > 0):
             raise ValueError(
                 f"standard_max_wait_s: must be > 0 seconds, got {self.standard_max_wait_s!r}"
@@ -148,9 +168,14 @@ class Admission:
                 self.saturated, self.cause = True, "queue"
             elif metrics.kv_usage >= cfg.max_kv_usage:
                 self.saturated, self.cause = True, "kv"
+            elif cfg.max_running is not None and metrics.running >= cfg.max_running:
+                self.saturated, self.cause = True, "running"
             else:
                 self.saturated, self.cause = False, ""
-        self._headroom = 0 if self.saturated else max(1, int(cfg.max_waiting - self.waiting))
+        room = cfg.max_waiting - self.waiting
+        if cfg.max_running is not None:
+            room = min(room, cfg.max_running - self.running)
+        self._headroom = 0 if self.saturated else max(1, int(room))
         was = self.shedding_since is not None
         if self.saturated and not was:
             self.shedding_since = now
@@ -203,8 +228,7 @@ class Admission:
         if cls == BEST_EFFORT:
             if not self.saturated:
                 return ADMIT
-            reason = REASON_SATURATED_QUEUE if self.cause == "queue" else REASON_SATURATED_KV
-            return self._refusal(429, reason)
+            return self._refusal(429, _CAUSE_REASON[self.cause])
         if not self.saturated and not self._queue:
             return ADMIT
         if len(self._queue) >= self.config.standard_queue:
@@ -253,6 +277,8 @@ class Admission:
             text = f"waited {self.config.standard_max_wait_s:g} s and the model server is saturated"
         elif reason == REASON_SATURATED_KV:
             text = f"model server saturated: KV cache {self.kv_usage:.0%} in use"
+        elif reason == REASON_SATURATED_RUNNING:
+            text = f"model server saturated: {self.running:g} requests running"
         else:
             text = f"model server saturated: {self.waiting:g} requests waiting for prefill"
         return Decision("refuse", status, reason, retry, f"{text}; retry in {retry} s")
@@ -271,6 +297,7 @@ class Admission:
             "thresholds": {
                 "max_waiting": self.config.max_waiting,
                 "max_kv_usage": self.config.max_kv_usage,
+                "max_running": self.config.max_running,
                 "standard_queue": self.config.standard_queue,
                 "standard_max_wait_s": self.config.standard_max_wait_s,
             },

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -455,6 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(admission.DEFAULT_MAX_KV_USAGE),
     )
     add(
+        "admission-max-running",
+        "running requests (vllm:num_requests_running) at which the model server counts as "
+        "saturated; empty: not a signal",
+        default="",
+    )
+    add(
         "admission-standard-queue",
         "Standard requests that may wait for room at once (429 beyond)",
         default=str(admission.DEFAULT_STANDARD_QUEUE),
@@ -472,13 +479,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _admission(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+def _optional_float(value: str) -> float | None:
+    return float(value) if str(value).strip() else None
+
+
+def _admission(
+    ns: argparse.Namespace, parser: argparse.ArgumentParser
+) -> admission.AdmissionConfig | None:
     """The admission thresholds of the flags (None: off); bad values name their flag."""
     if not ns.admission:
         return None
-    flags = {
+    flags: dict[str, tuple[str, Any, Callable[[str], Any]]] = {
         "max_waiting": ("admission-max-waiting", ns.admission_max_waiting, float),
         "max_kv_usage": ("admission-max-kv-usage", ns.admission_max_kv_usage, float),
+        "max_running": ("admission-max-running", ns.admission_max_running, _optional_float),
         "standard_queue": ("admission-standard-queue", ns.admission_standard_queue, int),
         "standard_max_wait_s": (
             "admission-standard-max-wait",
