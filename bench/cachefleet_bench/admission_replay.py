@@ -208,7 +208,6 @@ class _Outcome:
     hits_refused: int = 0
 
 
-
 def replay(
     reqs: Sequence[_Req],
     *,
