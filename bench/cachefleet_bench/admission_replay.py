@@ -57,6 +57,19 @@ from cachefleet_sidecar.admission import (
 )
 from cachefleet_sidecar.modelserver import ModelServerMetrics
 
+
+def _find_trace(name: str = "mooncake_synthetic_trace.jsonl") -> Path:
+    """``shared/data/<name>`` next to the checkout (or a worktree's parent checkout)."""
+    here = Path(__file__).resolve()
+    for base in here.parents[2:5]:
+        candidate = base / "shared" / "data" / name
+        if candidate.exists():
+            return candidate
+    return here.parents[3] / "shared" / "data" / name
+
+
+#: The shared Mooncake synthetic trace.
+DEFAULT_TRACE = _find_trace()
 #: Tokens per block of a Mooncake trace's ``hash_ids``.
 BLOCK_TOKENS = 512
 #: Class shares by conversation (the rest is BestEffort).
@@ -373,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="cachefleet-bench-admission", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
     p.add_argument("--pods", type=int, default=8)
     p.add_argument("--kv-blocks", type=int, default=1000, help="512-token blocks per pod")
     p.add_argument("--prefill-rate", type=float, default=20000.0, help="tokens/s per pod")
