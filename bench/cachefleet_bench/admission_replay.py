@@ -305,7 +305,7 @@ def replay(
             expected = (
                 (max(0.0, pod.busy_until - now) if pod.busy is not None else 0.0)
                 + pod.queued_work
-                + pod.parked_work
+                + (0.0 if req.cls == GUARANTEED else pod.parked_work)  # admitted before them
             )
             own = uncached_s(req.tokens, pod.matched(req.blocks), prefill_rate)
             if expected + own < best_s:
