@@ -60,12 +60,12 @@ from cachefleet_sidecar.modelserver import ModelServerMetrics
 
 def _find_trace(name: str = "mooncake_synthetic_trace.jsonl") -> Path:
     """``shared/data/<name>`` next to the checkout (or a worktree's parent checkout)."""
-    here = Path(__file__).resolve()
-    for base in here.parents[2:5]:
+    parents = list(Path(__file__).resolve().parents)
+    for base in parents[2:5]:
         candidate = base / "shared" / "data" / name
         if candidate.exists():
             return candidate
-    return here.parents[3] / "shared" / "data" / name
+    return parents[min(3, len(parents) - 1)] / "shared" / "data" / name
 
 
 #: The shared Mooncake synthetic trace.
