@@ -161,3 +161,20 @@ def test_shedding_start_and_stop_are_reported_once() -> None:
 def test_bad_thresholds_name_their_field(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         AdmissionConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_running_threshold_saturates_only_when_set() -> None:
+    busy = ModelServerMetrics(waiting=0, running=4, kv_usage=0.1, server="vllm")
+    off = Admission(AdmissionConfig(max_waiting=4))
+    off.observe(busy, 0.0)
+    assert not off.saturated
+    on = Admission(AdmissionConfig(max_waiting=4, max_running=4))
+    on.observe(busy, 0.0)
+    assert (on.saturated, on.cause) == (True, "running")
+    d = on.decide(BEST_EFFORT, 0.0)
+    assert (d.status, d.reason) == (429, "saturated_running")
+    for ticket in "abc":
+        on.decide(STANDARD, 0.0, ticket)
+    # room for two more running requests: two parked requests go, oldest first
+    on.observe(ModelServerMetrics(waiting=0, running=2, kv_usage=0.1, server="vllm"), 1.0)
+    assert on.release() == ["a", "b"]
