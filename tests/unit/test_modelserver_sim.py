@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -126,3 +129,30 @@ def test_cli_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--kv-blocks" in capsys.readouterr().err
     with pytest.raises(ValueError, match="prefill_rate"):
         ModelServerSim(prefill_rate=0)
+
+
+def test_runs_as_a_module_for_the_demo() -> None:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cachefleet_e2e.modelserver_sim",
+            *("--listen", "127.0.0.1:0", "--kv-blocks", "32", "--prefill-rate", "1e6"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = line.rsplit(" ", 1)[-1].strip()
+        assert url.startswith("http://127.0.0.1:")
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert chat(client, "hello").status_code == 200
+            m = parse_metrics(client.get("/metrics").text)
+        assert m.kv_capacity_tokens == 32 * 16
+        assert m.prefill_requests_total == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
