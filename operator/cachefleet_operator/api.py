@@ -27,6 +27,7 @@ from cachefleet_operator.allocation import (
     DEFAULT_SMOOTHING,
     PriorityClass,
 )
+from cachefleet_sidecar import admission as sidecar_admission
 from cachefleet_sidecar.protocol import NAME_RE, Policy
 
 GROUP = "cachefleet.io"
@@ -298,6 +299,48 @@ class SemanticSpec(_Model):
     )
 
 
+class AdmissionSpec(_Model):
+    """Class-aware admission in the sidecars while their model server is saturated.
+
+    Saturated: the server's own metrics say at least ``maxWaiting`` requests wait
+    for prefill, or its KV cache is ``maxKvUsage`` full (or ``maxRunning`` run).
+    Then a BestEffort tenant's miss gets 429 with Retry-After, a Standard one waits
+    (bounded), a Guaranteed one passes; a cache hit is never refused (docs/admission.md).
+    """
+
+    enabled: bool = Field(default=True, description="Admission on for this cache's sidecars.")
+    max_waiting: int = Field(
+        default=sidecar_admission.DEFAULT_MAX_WAITING,
+        ge=1,
+        le=100000,
+        description="Requests waiting for prefill (vllm:num_requests_waiting) that saturate.",
+    )
+    max_kv_usage: float = Field(
+        default=sidecar_admission.DEFAULT_MAX_KV_USAGE,
+        gt=0,
+        le=1,
+        description="KV cache usage (vllm:kv_cache_usage_perc, 0-1] that saturates.",
+    )
+    max_running: int | None = Field(
+        default=None,
+        ge=1,
+        le=100000,
+        description="Running requests that saturate; empty = not a signal.",
+    )
+    standard_queue: int = Field(
+        default=sidecar_admission.DEFAULT_STANDARD_QUEUE,
+        ge=0,
+        le=100000,
+        description="Standard requests that may wait per sidecar (429 beyond).",
+    )
+    standard_max_wait_seconds: float = Field(
+        default=sidecar_admission.DEFAULT_STANDARD_MAX_WAIT_S,
+        gt=0,
+        le=3600,
+        description="Seconds a Standard request waits for room before it gets 503.",
+    )
+
+
 class TenantSpec(_Model):
     """One tenant of the cache: its class, SLA and share bounds."""
 
@@ -448,6 +491,10 @@ class InferenceCacheSpec(_Model):
         default_factory=RoutingSpec,
         description="Routing through cachefleet's endpoint picker (deployed by the Helm chart).",
     )
+    admission: AdmissionSpec | None = Field(
+        default=None,
+        description="Class-aware admission when the model server saturates; empty = off.",
+    )
     tenants: list[TenantSpec] = Field(
         default_factory=list,
         max_length=MAX_TENANTS,
@@ -530,6 +577,9 @@ class SidecarStatus(_Observed):
     in_sync: int = Field(description="Live sidecars that applied the current quota generation.")
     epochs_in_sync: int | None = Field(
         default=None, description="Live sidecars that acknowledged the current epochs."
+    )
+    shedding: list[str] | None = Field(
+        default=None, description="Pods whose admission sheds now (model server saturated)."
     )
 
 

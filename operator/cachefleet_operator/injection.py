@@ -123,6 +123,8 @@ class CacheInfo:
     l1_bytes_per_pod: int | None = None
     policy: str | None = None
     outage_staleness_s: int = 0
+    #: Admission flags from ``spec.admission`` as (flag, value) pairs; empty: off.
+    admission: tuple[tuple[str, str], ...] = ()
 
     @property
     def ref(self) -> str:
@@ -146,7 +148,27 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         l1_bytes_per_pod=int(l1) if l1 is not None else None,
         policy=spec.get("defaultPolicy") or None,
         outage_staleness_s=int(redis.get("outageStalenessSeconds") or 0),
+        admission=admission_flags(spec.get("admission")),
     )
+
+
+#: spec.admission field -> sidecar flag
+_ADMISSION_FLAGS = {
+    "maxWaiting": "admission-max-waiting",
+    "maxKvUsage": "admission-max-kv-usage",
+    "maxRunning": "admission-max-running",
+    "standardQueue": "admission-standard-queue",
+    "standardMaxWaitSeconds": "admission-standard-max-wait",
+}
+
+
+def admission_flags(spec: Any) -> tuple[tuple[str, str], ...]:
+    """The sidecar flags of an InferenceCache's ``spec.admission`` (absent or disabled: none)."""
+    if not isinstance(spec, Mapping) or spec.get("enabled") is False:
+        return ()
+    flags = [("admission", "true")]
+    flags += [(flag, str(spec[key])) for key, flag in _ADMISSION_FLAGS.items() if key in spec]
+    return tuple(flags)
 
 
 def requested_cache(pod: Mapping[str, Any]) -> str | None:
@@ -215,6 +237,7 @@ def sidecar_container(
         env.append(_env("policy", cache.policy))
     if cache.outage_staleness_s:
         env.append(_env("redis-outage-staleness", str(cache.outage_staleness_s)))
+    env.extend(_env(flag, value) for flag, value in cache.admission)
     if api_keys_secret:
         env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}

@@ -199,6 +199,25 @@ def condition(conditions: list[Condition], type_: str) -> Condition | None:
     return next((c for c in conditions if c.type == type_), None)
 
 
+def shedding_events(previous: SidecarStatus | None, shedding: list[str]) -> list[Event]:
+    """An Event per pod whose admission started or stopped shedding since the last reconcile."""
+    before = set((previous.shedding if previous is not None else None) or [])
+    now = set(shedding)
+    started = [
+        Event(
+            "Warning",
+            "AdmissionShedding",
+            f"pod {pod}: model server saturated; BestEffort misses get 429, Standard ones wait",
+        )
+        for pod in sorted(now - before)
+    ]
+    stopped = [
+        Event("Normal", "AdmissionRecovered", f"pod {pod}: model server has room; shedding stopped")
+        for pod in sorted(before - now)
+    ]
+    return started + stopped
+
+
 def demands_from_spec(spec: InferenceCacheSpec) -> list[TenantDemand]:
     """The allocation view of a validated spec's tenants."""
     return [
@@ -479,11 +498,14 @@ class Reconciler:
             epoch_status, epochs_in_sync, epoch_events = await self._epochs(
                 url, cache, spec, previous
             )
+            shedding = sorted(m.pod for m in members if m.shedding)
             sidecars = SidecarStatus(
                 seen=len(members),
                 in_sync=sum(1 for m in members if m.quota_generation >= quota_generation),
                 epochs_in_sync=epochs_in_sync,
+                shedding=shedding or None,
             )
+            epoch_events += shedding_events(previous.sidecars, shedding)
         except (ControlPlaneUnavailable, SecretUnavailable, RedisError, OSError) as exc:
             faults.append(("RedisUnavailable", str(exc)))
             self.metrics.reconcile_errors.labels("RedisUnavailable").inc()

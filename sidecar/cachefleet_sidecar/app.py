@@ -57,11 +57,12 @@ from .entry import (
     reason_phrase,
 )
 from .epochs import EpochTracker, EpochVector
+from .gate import AdmissionGate
 from .host import HostPressure
 from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
 from .l1 import TenantL1, TenantLimitError
 from .l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
-from .metrics import SidecarMetrics, TierUsage, reuse_families
+from .metrics import SidecarMetrics, TierUsage, admission_families, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
 from .server import Connection, Limiter, Limits, Outbox, Request, simple_response
@@ -240,6 +241,18 @@ class Sidecar:
             if config.switch_window_s > 0
             else None
         )
+        #: Class-aware admission of upstream-bound requests (None when off; docs/admission.md).
+        self.gate: AdmissionGate | None = None
+        if config.admission is not None:
+            self.gate = AdmissionGate(
+                config.admission,
+                config.admission_metrics_url or config.upstream.rstrip("/") + "/metrics",
+                on_refusal=self.metrics.admission_refused,
+                on_wait=self.metrics.admission_waited,
+            )
+            self.metrics.gauge_sources.append(
+                partial(admission_families, config.cache, self.gate.core)
+            )
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
@@ -611,6 +624,7 @@ class Sidecar:
             or key.digest in self._inflight
             or self.l3.enabled(tenant)
             or (self._versioned and lookup.version != self._scope_version)
+            or (self.gate is not None and self.gate.busy)  # admission decides in handle()
         ):
             return None
         headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
@@ -761,6 +775,9 @@ class Sidecar:
                     conn.write(l3_answer)
                     tm.request("l3", "hit", time.perf_counter() - request.started)
                     return
+            if self.gate is not None and (refused := await self._admit(tenant)) is not None:
+                conn.write(refused)
+                return
             answer = await self._miss(request, conn, lookup, key, pending)
         finally:
             self._fly_home(key, flight, answer, l3_answer)
@@ -859,6 +876,12 @@ class Sidecar:
                 self.metrics.fault("entry_too_large")
         return entry
 
+    async def _admit(self, tenant: str) -> bytes | None:
+        """Admission's refusal of a request about to go upstream (None: it may go)."""
+        assert self.gate is not None
+        quota = self.quotas.get(tenant)
+        return await self.gate.admit(tenant, None if quota is None else quota.priority_class)
+
     def _upstream_headers(
         self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
     ) -> list[tuple[bytes, bytes]]:
@@ -874,6 +897,9 @@ class Sidecar:
         headers = request.headers
         if tenant is not None:
             headers = self._upstream_headers(headers, tenant)
+            if self.gate is not None and (refused := await self._admit(tenant)) is not None:
+                conn.write(refused)
+                return
         captured = await self._forward(request, conn, headers, b"BYPASS", tenant=tenant, capture=0)
         if tenant is not None:
             result = "bypass" if captured is not None else "error"
@@ -1271,6 +1297,7 @@ class Sidecar:
             quota_generation=self.quota_generation,
             policy_by_tenant={t: protocol.Policy(s.policy) for t, s in stats.items()},
             redis_ok=self.l2 is None or self.l2.state == "ok",
+            shedding=self.gate is not None and self.gate.shedding,
         )
 
     # -------------------------------------------------------------- admin
@@ -1362,6 +1389,7 @@ class Sidecar:
             "redis": None if self.l2 is None else self.l2.state,
             "gpu_telemetry": self.telemetry.describe(),
             "semantic": self.l3.describe(),
+            "admission": {"enabled": False} if self.gate is None else self.gate.describe(),
             "policy_switching": {"enabled": False}
             if self.switching is None
             else {"enabled": True, **self.switching.status(), "host": self.host.describe()},
@@ -1435,6 +1463,8 @@ class Sidecar:
                 await asyncio.wait_for(task, 1.0)
         await self.upstream.aclose()
         await self.l3.aclose()
+        if self.gate is not None:
+            await self.gate.aclose()
 
 
 #: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
@@ -1512,6 +1542,8 @@ class SidecarServer:
         cfg = self.config
         # The local model loads in the background (seconds): requests are served meanwhile.
         self._l3_task = loop.create_task(self.sidecar.l3.start())
+        if self.sidecar.gate is not None:
+            self.sidecar.gate.start()
         if cfg.redis_url and self.sidecar.l2 is None:
             from .l2 import RedisL2
 

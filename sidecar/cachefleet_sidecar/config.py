@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import identity, protocol
+from . import admission, identity, protocol
 from .epochs import DEFAULT_STALENESS_BOUND_S
 from .l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
@@ -197,6 +198,10 @@ class SidecarConfig:
     semantic_embeddings_model: str = ""
     #: Seconds an L3 lookup waits for its embedding before the request goes upstream.
     semantic_timeout_s: float = DEFAULT_SEMANTIC_TIMEOUT_S
+    #: Class-aware admission (docs/admission.md); None: off.
+    admission: admission.AdmissionConfig | None = None
+    #: The model server's metrics URL admission reads (empty: the upstream's /metrics).
+    admission_metrics_url: str = ""
 
 
 def _env(name: str) -> str | None:
@@ -432,7 +437,77 @@ def build_parser() -> argparse.ArgumentParser:
         "(after 5 failures in a row the source is not asked for 5 s)",
         default=str(DEFAULT_SEMANTIC_TIMEOUT_S),
     )
+    add(
+        "admission",
+        "class-aware admission when the model server is saturated (docs/admission.md): "
+        "BestEffort misses get 429, Standard ones wait, Guaranteed ones pass; hits always pass",
+        action="store_true",
+        default=False,
+    )
+    add(
+        "admission-max-waiting",
+        "requests waiting for prefill (vllm:num_requests_waiting) at which the model server "
+        "counts as saturated",
+        default=str(admission.DEFAULT_MAX_WAITING),
+    )
+    add(
+        "admission-max-kv-usage",
+        "KV cache usage in (0, 1] at which the model server counts as saturated",
+        default=str(admission.DEFAULT_MAX_KV_USAGE),
+    )
+    add(
+        "admission-max-running",
+        "running requests (vllm:num_requests_running) at which the model server counts as "
+        "saturated; empty: not a signal",
+        default="",
+    )
+    add(
+        "admission-standard-queue",
+        "Standard requests that may wait for room at once (429 beyond)",
+        default=str(admission.DEFAULT_STANDARD_QUEUE),
+    )
+    add(
+        "admission-standard-max-wait",
+        "seconds a Standard request waits for room before it gets 503",
+        default=str(admission.DEFAULT_STANDARD_MAX_WAIT_S),
+    )
+    add(
+        "admission-metrics-url",
+        "the model server's Prometheus metrics (default: the upstream's /metrics)",
+        default="",
+    )
     return p
+
+
+def _optional_float(value: str) -> float | None:
+    return float(value) if str(value).strip() else None
+
+
+def _admission(
+    ns: argparse.Namespace, parser: argparse.ArgumentParser
+) -> admission.AdmissionConfig | None:
+    """The admission thresholds of the flags (None: off); bad values name their flag."""
+    if not ns.admission:
+        return None
+    flags: dict[str, tuple[str, Any, Callable[[str], Any]]] = {
+        "max_waiting": ("admission-max-waiting", ns.admission_max_waiting, float),
+        "max_kv_usage": ("admission-max-kv-usage", ns.admission_max_kv_usage, float),
+        "max_running": ("admission-max-running", ns.admission_max_running, _optional_float),
+        "standard_queue": ("admission-standard-queue", ns.admission_standard_queue, int),
+        "standard_max_wait_s": (
+            "admission-standard-max-wait",
+            ns.admission_standard_max_wait,
+            float,
+        ),
+    }
+    values: dict[str, Any] = {}
+    for field_name, (flag, raw, kind) in flags.items():
+        try:
+            values[field_name] = kind(raw)
+            admission.AdmissionConfig(**{field_name: values[field_name]})
+        except ValueError as exc:
+            parser.error(f"--{flag}: {exc}")
+    return admission.AdmissionConfig(**values)
 
 
 def _threshold(value: str) -> float:
@@ -536,4 +611,6 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_tenant_bytes=size("semantic-tenant-bytes", ns.semantic_tenant_bytes),
         semantic_embeddings_model=str(ns.semantic_embeddings_model),
         semantic_timeout_s=seconds("semantic-timeout", ns.semantic_timeout),
+        admission=_admission(ns, parser),
+        admission_metrics_url=str(ns.admission_metrics_url or ""),
     )

@@ -38,6 +38,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from . import protocol
+from .admission import Admission
 from .mrc import MissRatioCurves
 
 #: Latency buckets (seconds): from an L1 hit (tens of µs) to a long generation.
@@ -146,6 +147,9 @@ class SidecarMetrics:
         #: Requests whose identity was refused or overridden, by reason.
         self.identity_mismatches: dict[str, int] = {}
         self.policy_switches: dict[tuple[str, str, str], int] = {}
+        #: Admission refusals by (tenant, class, reason), and Standard waits by tenant.
+        self.admission_refusals: dict[tuple[str, str, str], int] = {}
+        self.admission_waits: dict[str, int] = {}
         self.usage_source: Callable[[], Iterable[TierUsage]] = list
         self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
         self.registry = CollectorRegistry(auto_describe=False)
@@ -170,6 +174,29 @@ class SidecarMetrics:
         """Drop a tenant's series (it expired; a later request starts them again from 0)."""
         self.tenants.pop(tenant, None)
         self._seen.pop(tenant, None)
+        self.admission_waits.pop(tenant, None)
+        for key in [k for k in self.admission_refusals if k[0] == tenant]:
+            del self.admission_refusals[key]
+
+    def _label(self, tenant: str) -> str:
+        """The tenant label value under the series bound (as :meth:`tenant` decides it)."""
+        if (
+            tenant in self.tenants
+            or tenant in self.reserved
+            or len(self.tenants) < self.max_tenant_series
+        ):
+            return tenant
+        return OTHER_TENANT
+
+    def admission_refused(self, tenant: str, priority_class: str, reason: str) -> None:
+        """Count a request admission refused (docs/admission.md)."""
+        key = (self._label(tenant), priority_class, reason)
+        self.admission_refusals[key] = self.admission_refusals.get(key, 0) + 1
+
+    def admission_waited(self, tenant: str) -> None:
+        """Count a Standard request that had to wait for room."""
+        label = self._label(tenant)
+        self.admission_waits[label] = self.admission_waits.get(label, 0) + 1
 
     def expire_idle(self, max_idle_ticks: int) -> list[str]:
         """Advance the clock; drop series of tenants unused for more than ``max_idle_ticks``."""
@@ -436,8 +463,54 @@ class _Collector(Collector):
         for reason, count in list(m.identity_mismatches.items()):
             mismatches.add_metric([cache, reason], count)
         yield from (switches, faults, joins, contamination, mismatches)
+        refused = CounterMetricFamily(
+            "cachefleet_admission_refused",
+            "Requests admission refused while the model server was saturated, by tenant, class "
+            "and reason (saturated_queue, saturated_kv: 429 BestEffort; queue_full: 429, "
+            "queue_timeout: 503 Standard).",
+            labels=["cache", "tenant", "class", "reason"],
+        )
+        for (tenant, cls, reason), count in list(m.admission_refusals.items()):
+            refused.add_metric([cache, tenant, cls, reason], count)
+        waited = CounterMetricFamily(
+            "cachefleet_admission_waited",
+            "Standard requests that waited for room at the saturated model server, by tenant.",
+            labels=["cache", "tenant"],
+        )
+        for tenant, count in list(m.admission_waits.items()):
+            waited.add_metric([cache, tenant], count)
+        yield from (refused, waited)
         for source in m.gauge_sources:
             yield from source()
+
+
+def admission_families(cache: str, state: Admission) -> Iterator[Metric]:
+    """The admission state of one sidecar's model server, read at scrape time."""
+    shedding = GaugeMetricFamily(
+        "cachefleet_admission_shedding",
+        "1 while the model server is saturated and admission sheds or queues misses.",
+        labels=["cache"],
+    )
+    shedding.add_metric([cache], 0.0 if state.shedding_since is None else 1.0)
+    queued = GaugeMetricFamily(
+        "cachefleet_admission_queued_requests",
+        "Standard requests waiting in the sidecar for room at the model server.",
+        labels=["cache"],
+    )
+    queued.add_metric([cache], state.queued)
+    starts = CounterMetricFamily(
+        "cachefleet_admission_shedding_starts",
+        "Times shedding started (the model server became saturated).",
+        labels=["cache"],
+    )
+    starts.add_metric([cache], state.shedding_starts)
+    faults = CounterMetricFamily(
+        "cachefleet_admission_metrics_faults",
+        "Readings of the model server's /metrics that failed (each taken as not saturated).",
+        labels=["cache"],
+    )
+    faults.add_metric([cache], state.faults)
+    yield from (shedding, queued, starts, faults)
 
 
 def reuse_families(cache: str, curves: MissRatioCurves) -> Iterator[Metric]:

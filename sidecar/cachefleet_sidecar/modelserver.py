@@ -23,6 +23,8 @@ prefix hit ratio                                           ``sglang:cache_hit_ra
 prompt tokens          ``vllm:prompt_tokens_total``        ``sglang:prompt_tokens_total``
 prefill seconds        ``vllm:request_prefill_time_``
                        ``seconds_sum``
+prefilled requests     ``vllm:request_prefill_time_``
+                       ``seconds_count``
 KV capacity            ``vllm:cache_config_info``          ``sglang:max_total_num_tokens``
                        labels ``num_gpu_blocks``,
                        ``block_size``
@@ -58,6 +60,8 @@ class ModelServerMetrics:
     prompt_tokens_total: float | None = None
     #: seconds spent in prefill, cumulative
     prefill_seconds_total: float | None = None
+    #: requests prefilled, cumulative (the prefill histogram's count)
+    prefill_requests_total: float | None = None
     #: KV capacity in tokens, when the server says
     kv_capacity_tokens: int | None = None
     #: which server family the names came from: ``vllm``, ``sglang`` or ``""`` (neither)
@@ -74,6 +78,7 @@ _SERIES: dict[str, tuple[str, str]] = {
     "vllm:prefix_cache_hits_total": ("prefix_hits_total", "vllm"),
     "vllm:prompt_tokens_total": ("prompt_tokens_total", "vllm"),
     "vllm:request_prefill_time_seconds_sum": ("prefill_seconds_total", "vllm"),
+    "vllm:request_prefill_time_seconds_count": ("prefill_requests_total", "vllm"),
     "sglang:num_queue_reqs": ("waiting", "sglang"),
     "sglang:num_running_reqs": ("running", "sglang"),
     "sglang:token_usage": ("kv_usage", "sglang"),

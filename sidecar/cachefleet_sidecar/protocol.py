@@ -299,6 +299,8 @@ class Heartbeat(_Model):
     quota_generation: int = -1
     policy_by_tenant: dict[str, Policy] = Field(default_factory=dict)
     redis_ok: bool = True
+    #: Admission is shedding: the pod's model server is saturated (docs/admission.md).
+    shedding: bool = False
     sent_at: float = Field(default_factory=time.time)
 
 

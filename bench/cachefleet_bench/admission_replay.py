@@ -1,0 +1,419 @@
+"""Admission under overload: a Mooncake-format trace replayed through the real admission core.
+
+The ``"admission"`` rows of ``cachefleet bench routing``. The trace
+(``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
+512-token blocks) is replayed over ``pods`` simulated model servers, each an
+LRU of ``kv_blocks`` blocks and a serial FIFO prefill queue; a request's time
+to first token is its wait plus ``(input_length - 512 x leading blocks the pod
+holds) / prefill_rate``. Deterministic: no clock, no randomness beyond the
+``seed`` that salts the class assignment.
+
+* **Load.** Timestamps are compressed so that the offered prefill work is
+  ``overload`` x the fleet's capacity. The work is estimated with one
+  fleet-wide LRU of ``pods x kv_blocks`` blocks (what perfect routing would
+  reuse); response-cache hits are left out.
+* **Tenants and classes** go with conversations, by a hash of the first block
+  (salted with ``seed``): 20 % Guaranteed, 50 % Standard, 30 % BestEffort.
+* **Response cache.** A request whose exact ``hash_ids`` sequence was seen
+  before is a cache hit: answered by the sidecar, it never reaches a queue.
+  Hits are still shown to admission (``hit=True``); ``hits_refused`` counts
+  any it refused.
+* **Routing.** Every request goes to the pod with the least expected TTFT
+  (work queued there, parked work included, plus this prompt's uncached part).
+* **Modes.** ``fifo``: every miss enters its pod's queue. ``class-aware``: each
+  pod has its own :class:`cachefleet_sidecar.admission.Admission` (the
+  sidecar's), fed a reading of that pod (waiting, running, KV use, prefill
+  histogram) at every arrival and completion there: a poller with no delay.
+  Refused requests are counted; parked Standard requests enter the queue when
+  released (their TTFT includes the wait) or are refused at their deadline.
+
+Row fields: ``guaranteed_ttft_p95`` (seconds, Guaranteed misses),
+``guaranteed_ttft_p95_unloaded`` (the same requests replayed with no other
+traffic), ``besteffort_shed_share`` (refused / BestEffort misses) and
+``hits_refused``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import json
+import math
+import sys
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachefleet_sidecar.admission import (
+    BEST_EFFORT,
+    CLASSES,
+    GUARANTEED,
+    STANDARD,
+    Admission,
+    AdmissionConfig,
+)
+from cachefleet_sidecar.modelserver import ModelServerMetrics
+
+
+def _find_trace(name: str = "mooncake_synthetic_trace.jsonl") -> Path:
+    """``shared/data/<name>`` next to the checkout (or a worktree's parent checkout)."""
+    parents = list(Path(__file__).resolve().parents)
+    for base in parents[2:5]:
+        candidate = base / "shared" / "data" / name
+        if candidate.exists():
+            return candidate
+    return parents[min(3, len(parents) - 1)] / "shared" / "data" / name
+
+
+#: The shared Mooncake synthetic trace.
+DEFAULT_TRACE = _find_trace()
+#: Tokens per block of a Mooncake trace's ``hash_ids``.
+BLOCK_TOKENS = 512
+#: Class shares by conversation (the rest is BestEffort).
+GUARANTEED_SHARE = 0.2
+STANDARD_SHARE = 0.5
+#: Thresholds of the replay's admission. A simulated pod prefills one request at a time,
+#: so one running request is a full batch (``max_running=1``, as ``--max-num-seqs`` is for
+#: vLLM) and any waiting request is queued work (``max_waiting=1``); a Standard request
+#: waits up to 30 s of trace time.
+REPLAY_ADMISSION = AdmissionConfig(
+    max_waiting=1, max_running=1, standard_queue=64, standard_max_wait_s=30.0
+)
+
+
+class TraceError(ValueError):
+    """The trace cannot be replayed; the message names the line and field."""
+
+
+@dataclass(slots=True)
+class _Req:
+    index: int
+    ts_ms: float
+    tokens: int
+    blocks: tuple[int, ...]
+    cls: str
+    tenant: str
+    hit: bool
+    at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Job:
+    req: _Req
+    estimate: float
+    pod: int
+
+
+@dataclass
+class _Pod:
+    capacity: int
+    lru: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    queue: deque[_Job] = field(default_factory=deque)
+    busy: _Job | None = None
+    busy_until: float = 0.0
+    busy_service: float = 0.0
+    queued_work: float = 0.0
+    parked_work: float = 0.0
+    prefill_s: float = 0.0
+    prefills: int = 0
+    admission: Admission | None = None
+
+    def matched(self, blocks: tuple[int, ...]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self.lru:
+                break
+            n += 1
+        return n
+
+    def remember(self, blocks: tuple[int, ...]) -> None:
+        for b in blocks:
+            self.lru[b] = None
+            self.lru.move_to_end(b)
+        while len(self.lru) > self.capacity:
+            self.lru.popitem(last=False)
+
+    def reading(self) -> ModelServerMetrics:
+        held = 0 if self.busy is None else len(self.busy.req.blocks)
+        return ModelServerMetrics(
+            waiting=float(len(self.queue)),
+            running=0.0 if self.busy is None else 1.0,
+            kv_usage=min(1.0, held / self.capacity),
+            prefill_seconds_total=self.prefill_s,
+            prefill_requests_total=float(self.prefills),
+            server="vllm",
+        )
+
+
+def uncached_s(tokens: int, matched: int, rate: float) -> float:
+    return max(0, tokens - BLOCK_TOKENS * matched) / rate
+
+
+def classify(first_block: int, seed: int) -> tuple[str, str]:
+    """(class, tenant) of a conversation, from its first block."""
+    digest = hashlib.blake2b(f"{seed}:{first_block}".encode(), digest_size=8).digest()
+    u = int.from_bytes(digest, "big") / 2**64
+    if u < GUARANTEED_SHARE:
+        cls = GUARANTEED
+    elif u < GUARANTEED_SHARE + STANDARD_SHARE:
+        cls = STANDARD
+    else:
+        cls = BEST_EFFORT
+    return cls, f"{cls.lower()}-{digest[0] % 4}"
+
+
+def load_trace(path: str | Path, seed: int = 0, limit: int | None = None) -> list[_Req]:
+    """The trace's requests in time order, classed and marked as hits or misses."""
+    out: list[_Req] = []
+    seen: set[tuple[int, ...]] = set()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(out) >= limit:
+                break
+            try:
+                row = json.loads(line)
+                ts = float(row["timestamp"])
+                tokens = int(row["input_length"])
+                blocks = tuple(int(h) for h in row["hash_ids"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TraceError(
+                    f"{path}:{lineno}: needs timestamp, input_length and hash_ids ({exc})"
+                ) from exc
+            if tokens < 1 or not blocks or not math.isfinite(ts):
+                raise TraceError(f"{path}:{lineno}: input_length >= 1 and hash_ids required")
+            cls, tenant = classify(blocks[0], seed)
+            out.append(_Req(len(out), ts, tokens, blocks, cls, tenant, blocks in seen))
+            seen.add(blocks)
+    if len(out) < 2:
+        raise TraceError(f"{path}: fewer than 2 requests")
+    out.sort(key=lambda r: (r.ts_ms, r.index))
+    return out
+
+
+def fleet_work_s(reqs: Sequence[_Req], pods: int, kv_blocks: int, rate: float) -> float:
+    """Prefill seconds the misses need with one fleet-wide LRU (perfect reuse)."""
+    fleet = _Pod(pods * kv_blocks)
+    work = 0.0
+    for r in reqs:
+        if not r.hit:
+            work += uncached_s(r.tokens, fleet.matched(r.blocks), rate)
+            fleet.remember(r.blocks)
+    return work
+
+
+def p95(values: Sequence[float]) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+
+
+@dataclass
+class _Outcome:
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {c: [] for c in CLASSES})
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+    refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
+    hits_refused: int = 0
+
+
+def replay(
+    reqs: Sequence[_Req],
+    *,
+    pods: int,
+    kv_blocks: int,
+    prefill_rate: float,
+    admission: AdmissionConfig | None,
+) -> _Outcome:
+    """One replay (``admission`` None: FIFO); requests need their ``at`` times set."""
+    fleet = [_Pod(kv_blocks) for _ in range(pods)]
+    if admission is not None:
+        for pod in fleet:
+            pod.admission = Admission(admission)
+    out = _Outcome()
+    done: list[tuple[float, int, int]] = []  # (time, sequence, pod)
+    seq = 0
+
+    def start(p: int, now: float) -> None:
+        nonlocal seq
+        pod = fleet[p]
+        if pod.busy is not None or not pod.queue:
+            return
+        job = pod.queue.popleft()
+        pod.queued_work -= job.estimate
+        service = uncached_s(job.req.tokens, pod.matched(job.req.blocks), prefill_rate)
+        pod.busy, pod.busy_until, pod.busy_service = job, now + service, service
+        seq += 1
+        heapq.heappush(done, (pod.busy_until, seq, p))
+
+    def enqueue(job: _Job, now: float) -> None:
+        pod = fleet[job.pod]
+        pod.queue.append(job)
+        pod.queued_work += job.estimate
+        start(job.pod, now)
+
+    def tick(p: int, now: float) -> None:
+        """The pod's sidecar takes a reading and lets parked requests go."""
+        pod = fleet[p]
+        if pod.admission is None:
+            return
+        pod.admission.observe(pod.reading(), now)
+        for ticket in pod.admission.release():
+            assert isinstance(ticket, _Job)
+            pod.parked_work -= ticket.estimate
+            enqueue(ticket, now)
+
+    def expire(now: float) -> None:
+        for pod in fleet:
+            if pod.admission is not None and pod.admission.queued:
+                for ticket in pod.admission.expire(now):
+                    assert isinstance(ticket, _Job)
+                    pod.parked_work -= ticket.estimate
+                    out.refused[ticket.req.cls] += 1
+
+    def complete_until(t: float) -> None:
+        while done and done[0][0] <= t:
+            now, _, p = heapq.heappop(done)
+            pod = fleet[p]
+            job = pod.busy
+            assert job is not None
+            pod.remember(job.req.blocks)
+            pod.prefill_s += pod.busy_service
+            pod.prefills += 1
+            pod.busy = None
+            out.ttft[job.req.cls].append(now - job.req.at)
+            expire(now)
+            start(p, now)
+            tick(p, now)
+
+    for req in reqs:
+        complete_until(req.at)
+        now = req.at
+        expire(now)
+        if req.hit:
+            adm = fleet[0].admission
+            if adm is not None and adm.decide(req.cls, now, hit=True).action != "admit":
+                out.hits_refused += 1
+            continue
+        out.misses[req.cls] += 1
+        best, best_s = 0, math.inf
+        for p, pod in enumerate(fleet):
+            expected = (
+                (max(0.0, pod.busy_until - now) if pod.busy is not None else 0.0)
+                + pod.queued_work
+                + (0.0 if req.cls == GUARANTEED else pod.parked_work)  # admitted before them
+            )
+            own = uncached_s(req.tokens, pod.matched(req.blocks), prefill_rate)
+            if expected + own < best_s:
+                best, best_s = p, expected + own
+        pod = fleet[best]
+        job = _Job(req, uncached_s(req.tokens, pod.matched(req.blocks), prefill_rate), best)
+        if pod.admission is None:
+            enqueue(job, now)
+            continue
+        tick(best, now)
+        decision = pod.admission.decide(req.cls, now, job)
+        if decision.action == "admit":
+            enqueue(job, now)
+        elif decision.action == "wait":
+            pod.parked_work += job.estimate
+        else:
+            out.refused[req.cls] += 1
+    # Every completion takes a reading and releases parked requests, so the queues drain.
+    complete_until(math.inf)
+    for pod in fleet:
+        if pod.admission is not None:
+            for ticket in pod.admission.release_all():  # none expected: counted if any
+                assert isinstance(ticket, _Job)
+                out.refused[ticket.req.cls] += 1
+    return out
+
+
+def admission_rows(
+    trace_path: str | Path,
+    *,
+    pods: int,
+    kv_blocks: int,
+    prefill_rate: float,
+    overload: float = 1.5,
+    seed: int = 0,
+    limit: int | None = None,
+    config: AdmissionConfig = REPLAY_ADMISSION,
+) -> list[dict[str, Any]]:
+    """The ``fifo`` and ``class-aware`` rows of one trace at ``overload`` x capacity."""
+    if pods < 1:
+        raise ValueError(f"pods: must be >= 1, got {pods}")
+    if kv_blocks < 1:
+        raise ValueError(f"kv_blocks: must be >= 1, got {kv_blocks}")
+    if not (math.isfinite(prefill_rate) and prefill_rate > 0):
+        raise ValueError(f"prefill_rate: must be > 0 tokens/s, got {prefill_rate}")
+    if not (math.isfinite(overload) and overload > 0):
+        raise ValueError(f"overload: must be > 0, got {overload}")
+    reqs = load_trace(trace_path, seed, limit)
+    span_s = (reqs[-1].ts_ms - reqs[0].ts_ms) / 1000.0
+    work = fleet_work_s(reqs, pods, kv_blocks, prefill_rate)
+    if span_s <= 0 or work <= 0:
+        raise TraceError(f"{trace_path}: the trace spans no time or needs no prefill")
+    # Compressed span: the work is `overload` x what `pods` can do in it.
+    scale = (work / (pods * overload)) / span_s
+    for r in reqs:
+        r.at = (r.ts_ms - reqs[0].ts_ms) / 1000.0 * scale
+    common: dict[str, Any] = {"pods": pods, "kv_blocks": kv_blocks, "prefill_rate": prefill_rate}
+    guaranteed = [r for r in reqs if r.cls == GUARANTEED]
+    alone = replay(guaranteed, admission=None, **common)
+    unloaded = p95(alone.ttft[GUARANTEED])
+    rows = []
+    for mode, adm in (("fifo", None), ("class-aware", config)):
+        result = replay(reqs, admission=adm, **common)
+        be = result.misses[BEST_EFFORT]
+        rows.append(
+            {
+                "mode": mode,
+                "guaranteed_ttft_p95": round(p95(result.ttft[GUARANTEED]), 4),
+                "guaranteed_ttft_p95_unloaded": round(unloaded, 4),
+                "besteffort_shed_share": round(result.refused[BEST_EFFORT] / be, 4) if be else 0.0,
+                "hits_refused": result.hits_refused,
+            }
+        )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="cachefleet-bench-admission", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument("--pods", type=int, default=8)
+    p.add_argument("--kv-blocks", type=int, default=1000, help="512-token blocks per pod")
+    p.add_argument("--prefill-rate", type=float, default=20000.0, help="tokens/s per pod")
+    p.add_argument("--overload", type=float, default=1.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--json", default=None, help="write {'admission': rows} here")
+    args = p.parse_args(argv)
+    try:
+        rows = admission_rows(
+            args.trace,
+            pods=args.pods,
+            kv_blocks=args.kv_blocks,
+            prefill_rate=args.prefill_rate,
+            overload=args.overload,
+            seed=args.seed,
+            limit=args.limit,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for row in rows:
+        print(json.dumps(row))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"admission": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

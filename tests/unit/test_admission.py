@@ -1,0 +1,180 @@
+"""Class-aware admission, the pure core: each class, thresholds, the queue, Retry-After."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachefleet_sidecar.admission import (
+    BEST_EFFORT,
+    GUARANTEED,
+    MAX_RETRY_AFTER_S,
+    STANDARD,
+    Admission,
+    AdmissionConfig,
+)
+from cachefleet_sidecar.modelserver import ModelServerMetrics
+
+
+def reading(
+    waiting: float = 0, kv: float = 0.1, prefill_s: float = 0.0, n: float = 0
+) -> ModelServerMetrics:
+    return ModelServerMetrics(
+        waiting=waiting,
+        running=1,
+        kv_usage=kv,
+        prefill_seconds_total=prefill_s * n if n else None,
+        prefill_requests_total=n or None,
+        server="vllm",
+    )
+
+
+def saturated(config: AdmissionConfig | None = None, **kw: float) -> Admission:
+    a = Admission(config or AdmissionConfig(max_waiting=4, standard_queue=2))
+    a.observe(reading(waiting=kw.get("waiting", 10), prefill_s=kw.get("prefill_s", 0.0), n=10), 0)
+    assert a.saturated
+    return a
+
+
+def test_nothing_is_refused_while_the_server_has_room() -> None:
+    a = Admission(AdmissionConfig(max_waiting=4))
+    a.observe(reading(waiting=3, kv=0.5), 0.0)
+    assert not a.saturated
+    for cls in (GUARANTEED, STANDARD, BEST_EFFORT, None):
+        assert a.decide(cls, 0.0, object()).action == "admit"
+    assert a.queued == 0
+
+
+def test_queue_threshold_and_kv_threshold_each_saturate() -> None:
+    a = Admission(AdmissionConfig(max_waiting=4, max_kv_usage=0.9))
+    a.observe(reading(waiting=4), 0.0)
+    assert (a.saturated, a.cause) == (True, "queue")
+    a.observe(reading(waiting=0, kv=0.9), 1.0)
+    assert (a.saturated, a.cause) == (True, "kv")
+    d = a.decide(BEST_EFFORT, 1.0)
+    assert (d.status, d.reason) == (429, "saturated_kv")
+    a.observe(reading(waiting=3, kv=0.89), 2.0)
+    assert not a.saturated
+
+
+def test_guaranteed_always_passes() -> None:
+    a = saturated()
+    assert a.decide(GUARANTEED, 0.0, object()).action == "admit"
+    assert a.queued == 0
+
+
+def test_besteffort_gets_429_with_retry_after_from_the_drain_estimate() -> None:
+    # 10 waiting, threshold 4: 7 must finish before there is room; 0.5 s of prefill each.
+    a = saturated(waiting=10, prefill_s=0.5)
+    d = a.decide(BEST_EFFORT, 0.0)
+    assert (d.action, d.status, d.reason) == ("refuse", 429, "saturated_queue")
+    assert d.retry_after_s == 4  # ceil(7 * 0.5)
+    assert "10 requests waiting" in d.message
+
+
+def test_retry_after_is_at_least_one_and_bounded() -> None:
+    unknown = saturated(waiting=10)  # the server never said how long a prefill takes
+    assert unknown.decide(BEST_EFFORT, 0.0).retry_after_s == 1
+    huge = saturated(waiting=10_000, prefill_s=5.0)
+    assert huge.decide(BEST_EFFORT, 0.0).retry_after_s == MAX_RETRY_AFTER_S
+
+
+def test_standard_and_classless_wait_in_a_bounded_fifo_then_go_in_order() -> None:
+    a = saturated()  # queue bound 2
+    first, second, third = object(), object(), object()
+    assert a.decide(STANDARD, 0.0, first).action == "wait"
+    assert a.decide(None, 0.0, second).action == "wait"  # no class: Standard
+    full = a.decide(STANDARD, 0.0, third)
+    assert (full.status, full.reason) == (429, "queue_full")
+    assert a.release() == []  # still saturated
+    a.observe(reading(waiting=3), 1.0)  # threshold 4: room for one
+    assert a.release() == [first]
+    assert a.release() == []  # the reading's headroom is spent
+    a.observe(reading(waiting=0), 1.5)
+    assert a.release() == [second]
+
+
+def test_standard_queues_behind_earlier_waiters_even_when_room_came_back() -> None:
+    a = saturated()
+    a.decide(STANDARD, 0.0, "early")
+    a.observe(reading(waiting=0), 1.0)
+    # Room, but "early" has not been released yet: a newcomer must not overtake it.
+    assert a.decide(STANDARD, 1.0, "late").action == "wait"
+    assert a.release() == ["early", "late"]
+
+
+def test_standard_wait_times_out_with_503() -> None:
+    a = saturated(AdmissionConfig(max_waiting=4, standard_max_wait_s=10.0))
+    a.decide(STANDARD, 0.0, "a")
+    a.decide(STANDARD, 5.0, "b")
+    assert a.expire(9.9) == []
+    assert a.expire(10.0) == ["a"]
+    d = a.timeout_decision()
+    assert (d.status, d.reason) == (503, "queue_timeout")
+    assert d.retry_after_s >= 1
+    assert a.queued == 1
+
+
+def test_abandoned_waiter_leaves_the_queue() -> None:
+    a = saturated()
+    a.decide(STANDARD, 0.0, "gone")
+    assert a.abandon("gone")
+    assert not a.abandon("gone")
+    assert a.queued == 0
+
+
+def test_a_cache_hit_is_never_refused() -> None:
+    a = saturated()
+    for _ in range(3):
+        a.decide(STANDARD, 0.0, object())  # queue full
+    for cls in (BEST_EFFORT, STANDARD, None, GUARANTEED):
+        assert a.decide(cls, 0.0, hit=True).action == "admit"
+
+
+def test_a_failed_reading_is_not_saturated_and_is_counted() -> None:
+    a = saturated()
+    assert a.observe(None, 1.0) is True  # shedding stopped
+    assert (a.saturated, a.faults) == (False, 1)
+    assert a.decide(BEST_EFFORT, 1.0).action == "admit"
+
+
+def test_shedding_start_and_stop_are_reported_once() -> None:
+    a = Admission(AdmissionConfig(max_waiting=4))
+    assert a.observe(reading(waiting=5), 0.0) is True
+    assert a.observe(reading(waiting=6), 0.5) is False
+    assert a.shedding_since == 0.0
+    assert a.shedding_starts == 1
+    assert a.observe(reading(waiting=1), 1.0) is True
+    assert a.shedding_since is None
+    assert a.describe()["shedding"] is False
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_waiting", 0),
+        ("max_kv_usage", 1.5),
+        ("max_kv_usage", 0),
+        ("standard_queue", -1),
+        ("standard_max_wait_s", 0),
+    ],
+)
+def test_bad_thresholds_name_their_field(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        AdmissionConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_running_threshold_saturates_only_when_set() -> None:
+    busy = ModelServerMetrics(waiting=0, running=4, kv_usage=0.1, server="vllm")
+    off = Admission(AdmissionConfig(max_waiting=4))
+    off.observe(busy, 0.0)
+    assert not off.saturated
+    on = Admission(AdmissionConfig(max_waiting=4, max_running=4))
+    on.observe(busy, 0.0)
+    assert (on.saturated, on.cause) == (True, "running")
+    d = on.decide(BEST_EFFORT, 0.0)
+    assert (d.status, d.reason) == (429, "saturated_running")
+    for ticket in "abc":
+        on.decide(STANDARD, 0.0, ticket)
+    # room for two more running requests: two parked requests go, oldest first
+    on.observe(ModelServerMetrics(waiting=0, running=2, kv_usage=0.1, server="vllm"), 1.0)
+    assert on.release() == ["a", "b"]
