@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachefleet_bench.admission_replay import admission_rows
 from cachefleet_router.endpoints import Decision, Endpoint, EndpointMetrics, Picker, RouteRequest
 from cachefleet_router.prefix import PrefixIndex
 from cachefleet_router.scoring import ScoringConfig, ScoringPicker
@@ -737,8 +738,43 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_DECISION_PICKS,
         help="picks timed with 64 endpoints (0: skip)",
     )
+    p.add_argument(
+        "--overload",
+        type=float,
+        default=1.5,
+        help="the admission rows' load, times the fleet's prefill capacity (0: no admission rows)",
+    )
     p.add_argument("--quick", action="store_true", help="the first 1,000 requests, fewer picks")
     return p
+
+
+def admission_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The admission rows as the report prints them."""
+    lines = [
+        f"{'admission':<12} {'G TTFT p95':>11} {'unloaded':>9} {'ratio':>6}"
+        f" {'BE shed':>8} {'hits refused':>13}"
+    ]
+    for row in rows:
+        base = row["guaranteed_ttft_p95_unloaded"]
+        ratio = row["guaranteed_ttft_p95"] / base if base else float("nan")
+        lines.append(
+            f"{row['mode']:<12} {row['guaranteed_ttft_p95']:>10.2f}s {base:>8.2f}s {ratio:>5.2f}x"
+            f" {row['besteffort_shed_share']:>8.1%} {row['hits_refused']:>13}"
+        )
+    return "\n".join(lines)
+
+
+def admission_targets(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
+    """Issue 24's admission targets on the class-aware row."""
+    aware = [r for r in rows if r["mode"] == "class-aware"]
+    if not aware:
+        return {}
+    row = aware[0]
+    return {
+        "admission guaranteed p95 <= 1.2x unloaded": row["guaranteed_ttft_p95"]
+        <= 1.2 * row["guaranteed_ttft_p95_unloaded"],
+        "admission 0 hits refused": row["hits_refused"] == 0,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -751,6 +787,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" (known: {', '.join(POLICIES)})",
             file=sys.stderr,
         )
+        return 2
+    if args.overload < 0:
+        print("cachefleet bench routing: --overload must not be negative", file=sys.stderr)
         return 2
     if args.epsilon < 0:
         print("cachefleet bench routing: --epsilon must not be negative", file=sys.stderr)
@@ -787,7 +826,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if picks > 0:
         decision = decision_bench(trace, picks=picks, kv_blocks=args.kv_blocks, config=config)
         print("routing: decision latency measured", file=sys.stderr, flush=True)
-    met = targets(results, decision)
+    admission: list[dict[str, Any]] = []
+    if args.overload > 0:
+        admission = admission_rows(
+            args.trace,
+            pods=args.pods,
+            kv_blocks=args.kv_blocks,
+            prefill_rate=args.prefill_rate,
+            overload=args.overload,
+            limit=limit,
+        )
+        print(
+            f"routing: admission at {args.overload:g}x overload replayed",
+            file=sys.stderr,
+            flush=True,
+        )
+    met = {**targets(results, decision), **admission_targets(admission)}
     print(
         f"{len(trace)} requests over {trace[-1].arrival:.0f} s, {args.pods} pods x"
         f" {args.kv_blocks} blocks, {args.prefill_rate:g} tokens/s, speed {args.speed:g}"
@@ -801,6 +855,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" p99 {decision.pick_cpu_p99_us:.0f} us;"
             f" index {decision.index_bytes_per_block:.0f} bytes/block"
         )
+    if admission:
+        print(f"\nclass-aware admission, {args.overload:g}x the fleet's prefill capacity:")
+        print(admission_table(admission))
     for name, ok in met.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
     if args.json is not None:
@@ -839,6 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "pick_cpu_p99_us": decision.pick_cpu_p99_us,
                 "index_bytes_per_block": decision.index_bytes_per_block,
             },
+            "admission": admission,
             "targets": met,
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

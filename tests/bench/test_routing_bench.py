@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,7 +49,7 @@ def write_trace(path: Path, requests: int = 600, seed: int = 7) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, float]]:
+def payload(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("routing")
     trace, out = tmp / "trace.jsonl", tmp / "out.json"
     write_trace(trace)
@@ -57,7 +58,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, flo
         "--prefill-rate", "40000", "--speed", "1", "--decision-picks", "0",
     ]  # fmt: skip
     assert bench.main(argv) == 0
-    payload = json.loads(out.read_text())
+    written: dict[str, Any] = json.loads(out.read_text())
+    return written
+
+
+@pytest.fixture(scope="module")
+def results(payload: dict[str, Any]) -> dict[str, dict[str, float]]:
     rows = payload["results"]
     assert [r["policy"] for r in rows] == list(bench.POLICIES)
     for row in rows:
@@ -71,6 +77,24 @@ def test_cachefleet_beats_round_robin_on_a_prefix_heavy_trace(
     ours, rr = results["cachefleet"], results["round-robin"]
     assert ours["ttft_mean"] < 0.8 * rr["ttft_mean"]
     assert ours["kv_hit"] > rr["kv_hit"] + 0.1
+
+
+def test_the_admission_rows_come_with_the_routing_rows(payload: dict[str, Any]) -> None:
+    rows = {r["mode"]: r for r in payload["admission"]}
+    assert set(rows) == {"fifo", "class-aware"}
+    for row in rows.values():
+        assert set(row) == {
+            "mode",
+            "guaranteed_ttft_p95",
+            "guaranteed_ttft_p95_unloaded",
+            "besteffort_shed_share",
+            "hits_refused",
+        }
+        assert row["hits_refused"] == 0
+    assert rows["fifo"]["besteffort_shed_share"] == 0.0
+    assert rows["class-aware"]["besteffort_shed_share"] > 0.0
+    assert rows["class-aware"]["guaranteed_ttft_p95"] <= rows["fifo"]["guaranteed_ttft_p95"]
+    assert "admission 0 hits refused" in payload["targets"]
 
 
 def test_cachefleet_stays_near_the_oracles_kv_hit_ratio(
