@@ -27,6 +27,7 @@ announces in ``protocol_config`` (first message):
 * ``STREAMED`` or ``NONE``, or a request without body: decided on the headers
   (the body would reach the upstream before a decision), so by load.
 
+A picker that raises is logged and the request placed by ``fallback``.
 A body that is not JSON or has no prompt is still routed, by load
 (``fallback``, a :class:`~cachefleet_router.picking.LeastLoadedPicker`); so is
 a body past ``max_body_bytes``, which is then passed through unread.
@@ -260,7 +261,16 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
             }
             else self.picker
         )
-        decision = picker.pick(request, candidates) if candidates else None
+        decision = None
+        if candidates:
+            try:
+                decision = picker.pick(request, candidates)
+            except Exception:  # a scoring fault must not fail the request: place it by load
+                if picker is self.fallback:
+                    raise
+                log.exception("picker failed; placing the request by load")
+                picker = self.fallback
+                decision = picker.pick(request, candidates)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if decision is None:
             self.metrics.decisions.labels("", reason).inc()

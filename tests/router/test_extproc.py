@@ -349,3 +349,17 @@ async def test_load_spreads_across_concurrent_requests(gateway_factory: GatewayF
     assert sorted(picked) == sorted([A, B, C] * 2)
     for call in calls:
         await call.done_writing()
+
+
+class BrokenPicker(RecordingPicker):
+    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
+        raise RuntimeError("a bug in the scoring")
+
+
+async def test_a_picker_fault_places_the_request_by_load(gateway_factory: GatewayFactory) -> None:
+    fallback = RecordingPicker()
+    svc = EndpointPickerService(BrokenPicker(), lambda: [Endpoint(B)], fallback=fallback)
+    gw = await gateway_factory(svc)
+    [answer] = await gw.exchange([headers_message(CHAT_HEADERS, end_of_stream=True)], 1)
+    assert destination(answer.request_headers.response) == B
+    assert len(fallback.requests) == 1
