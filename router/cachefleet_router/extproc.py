@@ -27,6 +27,10 @@ announces in ``protocol_config`` (first message):
 * ``STREAMED`` or ``NONE``, or a request without body: decided on the headers
   (the body would reach the upstream before a decision), so by load.
 
+Response bodies, when the gateway sends them, go back unchanged: as
+``streamed_response`` chunks in full-duplex mode (again assumed when the
+gateway says nothing), as a plain continue otherwise.
+
 A picker that raises is logged and the request placed by ``fallback``.
 A body that is not JSON or has no prompt is still routed, by load
 (``fallback``, a :class:`~cachefleet_router.picking.LeastLoadedPicker`); so is
@@ -338,7 +342,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
             return self._response_headers(st, message)
         if kind == "response_body":
             chunk = message.response_body
-            if st.response_mode == _DUPLEX:
+            if st.response_mode is None or st.response_mode == _DUPLEX:
                 return [_streamed_body(chunk.body, chunk.end_of_stream, request=False)]
             return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
         if kind == "response_trailers":

@@ -149,11 +149,12 @@ class RouterServer:
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         server.add_generic_rpc_handlers((self.health.handler(),))
         host, port = cfg.grpc_listen
-        self.grpc_port = server.add_insecure_port(f"{_host(host)}:{port}")
-        if self.grpc_port == 0:
-            raise OSError(f"--grpc-listen {host}:{port}: cannot bind")
-        await server.start()
+        try:
+            self.grpc_port = server.add_insecure_port(f"{_host(host)}:{port}")
+        except RuntimeError as exc:  # grpc's way of saying the address is taken
+            raise OSError(f"--grpc-listen {host}:{port}: cannot listen there ({exc})") from exc
         self._grpc = server
+        await server.start()
 
         if cfg.metrics_listen is not None:
             app = web.Application()
@@ -163,9 +164,11 @@ class RouterServer:
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
             mhost, mport = cfg.metrics_listen
-            site = web.TCPSite(runner, mhost, mport)
-            await site.start()
             self._http = runner
+            try:
+                await web.TCPSite(runner, mhost, mport).start()
+            except OSError as exc:
+                raise OSError(f"--metrics-listen {mhost}:{mport}: {exc.strerror or exc}") from exc
             self.metrics_port = runner.addresses[0][1]
         log.info(
             "router: ext_proc + health on %s:%d, metrics on %s, %s",
@@ -203,8 +206,8 @@ class RouterServer:
 async def serve(config: RouterConfig, stop: asyncio.Event, *, picker: Picker | None = None) -> None:
     """Run until ``stop`` is set, then shut down cleanly."""
     server = RouterServer(config, picker=picker)
-    await server.start()
     try:
+        await server.start()
         await stop.wait()
     finally:
         await server.stop()

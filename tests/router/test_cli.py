@@ -113,6 +113,17 @@ def test_missing_kubeconfig_is_a_clear_error(capsys: pytest.CaptureFixture[str])
     assert "--kubeconfig /nonexistent/kubeconfig: no such file" in capsys.readouterr().err
 
 
+def test_an_address_in_use_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flags = ["--endpoints", "127.0.0.1:1", "--grpc-listen", "127.0.0.1:0"]
+        code = main([*flags, "--metrics-listen", f"127.0.0.1:{port}"])
+    assert code == 1
+    assert f"--metrics-listen 127.0.0.1:{port}: " in capsys.readouterr().err
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

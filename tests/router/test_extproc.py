@@ -314,7 +314,9 @@ async def test_response_phase_reports_to_the_picker(gateway_factory: GatewayFact
         answer = await call.read()
         assert answer.WhichOneof("response") == "response_headers"
         await call.write(body_message(b'{"ok": true}', end_of_stream=True, response=True))
-        assert (await call.read()).WhichOneof("response") == "response_body"
+        echoed = (await call.read()).response_body.response.body_mutation.streamed_response
+        assert echoed.body == b'{"ok": true}'  # full duplex (assumed): handed back unchanged
+        assert echoed.end_of_stream
         await call.done_writing()
         assert await call.read() == grpc.aio.EOF
     assert [ok for _, ok in picker.done_calls] == [True, False, True]
@@ -363,3 +365,21 @@ async def test_a_picker_fault_places_the_request_by_load(gateway_factory: Gatewa
     [answer] = await gw.exchange([headers_message(CHAT_HEADERS, end_of_stream=True)], 1)
     assert destination(answer.request_headers.response) == B
     assert len(fallback.requests) == 1
+
+
+async def test_buffered_response_bodies_are_continued_unchanged(
+    gateway_factory: GatewayFactory,
+) -> None:
+    svc, picker, _ = service()
+    gw = await gateway_factory(svc)
+    call = gw.open()
+    await call.write(headers_message(CHAT_HEADERS, end_of_stream=True, mode=Mode.BUFFERED))
+    await call.read()
+    await call.write(headers_message(status=200, response=True))
+    await call.read()
+    await call.write(body_message(b"answer", end_of_stream=True, response=True))
+    answer = await call.read()
+    assert answer.WhichOneof("response") == "response_body"
+    assert not answer.response_body.response.HasField("body_mutation")
+    await call.done_writing()
+    assert picker.done_calls == [(A, True)]
