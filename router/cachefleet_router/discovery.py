@@ -51,6 +51,8 @@ SCRAPE_TIMEOUT_S = 1.0
 WATCH_TIMEOUT_S = 300
 WATCH_BACKOFF_MIN_S = 0.5
 WATCH_BACKOFF_MAX_S = 30.0
+#: a watch that lived this long ended normally; shorter ones are retried after a pause
+WATCH_MIN_LIFE_S = 10.0
 
 POOL_GROUP_VERSION = "inference.networking.k8s.io/v1"
 
@@ -366,18 +368,24 @@ class KubeDiscovery:
     async def watch_pods(self) -> None:
         """List + watch the pods of the current selector, forever (bounded backoff on faults)."""
         backoff = WATCH_BACKOFF_MIN_S
+        loop = asyncio.get_running_loop()
         while True:
+            opened = loop.time()
             try:
                 version = await self._list_pods()
                 params = {"labelSelector": selector_query(self.selector)}
                 if version:
                     params["resourceVersion"] = version
-                backoff = WATCH_BACKOFF_MIN_S
                 await self._stream(self._pods_path(), params, self._apply)
-                continue  # the server ended the watch (timeoutSeconds): list and watch again
+                # The server ended the watch (timeoutSeconds): list and watch again, at
+                # once after a long watch, after a growing pause when they keep ending early.
+                if loop.time() - opened >= WATCH_MIN_LIFE_S:
+                    backoff = WATCH_BACKOFF_MIN_S
+                    continue
             except _Resync as exc:
                 log.info("pods watch: %s; listing again", exc)
-                continue
+                if loop.time() - opened >= WATCH_MIN_LIFE_S:
+                    backoff = WATCH_BACKOFF_MIN_S
             except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
                 log.warning(
                     "pods of %s in %s: %s; retrying in %.1fs",
@@ -427,8 +435,10 @@ class KubeDiscovery:
         pods: list[asyncio.Task[None]] = []
         backoff = WATCH_BACKOFF_MIN_S
         path = f"{self._pools_path()}/{self.pool_name}"
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                opened = loop.time()
                 try:
                     response = await self.client.get(path)
                     if response.status_code == 404:
@@ -442,7 +452,6 @@ class KubeDiscovery:
                         version = (body.get("metadata") or {}).get("resourceVersion")
                     if not pods:
                         self.pool.synced = True  # known: there is nothing to route to
-                    backoff = WATCH_BACKOFF_MIN_S
                     changes: asyncio.Queue[Mapping[str, Any] | None] = asyncio.Queue()
 
                     def on_event(
@@ -479,10 +488,13 @@ class KubeDiscovery:
                         stream.result()
                     finally:
                         stream.cancel()
-                    continue
+                    if loop.time() - opened >= WATCH_MIN_LIFE_S:  # ended normally
+                        backoff = WATCH_BACKOFF_MIN_S
+                        continue
                 except _Resync as exc:
                     log.info("InferencePool watch: %s; reading again", exc)
-                    continue
+                    if loop.time() - opened >= WATCH_MIN_LIFE_S:
+                        backoff = WATCH_BACKOFF_MIN_S
                 except (httpx.HTTPError, orjson.JSONDecodeError, KeyError, TypeError) as exc:
                     log.warning(
                         "InferencePool %s/%s: %s; retrying in %.1fs",

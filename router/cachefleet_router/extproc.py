@@ -19,8 +19,8 @@ announces in ``protocol_config`` (first message):
 
 * ``FULL_DUPLEX_STREAMED`` (what GIE gateways use; also assumed when the
   gateway says nothing): the headers answer waits for the whole body, then the
-  body goes back as one ``streamed_response`` (a full-duplex processor must
-  return the body it wants forwarded);
+  body goes back unchanged as ``streamed_response`` messages, in the pieces it
+  came in (a full-duplex processor must return the body it wants forwarded);
 * ``BUFFERED`` / ``BUFFERED_PARTIAL``: headers are answered at once (no
   change), and the one body message's answer carries the header mutation and
   the metadata;
@@ -88,6 +88,8 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 #: body bytes read for routing; past this the request is routed by load, its body passed on
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: largest ext_proc message the server takes (a buffered body up to the limit, and headers)
+MAX_MESSAGE_BYTES = DEFAULT_MAX_BODY_BYTES + 1024 * 1024
 
 REASON_NO_ENDPOINT = "no-endpoint"
 REASON_SUBSET_EMPTY = "subset-empty"
@@ -199,7 +201,9 @@ class _Stream:
     response_mode: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
     subset: frozenset[str] | None = None
-    body: bytearray = field(default_factory=bytearray)
+    #: the body's chunks as they came (handed back in the same pieces in full-duplex mode)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
     truncated: bool = False
     routed: bool = False
     decision: Decision | None = None
@@ -243,7 +247,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
         started = time.perf_counter()
         st.routed = True
         request = reduce_request(
-            bytes(st.body),
+            b"".join(st.chunks),
             st.headers,
             tenant_header=self.tenant_header,
             class_of=self.class_of,
@@ -369,7 +373,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
     def _decide_now(self, st: _Stream, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
         """Route on what has come; in duplex mode, answer the headers and hand the body back."""
         decision = self._route(st)
-        held, st.body = bytes(st.body), bytearray()
+        held, st.chunks = st.chunks, []
         if st.request_mode in _BUFFERED:
             return [
                 pb.ProcessingResponse(
@@ -378,8 +382,11 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
                 )
             ]
         out = [self._headers_answer(decision)]
-        if held or end_of_stream:
-            out.append(_streamed_body(held, end_of_stream, request=True))
+        for i, piece in enumerate(held):
+            last = i == len(held) - 1
+            out.append(_streamed_body(piece, end_of_stream and last, request=True))
+        if end_of_stream and not held:
+            out.append(_streamed_body(b"", True, request=True))
         return out
 
     def _request_body(self, st: _Stream, chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
@@ -387,8 +394,9 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
             if st.duplex:
                 return [_streamed_body(chunk.body, chunk.end_of_stream, request=True)]
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
-        st.body += chunk.body
-        if len(st.body) > self.max_body_bytes:
+        st.chunks.append(chunk.body)
+        st.size += len(chunk.body)
+        if st.size > self.max_body_bytes:
             st.truncated = True
         final = chunk.end_of_stream or st.request_mode in _BUFFERED
         if not (final or st.truncated):

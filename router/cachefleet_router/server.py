@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .discovery import EndpointPool, KubeDiscovery, MetricsScraper
 from .endpoints import Picker
-from .extproc import EndpointPickerService
+from .extproc import MAX_MESSAGE_BYTES, EndpointPickerService
 from .health import HealthService
 from .kube import make_client
 from .metrics import RouterMetrics
@@ -145,7 +145,7 @@ class RouterServer:
             )
             self._tasks.append(asyncio.ensure_future(self.tenant_sync.run()))
 
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         server.add_generic_rpc_handlers((self.health.handler(),))
         host, port = cfg.grpc_listen

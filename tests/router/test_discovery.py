@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from cachefleet_router.discovery import (
     EndpointPool,
+    KubeDiscovery,
     MetricsScraper,
     matches,
     pod_members,
@@ -155,3 +160,51 @@ def test_pool_target_reads_selector_and_ports_and_names_bad_fields() -> None:
     for doc, field in bad:
         with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
             pool_target(doc)
+
+
+async def test_watch_resumes_from_its_version_and_lists_again_when_told_it_is_too_old() -> None:
+    """A scripted API server (httpx transport): list, a 410 ERROR event, list again, resume."""
+
+    def listing(version: str, *pods: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, json={"metadata": {"resourceVersion": version}, "items": pods})
+
+    def events(*items: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, content="".join(json.dumps(e) + "\n" for e in items).encode())
+
+    gone = {"type": "ERROR", "object": {"kind": "Status", "code": 410, "message": "too old"}}
+    modified_b = pod("b", "10.1.0.2")
+    modified_b["metadata"]["resourceVersion"] = "12"
+    script = [
+        listing("5", pod("a", "10.1.0.1")),
+        events(gone),
+        listing("9", pod("b", "10.1.0.2", ready=False)),
+        events({"type": "MODIFIED", "object": modified_b}),
+    ]
+    seen: list[httpx.Request] = []
+    done = asyncio.Event()
+
+    async def api(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if script:
+            return script.pop(0)
+        done.set()
+        return httpx.Response(500, json={"message": "script over"})
+
+    pool = EndpointPool(require_metrics=False)
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(api), base_url="http://api.test"
+    ) as client:
+        discovery = KubeDiscovery(client, pool, "ml", selector={"app": "vllm"}, target_ports=(80,))
+        task = asyncio.ensure_future(discovery.run())
+        try:
+            await asyncio.wait_for(done.wait(), 10.0)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert {e.address: e.name for e in pool.endpoints()} == {"10.1.0.2:80": "b"}
+    assert discovery.lists == 2
+    watches = [r.url.params for r in seen if r.url.params.get("watch") == "true"]
+    assert [w.get("resourceVersion") for w in watches] == ["5", "9"]
+    assert all(w.get("labelSelector") == "app=vllm" for w in watches)
+    assert seen[0].url.path == "/api/v1/namespaces/ml/pods"

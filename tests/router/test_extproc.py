@@ -132,11 +132,13 @@ async def test_body_in_several_chunks_is_gathered_until_end_of_stream(
             body_message(cut[1], end_of_stream=False),
             body_message(cut[2], end_of_stream=True),
         ],
-        2,
+        4,
     )
     # The first answer is the headers' (nothing was answered per chunk), after the last chunk:
     assert answers[0].WhichOneof("response") == "request_headers"
-    assert answers[1].request_body.response.body_mutation.streamed_response.body == body
+    back = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
+    assert [p.body for p in back] == cut  # handed back unchanged, in the same pieces
+    assert [p.end_of_stream for p in back] == [False, False, True]
     [seen] = picker.requests
     assert len(seen.blocks) == 3  # the whole prompt, not the first chunk's
 
@@ -230,12 +232,12 @@ async def test_body_over_the_limit_is_routed_by_load_and_passed_through(
             body_message(body[600:1200], end_of_stream=False),  # past the limit: decide now
             body_message(body[1200:], end_of_stream=True),
         ],
-        3,
+        4,
     )
     assert answers[0].WhichOneof("response") == "request_headers"
     parts = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
     assert b"".join(p.body for p in parts) == body
-    assert [p.end_of_stream for p in parts] == [False, True]
+    assert [p.end_of_stream for p in parts] == [False, False, True]
     assert picker.requests == []
     assert fallback.requests[0].extra == {"body": "oversized"}
 
