@@ -54,3 +54,31 @@ async def test_not_ready_while_the_api_server_cannot_be_read() -> None:
         await router.stop(0)
         await unreachable.aclose()
     assert router.health.status("liveness") == NOT_SERVING  # stopped: nothing is served
+
+
+async def test_health_watch_streams_the_status() -> None:
+    router = RouterServer(
+        RouterConfig(
+            grpc_listen=("127.0.0.1", 0),
+            metrics_listen=None,
+            endpoints=("127.0.0.1:1",),
+            scrape_interval_s=0,
+        )
+    )
+    await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}")
+    try:
+        watch = channel.unary_stream(
+            "/grpc.health.v1.Health/Watch",
+            request_serializer=HealthCheckRequest.SerializeToString,
+            response_deserializer=HealthCheckResponse.FromString,
+        )
+        ready = watch(HealthCheckRequest(service="readiness"))
+        assert (await ready.read()).status == SERVING
+        ready.cancel()
+        unknown = watch(HealthCheckRequest(service="nope"))
+        assert (await unknown.read()).status == 3  # SERVICE_UNKNOWN
+        unknown.cancel()
+    finally:
+        await channel.close()
+        await router.stop(0)
