@@ -14,6 +14,11 @@ from collections.abc import Callable
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "sidecar": ("cachefleet_sidecar.app", "main", "run the caching reverse proxy"),
     "operator": ("cachefleet_operator.run", "main", "run the kopf operator"),
+    "router": (
+        "cachefleet_router.cli",
+        "main",
+        "run the endpoint picker (Gateway API Inference Extension, ext_proc)",
+    ),
     "crds": ("cachefleet_operator.crdgen", "main", "write crds/*.yaml from the models"),
     "demo": ("cachefleet_e2e.demo", "main", "run the whole fleet locally"),
     "bench": ("cachefleet_bench.__main__", "main", "run a benchmark (proxy, ...)"),

@@ -1,0 +1,251 @@
+"""``cachefleet router``: flags (each also ``CACHEFLEET_<FLAG>``) -> RouterConfig -> running server.
+
+Flags win over the environment. Bad input exits 2 with a message naming the
+flag. Exactly one source of endpoints: ``--endpoints``, ``--pool-name``, or
+``--selector`` with ``--target-port``. SIGTERM / SIGINT stop the router
+cleanly (health NOT_SERVING, streams in flight finish within the grace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from .kube import KubeCredentialsError, own_namespace
+from .server import DEFAULT_GRACE_S, RouterConfig, serve
+from .tenants import DEFAULT_POLL_S
+
+ENV_PREFIX = "CACHEFLEET_"
+DEFAULT_GRPC_LISTEN = "0.0.0.0:9002"
+DEFAULT_METRICS_LISTEN = "0.0.0.0:9090"
+DEFAULT_SCRAPE_INTERVAL_S = 0.5
+
+_LABEL_KEY_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./")
+
+
+def _env(flag: str) -> str | None:
+    return os.environ.get(ENV_PREFIX + flag.upper().replace("-", "_"))
+
+
+def host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port); ValueError says what is wrong."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host = host.strip("[]")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"port must be 0..65535, got {port!r} in {value!r}")
+    return host, int(port)
+
+
+def endpoint_list(value: str) -> tuple[str, ...]:
+    out: list[str] = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, port = host_port(item)
+        if port == 0:
+            raise ValueError(f"an endpoint needs a real port, got {item!r}")
+        out.append(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    if not out:
+        raise ValueError("no endpoint given")
+    return tuple(dict.fromkeys(out))
+
+
+def label_selector(value: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, val = item.partition("=")
+        key, val = key.strip(), val.strip()
+        if not sep or not key or not set(key) <= _LABEL_KEY_CHARS or "=" in val:
+            raise ValueError(f"expected key=value pairs separated by commas, got {item!r}")
+        out[key] = val
+    if not out:
+        raise ValueError("an empty selector would select nothing")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cachefleet router",
+        description="Endpoint picker for the Gateway API Inference Extension (Envoy ext_proc "
+        "over gRPC): sends each request to the ready model server with the least expected "
+        "time to first token. Every flag can also be set as CACHEFLEET_<FLAG>.",
+    )
+
+    def add(flag: str, help_text: str, **kw: Any) -> None:
+        env = _env(flag)
+        if env is not None:
+            kw["default"] = env
+        p.add_argument(
+            f"--{flag}",
+            help=f"{help_text} [env {ENV_PREFIX}{flag.upper().replace('-', '_')}]",
+            **kw,
+        )
+
+    add("grpc-listen", "HOST:PORT of ext_proc and grpc.health.v1", default=DEFAULT_GRPC_LISTEN)
+    add(
+        "metrics-listen",
+        "HOST:PORT of /metrics, /healthz, /readyz ('off': none)",
+        default=DEFAULT_METRICS_LISTEN,
+    )
+    add("endpoints", "static endpoints HOST:PORT,... (their /metrics on the same address)")
+    add("pool-name", "watch this InferencePool (inference.networking.k8s.io/v1) in --namespace")
+    add("selector", "watch pods with these labels k=v,... (needs --target-port)")
+    add("target-port", "the model server's port on the --selector pods")
+    add("namespace", "namespace of the pool or pods (default: the pod's own, else 'default')")
+    add("kubeconfig", "kubeconfig file (default: in-cluster, else $KUBECONFIG / ~/.kube/config)")
+    add(
+        "scrape-interval",
+        "seconds between reads of each endpoint's /metrics; an endpoint is out after two "
+        "failed reads in a row (0: no reads, every member is ready)",
+        default=str(DEFAULT_SCRAPE_INTERVAL_S),
+    )
+    add("redis-url", "Redis holding the operator's quota table (tenants and priority classes)")
+    add("cache", "NAMESPACE/NAME of the InferenceCache whose tenants to read (with --redis-url)")
+    add(
+        "tenant-poll",
+        "seconds between reads of the quota table without a control message",
+        default=str(DEFAULT_POLL_S),
+    )
+    add("tenant-header", "request header naming the tenant", default="X-Tenant-ID")
+    add(
+        "shutdown-grace",
+        "seconds streams in flight get at shutdown",
+        default=str(DEFAULT_GRACE_S),
+    )
+    add("log-level", "debug | info | warning | error", default="info")
+    fail = p.add_mutually_exclusive_group()
+    env_fail = (_env("fail-open") or "").lower() in {"1", "true", "yes"}
+    fail.add_argument(
+        "--fail-open",
+        dest="fail_open",
+        action="store_true",
+        default=env_fail,
+        help="no ready endpoint: end the ext_proc stream with gRPC UNAVAILABLE so the gateway "
+        "(InferencePool failureMode: FailOpen) picks an endpoint itself "
+        f"[env {ENV_PREFIX}FAIL_OPEN=true]",
+    )
+    fail.add_argument(
+        "--fail-closed",
+        dest="fail_open",
+        action="store_false",
+        help="no ready endpoint: answer 503 Service Unavailable (ImmediateResponse), "
+        "the protocol's answer (default)",
+    )
+    return p
+
+
+def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
+    """Flags (and environment) -> (config, log level); exits 2 naming the bad flag."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+
+    def conv(flag: str, value: Any, fn: Any) -> Any:
+        try:
+            return fn(value)
+        except ValueError as exc:
+            parser.error(f"--{flag}: {exc}")
+
+    def seconds(flag: str, value: Any, *, zero_ok: bool = False) -> float:
+        number = float(conv(flag, value, float))
+        if number < 0 or (number == 0 and not zero_ok) or number != number:
+            parser.error(f"--{flag}: expected a positive number of seconds, got {value!r}")
+        return number
+
+    sources = [
+        f for f in ("endpoints", "pool-name", "selector") if getattr(ns, f.replace("-", "_"))
+    ]
+    if len(sources) != 1:
+        parser.error(
+            "give exactly one of --endpoints, --pool-name, --selector"
+            + (f" (got {', '.join('--' + s for s in sources)})" if sources else "")
+        )
+    endpoints: tuple[str, ...] = ()
+    selector: dict[str, str] = {}
+    ports: tuple[int, ...] = ()
+    if ns.endpoints:
+        endpoints = conv("endpoints", ns.endpoints, endpoint_list)
+    if ns.selector:
+        selector = conv("selector", ns.selector, label_selector)
+        if not ns.target_port:
+            parser.error("--selector needs --target-port (the model server's port)")
+    if ns.target_port:
+        if not ns.selector:
+            parser.error("--target-port goes with --selector (an InferencePool names its ports)")
+        port = conv("target-port", ns.target_port, int)
+        if not 1 <= port <= 65535:
+            parser.error(f"--target-port: expected 1..65535, got {ns.target_port!r}")
+        ports = (port,)
+    if ns.kubeconfig and ns.endpoints:
+        parser.error("--kubeconfig is for --pool-name / --selector, not --endpoints")
+    if bool(ns.redis_url) != bool(ns.cache):
+        parser.error("--redis-url and --cache go together (the quota table of one cache)")
+    cache = None
+    if ns.cache:
+        namespace_, sep, name = str(ns.cache).partition("/")
+        if not sep or not namespace_ or not name or "/" in name:
+            parser.error(f"--cache: expected NAMESPACE/NAME, got {ns.cache!r}")
+        cache = f"{namespace_}/{name}"
+    if ns.redis_url and not str(ns.redis_url).startswith(("redis://", "rediss://", "unix://")):
+        parser.error(f"--redis-url: expected redis://, rediss:// or unix://, got {ns.redis_url!r}")
+    metrics_listen = None
+    if str(ns.metrics_listen).lower() not in {"off", "none", ""}:
+        metrics_listen = conv("metrics-listen", ns.metrics_listen, host_port)
+    level = str(ns.log_level).lower()
+    if level not in {"debug", "info", "warning", "error"}:
+        parser.error(f"--log-level: expected debug, info, warning or error, got {ns.log_level!r}")
+    if not str(ns.tenant_header).strip() or " " in str(ns.tenant_header).strip():
+        parser.error(f"--tenant-header: not a header name: {ns.tenant_header!r}")
+    config = RouterConfig(
+        grpc_listen=conv("grpc-listen", ns.grpc_listen, host_port),
+        metrics_listen=metrics_listen,
+        endpoints=endpoints,
+        pool_name=ns.pool_name or None,
+        selector=selector,
+        target_ports=ports,
+        namespace=ns.namespace or own_namespace() or "default",
+        kubeconfig=ns.kubeconfig or None,
+        scrape_interval_s=seconds("scrape-interval", ns.scrape_interval, zero_ok=True),
+        redis_url=ns.redis_url or None,
+        cache=cache,
+        tenant_poll_s=seconds("tenant-poll", ns.tenant_poll),
+        tenant_header=str(ns.tenant_header).strip(),
+        fail_open=bool(ns.fail_open),
+        grace_s=seconds("shutdown-grace", ns.shutdown_grace, zero_ok=True),
+    )
+    return config, level
+
+
+async def _run(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(config, stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    config, level = parse_args(list(sys.argv[1:] if argv is None else argv))
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        asyncio.run(_run(config))
+    except KubeCredentialsError as exc:
+        print(f"cachefleet router: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"cachefleet router: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,423 @@
+"""The endpoint-picker protocol: Envoy ``ext_proc`` (gRPC, grpc.aio) in front of a Picker.
+
+The Gateway API Inference Extension's endpoint-picker protocol (proposal 004)
+has the gateway open one ``ExternalProcessor.Process`` stream per HTTP
+request. This servicer reads the request headers and body, reduces them to a
+:class:`~cachefleet_router.endpoints.RouteRequest`
+(:func:`cachefleet_router.prompt.reduce_request`), lets the
+:class:`~cachefleet_router.endpoints.Picker` choose among the ready endpoints,
+and answers as the protocol prescribes, with the same ``host:port`` in both
+places:
+
+* the request header ``x-gateway-destination-endpoint`` (set, overwriting
+  anything a client sent), with the route cache cleared;
+* the dynamic metadata ``envoy.lb`` -> ``{"x-gateway-destination-endpoint": host:port}``.
+
+The body may come in one message or in several; it is gathered until
+``end_of_stream``. How the answer is shaped follows the body mode the gateway
+announces in ``protocol_config`` (first message):
+
+* ``FULL_DUPLEX_STREAMED`` (what GIE gateways use; also assumed when the
+  gateway says nothing): the headers answer waits for the whole body, then the
+  body goes back unchanged as ``streamed_response`` messages, in the pieces it
+  came in (a full-duplex processor must return the body it wants forwarded);
+* ``BUFFERED`` / ``BUFFERED_PARTIAL``: headers are answered at once (no
+  change), and the one body message's answer carries the header mutation and
+  the metadata;
+* ``STREAMED`` or ``NONE``, or a request without body: decided on the headers
+  (the body would reach the upstream before a decision), so by load.
+
+Response bodies, when the gateway sends them, go back unchanged: as
+``streamed_response`` chunks in full-duplex mode (again assumed when the
+gateway says nothing), as a plain continue otherwise.
+
+A picker that raises is logged and the request placed by ``fallback``.
+A body that is not JSON or has no prompt is still routed, by load
+(``fallback``, a :class:`~cachefleet_router.picking.LeastLoadedPicker`); so is
+a body past ``max_body_bytes``, which is then passed through unread.
+
+The gateway may narrow the choice with the filter metadata
+``envoy.lb.subset_hint`` -> ``x-gateway-destination-endpoint-subset`` (a list of
+``ip:port``, or one comma-separated string); when none of them is ready the
+answer is an ``ImmediateResponse`` 503, as the protocol requires.
+
+When no endpoint is ready at all: ``fail_open=False`` (the default, as an
+InferencePool's ``FailClose``) answers an ``ImmediateResponse`` 503 Service
+Unavailable, the protocol's answer; ``fail_open=True`` ends the stream with
+gRPC ``UNAVAILABLE`` instead, so a gateway whose InferencePool says
+``failureMode: FailOpen`` sends the request to an endpoint of its own choosing.
+
+Response phase: the response headers' ``:status`` and the gateway's
+``envoy.lb`` -> ``x-gateway-destination-endpoint-served`` report end the
+request for the picker (``Picker.done``, ok unless 5xx); a stream that ends
+without response headers is reported as failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import json_format, struct_pb2
+
+from .endpoints import Decision, Endpoint, Picker, RouteRequest
+from .metrics import RouterMetrics
+from .picking import LeastLoadedPicker
+from .prompt import BODY_OVERSIZED, BODY_UNPARSEABLE, ClassOf, reduce_request
+
+log = logging.getLogger(__name__)
+
+#: the header and the ``envoy.lb`` metadata key naming the picked endpoint
+DESTINATION_ENDPOINT = "x-gateway-destination-endpoint"
+#: the metadata namespace of the picked endpoint (request) and the served one (response)
+DESTINATION_NAMESPACE = "envoy.lb"
+#: the key under ``envoy.lb`` in the response phase: the endpoint that served the request
+SERVED_ENDPOINT = "x-gateway-destination-endpoint-served"
+#: the filter-metadata namespace and key of the gateway's subset hint
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+
+#: body bytes read for routing; past this the request is routed by load, its body passed on
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: largest ext_proc message the server takes (a buffered body up to the limit, and headers)
+MAX_MESSAGE_BYTES = DEFAULT_MAX_BODY_BYTES + 1024 * 1024
+
+REASON_NO_ENDPOINT = "no-endpoint"
+REASON_SUBSET_EMPTY = "subset-empty"
+
+_Mode = processing_mode_pb2.ProcessingMode
+_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+_BUFFERED = {_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL}
+_HEADERS_ONLY = {_Mode.STREAMED, _Mode.NONE}
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+class NoEndpoint(Exception):
+    """No endpoint may take the request (``reason`` says why)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+        out[h.key.lower()] = value
+    return out
+
+
+def _metadata(request: pb.ProcessingRequest, namespace: str) -> dict[str, Any]:
+    meta = request.metadata_context.filter_metadata
+    if namespace not in meta:
+        return {}
+    value = json_format.MessageToDict(meta[namespace])
+    return value if isinstance(value, dict) else {}
+
+
+def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The gateway's endpoint subset for this request; None when it gave none."""
+    hint = _metadata(request, SUBSET_NAMESPACE)
+    if SUBSET_KEY not in hint:
+        return None
+    raw = hint[SUBSET_KEY]
+    items = raw if isinstance(raw, list) else [raw]
+    out: set[str] = set()
+    for item in items:
+        if isinstance(item, str):
+            out.update(part.strip() for part in item.split(",") if part.strip())
+    return frozenset(out)
+
+
+def _in_subset(endpoint: Endpoint, subset: frozenset[str]) -> bool:
+    if endpoint.address in subset:
+        return True
+    host = endpoint.address.rsplit(":", 1)[0].strip("[]")
+    return host in subset  # a bare IP allows every port of it
+
+
+def destination_response(address: str) -> pb.CommonResponse:
+    """The header mutation naming ``address`` (overwrites a client's), route cache cleared."""
+    return pb.CommonResponse(
+        header_mutation=pb.HeaderMutation(
+            set_headers=[
+                base_pb2.HeaderValueOption(
+                    header=base_pb2.HeaderValue(
+                        key=DESTINATION_ENDPOINT, raw_value=address.encode()
+                    ),
+                    append_action=_OVERWRITE,
+                )
+            ]
+        ),
+        clear_route_cache=True,
+    )
+
+
+def destination_metadata(address: str) -> struct_pb2.Struct:
+    meta = struct_pb2.Struct()
+    meta.update({DESTINATION_NAMESPACE: {DESTINATION_ENDPOINT: address}})
+    return meta
+
+
+def unavailable(reason: str) -> pb.ProcessingResponse:
+    """The protocol's answer when no endpoint may take the request: 503 Service Unavailable."""
+    return pb.ProcessingResponse(
+        immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
+            body=f"no ready endpoint ({reason})\n".encode(),
+            details=f"cachefleet_router_{reason}",
+        )
+    )
+
+
+def _streamed_body(body: bytes, end_of_stream: bool, *, request: bool) -> pb.ProcessingResponse:
+    answer = pb.BodyResponse(
+        response=pb.CommonResponse(
+            body_mutation=pb.BodyMutation(
+                streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+            )
+        )
+    )
+    if request:
+        return pb.ProcessingResponse(request_body=answer)
+    return pb.ProcessingResponse(response_body=answer)
+
+
+@dataclass
+class _Stream:
+    """One HTTP request's state across its ext_proc messages."""
+
+    request_mode: int | None = None
+    response_mode: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: frozenset[str] | None = None
+    #: the body's chunks as they came (handed back in the same pieces in full-duplex mode)
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    truncated: bool = False
+    routed: bool = False
+    decision: Decision | None = None
+    request: RouteRequest | None = None
+    picker: Picker | None = None
+    finished: bool = False
+
+    @property
+    def duplex(self) -> bool:
+        return self.request_mode is None or self.request_mode == _DUPLEX
+
+
+class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    """``envoy.service.ext_proc.v3.ExternalProcessor`` answering with the picker's choice."""
+
+    def __init__(
+        self,
+        picker: Picker,
+        ready: Callable[[], Sequence[Endpoint]],
+        *,
+        fallback: Picker | None = None,
+        tenant_header: str = "X-Tenant-ID",
+        class_of: ClassOf | None = None,
+        fail_open: bool = False,
+        metrics: RouterMetrics | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.picker = picker
+        self.fallback: Picker = fallback if fallback is not None else LeastLoadedPicker()
+        self.ready = ready
+        self.tenant_header = tenant_header
+        self.class_of = class_of
+        self.fail_open = fail_open
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.max_body_bytes = max_body_bytes
+
+    # ------------------------------------------------------------------ deciding
+
+    def _route(self, st: _Stream) -> Decision:
+        """Reduce, pick and record; raises :class:`NoEndpoint`."""
+        started = time.perf_counter()
+        st.routed = True
+        request = reduce_request(
+            b"".join(st.chunks),
+            st.headers,
+            tenant_header=self.tenant_header,
+            class_of=self.class_of,
+            truncated=st.truncated,
+        )
+        st.request = request
+        candidates = list(self.ready())
+        reason = REASON_NO_ENDPOINT
+        if st.subset is not None:
+            subset = st.subset
+            candidates = [e for e in candidates if _in_subset(e, subset)]
+            reason = REASON_SUBSET_EMPTY
+        picker = (
+            self.fallback
+            if request.extra.get("body")
+            in {
+                BODY_UNPARSEABLE,
+                BODY_OVERSIZED,
+            }
+            else self.picker
+        )
+        decision = None
+        if candidates:
+            try:
+                decision = picker.pick(request, candidates)
+            except Exception:  # a scoring fault must not fail the request: place it by load
+                if picker is self.fallback:
+                    raise
+                log.exception("picker failed; placing the request by load")
+                picker = self.fallback
+                decision = picker.pick(request, candidates)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if decision is None:
+            self.metrics.decisions.labels("", reason).inc()
+            raise NoEndpoint(reason)
+        st.decision, st.picker = decision, picker
+        self.metrics.decisions.labels(decision.address, decision.reason or "picked").inc()
+        log.debug(
+            "request (model %s, tenant %s, %d blocks) -> %s (%s)",
+            request.model,
+            request.tenant,
+            len(request.blocks),
+            decision.address,
+            decision.reason,
+        )
+        return decision
+
+    def _finish(self, st: _Stream, *, ok: bool) -> None:
+        if st.finished or st.decision is None or st.picker is None or st.request is None:
+            return
+        st.finished = True
+        try:
+            st.picker.done(st.decision, st.request, ok=ok)
+        except Exception:  # the picker's bookkeeping must not fail the gateway's request
+            log.exception("picker.done failed")
+
+    async def _refuse(self, reason: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """fail-open: end the stream so that the gateway picks; subset faults are always a 503."""
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"no ready endpoint ({reason})")
+
+    # ------------------------------------------------------------------ the stream
+
+    async def Process(  # the gRPC method's name
+        self,
+        request_iterator: AsyncIterator[pb.ProcessingRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        st = _Stream()
+        try:
+            async for message in request_iterator:
+                if message.HasField("protocol_config"):
+                    st.request_mode = message.protocol_config.request_body_mode
+                    st.response_mode = message.protocol_config.response_body_mode
+                try:
+                    answers = self._handle(st, message)
+                except NoEndpoint as exc:
+                    if self.fail_open and exc.reason == REASON_NO_ENDPOINT:
+                        await self._refuse(exc.reason, context)
+                    yield unavailable(exc.reason)
+                    return
+                for answer in answers:
+                    yield answer
+        finally:
+            self._finish(st, ok=False)
+
+    def _handle(self, st: _Stream, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
+        kind = message.WhichOneof("request")
+        if kind == "request_headers":
+            return self._request_headers(st, message)
+        if kind == "request_body":
+            return self._request_body(st, message.request_body)
+        if kind == "request_trailers":
+            out = self._decide_now(st, end_of_stream=False) if not st.routed else []
+            return [*out, pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+        if kind == "response_headers":
+            return self._response_headers(st, message)
+        if kind == "response_body":
+            chunk = message.response_body
+            if st.response_mode is None or st.response_mode == _DUPLEX:
+                return [_streamed_body(chunk.body, chunk.end_of_stream, request=False)]
+            return [pb.ProcessingResponse(response_body=pb.BodyResponse())]
+        if kind == "response_trailers":
+            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+        return []
+
+    def _headers_answer(self, decision: Decision) -> pb.ProcessingResponse:
+        return pb.ProcessingResponse(
+            request_headers=pb.HeadersResponse(response=destination_response(decision.address)),
+            dynamic_metadata=destination_metadata(decision.address),
+        )
+
+    def _request_headers(
+        self, st: _Stream, message: pb.ProcessingRequest
+    ) -> list[pb.ProcessingResponse]:
+        st.headers = _header_map(message.request_headers)
+        st.subset = subset_hint(message)
+        if message.request_headers.end_of_stream or st.request_mode in _HEADERS_ONLY:
+            return [self._headers_answer(self._route(st))]
+        if st.request_mode in _BUFFERED:
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        return []  # full duplex: the headers answer waits for the body
+
+    def _decide_now(self, st: _Stream, *, end_of_stream: bool) -> list[pb.ProcessingResponse]:
+        """Route on what has come; in duplex mode, answer the headers and hand the body back."""
+        decision = self._route(st)
+        held, st.chunks = st.chunks, []
+        if st.request_mode in _BUFFERED:
+            return [
+                pb.ProcessingResponse(
+                    request_body=pb.BodyResponse(response=destination_response(decision.address)),
+                    dynamic_metadata=destination_metadata(decision.address),
+                )
+            ]
+        out = [self._headers_answer(decision)]
+        for i, piece in enumerate(held):
+            last = i == len(held) - 1
+            out.append(_streamed_body(piece, end_of_stream and last, request=True))
+        if end_of_stream and not held:
+            out.append(_streamed_body(b"", True, request=True))
+        return out
+
+    def _request_body(self, st: _Stream, chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        if st.routed:  # decided already: pass the body on
+            if st.duplex:
+                return [_streamed_body(chunk.body, chunk.end_of_stream, request=True)]
+            return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+        st.chunks.append(chunk.body)
+        st.size += len(chunk.body)
+        if st.size > self.max_body_bytes:
+            st.truncated = True
+        final = chunk.end_of_stream or st.request_mode in _BUFFERED
+        if not (final or st.truncated):
+            return []  # full duplex: hold the chunk until the body is complete
+        return self._decide_now(st, end_of_stream=chunk.end_of_stream)
+
+    def _response_headers(
+        self, st: _Stream, message: pb.ProcessingRequest
+    ) -> list[pb.ProcessingResponse]:
+        headers = _header_map(message.response_headers)
+        try:
+            status = int(headers.get(":status", "200"))
+        except ValueError:
+            status = 500
+        served = _metadata(message, DESTINATION_NAMESPACE).get(SERVED_ENDPOINT)
+        if (
+            isinstance(served, str)
+            and st.decision is not None
+            and served.split(",")[0].strip() != st.decision.address
+        ):
+            self.metrics.served_mismatch.inc()
+            log.info("picked %s, the gateway says %s served", st.decision.address, served)
+        self._finish(st, ok=status < 500)
+        return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]

@@ -1,0 +1,213 @@
+"""The running router: the gRPC server, the metrics HTTP server and the background loops.
+
+:class:`RouterServer` wires the rooms together from a :class:`RouterConfig`:
+
+* one ``grpc.aio`` server on ``grpc_listen`` with the ext_proc service
+  (:mod:`cachefleet_router.extproc`) and ``grpc.health.v1``
+  (:mod:`cachefleet_router.health`);
+* an aiohttp server on ``metrics_listen``: ``/metrics`` (Prometheus text),
+  ``/healthz`` (200 while the process runs) and ``/readyz`` (200 once
+  discovery has said what the endpoints are, even none: an empty pool is
+  answered with the protocol's 503, which is better than an unready picker);
+* discovery (static list + :class:`~cachefleet_router.discovery.MetricsScraper`,
+  or :class:`~cachefleet_router.discovery.KubeDiscovery`) and, with Redis,
+  :class:`~cachefleet_router.tenants.TenantSync`.
+
+:meth:`RouterServer.stop` reports NOT_SERVING, lets streams in flight finish
+within the grace period, then cancels the loops and closes the clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+from aiohttp import web
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .discovery import EndpointPool, KubeDiscovery, MetricsScraper
+from .endpoints import Picker
+from .extproc import MAX_MESSAGE_BYTES, EndpointPickerService
+from .health import HealthService
+from .kube import make_client
+from .metrics import RouterMetrics
+from .picking import LeastLoadedPicker
+from .tenants import DEFAULT_POLL_S, TenantClasses, TenantSync
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    grpc_listen: tuple[str, int] = ("0.0.0.0", 9002)
+    metrics_listen: tuple[str, int] | None = ("0.0.0.0", 9090)
+    endpoints: tuple[str, ...] = ()
+    pool_name: str | None = None
+    selector: dict[str, str] = field(default_factory=dict)
+    target_ports: tuple[int, ...] = ()
+    namespace: str = "default"
+    kubeconfig: str | None = None
+    #: seconds between /metrics reads; 0: no reads, members are ready as they come
+    scrape_interval_s: float = 0.5
+    redis_url: str | None = None
+    cache: str | None = None
+    tenant_poll_s: float = DEFAULT_POLL_S
+    tenant_header: str = "X-Tenant-ID"
+    fail_open: bool = False
+    grace_s: float = DEFAULT_GRACE_S
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+class RouterServer:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        picker: Picker | None = None,
+        kube_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
+        self.tenants = TenantClasses()
+        self.service = EndpointPickerService(
+            picker if picker is not None else LeastLoadedPicker(),
+            self.pool.ready,
+            tenant_header=config.tenant_header,
+            class_of=self.tenants.class_of,
+            fail_open=config.fail_open,
+            metrics=self.metrics,
+        )
+        self.health = HealthService(lambda: self.pool.synced)
+        self.scraper: MetricsScraper | None = None
+        self.discovery: KubeDiscovery | None = None
+        self.tenant_sync: TenantSync | None = None
+        self._kube_client = kube_client
+        self._own_kube_client = kube_client is None
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.grpc_port = 0
+        self.metrics_port = 0
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, _: web.Request) -> web.Response:
+        ready = len(self.pool.ready())
+        known = len(self.pool.endpoints())
+        if not self.pool.synced:
+            return web.Response(status=503, text="endpoints not known yet\n")
+        return web.Response(text=f"ok: {ready} of {known} endpoints ready\n")
+
+    # ------------------------------------------------------------------ life
+
+    async def start(self) -> None:
+        cfg = self.config
+        if cfg.endpoints:
+            self.pool.set_members({address: address for address in cfg.endpoints})
+        else:
+            client = self._kube_client or make_client(cfg.kubeconfig)
+            self._kube_client = client
+            self.discovery = KubeDiscovery(
+                client,
+                self.pool,
+                cfg.namespace,
+                pool_name=cfg.pool_name,
+                selector=None if cfg.pool_name else cfg.selector,
+                target_ports=cfg.target_ports,
+            )
+            self._tasks.append(asyncio.ensure_future(self.discovery.run()))
+        if cfg.scrape_interval_s > 0:
+            self.scraper = MetricsScraper(self.pool, cfg.scrape_interval_s)
+            self._tasks.append(asyncio.ensure_future(self.scraper.run()))
+        if cfg.redis_url and cfg.cache:
+            self.tenant_sync = TenantSync(
+                cfg.redis_url, cfg.cache, self.tenants, poll_s=cfg.tenant_poll_s
+            )
+            self._tasks.append(asyncio.ensure_future(self.tenant_sync.run()))
+
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
+        server.add_generic_rpc_handlers((self.health.handler(),))
+        host, port = cfg.grpc_listen
+        try:
+            self.grpc_port = server.add_insecure_port(f"{_host(host)}:{port}")
+        except RuntimeError as exc:  # grpc's way of saying the address is taken
+            raise OSError(f"--grpc-listen {host}:{port}: cannot listen there ({exc})") from exc
+        self._grpc = server
+        await server.start()
+
+        if cfg.metrics_listen is not None:
+            app = web.Application()
+            app.router.add_get("/metrics", self._metrics)
+            app.router.add_get("/healthz", self._healthz)
+            app.router.add_get("/readyz", self._readyz)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            mhost, mport = cfg.metrics_listen
+            self._http = runner
+            try:
+                await web.TCPSite(runner, mhost, mport).start()
+            except OSError as exc:
+                raise OSError(f"--metrics-listen {mhost}:{mport}: {exc.strerror or exc}") from exc
+            self.metrics_port = runner.addresses[0][1]
+        log.info(
+            "router: ext_proc + health on %s:%d, metrics on %s, %s",
+            host,
+            self.grpc_port,
+            f"{cfg.metrics_listen[0]}:{self.metrics_port}" if cfg.metrics_listen else "off",
+            f"{len(cfg.endpoints)} static endpoints"
+            if cfg.endpoints
+            else f"pool {cfg.pool_name}"
+            if cfg.pool_name
+            else f"pods {cfg.selector}",
+        )
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        self.health.shutting_down()
+        if self._grpc is not None:
+            await self._grpc.stop(self.config.grace_s if grace_s is None else grace_s)
+            self._grpc = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
+        if self.scraper is not None:
+            await self.scraper.aclose()
+        if self._kube_client is not None and self._own_kube_client:
+            await self._kube_client.aclose()
+        self._kube_client = None
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event, *, picker: Picker | None = None) -> None:
+    """Run until ``stop`` is set, then shut down cleanly."""
+    server = RouterServer(config, picker=picker)
+    try:
+        await server.start()
+        await stop.wait()
+    finally:
+        await server.stop()
