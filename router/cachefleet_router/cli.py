@@ -16,6 +16,7 @@ import signal
 from typing import Any
 
 from .kube import KubeCredentialsError, own_namespace
+from .scoring import ScoringConfig
 from .server import DEFAULT_GRACE_S, RouterConfig, serve
 from .tenants import DEFAULT_POLL_S
 
@@ -122,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
         "seconds streams in flight get at shutdown",
         default=str(DEFAULT_GRACE_S),
     )
+    add(
+        "default-prefill-rate",
+        "uncached prompt tokens/s an endpoint is assumed to prefill until its metrics measure it",
+        default=str(ScoringConfig().default_rate),
+    )
+    add(
+        "epsilon",
+        "bounded load: no endpoint is chosen above (1 + epsilon) x the mean outstanding work",
+        default=str(ScoringConfig().epsilon),
+    )
     add("log-level", "debug | info | warning | error", default="info")
     fail = p.add_mutually_exclusive_group()
     env_fail = (_env("fail-open") or "").lower() in {"1", "true", "yes"}
@@ -160,6 +171,18 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         if number < 0 or (number == 0 and not zero_ok) or number != number:
             parser.error(f"--{flag}: expected a positive number of seconds, got {value!r}")
         return number
+
+    def number(flag: str, value: Any) -> float:
+        out = float(conv(flag, value, float))
+        if not (out >= 0 and out != float("inf")):
+            parser.error(f"--{flag}: expected a finite number >= 0, got {value!r}")
+        return out
+
+    def positive(flag: str, value: Any) -> float:
+        out = number(flag, value)
+        if out == 0:
+            parser.error(f"--{flag}: expected a number > 0, got {value!r}")
+        return out
 
     sources = [
         f for f in ("endpoints", "pool-name", "selector") if getattr(ns, f.replace("-", "_"))
@@ -221,6 +244,8 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         tenant_header=str(ns.tenant_header).strip(),
         fail_open=bool(ns.fail_open),
         grace_s=seconds("shutdown-grace", ns.shutdown_grace, zero_ok=True),
+        default_prefill_rate=positive("default-prefill-rate", ns.default_prefill_rate),
+        epsilon=number("epsilon", ns.epsilon),
     )
     return config, level
 

@@ -31,10 +31,11 @@ Response bodies, when the gateway sends them, go back unchanged: as
 ``streamed_response`` chunks in full-duplex mode (again assumed when the
 gateway says nothing), as a plain continue otherwise.
 
-A picker that raises is logged and the request placed by ``fallback``.
-A body that is not JSON or has no prompt is still routed, by load
-(``fallback``, a :class:`~cachefleet_router.picking.LeastLoadedPicker`); so is
-a body past ``max_body_bytes``, which is then passed through unread.
+A picker that raises is logged and the request placed by ``fallback`` (a
+:class:`~cachefleet_router.picking.LeastLoadedPicker`). A body that is not
+JSON or has no prompt is still routed: the picker sees a request with no
+blocks and places it by load alone; so is a body past ``max_body_bytes``,
+which is then passed through unread.
 
 The gateway may narrow the choice with the filter metadata
 ``envoy.lb.subset_hint`` -> ``x-gateway-destination-endpoint-subset`` (a list of
@@ -72,7 +73,7 @@ from google.protobuf import json_format, struct_pb2
 from .endpoints import Decision, Endpoint, Picker, RouteRequest
 from .metrics import RouterMetrics
 from .picking import LeastLoadedPicker
-from .prompt import BODY_OVERSIZED, BODY_UNPARSEABLE, ClassOf, reduce_request
+from .prompt import ClassOf, reduce_request
 
 log = logging.getLogger(__name__)
 
@@ -260,15 +261,9 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
             subset = st.subset
             candidates = [e for e in candidates if _in_subset(e, subset)]
             reason = REASON_SUBSET_EMPTY
-        picker = (
-            self.fallback
-            if request.extra.get("body")
-            in {
-                BODY_UNPARSEABLE,
-                BODY_OVERSIZED,
-            }
-            else self.picker
-        )
+        # A body that could not be read has no blocks and no token count: the picker places
+        # it by load alone, and still counts it (its own bookkeeping sees every request).
+        picker = self.picker
         decision = None
         if candidates:
             try:

@@ -72,6 +72,14 @@ from cachefleet_router.prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity
 GUARANTEED = "Guaranteed"
 BEST_EFFORT = "BestEffort"
 
+#: Why an endpoint was chosen (a bounded set: the router's decisions metric labels by it):
+#: the least expected TTFT under the bounded-load cap; every endpoint saturated and a
+#: Guaranteed request, so the least expected TTFT anywhere; saturated and BestEffort, so
+#: the least-loaded endpoint.
+REASON_TTFT = "ttft"
+REASON_SATURATED_GUARANTEED = "saturated-guaranteed"
+REASON_SATURATED_BEST_EFFORT = "saturated-besteffort"
+
 
 @dataclass(frozen=True, slots=True)
 class ScoringConfig:
@@ -246,13 +254,13 @@ class ScoringPicker:
         if saturated and request.priority_class == BEST_EFFORT:
             least = min(s.wait for s in scores)
             candidates = [s for s in scores if s.wait <= least]
-            reason = "saturated: BestEffort to the least-loaded"
+            reason = REASON_SATURATED_BEST_EFFORT
         elif saturated and request.priority_class == GUARANTEED:
             candidates = scores
-            reason = "saturated: Guaranteed, least expected TTFT anywhere"
+            reason = REASON_SATURATED_GUARANTEED
         else:
             candidates = [s for s in scores if s.wait <= cap] or scores
-            reason = "least expected TTFT"
+            reason = REASON_TTFT
         best = min(s.ttft for s in candidates)
         limit = best * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
         tied = [s for s in candidates if s.ttft <= limit]

@@ -9,6 +9,8 @@
   ``/healthz`` (200 while the process runs) and ``/readyz`` (200 once
   discovery has said what the endpoints are, even none: an empty pool is
   answered with the protocol's 503, which is better than an unready picker);
+* the picker: :class:`~cachefleet_router.scoring.ScoringPicker` (least expected
+  time to first token) unless one is given;
 * discovery (static list + :class:`~cachefleet_router.discovery.MetricsScraper`,
   or :class:`~cachefleet_router.discovery.KubeDiscovery`) and, with Redis,
   :class:`~cachefleet_router.tenants.TenantSync`.
@@ -36,12 +38,14 @@ from .extproc import MAX_MESSAGE_BYTES, EndpointPickerService
 from .health import HealthService
 from .kube import make_client
 from .metrics import RouterMetrics
-from .picking import LeastLoadedPicker
+from .scoring import ScoringConfig, ScoringPicker
 from .tenants import DEFAULT_POLL_S, TenantClasses, TenantSync
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE_S = 5.0
+#: the scoring picker's defaults
+_SCORING = ScoringConfig()
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,17 @@ class RouterConfig:
     tenant_header: str = "X-Tenant-ID"
     fail_open: bool = False
     grace_s: float = DEFAULT_GRACE_S
+    #: the scoring picker's prefill rate of an endpoint not measured yet, tokens/s
+    default_prefill_rate: float = _SCORING.default_rate
+    #: the scoring picker's bounded-load parameter
+    epsilon: float = _SCORING.epsilon
+
+    def scoring(self) -> ScoringConfig:
+        """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
+        stale = max(_SCORING.stale_after_s, 4 * self.scrape_interval_s)
+        return ScoringConfig(
+            default_rate=self.default_prefill_rate, epsilon=self.epsilon, stale_after_s=stale
+        )
 
 
 def _host(host: str) -> str:
@@ -81,7 +96,7 @@ class RouterServer:
         self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
         self.tenants = TenantClasses()
         self.service = EndpointPickerService(
-            picker if picker is not None else LeastLoadedPicker(),
+            picker if picker is not None else ScoringPicker(config.scoring()),
             self.pool.ready,
             tenant_header=config.tenant_header,
             class_of=self.tenants.class_of,

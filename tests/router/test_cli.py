@@ -211,7 +211,7 @@ async def test_the_command_serves_health_metrics_and_the_protocol(
             2,
         )
         picked = head.request_headers.response.header_mutation.set_headers[0].header.raw_value
-        assert picked.decode() == idle.address  # the load picker: the shorter queue
+        assert picked.decode() == idle.address  # the scoring picker: the shorter queue
 
         await busy.stop()  # gone: out after two failed reads, and the router says so
         await until(
@@ -219,7 +219,7 @@ async def test_the_command_serves_health_metrics_and_the_protocol(
             "the dead endpoint out",
         )
         text = (await http.get("/metrics")).text
-        decided = f'endpoint="{idle.address}",reason="least-loaded"'
+        decided = f'endpoint="{idle.address}",reason="ttft"'
         assert f"cachefleet_router_decisions_total{{{decided}}} 1.0" in text
         assert "cachefleet_router_decision_seconds_count 1.0" in text
         assert f'cachefleet_router_scrape_failures_total{{endpoint="{busy.address}"}}' in text

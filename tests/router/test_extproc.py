@@ -210,8 +210,10 @@ async def test_unparseable_body_still_gets_an_endpoint_by_load(
         )
         assert destination(head.request_headers.response) in {A, B}
         assert passed.request_body.response.body_mutation.streamed_response.body == body
-    assert picker.requests == []  # the scoring picker is not asked about unreadable bodies
-    assert [r.extra["body"] for r in fallback.requests] == ["unparseable"] * 3
+    # the picker is asked all the same, about a request with nothing to match: by load
+    assert fallback.requests == []
+    assert [r.extra["body"] for r in picker.requests] == ["unparseable"] * 3
+    assert all(r.blocks == () and r.tokens == 0 for r in picker.requests)
     counted = metrics.registry.get_sample_value(
         "cachefleet_router_decisions_total", {"endpoint": A, "reason": "recorded"}
     )
@@ -238,8 +240,9 @@ async def test_body_over_the_limit_is_routed_by_load_and_passed_through(
     parts = [a.request_body.response.body_mutation.streamed_response for a in answers[1:]]
     assert b"".join(p.body for p in parts) == body
     assert [p.end_of_stream for p in parts] == [False, False, True]
-    assert picker.requests == []
-    assert fallback.requests[0].extra == {"body": "oversized"}
+    assert fallback.requests == []
+    assert picker.requests[0].extra == {"body": "oversized"}
+    assert picker.requests[0].blocks == ()
 
 
 async def test_no_ready_endpoint_fail_closed_is_a_503(gateway_factory: GatewayFactory) -> None:
