@@ -335,7 +335,15 @@ def main(argv: list[str]) -> int:
         help="the routing comparison (cachefleet router vs round-robin on simulated model "
         "servers) after the cache demo, not at all, or alone (default both)",
     )
+    parser.add_argument(
+        "--routing-conversations",
+        type=int,
+        default=routing_demo.RoutingLoad().conversations,
+        help="conversations in the routing comparison (default %(default)s, 5 turns each)",
+    )
     args = parser.parse_args(argv)
+    if args.routing_conversations < 1:
+        parser.error("--routing-conversations must be >= 1")
     if args.duration <= 0 or args.pods < 1:
         parser.error("--duration must be > 0 and --pods >= 1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -352,7 +360,8 @@ def main(argv: list[str]) -> int:
 def _routing_demo(args: argparse.Namespace) -> int:
     """The routing comparison; the number of failed requests."""
     print("\n== routing: cachefleet router vs round-robin", flush=True)
-    result = asyncio.run(routing_demo.compare(routing_demo.RoutingLoad(seed=args.seed)))
+    load = routing_demo.RoutingLoad(conversations=args.routing_conversations, seed=args.seed)
+    result = asyncio.run(routing_demo.compare(load))
     routing_demo.print_report(result)
     written = routing_demo.write(result, args.out, plotted=not args.no_plot)
     print("\nwrote " + ", ".join(written))

@@ -13,7 +13,10 @@ conversation load twice, open loop on a fixed schedule:
 The load: a few long system prompts shared by many conversations, each
 conversation a handful of turns whose prompt is the whole history so far
 (as chat clients send it). What routing can win is the prefix each pod
-already holds. Measured at the client: time to the first streamed chunk
+already holds. Each simulated pod's KV cache (400 blocks of 16 tokens by
+default) holds a system prompt and a few conversations, not everything: a
+pod that sees every conversation (round-robin) keeps evicting what the next
+turn needs. Measured at the client: time to the first streamed chunk
 (TTFT); read from each simulator's ``/metrics``: prefix-cache hits per pod.
 """
 
@@ -326,8 +329,8 @@ async def compare(
     load: RoutingLoad,
     *,
     pods: int = 4,
-    kv_blocks: int = 1500,
-    prefill_rate: float = 40_000.0,
+    kv_blocks: int = 400,
+    prefill_rate: float = 15_000.0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Both modes on the same load, one after the other; the summary of each."""
