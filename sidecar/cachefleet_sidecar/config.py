@@ -197,6 +197,10 @@ class SidecarConfig:
     semantic_embeddings_model: str = ""
     #: Seconds an L3 lookup waits for its embedding before the request goes upstream.
     semantic_timeout_s: float = DEFAULT_SEMANTIC_TIMEOUT_S
+    #: L3 in shadow mode for tenants the operator does not say: measure, never serve.
+    semantic_shadow: bool = False
+    #: Share of would-be L3 hits that shadow mode compares with upstream's answer.
+    semantic_shadow_sample: float = 1.0
 
 
 def _env(name: str) -> str | None:
@@ -432,6 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(after 5 failures in a row the source is not asked for 5 s)",
         default=str(DEFAULT_SEMANTIC_TIMEOUT_S),
     )
+    add(
+        "semantic-shadow",
+        "L3 in shadow mode for tenants whose InferenceCache entry does not say: would-be L3 "
+        "hits go upstream and the two answers are compared (docs/semantic.md), none is served",
+        action="store_true",
+        default=False,
+    )
+    add(
+        "semantic-shadow-sample",
+        "share of would-be L3 hits that shadow mode compares with upstream's answer, in (0, 1]",
+        default="1.0",
+    )
     return p
 
 
@@ -536,4 +552,8 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_tenant_bytes=size("semantic-tenant-bytes", ns.semantic_tenant_bytes),
         semantic_embeddings_model=str(ns.semantic_embeddings_model),
         semantic_timeout_s=seconds("semantic-timeout", ns.semantic_timeout),
+        semantic_shadow=bool(ns.semantic_shadow),
+        semantic_shadow_sample=float(
+            conv("semantic-shadow-sample", ns.semantic_shadow_sample, _threshold)  # type: ignore[arg-type]
+        ),
     )
