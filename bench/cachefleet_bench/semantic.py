@@ -386,6 +386,7 @@ def evaluate(
         "splits": {
             "tune": sweep(origins, tune, vectors, thresholds, guard),
             "holdout": sweep(origins, holdout, vectors, thresholds, guard),
+            "holdout_no_contrast": sweep(origins, holdout, vectors, thresholds, NO_CONTRAST),
         },
         "near_miss": {
             "count": len(misses),

@@ -18,7 +18,9 @@ in short:
   similarity to a cached question reaches the tenant's threshold *and* the
   two texts pass :func:`lexical_guard`: the same numbers, the same polarity
   (a negation on one side only is a different question), compatible named
-  entities and identifiers, and a floor on shared content words. Only the
+  entities and identifiers, and a floor on shared content words; then the
+  words that differ must not contrast (:mod:`contrast`: antonyms, converses,
+  the same words in the other order, one word swapped for another). Only the
   single most similar entry is considered: when it fails the guard the
   lookup is a miss (falling back to the second best would turn guard
   rejections into false hits).
