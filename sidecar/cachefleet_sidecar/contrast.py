@@ -40,6 +40,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable
+from functools import lru_cache
+
+#: Words (and word pairs) whose base forms (and opposition) are remembered: bounded caches.
+BASES_CACHE = 16384
 
 #: Lower-case words of a text, in order (apostrophes kept: ``don't``; hyphens joined:
 #: ``non-zero`` is ``nonzero``).
@@ -217,6 +221,7 @@ def words(text: str) -> tuple[str, ...]:
     return tuple(w.replace("-", "") for w in WORD.findall(text.lower()))
 
 
+@lru_cache(maxsize=BASES_CACHE)
 def bases(word: str) -> frozenset[str]:
     """``word`` and the base forms its inflection may come from (``largest`` -> ``large``)."""
     word = word.replace("\u2019", "'").removesuffix("'s")
@@ -286,6 +291,7 @@ def _common_prefix(x: str, y: str) -> str:
     return x[:n]
 
 
+@lru_cache(maxsize=BASES_CACHE)
 def opposed(x: str, y: str) -> str | None:
     """``antonym`` or ``converse`` when two words mean opposite things, else None."""
     if x == y or _share_base(x, y):
