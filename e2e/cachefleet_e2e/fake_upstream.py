@@ -23,7 +23,9 @@ Behaviour:
   ``sse_error_next`` ends a stream with an error event (then ``[DONE]``),
   ``sse_no_done_next`` ends it cleanly but without ``data: [DONE]``;
   ``drop_next`` reads the next request (any path) and closes the
-  connection without an answer; ``pad_bytes`` makes every JSON answer that much larger.
+  connection without an answer; ``pad_bytes`` makes every JSON answer that much larger;
+  ``fixed_answers`` (``{question: text}``) answers a chat whose last message is that
+  question with that text (two questions, one answer: tests that compare answers).
 * ``calls`` counts every request that reached the stand-in, by path.
 * ``GET /_stats`` returns call counts; every other path echoes the method,
   path, headers and body as JSON (status 200, or ``?status=N``).
@@ -71,6 +73,7 @@ class FakeUpstream:
         self.sse_no_done_next = 0
         self.drop_next = 0
         self.pad_bytes = 0
+        self.fixed_answers: dict[str, str] = {}
         self.calls: Counter[str] = Counter()
         self.seen_headers: list[dict[str, str]] = []
         self._lock = threading.Lock()
@@ -261,6 +264,9 @@ class _Handler(BaseHTTPRequestHandler):
             }
         else:
             text = f"answer {digest} #{number}"
+            messages = request.get("messages") if isinstance(request, dict) else None
+            if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+                text = up.fixed_answers.get(str(messages[-1].get("content")), text)
             choice: dict[str, Any] = (
                 {"index": 0, "message": {"role": "assistant", "content": text}}
                 if path == "/v1/chat/completions"

@@ -297,6 +297,15 @@ class SemanticSpec(_Model):
         le=1,
         description="Cosine similarity a hit needs; empty = the sidecar's default (0.8).",
     )
+    shadow: bool | None = Field(
+        default=None,
+        description=(
+            "Shadow mode: L3 serves nothing; a sample of the requests it would have answered "
+            "goes upstream anyway and the two answers are compared (counted as "
+            "cachefleet_l3_shadow_comparisons_total), to see the false-hit rate before "
+            "serving; empty = the sidecar's default (CACHEFLEET_SEMANTIC_SHADOW, off)."
+        ),
+    )
 
 
 class AdmissionSpec(_Model):

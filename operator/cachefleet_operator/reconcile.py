@@ -251,6 +251,7 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
                 cache_nondeterministic=by_name[t.name].cache_nondeterministic,
                 semantic=_semantic(by_name[t.name]).enabled if by_name[t.name].semantic else None,
                 semantic_threshold=_semantic(by_name[t.name]).threshold,
+                semantic_shadow=_semantic(by_name[t.name]).shadow,
                 priority_class=by_name[t.name].priority_class.value,
             )
             for t in allocation.tenants

@@ -235,6 +235,7 @@ class Sidecar:
         #: The semantic tier (L3); off unless --semantic-source names a source.
         self.l3 = SemanticTier.from_config(config)
         self.metrics.gauge_sources.append(self.l3.families)
+        self.l3.on_shadow = lambda t, outcome: self.metrics.tenant(t).shadow_compared(outcome)
         #: The P99-driven policy switching engine (None when switched off).
         self.switching = (
             SwitchingEngine(SwitchingConfig(window_s=config.switch_window_s), now=time.monotonic())
@@ -826,6 +827,13 @@ class Sidecar:
         if captured is None:
             return None
         status, resp_headers, body = captured
+        if (  # L3 shadow mode: compare a correct answer with the one L3 would have served
+            pending is not None
+            and pending.candidate is not None
+            and body is not None
+            and answer_problem(status, resp_headers, body, stream=key.stream) is None
+        ):
+            self._spawn(self.l3.compare(tenant, pending, body))
         return self._store_answer(request, lookup, key, status, resp_headers, body, cost, pending)
 
     def _store_answer(
@@ -1126,6 +1134,8 @@ class Sidecar:
         if answer is None:
             self.l3.gone(tenant, match)
             return None, pending
+        if pending is not None and self.l3.shadowing(tenant):
+            return None, self.l3.shadow(pending, answer, key.stream)  # measured, not served
         return answer, None
 
     def _vector(self, lookup: Lookup, key: keys.CacheKey) -> EpochVector | Literal[False] | None:
@@ -1272,6 +1282,7 @@ class Sidecar:
                     enabled=default.enabled if q.semantic is None else q.semantic,
                     threshold=q.semantic_threshold or default.threshold,
                     max_bytes=default.max_bytes,
+                    shadow=default.shadow if q.semantic_shadow is None else q.semantic_shadow,
                 )
                 for t, q in assignment.tenants.items()
             }

@@ -202,6 +202,10 @@ class SidecarConfig:
     admission: admission.AdmissionConfig | None = None
     #: The model server's metrics URL admission reads (empty: the upstream's /metrics).
     admission_metrics_url: str = ""
+    #: L3 in shadow mode for tenants the operator does not say: measure, never serve.
+    semantic_shadow: bool = False
+    #: Share of would-be L3 hits that shadow mode compares with upstream's answer.
+    semantic_shadow_sample: float = 1.0
 
 
 def _env(name: str) -> str | None:
@@ -476,6 +480,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the model server's Prometheus metrics (default: the upstream's /metrics)",
         default="",
     )
+    add(
+        "semantic-shadow",
+        "L3 in shadow mode for tenants whose InferenceCache entry does not say: would-be L3 "
+        "hits go upstream and the two answers are compared (docs/semantic.md), none is served",
+        action="store_true",
+        default=False,
+    )
+    add(
+        "semantic-shadow-sample",
+        "share of would-be L3 hits that shadow mode compares with upstream's answer, in (0, 1]",
+        default="1.0",
+    )
     return p
 
 
@@ -613,4 +629,8 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_timeout_s=seconds("semantic-timeout", ns.semantic_timeout),
         admission=_admission(ns, parser),
         admission_metrics_url=str(ns.admission_metrics_url or ""),
+        semantic_shadow=bool(ns.semantic_shadow),
+        semantic_shadow_sample=float(
+            conv("semantic-shadow-sample", ns.semantic_shadow_sample, _threshold)  # type: ignore[arg-type]
+        ),
     )

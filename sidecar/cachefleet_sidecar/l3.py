@@ -6,6 +6,17 @@ by :mod:`app` only after an exact L1 and L2 miss of a deterministic request
 of a tenant that has L3 on, so its cost (parsing the body again, one
 embedding, one matrix-vector product) never lands on an exact hit.
 
+Shadow mode (a tenant's ``semantic.shadow``, or ``--semantic-shadow``): the
+tenant's L3 looks up and indexes as usual but serves nothing. A would-be hit
+(counted as ``result="shadow"``) goes upstream like a miss, carrying the
+answer L3 would have served; once upstream has answered, the two answers
+are compared in the background (:meth:`SemanticTier.compare`: the generated
+texts equal after collapsing whitespace, or their embeddings at least
+:data:`SHADOW_AGREE_SIMILARITY` alike) and counted per tenant as ``agree`` or
+``disagree`` (``cachefleet_l3_shadow_comparisons_total``, :mod:`metrics`):
+the false-hit rate an operator sees before turning serving on.
+``--semantic-shadow-sample`` compares only a share of the would-be hits.
+
 State (``/status`` ``semantic``): ``off`` (no ``--semantic-source``),
 ``starting`` (the local model is loading), ``on``, or ``unavailable`` with
 the reason (the package is not installed, the model did not load). Only
@@ -18,12 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import orjson
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -46,7 +60,12 @@ BREAKER_FAILURES = 5
 BREAKER_OPEN_S = 5.0
 #: Buckets of the similarity histogram (cosine of the most similar entry).
 SIMILARITY_BUCKETS: tuple[float, ...] = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
-LOOKUP_RESULTS = ("hit", "miss", "guard", "empty", "gone", "skipped", "error", "open")
+LOOKUP_RESULTS = ("hit", "miss", "guard", "empty", "gone", "skipped", "error", "open", "shadow")
+#: Cosine similarity two differing answer texts need to count as the same answer (shadow mode).
+SHADOW_AGREE_SIMILARITY = 0.95
+#: Outcomes of a shadow comparison: the same answer, another answer, or none could be made
+#: (an answer without text, the embedding failed).
+SHADOW_OUTCOMES = ("agree", "disagree", "error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +83,9 @@ class Pending:
 
     probe: semantic.Probe
     vector: semantic.Vector
+    #: Shadow mode: the body of the answer L3 would have served, and whether it is SSE.
+    candidate: bytes | None = None
+    stream: bool = False
 
 
 @dataclass(slots=True)
@@ -85,8 +107,15 @@ class SemanticTier:
         max_tenant_series: int = 64,
         timeout_s: float = EMBED_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
+        shadow_sample: float = 1.0,
+        rng: random.Random | None = None,
     ) -> None:
         self.cache = cache
+        #: Share of would-be hits compared in shadow mode, and where the draws come from.
+        self.shadow_sample = shadow_sample
+        self.rng = rng or random.Random()
+        #: Where shadow outcomes are counted: ``(tenant, outcome)`` (the sidecar's metrics).
+        self.on_shadow: Callable[[str, str], None] = lambda _t, _o: None
         self.timeout_s = timeout_s
         self.clock = clock
         #: Consecutive failed embeddings, and until when (clock) the source is not asked.
@@ -112,6 +141,7 @@ class SemanticTier:
             enabled=config.semantic_default_on,
             threshold=config.semantic_threshold,
             max_bytes=config.semantic_tenant_bytes,
+            shadow=config.semantic_shadow,
         )
         return cls(
             config.cache,
@@ -119,6 +149,7 @@ class SemanticTier:
             default,
             max_tenant_series=config.max_tenants,
             timeout_s=config.semantic_timeout_s,
+            shadow_sample=config.semantic_shadow_sample,
         )
 
     async def start(self) -> None:
@@ -148,6 +179,10 @@ class SemanticTier:
 
     def enabled(self, tenant: str) -> bool:
         return self.state == "on" and self.tenant_options(tenant).enabled
+
+    def shadowing(self, tenant: str) -> bool:
+        """The tenant's L3 measures would-be hits and serves none."""
+        return self.tenant_options(tenant).shadow
 
     def _max_bytes(self, tenant: str) -> int:
         opts = self.tenant_options(tenant)
@@ -207,8 +242,45 @@ class SemanticTier:
             log.warning("semantic index reset: %s", exc)
             self.index = semantic.SemanticIndex(self._max_bytes)
             match = semantic.Match("empty")
-        self.count(tenant, match.result, match.similarity)
+        result = "shadow" if match.result == "hit" and self.shadowing(tenant) else match.result
+        self.count(tenant, result, match.similarity)
         return match, Pending(probe, vector)
+
+    # ------------------------------------------------------------ shadow mode
+    def shadow(self, pending: Pending, response: bytes, stream: bool) -> Pending:
+        """A would-be hit not served: what to index, with its answer when it is sampled.
+
+        ``response``: the complete HTTP response L3 would have sent.
+        """
+        if self.rng.random() >= self.shadow_sample:
+            return pending
+        body = response.partition(b"\r\n\r\n")[2]
+        return Pending(pending.probe, pending.vector, body, stream)
+
+    async def compare(self, tenant: str, pending: Pending, upstream_body: bytes) -> str:
+        """Compare upstream's correct answer with the one L3 would have served; count it."""
+        assert pending.candidate is not None
+        mine = answer_text(pending.candidate, pending.stream)
+        theirs = answer_text(upstream_body, pending.stream)
+        outcome = "error"
+        if mine is not None and theirs is not None:
+            if " ".join(mine.split()) == " ".join(theirs.split()):
+                outcome = "agree"
+            elif self.source is not None and self.state == "on":
+                model = pending.probe.model
+                try:
+                    a, b = await asyncio.wait_for(
+                        asyncio.gather(
+                            self.source.embed(mine, model), self.source.embed(theirs, model)
+                        ),
+                        2 * self.timeout_s,
+                    )
+                    similar = float(np.dot(a, b)) >= SHADOW_AGREE_SIMILARITY
+                    outcome = "agree" if similar else "disagree"
+                except (EmbeddingUnavailable, TimeoutError, ValueError) as exc:
+                    log.debug("shadow comparison not made: %s", exc)
+        self.on_shadow(tenant, outcome)
+        return outcome
 
     def add(self, pending: Pending, ref: Ref) -> None:
         try:
@@ -265,7 +337,8 @@ class SemanticTier:
         lookups = CounterMetricFamily(
             "cachefleet_l3_lookups",
             "L3 lookups by tenant and result (hit, miss, guard: refused by the false-hit "
-            "guard, empty, gone: its answer was evicted, skipped: not for L3, error).",
+            "guard, empty, gone: its answer was evicted, skipped: not for L3, error, "
+            "shadow: a hit not served in shadow mode).",
             labels=["cache", "tenant", "result"],
         )
         sim = HistogramMetricFamily(
@@ -313,9 +386,48 @@ class SemanticTier:
                 "enabled": self.default.enabled,
                 "threshold": self.default.threshold,
                 "max_bytes": self.default.max_bytes,
+                "shadow": self.default.shadow,
             },
+            "shadow_sample": self.shadow_sample,
             "entries": len(self.index),
         }
+
+
+def answer_text(body: bytes, stream: bool) -> str | None:
+    """The generated text of an OpenAI-style answer (chat or completions, JSON or SSE).
+
+    Choices are joined in index order; None when the body has no such text.
+    """
+    parts: dict[int, list[str]] = {}
+    if stream:
+        docs = []
+        for line in body.split(b"\n"):
+            data = line.strip()
+            if data.startswith(b"data:") and data[5:].strip() != b"[DONE]":
+                try:
+                    docs.append(orjson.loads(data[5:]))
+                except orjson.JSONDecodeError:
+                    return None
+    else:
+        try:
+            docs = [orjson.loads(body)]
+        except orjson.JSONDecodeError:
+            return None
+    for doc in docs:
+        choices = doc.get("choices") if isinstance(doc, dict) else None
+        if not isinstance(choices, list):
+            continue
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            holder = choice.get("delta" if stream else "message")
+            text = holder.get("content") if isinstance(holder, dict) else choice.get("text")
+            index = choice.get("index", 0)
+            if isinstance(text, str) and isinstance(index, int):
+                parts.setdefault(index, []).append(text)
+    if not parts:
+        return None
+    return "\n".join("".join(parts[i]) for i in sorted(parts))
 
 
 def with_similarity(response: bytes, similarity: float) -> bytes:

@@ -105,6 +105,8 @@ class TenantMetrics:
     latency: dict[str, Histogram] = field(default_factory=dict)
     upstream: Histogram = field(default_factory=Histogram)
     evictions: dict[str, int] = field(default_factory=dict)
+    #: L3 shadow-mode comparisons by outcome (agree, disagree, error).
+    shadow: dict[str, int] = field(default_factory=dict)
 
     def request(self, tier: str, result: str, seconds: float) -> None:
         key = (tier, result)
@@ -117,6 +119,10 @@ class TenantMetrics:
     def evicted(self, tier: str, count: int) -> None:
         if count:
             self.evictions[tier] = self.evictions.get(tier, 0) + count
+
+    def shadow_compared(self, outcome: str) -> None:
+        """Count one L3 shadow comparison (its would-be hit against upstream's answer)."""
+        self.shadow[outcome] = self.shadow.get(outcome, 0) + 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +312,18 @@ def _evictions_text(labels: str, tm: TenantMetrics) -> list[str]:
     ]
 
 
+def _shadow_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'{METRIC_L3_SHADOW}{{{labels},outcome="{outcome}"}} {count}\n'
+        for outcome, count in list(tm.shadow.items())
+    ]
+
+
+METRIC_L3_SHADOW = "cachefleet_l3_shadow_comparisons_total"
+HELP_L3_SHADOW = (
+    "L3 shadow mode: would-be L3 hits sent upstream, by whether upstream's answer agreed "
+    "with the one L3 would have served (agree, disagree, error: not comparable)."
+)
 HELP_REQUESTS = "Requests by tenant, the tier that answered and the result."
 HELP_LATENCY = "Request latency as the client saw it, by tier that answered."
 HELP_UPSTREAM = "Latency of upstream (model server) calls."
@@ -317,6 +335,7 @@ _TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str
     (protocol.METRIC_REQUEST_DURATION, "histogram", HELP_LATENCY, _latency_text),
     (protocol.METRIC_UPSTREAM_DURATION, "histogram", HELP_UPSTREAM, _upstream_text),
     ("cachefleet_evictions_total", "counter", HELP_EVICTIONS, _evictions_text),
+    (METRIC_L3_SHADOW, "counter", HELP_L3_SHADOW, _shadow_text),
 )
 
 

@@ -258,6 +258,10 @@ class TenantQuota(_Model):
     semantic_threshold: float | None = Field(
         default=None, gt=0, le=1, description="L3 similarity threshold; None = sidecar default"
     )
+    semantic_shadow: bool | None = Field(
+        default=None,
+        description="L3 measures would-be hits against upstream and serves none; None = default",
+    )
     priority_class: Literal["Guaranteed", "Standard", "BestEffort"] | None = Field(
         default=None,
         description="The tenant's class (admission and routing order); None = Standard",

@@ -18,7 +18,9 @@ in short:
   similarity to a cached question reaches the tenant's threshold *and* the
   two texts pass :func:`lexical_guard`: the same numbers, the same polarity
   (a negation on one side only is a different question), compatible named
-  entities and identifiers, and a floor on shared content words. Only the
+  entities and identifiers, and a floor on shared content words; then the
+  words that differ must not contrast (:mod:`contrast`: antonyms, converses,
+  the same words in the other order, one word swapped for another). Only the
   single most similar entry is considered: when it fails the guard the
   lookup is a miss (falling back to the second best would turn guard
   rejections into false hits).
@@ -51,7 +53,7 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-from . import keys
+from . import contrast, keys
 
 #: Default similarity threshold (cosine, all-MiniLM-L6-v2); tuned in docs/semantic.md.
 DEFAULT_THRESHOLD = 0.8
@@ -79,6 +81,8 @@ class SemanticOptions:
     enabled: bool = False
     threshold: float = DEFAULT_THRESHOLD
     max_bytes: int = DEFAULT_TENANT_BYTES
+    #: Shadow mode (with ``enabled``): look up and index, serve nothing, compare answers.
+    shadow: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
@@ -207,11 +211,14 @@ class Lexical:
     #: Named entities / identifiers, lower-cased and sorted, with repeats (a multiset).
     entities: tuple[str, ...]
     content: frozenset[str]
+    #: Every word, lower-cased, in order, joined by spaces (one object: for
+    #: :func:`contrast.contrast`, split when a lookup reaches the threshold).
+    words: str = ""
 
     @property
     def nbytes(self) -> int:
         items = (*self.numbers, *self.entities, *self.content)
-        return sum(len(s) + 56 for s in items) + 3 * 216
+        return sum(len(s) + 56 for s in items) + 3 * 216 + len(self.words) + 49
 
 
 def lexical(text: str) -> Lexical:
@@ -221,7 +228,8 @@ def lexical(text: str) -> Lexical:
     * negations: how many negation words (:data:`NEGATIONS`) and ``n't`` contractions;
     * entities (lower-cased): code in backticks, words with ``_``, a digit and a letter,
       two capitals (``PyTorch``, ``GPU``) or a capital not at a sentence start;
-    * content: the first 6 characters of every other word that is not a stop word.
+    * content: the first 6 characters of every other word that is not a stop word;
+    * words: every word, lower-cased, in order (the contrast check's input).
     """
     numbers = tuple(sorted(_NUMBER.findall(text)))
     negations = 0
@@ -252,7 +260,13 @@ def lexical(text: str) -> Lexical:
             content.add(lower[:6])
         tail = text[match.end() : match.end() + 2]
         sentence_start = bool(_SENTENCE_END.match(tail))
-    return Lexical(numbers, negations, tuple(sorted(entities)), frozenset(content))
+    return Lexical(
+        numbers,
+        negations,
+        tuple(sorted(entities)),
+        frozenset(content),
+        " ".join(contrast.words(text)),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +277,8 @@ class Guard:
     overlap_floor: float = DEFAULT_OVERLAP_FLOOR
     #: False: similarity alone decides (what GPTCache does; benchmarks compare).
     enabled: bool = True
+    #: The second stage, :func:`contrast.contrast` (False: the first stage only, as before it).
+    contrast: bool = True
 
 
 def lexical_guard(a: Lexical, b: Lexical, guard: Guard = Guard()) -> str | None:
@@ -274,7 +290,9 @@ def lexical_guard(a: Lexical, b: Lexical, guard: Guard = Guard()) -> str | None:
       other lacks (``PyTorch`` for ``TensorFlow``) fails, while one side naming
       more than the other (a paraphrase adding ``Hugging Face``) passes; and
       the Jaccard of the two sets at least ``entity_floor`` when both name any;
-    * ``overlap``: shared content stems / the smaller set at least ``overlap_floor``.
+    * ``overlap``: shared content stems / the smaller set at least ``overlap_floor``;
+    * then, when ``guard.contrast``, the words that differ must not contrast
+      (:func:`contrast.contrast`: ``antonym``, ``converse``, ``order`` or ``swap``).
     """
     if not guard.enabled:
         return None
@@ -293,8 +311,10 @@ def lexical_guard(a: Lexical, b: Lexical, guard: Guard = Guard()) -> str | None:
     if smaller >= MIN_CONTENT_WORDS:
         if len(a.content & b.content) / smaller < guard.overlap_floor:
             return "overlap"
-    elif not (a.content or b.content) or not (a.content and b.content):
-        return "overlap" if a.content or b.content else None
+    elif bool(a.content) != bool(b.content):
+        return "overlap"
+    if guard.contrast:
+        return contrast.contrast(tuple(a.words.split()), tuple(b.words.split()))
     return None
 
 

@@ -39,6 +39,27 @@ def test_hashed_run_writes_the_documented_shape(tmp_path: Path) -> None:
     assert nm["count"] > 0
     for guarded, alone in zip(nm["with_guard"], nm["no_guard"], strict=True):
         assert guarded["hits"] <= alone["hits"]
+    # The contrast set, with and without the second stage; the paraphrases before and after.
+    contrast = report["contrast"]
+    assert contrast["count"] == sum(contrast["by_kind"].values()) > 0
+    for after, before in zip(contrast["with_guard"], contrast["no_contrast"], strict=True):
+        assert after["false_hits"] <= before["false_hits"]
+        assert set(after["by_kind"]) == set(bench.CONTRAST_KINDS)
+    assert [r["threshold"] for r in report["no_contrast"]] == [0.5, 0.9]
+
+
+def test_the_contrast_set_is_generated_and_seeded() -> None:
+    pairs = bench.contrast_set()
+    assert pairs == bench.contrast_set()  # a fixed seed: the same set every run
+    assert pairs != bench.contrast_set(seed=bench.CONTRAST_SEED + 1)
+    assert {kind for *_, kind in pairs} == set(bench.CONTRAST_KINDS)
+    assert all(cached != asked for cached, asked, _ in pairs)
+    whole = bench.contrast_set(per_kind=10_000)  # the whole product, every kind
+    assert (
+        "How do I convert fahrenheit to celsius?",
+        "How do I convert celsius to fahrenheit?",
+        "order",
+    ) in whole
 
 
 def test_near_misses_change_one_thing() -> None:
@@ -67,3 +88,8 @@ def test_model_run_beats_similarity_alone_on_near_misses(tmp_path: Path) -> None
     guarded = report["near_miss"]["with_guard"][0]["hit_ratio"]
     alone = report["near_miss"]["no_guard"][0]["hit_ratio"]
     assert guarded < alone / 2
+    # The contrast check: far fewer opposite questions answered, paraphrase hits kept.
+    after = report["contrast"]["with_guard"][0]["false_hit_rate"]
+    before = report["contrast"]["no_contrast"][0]["false_hit_rate"]
+    assert after < before / 4
+    assert row["hit_ratio"] >= report["no_contrast"][0]["hit_ratio"] - 0.05

@@ -37,3 +37,17 @@ def test_a_bad_threshold_is_refused_naming_the_field(threshold: Any) -> None:
     raw["tenants"][0]["semantic"] = {"enabled": True, "threshold": threshold}
     with pytest.raises(SpecError, match="threshold"):
         parse_spec(raw)
+
+
+def test_shadow_mode_reaches_the_quota_table_and_empty_means_the_sidecar_default() -> None:
+    raw = spec()
+    raw["tenants"][0]["semantic"] = {"enabled": True, "shadow": True}
+    parsed = parse_spec(raw)
+    allocation = allocate(demands_from_spec(parsed), {}, None, 1 << 30, 1 << 34)
+    tenants = build_assignment(parsed, allocation).tenants
+    first = raw["tenants"][0]["name"]
+    assert (tenants[first].semantic, tenants[first].semantic_shadow) == (True, True)
+    assert tenants["search-assistant"].semantic_shadow is None
+    raw["tenants"][0]["semantic"] = {"enabled": True, "shadow": "sometimes"}
+    with pytest.raises(SpecError, match="shadow"):
+        parse_spec(raw)
