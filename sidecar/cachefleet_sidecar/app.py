@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import math
 import signal
@@ -175,7 +174,12 @@ class Sidecar:
             guest_share=config.guest_share,
         )
         self.l2 = l2
-        self.upstream = UpstreamPool(config.upstream, read_timeout_s=config.upstream_timeout_s)
+        self.upstream = UpstreamPool(
+            config.upstream,
+            read_timeout_s=config.upstream_timeout_s,
+            max_connections=config.upstream_max_connections,
+            max_waiting=config.upstream_max_queued,
+        )
         #: Largest answer stored in L1 / in L2 (larger ones are passed through).
         self.max_entry_bytes = config.max_entry_bytes
         self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
@@ -188,6 +192,8 @@ class Sidecar:
         elif config.api_keys:
             self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
         self.trusted = TrustedNetworks(parse_networks(config.trusted_proxies))
+        #: Peers shown tenant names in /status (loopback's 127.0.0.1 and ::1 by default).
+        self.status_peers = TrustedNetworks(parse_networks(config.status_peers))
         #: Per-tenant miss-ratio curves (None: off).
         self.mrc = (
             MissRatioCurves(
@@ -677,7 +683,14 @@ class Sidecar:
             return
         kind = keys.CACHEABLE_PATHS.get(path) if request.method == b"POST" else None
         if kind is None:
-            await self._passthrough(request, conn, tenant=None, reason="not a cached endpoint")
+            # Whatever the path (a variant of a cached one included), what reaches the
+            # model server carries a decided identity: the same rules, the same refusals.
+            try:
+                tenant = self.resolve_tenant(request)
+            except Refusal as exc:
+                conn.write(exc.response())
+                return
+            await self._passthrough(request, conn, tenant=tenant, reason="not a cached endpoint")
             return
         memo = request.memo
         if memo is None or (
@@ -864,9 +877,17 @@ class Sidecar:
     def _upstream_headers(
         self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
     ) -> list[tuple[bytes, bytes]]:
-        """Request headers for upstream, the tenant header saying the tenant that was decided."""
+        """Request headers for upstream, the tenant header saying the tenant that was decided.
+
+        Names that read as the tenant header to a server that folds ``_`` into ``-``
+        (``X_Tenant_ID``) are dropped too.
+        """
         name = self.tenant_header
-        out = [(n, v) for n, v in headers if n != name and n != drop]
+        out = [
+            (n, v)
+            for n, v in headers
+            if n != name and n != drop and (b"_" not in n or n.replace(b"_", b"-") != name)
+        ]
         out.append((name, tenant.encode()))
         return out
 
@@ -924,10 +945,11 @@ class Sidecar:
             )
             conn.write(
                 simple_response(
-                    504 if exc.timed_out else 502,
+                    503 if exc.overloaded else 504 if exc.timed_out else 502,
                     body,
                     content_type=b"application/json",
-                    extra=b"x-cache: %s\r\n" % x_cache,
+                    extra=b"x-cache: %s\r\n%s"
+                    % (x_cache, b"retry-after: 1\r\n" if exc.overloaded else b""),
                 )
             )
             if tenant is not None:
@@ -1410,7 +1432,7 @@ class Sidecar:
             )
         elif path == b"/status":
             status = self.status()
-            if not _is_loopback(request.peer):
+            if not self.status_peers.trusts(request.peer):
                 status = public_status(status)
             conn.write(
                 simple_response(
@@ -1439,7 +1461,8 @@ class Sidecar:
         await self.l3.aclose()
 
 
-#: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
+#: /status fields that name tenants: shown only to --status-peers (loopback: kubectl
+#: port-forward, exec; 127.0.0.6, where Istio delivers mesh traffic, is not among them).
 TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_switching")
 
 
@@ -1450,18 +1473,6 @@ def public_status(status: dict[str, Any]) -> dict[str, Any]:
     out["policy_switching_enabled"] = bool((status.get("policy_switching") or {}).get("enabled"))
     out["tenants_hidden"] = "tenant details are shown to loopback peers only (kubectl port-forward)"
     return out
-
-
-def _is_loopback(peer: str | None) -> bool:
-    if peer is None:
-        return False
-    try:
-        addr = ipaddress.ip_address(peer.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
 
 
 class AdminHandler:
