@@ -345,3 +345,24 @@ async def test_single_flight_followers_take_no_connection(
         writer.close()
     assert raw_upstream.accepted == 1
     assert len(raw_upstream.requests) == 1
+
+
+def test_the_pool_flags_and_their_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from cachefleet_sidecar.config import parse_args
+
+    defaults = parse_args([])
+    assert (defaults.upstream_max_connections, defaults.upstream_max_queued) == (256, 1024)
+    assert defaults.status_peers == ("127.0.0.1/32", "::1/128")
+    cfg = parse_args(
+        ["--upstream-max-connections=8", "--upstream-max-queued=0", "--status-peers=10.0.0.1"]
+    )
+    assert (cfg.upstream_max_connections, cfg.upstream_max_queued) == (8, 0)
+    assert cfg.status_peers == ("10.0.0.1/32",)
+    for bad, flag in [
+        ("--upstream-max-connections=0", "--upstream-max-connections"),
+        ("--upstream-max-queued=-1", "--upstream-max-queued"),
+        ("--status-peers=nowhere", "--status-peers"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse_args([bad])
+        assert flag in capsys.readouterr().err
