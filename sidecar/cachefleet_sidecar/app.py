@@ -1467,11 +1467,14 @@ TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_swit
 
 
 def public_status(status: dict[str, Any]) -> dict[str, Any]:
-    """/status for a peer that is not on loopback: tenant names replaced by counts."""
+    """/status for a peer outside --status-peers: tenant names replaced by counts."""
     out = {k: v for k, v in status.items() if k not in TENANT_FIELDS}
     out["tenant_count"] = len(status.get("tenants") or {})
     out["policy_switching_enabled"] = bool((status.get("policy_switching") or {}).get("enabled"))
-    out["tenants_hidden"] = "tenant details are shown to loopback peers only (kubectl port-forward)"
+    out["tenants_hidden"] = (
+        "tenant details are shown to 127.0.0.1 and ::1 only (kubectl port-forward), "
+        "or to --status-peers"
+    )
     return out
 
 
@@ -1604,7 +1607,22 @@ class SidecarServer:
             "cachefleet_client_connections", "Open client connections.", labels=["cache"]
         )
         conns.add_metric([cache], len(self.limiter.connections))
-        yield from (refused, dropped, held, conns)
+        pool = self.sidecar.upstream
+        upstream_conns = GaugeMetricFamily(
+            "cachefleet_upstream_connections",
+            "Connections open or opening to the model server (bounded by "
+            "--upstream-max-connections).",
+            labels=["cache"],
+        )
+        upstream_conns.add_metric([cache], pool.open)
+        upstream_refused = CounterMetricFamily(
+            "cachefleet_upstream_refused",
+            "Requests answered 503 because no upstream connection was free and the wait "
+            "queue was full (or the wait ran out).",
+            labels=["cache"],
+        )
+        upstream_refused.add_metric([cache], pool.refused)
+        yield from (refused, dropped, held, conns, upstream_conns, upstream_refused)
 
     async def _refresh_usage(self) -> None:
         while True:

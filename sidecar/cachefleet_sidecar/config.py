@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "admin-listen",
         "HOST:PORT of /healthz /readyz /status /metrics ('off' to serve them on --listen); "
-        "loopback by default, tenant names in /status only to loopback peers",
+        "loopback by default, tenant names in /status only to --status-peers",
         default=DEFAULT_ADMIN_LISTEN,
     )
     add(

@@ -20,6 +20,7 @@ from cachefleet_e2e.fake_upstream import FakeUpstream
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_limits import SAFETY_S, chat_request, connect, read_all, status
+from .test_sidecar import metric
 
 #: How the raw model server answers one request: (method, path, body) -> answer bytes.
 Answer = Callable[[bytes, bytes, bytes], bytes]
@@ -323,6 +324,9 @@ async def test_upstream_connections_are_bounded_and_the_overflow_gets_503(
     assert raw_upstream.accepted == 4  # waiters took released connections, none new
     assert len(raw_upstream.requests) == 6
     assert sc.sidecar.upstream.open_peak == 4
+    text = (await sc.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_upstream_refused_total", cache="test/cache") == 4
+    assert metric(text, "cachefleet_upstream_connections", cache="test/cache") == raw_upstream.open
 
 
 async def test_single_flight_followers_take_no_connection(
