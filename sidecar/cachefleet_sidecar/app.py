@@ -957,7 +957,8 @@ class Sidecar:
                     "upstream", "error", time.perf_counter() - request.started
                 )
             return None
-        length = resp.content_length
+        # A 204 has no body and may not say a length (RFC 9110 8.6); a 304's is the GET's.
+        length = resp.content_length if resp.status != 204 else None
         no_body = request.method == b"HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
         unsized = length is None and not no_body
         chunked = unsized and not request.http10

@@ -263,6 +263,8 @@ async def test_204_and_304_end_with_their_head(
     )
     first = await read_answer(reader)
     assert status(first) in (204, 304)
+    # A 304 says the length a GET would get; a 204 says none (it may not).
+    assert (b"content-length: 7" in first.lower()) == (status(first) == 304)
     second = await read_answer(reader)
     assert second.endswith(b"\r\n\r\nhello")
     writer.close()
