@@ -146,6 +146,8 @@ class _Connection(asyncio.Protocol):
         self.timed_out = False
         #: An interim 1xx answer is being read (dropped: the final answer follows).
         self.interim = False
+        #: A request went out on this connection and its answer is not complete yet.
+        self.asked = False
         if self.stale_parser:
             self.parser = httptools.HttpResponseParser(self)
             self.stale_parser = False
@@ -158,8 +160,9 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
-        if self.complete or self.stale_parser:
-            # Bytes after a complete answer (none was asked for): the stream is out of step.
+        if self.complete or self.stale_parser or not self.asked:
+            # Bytes after a complete answer, or on an idle connection: nothing was asked
+            # for, so the stream is out of step; the connection is not used again.
             self.error = "upstream sent bytes after its answer"
             self._close()
             return
@@ -538,6 +541,7 @@ class UpstreamPool:
     ) -> None:
         assert conn.transport is not None
         conn.head_request = head_only
+        conn.asked = True
         conn.timeout_s = self.read_timeout_s
         conn.deadline = deadline
         self._busy.add(conn)

@@ -45,6 +45,8 @@ def default_answer(method: bytes, path: bytes, body: bytes) -> bytes:
         return hints + SPLIT + sized(b"200 OK", b"final")
     if path == b"/continue":
         return b"HTTP/1.1 100 Continue\r\n\r\n" + SPLIT + sized(b"200 OK", b"after 100")
+    if path == b"/stray":  # an answer, then (later) one nobody asked for
+        return sized(b"200 OK", b"asked") + SPLIT + sized(b"200 OK", b"stray")
     if path == b"/no-content":
         return b"HTTP/1.1 204 No Content\r\ncontent-length: 7\r\n\r\n"
     if path == b"/not-modified":
@@ -269,6 +271,25 @@ async def test_204_and_304_end_with_their_head(
     assert second.endswith(b"\r\n\r\nhello")
     writer.close()
     assert raw_upstream.accepted == 1
+
+
+async def test_bytes_nobody_asked_for_never_answer_the_next_request(
+    sidecar_factory: SidecarFactory, raw_upstream: RawUpstream
+) -> None:
+    """An answer arriving on an idle upstream connection closes it; it is never taken
+    for the answer to the request that uses the connection next."""
+    sc = await sidecar_factory(upstream=raw_upstream.url)
+    raw_upstream.between.clear()
+    reader, writer = await connect(sc)
+    writer.write(b"GET /stray HTTP/1.1\r\nHost: x\r\n%s\r\n" % TENANT)
+    assert (await read_answer(reader)).endswith(b"\r\n\r\nasked")
+    await until(lambda: raw_upstream.first_parts == 1)
+    raw_upstream.between.set()  # the stray answer goes out on the idle connection
+    await until(lambda: sc.sidecar.upstream.open == 0)  # ... which the sidecar closes
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n%s\r\n" % TENANT)
+    assert (await read_answer(reader)).endswith(b"\r\n\r\nhello")
+    writer.close()
+    assert raw_upstream.accepted == 2
 
 
 # ------------------------------------------------------------------ 2. upgrade
