@@ -393,3 +393,56 @@ def test_the_pool_flags_and_their_errors(capsys: pytest.CaptureFixture[str]) -> 
         with pytest.raises(SystemExit):
             parse_args([bad])
         assert flag in capsys.readouterr().err
+
+
+async def test_the_pool_hands_connections_over_and_never_leaks_a_slot(
+    raw_upstream: RawUpstream,
+) -> None:
+    """The pool alone: first come first served, a waiter that gives up (cancelled even as
+    it is handed a connection) passes it on, and a full queue refuses at once."""
+    from cachefleet_sidecar.upstream import UpstreamError, UpstreamPool
+
+    pool = UpstreamPool(raw_upstream.url, max_connections=1, max_waiting=2)
+    raw_upstream.release.clear()
+    first = asyncio.ensure_future(pool.request(b"GET", b"/a", []))
+    await until(lambda: raw_upstream.held == 1)
+    second = asyncio.ensure_future(pool.request(b"GET", b"/b", []))
+    third = asyncio.ensure_future(pool.request(b"GET", b"/c", []))
+    await until(lambda: len(pool._waiters) == 2)
+    with pytest.raises(UpstreamError) as refused:
+        await pool.request(b"GET", b"/d", [])
+    assert refused.value.overloaded
+    assert pool.refused == 1
+    raw_upstream.release.set()
+    assert await (await first).read() == b"hello"  # its connection is handed to /b ...
+    second.cancel()  # ... which gives up before it runs: /c gets the connection
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    assert await (await third).read() == b"hello"
+    assert [path for _, path in raw_upstream.requests] == [b"/a", b"/c"]
+    assert raw_upstream.accepted == 1
+    assert pool.open == 1
+    assert not pool._waiters
+    await pool.aclose()
+
+
+async def test_a_request_that_waits_out_its_deadline_gets_a_busy_error(
+    raw_upstream: RawUpstream,
+) -> None:
+    from cachefleet_sidecar.upstream import UpstreamError, UpstreamPool
+
+    pool = UpstreamPool(raw_upstream.url, max_connections=1, max_waiting=1)
+    raw_upstream.release.clear()
+    held = asyncio.ensure_future(pool.request(b"GET", b"/a", []))  # deadline: 600 s
+    await until(lambda: raw_upstream.held == 1)
+    pool.read_timeout_s = 0.3  # the next request's deadline only
+    with pytest.raises(UpstreamError) as waited:
+        await pool.request(b"GET", b"/b", [])  # the only connection never comes back in time
+    assert waited.value.overloaded
+    assert "no connection free" in str(waited.value)
+    assert not pool._waiters
+    raw_upstream.release.set()
+    assert await (await held).read() == b"hello"
+    assert [path for _, path in raw_upstream.requests] == [b"/a"]  # /b never went out
+    assert pool.open == 1
+    await pool.aclose()
