@@ -629,12 +629,15 @@ class UpstreamPool:
         return None
 
     async def probe(self) -> bool:
-        """True when a TCP connection to the upstream can be opened."""
+        """True when a TCP connection to the upstream can be opened (outside the pool:
+        a probe takes no slot and hands none to a waiter)."""
+        loop = asyncio.get_running_loop()
         try:
-            conn = await self._connect()
-        except UpstreamError:
+            async with asyncio.timeout(self.connect_timeout_s):
+                transport, _ = await loop.create_connection(asyncio.Protocol, self.host, self.port)
+        except (OSError, TimeoutError):
             return False
-        conn._close()
+        transport.close()
         return True
 
     async def aclose(self) -> None:

@@ -413,6 +413,10 @@ async def test_the_pool_hands_connections_over_and_never_leaks_a_slot(
         await pool.request(b"GET", b"/d", [])
     assert refused.value.overloaded
     assert pool.refused == 1
+    assert await pool.probe()  # /readyz's probe connects outside the pool ...
+    await asyncio.sleep(0.05)  # (its close has run)
+    assert pool.open == 1  # ... taking no slot and handing none to a waiter
+    assert len(pool._waiters) == 2
     raw_upstream.release.set()
     assert await (await first).read() == b"hello"  # its connection is handed to /b ...
     second.cancel()  # ... which gives up before it runs: /c gets the connection
@@ -420,7 +424,7 @@ async def test_the_pool_hands_connections_over_and_never_leaks_a_slot(
         await second
     assert await (await third).read() == b"hello"
     assert [path for _, path in raw_upstream.requests] == [b"/a", b"/c"]
-    assert raw_upstream.accepted == 1
+    assert raw_upstream.accepted == 2  # the one pooled connection, and the probe's
     assert pool.open == 1
     assert not pool._waiters
     await pool.aclose()
