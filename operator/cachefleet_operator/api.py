@@ -29,6 +29,7 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_sidecar import admission as sidecar_admission
 from cachefleet_sidecar.protocol import NAME_RE, Policy
+from cachefleet_sidecar.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
 
 GROUP = "cachefleet.io"
 VERSION = "v1alpha1"
@@ -212,6 +213,30 @@ class RedisEndpoint(_Model):
         if (self.url is None) == (self.secret_ref is None):
             raise ValueError(REDIS_ONE_OF_MESSAGE)
         return self
+
+
+class UpstreamLimits(_Model):
+    """How many connections each sidecar opens to its model server (docs/limits.md)."""
+
+    max_connections: int = Field(
+        default=DEFAULT_MAX_CONNECTIONS,
+        ge=1,
+        le=65536,
+        description=(
+            "Connections each sidecar keeps open or opening to its model server at once "
+            "(--upstream-max-connections); requests beyond them wait. Identical concurrent "
+            "misses share one (single-flight)."
+        ),
+    )
+    max_queued: int = Field(
+        default=DEFAULT_MAX_WAITING,
+        ge=0,
+        le=1048576,
+        description=(
+            "Requests that may wait for a free connection (--upstream-max-queued); beyond "
+            "them a request gets 503 with Retry-After at once."
+        ),
+    )
 
 
 class PrometheusEndpoint(_Model):
@@ -485,6 +510,10 @@ class InferenceCacheSpec(_Model):
     prometheus: PrometheusEndpoint = Field(description="Prometheus with the sidecars' metrics.")
     default_policy: Policy = Field(
         default=Policy.LRU, description="L1 policy of tenants that do not name one."
+    )
+    upstream: UpstreamLimits = Field(
+        default_factory=UpstreamLimits,
+        description="Bounds on each sidecar's connections to its model server.",
     )
     rebalance_interval_seconds: int = Field(
         default=DEFAULT_REBALANCE_INTERVAL_S,

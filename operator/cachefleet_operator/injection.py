@@ -125,6 +125,9 @@ class CacheInfo:
     outage_staleness_s: int = 0
     #: Admission flags from ``spec.admission`` as (flag, value) pairs; empty: off.
     admission: tuple[tuple[str, str], ...] = ()
+    #: spec.upstream's bounds (None: the sidecar's defaults).
+    upstream_max_connections: int | None = None
+    upstream_max_queued: int | None = None
 
     @property
     def ref(self) -> str:
@@ -139,6 +142,9 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
     secret = redis.get("secretRef") or None
     capacity = spec.get("capacity") or {}
     l1 = capacity.get("l1BytesPerPod")
+    upstream = spec.get("upstream") or {}
+    max_connections = upstream.get("maxConnections")
+    max_queued = upstream.get("maxQueued")
     return CacheInfo(
         namespace=str(meta.get("namespace", "")),
         name=str(meta.get("name", "")),
@@ -149,6 +155,8 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         policy=spec.get("defaultPolicy") or None,
         outage_staleness_s=int(redis.get("outageStalenessSeconds") or 0),
         admission=admission_flags(spec.get("admission")),
+        upstream_max_connections=None if max_connections is None else int(max_connections),
+        upstream_max_queued=None if max_queued is None else int(max_queued),
     )
 
 
@@ -238,6 +246,10 @@ def sidecar_container(
     if cache.outage_staleness_s:
         env.append(_env("redis-outage-staleness", str(cache.outage_staleness_s)))
     env.extend(_env(flag, value) for flag, value in cache.admission)
+    if cache.upstream_max_connections is not None:
+        env.append(_env("upstream-max-connections", str(cache.upstream_max_connections)))
+    if cache.upstream_max_queued is not None:
+        env.append(_env("upstream-max-queued", str(cache.upstream_max_queued)))
     if api_keys_secret:
         env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import ipaddress
 import logging
 import math
 import signal
@@ -176,7 +175,12 @@ class Sidecar:
             guest_share=config.guest_share,
         )
         self.l2 = l2
-        self.upstream = UpstreamPool(config.upstream, read_timeout_s=config.upstream_timeout_s)
+        self.upstream = UpstreamPool(
+            config.upstream,
+            read_timeout_s=config.upstream_timeout_s,
+            max_connections=config.upstream_max_connections,
+            max_waiting=config.upstream_max_queued,
+        )
         #: Largest answer stored in L1 / in L2 (larger ones are passed through).
         self.max_entry_bytes = config.max_entry_bytes
         self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
@@ -189,6 +193,8 @@ class Sidecar:
         elif config.api_keys:
             self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
         self.trusted = TrustedNetworks(parse_networks(config.trusted_proxies))
+        #: Peers shown tenant names in /status (loopback's 127.0.0.1 and ::1 by default).
+        self.status_peers = TrustedNetworks(parse_networks(config.status_peers))
         #: Per-tenant miss-ratio curves (None: off).
         self.mrc = (
             MissRatioCurves(
@@ -690,7 +696,14 @@ class Sidecar:
             return
         kind = keys.CACHEABLE_PATHS.get(path) if request.method == b"POST" else None
         if kind is None:
-            await self._passthrough(request, conn, tenant=None, reason=keys.NOT_CACHED_ENDPOINT)
+            # Whatever the path (a variant of a cached one included), what reaches the
+            # model server carries a decided identity: the same rules, the same refusals.
+            try:
+                tenant = self.resolve_tenant(request)
+            except Refusal as exc:
+                conn.write(exc.response())
+                return
+            await self._passthrough(request, conn, tenant=tenant, reason=keys.NOT_CACHED_ENDPOINT)
             return
         memo = request.memo
         if memo is None or (
@@ -893,9 +906,17 @@ class Sidecar:
     def _upstream_headers(
         self, headers: list[tuple[bytes, bytes]], tenant: str, drop: bytes = b""
     ) -> list[tuple[bytes, bytes]]:
-        """Request headers for upstream, the tenant header saying the tenant that was decided."""
+        """Request headers for upstream, the tenant header saying the tenant that was decided.
+
+        Names that read as the tenant header to a server that folds ``_`` into ``-``
+        (``X_Tenant_ID``) are dropped too.
+        """
         name = self.tenant_header
-        out = [(n, v) for n, v in headers if n != name and n != drop]
+        out = [
+            (n, v)
+            for n, v in headers
+            if n != name and n != drop and (b"_" not in n or n.replace(b"_", b"-") != name)
+        ]
         out.append((name, tenant.encode()))
         return out
 
@@ -905,7 +926,12 @@ class Sidecar:
         headers = request.headers
         if tenant is not None:
             headers = self._upstream_headers(headers, tenant)
-            if self.gate is not None and (refused := await self._admit(tenant)) is not None:
+            # only a POST is model work worth holding back (a GET /v1/models costs no GPU)
+            if (
+                self.gate is not None
+                and request.method == b"POST"
+                and (refused := await self._admit(tenant)) is not None
+            ):
                 conn.write(refused)
                 return
         captured = await self._forward(request, conn, headers, b"BYPASS", tenant=tenant, capture=0)
@@ -956,10 +982,11 @@ class Sidecar:
             )
             conn.write(
                 simple_response(
-                    504 if exc.timed_out else 502,
+                    503 if exc.overloaded else 504 if exc.timed_out else 502,
                     body,
                     content_type=b"application/json",
-                    extra=b"x-cache: %s\r\n" % x_cache,
+                    extra=b"x-cache: %s\r\n%s"
+                    % (x_cache, b"retry-after: 1\r\n" if exc.overloaded else b""),
                 )
             )
             if tenant is not None:
@@ -967,7 +994,8 @@ class Sidecar:
                     "upstream", "error", time.perf_counter() - request.started
                 )
             return None
-        length = resp.content_length
+        # A 204 has no body and may not say a length (RFC 9110 8.6); a 304's is the GET's.
+        length = resp.content_length if resp.status != 204 else None
         no_body = request.method == b"HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
         unsized = length is None and not no_body
         chunked = unsized and not request.http10
@@ -1447,7 +1475,7 @@ class Sidecar:
             )
         elif path == b"/status":
             status = self.status()
-            if not _is_loopback(request.peer):
+            if not self.status_peers.trusts(request.peer):
                 status = public_status(status)
             conn.write(
                 simple_response(
@@ -1478,29 +1506,21 @@ class Sidecar:
             await self.gate.aclose()
 
 
-#: /status fields that name tenants: shown only to loopback peers (kubectl port-forward, exec).
+#: /status fields that name tenants: shown only to --status-peers (loopback: kubectl
+#: port-forward, exec; 127.0.0.6, where Istio delivers mesh traffic, is not among them).
 TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_switching")
 
 
 def public_status(status: dict[str, Any]) -> dict[str, Any]:
-    """/status for a peer that is not on loopback: tenant names replaced by counts."""
+    """/status for a peer outside --status-peers: tenant names replaced by counts."""
     out = {k: v for k, v in status.items() if k not in TENANT_FIELDS}
     out["tenant_count"] = len(status.get("tenants") or {})
     out["policy_switching_enabled"] = bool((status.get("policy_switching") or {}).get("enabled"))
-    out["tenants_hidden"] = "tenant details are shown to loopback peers only (kubectl port-forward)"
+    out["tenants_hidden"] = (
+        "tenant details are shown to 127.0.0.1 and ::1 only (kubectl port-forward), "
+        "or to --status-peers"
+    )
     return out
-
-
-def _is_loopback(peer: str | None) -> bool:
-    if peer is None:
-        return False
-    try:
-        addr = ipaddress.ip_address(peer.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
 
 
 class AdminHandler:
@@ -1634,7 +1654,22 @@ class SidecarServer:
             "cachefleet_client_connections", "Open client connections.", labels=["cache"]
         )
         conns.add_metric([cache], len(self.limiter.connections))
-        yield from (refused, dropped, held, conns)
+        pool = self.sidecar.upstream
+        upstream_conns = GaugeMetricFamily(
+            "cachefleet_upstream_connections",
+            "Connections open or opening to the model server (bounded by "
+            "--upstream-max-connections).",
+            labels=["cache"],
+        )
+        upstream_conns.add_metric([cache], pool.open)
+        upstream_refused = CounterMetricFamily(
+            "cachefleet_upstream_refused",
+            "Requests answered 503 because no upstream connection was free and the wait "
+            "queue was full (or the wait ran out).",
+            labels=["cache"],
+        )
+        upstream_refused.add_metric([cache], pool.refused)
+        yield from (refused, dropped, held, conns, upstream_conns, upstream_refused)
 
     async def _refresh_usage(self) -> None:
         while True:

@@ -21,6 +21,8 @@ from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 from .semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
 from .semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
 from .server import Limits
+from .upstream import DEFAULT_MAX_CONNECTIONS as DEFAULT_UPSTREAM_MAX_CONNECTIONS
+from .upstream import DEFAULT_MAX_WAITING as DEFAULT_UPSTREAM_MAX_QUEUED
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 #: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
@@ -49,6 +51,9 @@ DEFAULT_SEND_TIMEOUT_S = _LIMITS.send_timeout_s
 DEFAULT_MAX_ENTRY_BYTES = 8 * 1024 * 1024
 DEFAULT_L2_MAX_ENTRY_BYTES = 1024 * 1024
 DEFAULT_CACHE = "default/default"
+#: Peers /status shows tenant names to: loopback's two addresses, not all of 127.0.0.0/8
+#: (a service mesh delivers client traffic from 127.0.0.6).
+DEFAULT_STATUS_PEERS = "127.0.0.1/32,::1/128"
 ENV_PREFIX = "CACHEFLEET_"
 
 
@@ -161,6 +166,12 @@ class SidecarConfig:
     cache_nondeterministic: bool = False
     l2_ttl_s: float = DEFAULT_L2_TTL_S
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+    #: Connections open to the model server at once; more requests wait (bounded queue).
+    upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
+    #: Requests waiting for an upstream connection; beyond them 503.
+    upstream_max_queued: int = DEFAULT_UPSTREAM_MAX_QUEUED
+    #: CIDRs whose peers see tenant names in /status.
+    status_peers: tuple[str, ...] = tuple(DEFAULT_STATUS_PEERS.split(","))
     staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
     #: 0: strict (no L1 hits once epochs are unconfirmed); N: L1 hits up to N s into an outage.
     redis_outage_staleness_s: float = 0.0
@@ -233,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "admin-listen",
         "HOST:PORT of /healthz /readyz /status /metrics ('off' to serve them on --listen); "
-        "loopback by default, tenant names in /status only to loopback peers",
+        "loopback by default, tenant names in /status only to --status-peers",
         default=DEFAULT_ADMIN_LISTEN,
     )
     add(
@@ -322,6 +333,22 @@ def build_parser() -> argparse.ArgumentParser:
         "upstream-timeout",
         "seconds the model server may stay silent mid-request (504 after that)",
         default=str(DEFAULT_UPSTREAM_TIMEOUT_S),
+    )
+    add(
+        "upstream-max-connections",
+        "most connections open to the model server at once (requests beyond wait, see "
+        "--upstream-max-queued)",
+        default=str(DEFAULT_UPSTREAM_MAX_CONNECTIONS),
+    )
+    add(
+        "upstream-max-queued",
+        "most requests waiting for a free upstream connection; beyond them 503 (0: none wait)",
+        default=str(DEFAULT_UPSTREAM_MAX_QUEUED),
+    )
+    add(
+        "status-peers",
+        "comma-separated CIDRs whose peers see tenant names in /status (others get counts)",
+        default=DEFAULT_STATUS_PEERS,
     )
     add(
         "max-tenants",
@@ -560,6 +587,10 @@ def parse_args(argv: list[str]) -> SidecarConfig:
     except ValueError as exc:
         parser.error(f"--trusted-proxies: {exc}")
     try:
+        status_peers = identity.parse_networks(str(ns.status_peers))
+    except ValueError as exc:
+        parser.error(f"--status-peers: {exc}")
+    try:
         policy = protocol.Policy(ns.policy)
     except ValueError:
         parser.error(f"--policy: expected one of lru, lirs, sits, got {ns.policy!r}")
@@ -596,6 +627,11 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         cache_nondeterministic=bool(ns.cache_nondeterministic),
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
+        upstream_max_connections=int(
+            conv("upstream-max-connections", ns.upstream_max_connections, _positive_int)  # type: ignore[call-overload]
+        ),
+        upstream_max_queued=int(conv("upstream-max-queued", ns.upstream_max_queued, _count)),  # type: ignore[call-overload]
+        status_peers=tuple(str(n) for n in status_peers),
         staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
         mrc_samples=int(conv("mrc-samples", ns.mrc_samples, _count)),  # type: ignore[call-overload]
         mrc_max_rate=float(conv("mrc-max-rate", ns.mrc_max_rate, _rate)),  # type: ignore[arg-type]

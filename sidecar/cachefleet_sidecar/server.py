@@ -29,6 +29,11 @@ by all connections over the memory budget 503, a head not complete within
 fields of a chunked body are bounded and dropped (never request headers). A refused
 connection is half-closed and drained for a moment so the client can read
 its answer. Idle keep-alive connections close after ``idle_timeout_s``.
+A request asking to switch protocols (``Connection: Upgrade``, ``CONNECT``)
+gets one 501 before anything of it is handed on. An absolute-form target
+(``POST http://host/v1/chat/completions``) is reduced to its path and query
+before the handler sees it; any other target that is not a path (but
+``OPTIONS *``) gets 400.
 Back-pressure: a connection stops being read while ``max_pipelined``
 requests wait, or while the client does not read its answers (the
 transport's write buffer is full); a client that leaves answers unread for
@@ -46,7 +51,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, NoReturn, Protocol, cast
 
 import httptools
 
@@ -68,6 +73,20 @@ MAX_SWEEP_INTERVAL_S = 1.0
 
 _IDLE, _HEAD, _BODY = 0, 1, 2
 BUDGET_EXHAUSTED = b"request bodies in flight exceed the sidecar's memory budget"
+UPGRADE_REFUSED = (
+    b"protocol upgrades (Connection: Upgrade, CONNECT) are not supported by the cachefleet sidecar"
+)
+
+
+def origin_form(target: bytes) -> bytes | None:
+    """The path and query of an absolute-form request target (``http://host/p?q`` -> ``/p?q``);
+    None when ``target`` is not an http(s) URL."""
+    scheme, sep, rest = target.partition(b"://")
+    if not sep or scheme.lower() not in (b"http", b"https"):
+        return None
+    cuts = [i for i in (rest.find(b"/"), rest.find(b"?")) if i >= 0]
+    tail = rest[min(cuts) :] if cuts else b""
+    return tail if tail.startswith(b"/") else b"/" + tail
 
 
 @dataclass(frozen=True, slots=True)
@@ -477,7 +496,7 @@ class Connection(asyncio.Protocol):
 
     def _parse_error(self, exc: Exception) -> None:
         if isinstance(exc, httptools.HttpParserUpgrade):
-            self.reject(501, b"protocol upgrades are not supported by the cachefleet sidecar")
+            self.reject(501, UPGRADE_REFUSED)
         elif self._error is not None:
             self.reject(*self._error)
         else:
@@ -586,6 +605,9 @@ class Connection(asyncio.Protocol):
                     self._precharged = True
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect = True
+        if self.parser.should_upgrade():
+            # Refused before the request is handed on: one answer, nothing sent upstream.
+            self._fail(501, UPGRADE_REFUSED)
         if expect and self.transport and not self._is_http10():
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # after any answer held
 
@@ -599,9 +621,16 @@ class Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
+        method = self.parser.get_method()
+        if url[:1] != b"/" and not (url == b"*" and method == b"OPTIONS"):
+            origin = origin_form(url)
+            if origin is None:
+                self._fail(400, b"request target is neither a path nor an http(s) URL")
+            url = origin
         request = Request(
-            self.parser.get_method(),
-            self._url[0] if len(self._url) == 1 else b"".join(self._url),
+            method,
+            url,
             self._headers,
             body,
             self.parser.should_keep_alive(),
@@ -622,7 +651,7 @@ class Connection(asyncio.Protocol):
             self._dispatch(request)
 
     # --- limits
-    def _fail(self, status: int, reason: bytes) -> None:
+    def _fail(self, status: int, reason: bytes) -> NoReturn:
         """Stop parsing this connection with ``status`` (raised through httptools)."""
         self._error = (status, reason)
         raise httptools.HttpParserError(reason.decode())

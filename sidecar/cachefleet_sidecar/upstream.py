@@ -23,16 +23,31 @@ resent (it would duplicate GPU work); idle connections older than
 server closing an idle connection as a request goes out) rare.
 Back-pressure: a connection stops reading from the model server while more
 than :data:`MAX_BUFFERED_BYTES` of its answer wait to be relayed.
+
+Answers without a body: the answer to a ``HEAD`` is complete with its head,
+whatever its ``Content-Length`` says (the parser is told the request was
+``HEAD``); so are 204 and 304 answers. Interim 1xx answers (``100 Continue``,
+``103 Early Hints``) are dropped and the final answer is read after them; a
+``101`` is a protocol error (the sidecar never asks the model server to
+upgrade).
+
+Bound: at most ``max_connections`` connections are open or opening at once
+(each holds a descriptor); a request that finds none free waits in a queue of
+at most ``max_waiting`` requests, first come first served, within its head
+deadline; past the queue, or past the deadline while queued, it fails at once
+with an :class:`UpstreamError` whose ``overloaded`` is set (the sidecar
+answers 503 with the reason).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 from urllib.parse import unquote, urlsplit
 
@@ -53,6 +68,10 @@ DEFAULT_MAX_IDLE = 128
 DEFAULT_MAX_IDLE_AGE_S = 4.0
 #: Answer bytes buffered from the model server before it is no longer read.
 MAX_BUFFERED_BYTES = 1024 * 1024
+#: Connections open or opening to one upstream at once (``--upstream-max-connections``).
+DEFAULT_MAX_CONNECTIONS = 256
+#: Requests that may wait for a connection (``--upstream-max-queued``); more get 503 at once.
+DEFAULT_MAX_WAITING = 1024
 #: Methods that may be sent again when a reused connection fails before answering.
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 
@@ -77,10 +96,20 @@ REQUEST_HOP_BY_HOP = frozenset(
 class UpstreamError(Exception):
     """The upstream could not give a complete answer."""
 
-    def __init__(self, message: str, *, started: bool = False, timed_out: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        started: bool = False,
+        timed_out: bool = False,
+        overloaded: bool = False,
+    ) -> None:
         super().__init__(message)
         self.started = started
         self.timed_out = timed_out
+        #: No connection was free and the wait queue was full (or the wait ran out):
+        #: nothing was sent, the client may retry.
+        self.overloaded = overloaded
 
 
 class _Connection(asyncio.Protocol):
@@ -94,6 +123,13 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.buffered = 0
         self.read_paused = False
+        #: Called once when the connection is gone (the pool frees its slot).
+        self.on_lost: Callable[[], None] | None = None
+        #: The request in flight is a HEAD: its answer ends with its head.
+        self.head_request = False
+        #: The parser was left mid-message (a HEAD answer it took for sized): a new one is
+        #: needed before the connection is used again.
+        self.stale_parser = False
         self._reset()
 
     def _reset(self) -> None:
@@ -108,6 +144,13 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.received_any = False
         self.timed_out = False
+        #: An interim 1xx answer is being read (dropped: the final answer follows).
+        self.interim = False
+        #: A request went out on this connection and its answer is not complete yet.
+        self.asked = False
+        if self.stale_parser:
+            self.parser = httptools.HttpResponseParser(self)
+            self.stale_parser = False
         #: monotonic time after which a silent upstream is given up (set per request)
         self.deadline = math.inf
 
@@ -117,6 +160,12 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.complete or self.stale_parser or not self.asked:
+            # Bytes after a complete answer, or on an idle connection: nothing was asked
+            # for, so the stream is out of step; the connection is not used again.
+            self.error = "upstream sent bytes after its answer"
+            self._close()
+            return
         self.received_any = True
         if self.headers_done and self.deadline != math.inf:
             # The head had one deadline; the body may not stall longer than the timeout.
@@ -133,17 +182,35 @@ class _Connection(asyncio.Protocol):
         if not self.complete and self.error is None:
             self.error = "upstream closed the connection" + (f": {exc}" if exc else "")
         self._wake()
+        on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            on_lost()
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:  # the sidecar never asks to upgrade: the stream is not HTTP now
+                raise httptools.HttpParserError("101 Switching Protocols was not asked for")
+            self.interim = True  # 100 Continue, 103 Early Hints: the final answer follows
+            self.headers = []
+            return
+        self.status = status
         self.headers_done = True
+        if self.head_request:
+            # No body follows, whatever Content-Length says; the parser expects one, so
+            # it is replaced before the connection carries another request.
+            self.stale_parser = True
+            self.complete = True
+            self.keep_alive = self.parser.should_keep_alive()
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.stale_parser:
+            raise httptools.HttpParserError("a body after the answer to a HEAD")
         self.buffer.append(body)
         self.buffered += len(body)
         if self.buffered > MAX_BUFFERED_BYTES and not self.read_paused and self.transport:
@@ -152,6 +219,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
         self._wake()
@@ -285,6 +355,8 @@ class UpstreamPool:
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_idle: int = DEFAULT_MAX_IDLE,
         max_idle_age_s: float = DEFAULT_MAX_IDLE_AGE_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_waiting: int = DEFAULT_MAX_WAITING,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
@@ -302,28 +374,110 @@ class UpstreamPool:
             self.authorization = b"Basic " + base64.b64encode(token)
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
-        self.max_idle = max_idle
+        if max_connections < 1 or max_waiting < 0:
+            raise ValueError("--upstream-max-connections must be >= 1, --upstream-max-queued >= 0")
+        self.max_idle = min(max_idle, max_connections)
         self.max_idle_age_s = max_idle_age_s
+        self.max_connections = max_connections
+        self.max_waiting = max_waiting
+        #: Connections open or opening (each holds a descriptor until it is gone).
+        self.open = 0
+        #: Most connections open at once so far.
+        self.open_peak = 0
+        #: Requests refused because no connection was free and the queue was full.
+        self.refused = 0
+        #: Requests waiting for a connection: each gets one (or a free slot, None).
+        self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
         self._idle: deque[_Connection] = deque()
         self._busy: set[_Connection] = set()
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
 
-    async def _connect(self, deadline: float = math.inf) -> _Connection:
+    async def _connect(self, deadline: float = math.inf, *, counted: bool = False) -> _Connection:
+        """A new connection; ``counted``: its slot in :attr:`open` is already taken."""
+        if not counted:
+            self.open += 1
+            self.open_peak = max(self.open_peak, self.open)
         loop = asyncio.get_running_loop()
         timeout = min(self.connect_timeout_s, max(0.0, deadline - time.monotonic()))
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(_Connection, self.host, self.port)
         except TimeoutError as exc:
+            self._slot_freed()
             raise UpstreamError(
                 f"cannot connect to upstream {self.host}:{self.port}: timeout", timed_out=True
             ) from exc
-        except OSError as exc:
+        except BaseException as exc:
+            self._slot_freed()
+            if not isinstance(exc, OSError):
+                raise
             raise UpstreamError(
                 f"cannot connect to upstream {self.host}:{self.port}: {exc}"
             ) from exc
+        if conn.closed:  # lost before we got it
+            self._slot_freed()
+        else:
+            conn.on_lost = self._slot_freed
         return conn
+
+    def _slot_freed(self) -> None:
+        """A connection is gone: its slot goes to the first waiter (which connects), if any."""
+        self.open -= 1
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.open += 1  # the waiter's now
+                waiter.set_result(None)
+                return
+
+    async def _acquire(self, deadline: float) -> tuple[_Connection, bool]:
+        """An idle connection, a new one within the bound, or one a waiter is handed;
+        and whether it was used before (a keep-alive connection the server may be closing)."""
+        conn = self._take_idle()
+        if conn is not None:
+            return conn, True
+        if self.open < self.max_connections and not self._waiters:
+            return await self._connect(deadline), False
+        if len(self._waiters) >= self.max_waiting:
+            self.refused += 1
+            raise UpstreamError(
+                f"upstream busy: all {self.max_connections} connections in use and "
+                f"{len(self._waiters)} requests waiting (--upstream-max-connections, "
+                "--upstream-max-queued)",
+                overloaded=True,
+            )
+        waiter: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                given = await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._give_back(waiter.result())  # handed over as we stopped waiting
+            else:
+                waiter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                self.refused += 1
+                raise UpstreamError(
+                    f"upstream busy: no connection free within the upstream timeout "
+                    f"({self.max_connections} in use)",
+                    overloaded=True,
+                ) from exc
+            raise
+        if given is None:  # a slot: connect on it
+            return await self._connect(deadline, counted=True), False
+        return given, True
+
+    def _give_back(self, given: _Connection | None) -> None:
+        """What a waiter was handed and cannot use: the next waiter's, or the pool's."""
+        if given is None:
+            self._slot_freed()
+        else:
+            given.complete = given.keep_alive = True  # a clean idle connection
+            self._release(given)
 
     def _take_idle(self) -> _Connection | None:
         too_old = time.monotonic() - self.max_idle_age_s
@@ -355,14 +509,15 @@ class UpstreamPool:
     def _release(self, conn: _Connection) -> None:
         self._busy.discard(conn)
         conn.deadline = math.inf
-        if (
-            conn.complete
-            and conn.keep_alive
-            and not conn.closed
-            and not self._closed
-            and len(self._idle) < self.max_idle
-        ):
+        reusable = conn.complete and conn.keep_alive and not conn.closed and not self._closed
+        if reusable:
             conn._reset()
+            while self._waiters:  # a waiting request takes it as it is
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(conn)
+                    return
+        if reusable and len(self._idle) < self.max_idle:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
@@ -381,8 +536,12 @@ class UpstreamPool:
         lines.append(b"\r\ncontent-length: %d\r\n\r\n" % len(body))
         return b"".join(lines)
 
-    def _send(self, conn: _Connection, head: bytes, body: bytes, deadline: float) -> None:
+    def _send(
+        self, conn: _Connection, head: bytes, body: bytes, deadline: float, *, head_only: bool
+    ) -> None:
         assert conn.transport is not None
+        conn.head_request = head_only
+        conn.asked = True
         conn.timeout_s = self.read_timeout_s
         conn.deadline = deadline
         self._busy.add(conn)
@@ -407,11 +566,8 @@ class UpstreamPool:
         head = self._head(method, path, headers, body)
         deadline = time.monotonic() + self.read_timeout_s
         for attempt in (0, 1):
-            conn = self._take_idle()
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(deadline)
-            self._send(conn, head, body, deadline)
+            conn, reused = await self._acquire(deadline)
+            self._send(conn, head, body, deadline, head_only=method == b"HEAD")
             resp = await self._response(conn)
             if resp is not None:
                 return resp
@@ -448,7 +604,8 @@ class UpstreamPool:
         if conn is None:
             return None
         deadline = time.monotonic() + self.read_timeout_s
-        self._send(conn, self._head(method, path, headers, body), body, deadline)
+        head = self._head(method, path, headers, body)
+        self._send(conn, head, body, deadline, head_only=method == b"HEAD")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         conn.waiter = future
         return Begun(conn, self, future)
@@ -472,12 +629,15 @@ class UpstreamPool:
         return None
 
     async def probe(self) -> bool:
-        """True when a TCP connection to the upstream can be opened."""
+        """True when a TCP connection to the upstream can be opened (outside the pool:
+        a probe takes no slot and hands none to a waiter)."""
+        loop = asyncio.get_running_loop()
         try:
-            conn = await self._connect()
-        except UpstreamError:
+            async with asyncio.timeout(self.connect_timeout_s):
+                transport, _ = await loop.create_connection(asyncio.Protocol, self.host, self.port)
+        except (OSError, TimeoutError):
             return False
-        conn._close()
+        transport.close()
         return True
 
     async def aclose(self) -> None:

@@ -274,3 +274,131 @@ async def test_l2_forged_identities_never_read_the_victims_entries(
     )
     assert (await header_pod.chat("in L2", tenant="beta")).status_code == 403
     assert await metric_value(pod_c, "cachefleet_cross_tenant_hits_total") == 0
+
+
+# ------------------------------------------- every path reaching the model server
+#: Targets a model server may route to its chat endpoint (uvicorn routes the absolute
+#: form and decodes %2F), or to any other endpoint: identity is decided for all of them.
+VARIANTS = [
+    b"http://evil/v1/chat/completions",
+    b"/v1//chat/completions",
+    b"/V1/chat/completions",
+    b"/v1/chat/completions/",
+    b"/v1%2Fchat/completions",
+    b"/v1/models",
+]
+
+
+async def send_raw(sc: RunningSidecar, target: bytes, headers: bytes, body: bytes) -> bytes:
+    """One request with ``Connection: close``; everything the sidecar answers (bounded)."""
+    host, port = sc.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (target, headers, len(body), body)
+    )
+    await writer.drain()
+    async with asyncio.timeout(10.0):
+        data = await reader.read()
+    writer.close()
+    return data
+
+
+@pytest.mark.parametrize("target", VARIANTS)
+async def test_every_path_gets_the_key_check_and_the_decided_tenant(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, target: bytes
+) -> None:
+    """Issue 23, item 3: a path variant or an absolute-form target is no way around the
+    key check, and the model server never sees a forged tenant header."""
+    sc = await sidecar_factory(api_keys=KEYS)
+    body = json.dumps(chat_body("through a side door")).encode()
+    forged = b"X-Tenant-ID: beta\r\nX_Tenant_ID: beta\r\nx-tenant_id: beta\r\n"
+    for auth in (b"", b"Authorization: Bearer sk-wrong\r\n"):
+        refused = await send_raw(sc, target, auth + forged, body)
+        assert refused.startswith(b"HTTP/1.1 401"), refused[:200]
+        assert refused.count(b"HTTP/1.1 ") == 1
+    assert sum(upstream.calls.values()) == 0  # nothing reached the model server
+    assert await mismatches(sc, "missing_key") == 1
+    assert await mismatches(sc, "invalid_key") == 1
+
+    served = await send_raw(
+        sc, target, b"Authorization: Bearer sk-alpha-0123456789\r\n" + forged, body
+    )
+    assert served.startswith(b"HTTP/1.1 200"), served[:200]
+    seen = upstream.seen_headers[-1]
+    assert seen["x-tenant-id"] == "alpha"  # the decided tenant, never the forged one
+    assert not [
+        name for name in seen if name.replace("_", "-") == "x-tenant-id" and name != "x-tenant-id"
+    ]
+    assert await mismatches(sc, "header_ignored") == 1
+
+
+async def test_an_absolute_form_target_is_the_cached_endpoint_and_variants_are_not_cached(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    sc = await sidecar_factory(api_keys=KEYS)
+    body = json.dumps(chat_body("absolute")).encode()
+    alpha = b"Authorization: Bearer sk-alpha-0123456789\r\n"
+    first = await send_raw(sc, b"http://evil/v1/chat/completions", alpha, body)
+    assert b"x-cache: MISS" in first
+    assert upstream.calls[CHAT] == 1  # sent as its path, not to "evil"
+    canonical = await sc.chat("absolute", tenant=None, headers=ALPHA)
+    assert canonical.headers["x-cache"] == "HIT-L1"  # one entry, one endpoint
+    variant = await send_raw(sc, b"/v1//chat/completions", alpha, body)
+    assert b"x-cache: BYPASS" in variant  # authenticated, passed through, never cached
+    bad = await send_raw(sc, b"ftp://evil/v1/chat/completions", alpha, body)
+    assert bad.startswith(b"HTTP/1.1 400"), bad[:200]
+    assert upstream.calls[CHAT] == 1
+
+
+async def test_header_mode_decides_every_path_too(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    untrusting = await sidecar_factory(trusted_proxies=())
+    body = json.dumps(chat_body("q")).encode()
+    for target in VARIANTS:
+        raw = await send_raw(untrusting, target, b"X-Tenant-ID: beta\r\n", body)
+        assert raw.startswith(b"HTTP/1.1 403"), raw[:200]
+    assert sum(upstream.calls.values()) == 0
+    trusting = await sidecar_factory(default_tenant="public", tenants=("public", "beta"))
+    raw = await send_raw(trusting, b"/v1/models", b"X_Tenant_ID: beta\r\n", body)
+    assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+    assert upstream.seen_headers[-1]["x-tenant-id"] == "public"
+    assert "x_tenant_id" not in upstream.seen_headers[-1]
+
+
+async def test_status_names_tenants_only_to_127_0_0_1_and_not_to_a_mesh_peer(
+    sidecar: RunningSidecar,
+) -> None:
+    """Issue 23, item 6: 127.0.0.6 is where Istio delivers mesh traffic, not an operator."""
+    await sidecar.chat("q")
+    host, port = sidecar.admin_url.removeprefix("http://").split(":")
+
+    async def status_from(source: str) -> dict[str, object]:
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        writer.write(b"GET /status HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        async with asyncio.timeout(10.0):
+            raw = await reader.read()
+        writer.close()
+        doc: dict[str, object] = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+        return doc
+
+    local = await status_from("127.0.0.1")
+    assert "acme" in local["tenants"]  # type: ignore[operator]
+    mesh = await status_from("127.0.0.6")
+    assert "tenants" not in mesh
+    assert "acme" not in json.dumps(mesh)
+    assert mesh["tenant_count"] == 1
+
+
+async def test_names_that_fold_to_the_tenant_header_never_reach_the_model_server(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    """Issue 23, item 6: servers that fold ``_`` into ``-`` would read ``X_Tenant_ID``."""
+    sc = await sidecar_factory(api_keys=KEYS)
+    forged = {"X_Tenant_ID": "beta", "x-Tenant_Id": "beta"}
+    resp = await sc.chat("folded", tenant=None, headers={**ALPHA, **forged})
+    assert resp.headers["x-cache"] == "MISS"
+    seen = upstream.seen_headers[-1]
+    assert seen["x-tenant-id"] == "alpha"
+    assert sorted(name for name in seen if "tenant" in name) == ["x-tenant-id"]

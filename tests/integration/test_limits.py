@@ -140,7 +140,7 @@ async def test_request_bodies_share_one_memory_budget(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await sidecar_factory(max_body_bytes=48_000, body_memory_bytes=64_000)
-    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 40000\r\n\r\n"
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\nContent-Length: 40000\r\n\r\n"
     slow_reader, slow = await connect(sc)
     slow.write(head + b"a" * 1000)  # holds 40 kB of the budget while it dawdles
     await slow.drain()
@@ -159,7 +159,7 @@ async def test_request_bodies_share_one_memory_budget(
     assert status(first) == 200
     slow.close()
     # Its budget came back: the same large body is accepted now.
-    resp = await sc.client.post("/echo", content=b"c" * 40_000)
+    resp = await sc.client.post("/echo", content=b"c" * 40_000, headers={"X-Tenant-ID": "acme"})
     assert resp.status_code == 200
     assert resp.json()["body"] == "c" * 40_000
     for _ in range(100):
@@ -224,7 +224,7 @@ async def test_an_idle_keep_alive_connection_is_closed(
 ) -> None:
     sc = await sidecar_factory(**TIMEOUTS)
     reader, writer = await connect(sc)
-    writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\n\r\n")
     async with asyncio.timeout(SAFETY_S):
         head = await reader.readuntil(b"\r\n\r\n")
     assert status(head) == 200
@@ -446,8 +446,9 @@ async def test_trailers_are_never_request_headers(
 async def test_a_get_is_retried_once_where_a_post_is_not(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:
-    assert (await sidecar.client.get("/echo")).status_code == 200  # a keep-alive connection
+    tenant = {"X-Tenant-ID": "acme"}  # identity applies to every path
+    assert (await sidecar.client.get("/echo", headers=tenant)).status_code == 200
     upstream.drop_next = 1
-    again = await sidecar.client.get("/echo")
+    again = await sidecar.client.get("/echo", headers=tenant)
     assert again.status_code == 200  # safe to repeat: sent again on a fresh connection
     assert upstream.calls["/echo"] == 3

@@ -31,7 +31,9 @@ async def test_upstream_credentials_become_basic_auth_and_are_never_shown(
     assert seen["host"] == upstream.url.removeprefix("http://")
     assert seen["authorization"] == "Basic " + base64.b64encode(b"svc:s3cr@t-upstream").decode()
     # Passthrough paths carry the sidecar's credentials too, not the client's.
-    await sc.client.get("/v1/models", headers={"Authorization": "Bearer client-token"})
+    await sc.client.get(
+        "/v1/models", headers={"Authorization": "Bearer client-token", "X-Tenant-ID": "acme"}
+    )
     assert upstream.seen_headers[-1]["authorization"].startswith("Basic ")
 
     status = (await sc.admin.get("/status")).text

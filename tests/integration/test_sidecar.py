@@ -195,14 +195,16 @@ async def test_unparseable_request_goes_upstream_untouched(
 async def test_other_paths_pass_through_untouched(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:
-    resp = await sidecar.client.get("/v1/models?status=418", headers={"X-Custom": "yes"})
+    # Identity applies to every path (docs/security.md): the request names its tenant.
+    headers = {"X-Custom": "yes", "X-Tenant-ID": "acme"}
+    resp = await sidecar.client.get("/v1/models?status=418", headers=headers)
     assert resp.status_code == 418
     assert resp.headers["x-cache"] == "BYPASS"
     assert resp.headers["x-upstream"] == "fake"
     echo = resp.json()
     assert echo["path"] == "/v1/models?status=418"
     assert echo["headers"]["x-custom"] == "yes"
-    put = await sidecar.client.put("/admin/thing", content=b"payload")
+    put = await sidecar.client.put("/admin/thing", content=b"payload", headers=headers)
     assert put.json()["method"] == "PUT"
     assert put.json()["body"] == "payload"
 
@@ -332,7 +334,8 @@ async def test_admin_endpoints(sidecar: RunningSidecar, upstream: FakeUpstream) 
     assert metric(text, "cachefleet_cache_quota_bytes", **acme, tier="l1") == 8 * 1024 * 1024
     assert "cachefleet_gpu_telemetry_available 0.0" in text
     # The proxy port passes /metrics through to the model server.
-    assert (await sidecar.client.get("/metrics")).json()["path"] == "/metrics"
+    proxied = await sidecar.client.get("/metrics", headers={"X-Tenant-ID": "acme"})
+    assert proxied.json()["path"] == "/metrics"
 
 
 async def test_readyz_follows_the_upstream(sidecar_factory: SidecarFactory) -> None:

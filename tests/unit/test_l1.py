@@ -246,3 +246,46 @@ def test_stats_are_frozen_snapshots() -> None:
         stats.entries = 5  # type: ignore[misc]
     l1.put("a", 2, "y", 10)
     assert stats.entries == 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "lirs", "sits"])
+@pytest.mark.parametrize("body_bytes", [0, 600, 4000])
+def test_counted_bytes_are_what_an_entry_really_holds(policy: str, body_bytes: int) -> None:
+    """What L1 counts for an entry is, within 20 %, what holding it costs the process
+    (its response bytes, the value, the key and the policy's records, as tracemalloc sees
+    them): a 64 MiB L1 holds about 64 MiB, whatever the answers' sizes (issue 23, item 6)."""
+    import gc
+    import tracemalloc
+
+    import xxhash
+
+    from cachefleet_sidecar.entry import Entry
+
+    n = 12000
+    l1: TenantL1[int, tuple[str, bytes]] = TenantL1(1 << 40, default_policy=policy)
+    entries = [
+        Entry(
+            200,
+            b"content-type: application/json\r\n",
+            b"%07d" % i * (body_bytes // 7),
+            stream=False,
+            tenant="a",
+        )
+        for i in range(n)
+    ]
+    raw_keys = [b"%d" % i for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        counted = 0
+        for entry, raw in zip(entries, raw_keys, strict=True):
+            value, size = entry.l1_value()
+            l1.put("a", xxhash.xxh3_64_intdigest(raw), value, size, 0.01)
+            counted += size
+        gc.collect()
+        real = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert l1.stats()["a"].entries == n
+    assert 1 / 1.2 <= counted / real <= 1.2, (counted / n, real / n)
