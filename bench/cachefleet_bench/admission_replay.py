@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachefleet_bench import mooncake
+from cachefleet_bench.mooncake import BLOCK_TOKENS, DEFAULT_TRACE, TraceError
 from cachefleet_sidecar.admission import (
     BEST_EFFORT,
     CLASSES,
@@ -57,21 +59,6 @@ from cachefleet_sidecar.admission import (
 )
 from cachefleet_sidecar.modelserver import ModelServerMetrics
 
-
-def _find_trace(name: str = "mooncake_synthetic_trace.jsonl") -> Path:
-    """``shared/data/<name>`` next to the checkout (or a worktree's parent checkout)."""
-    parents = list(Path(__file__).resolve().parents)
-    for base in parents[2:5]:
-        candidate = base / "shared" / "data" / name
-        if candidate.exists():
-            return candidate
-    return parents[min(3, len(parents) - 1)] / "shared" / "data" / name
-
-
-#: The shared Mooncake synthetic trace.
-DEFAULT_TRACE = _find_trace()
-#: Tokens per block of a Mooncake trace's ``hash_ids``.
-BLOCK_TOKENS = 512
 #: Class shares by conversation (the rest is BestEffort).
 GUARANTEED_SHARE = 0.2
 STANDARD_SHARE = 0.5
@@ -82,10 +69,6 @@ STANDARD_SHARE = 0.5
 REPLAY_ADMISSION = AdmissionConfig(
     max_waiting=1, max_running=1, standard_queue=64, standard_max_wait_s=30.0
 )
-
-
-class TraceError(ValueError):
-    """The trace cannot be replayed; the message names the line and field."""
 
 
 @dataclass(slots=True)
@@ -169,29 +152,26 @@ def load_trace(path: str | Path, seed: int = 0, limit: int | None = None) -> lis
     """The trace's requests in time order, classed and marked as hits or misses."""
     out: list[_Req] = []
     seen: set[tuple[int, ...]] = set()
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(out) >= limit:
-                break
-            try:
-                row = json.loads(line)
-                ts = float(row["timestamp"])
-                tokens = int(row["input_length"])
-                blocks = tuple(int(h) for h in row["hash_ids"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise TraceError(
-                    f"{path}:{lineno}: needs timestamp, input_length and hash_ids ({exc})"
-                ) from exc
-            if tokens < 1 or not blocks or not math.isfinite(ts):
-                raise TraceError(f"{path}:{lineno}: input_length >= 1 and hash_ids required")
-            cls, tenant = classify(blocks[0], seed)
-            out.append(_Req(len(out), ts, tokens, blocks, cls, tenant, blocks in seen))
-            seen.add(blocks)
+    for r in mooncake.load_trace(Path(path), limit=limit):
+        if r.input_length < 1 or not r.blocks:
+            raise TraceError(
+                f"{path}: request {len(out) + 1}: input_length >= 1 and hash_ids required"
+            )
+        cls, tenant = classify(r.blocks[0], seed)
+        out.append(
+            _Req(
+                len(out),
+                r.arrival * 1000.0,
+                r.input_length,
+                r.blocks,
+                cls,
+                tenant,
+                r.blocks in seen,
+            )
+        )
+        seen.add(r.blocks)
     if len(out) < 2:
         raise TraceError(f"{path}: fewer than 2 requests")
-    out.sort(key=lambda r: (r.ts_ms, r.index))
     return out
 
 

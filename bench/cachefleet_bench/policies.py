@@ -45,6 +45,7 @@ from typing import Any
 
 import xxhash
 
+from cachefleet_bench.mooncake import DEFAULT_TRACE, TraceError
 from cachefleet_sidecar.policies import (
     ReplacementPolicy,
     SITSPolicy,
@@ -52,10 +53,6 @@ from cachefleet_sidecar.policies import (
     make_policy,
 )
 
-#: The shared Mooncake synthetic trace: ``../shared/data/`` next to the checkout.
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-)
 DEFAULT_SIZES = (0.01, 0.05, 0.1, 0.2)
 #: Total L1 sizes for a multi-tenant workload (``--workload``), MiB.
 DEFAULT_L1_MIB = "4,8,16,32"
@@ -73,10 +70,6 @@ LIBCACHESIM = {
 }
 #: Offline policies (know the future): reported, never "the best online".
 OFFLINE = frozenset({"lcs-Belady"})
-
-
-class TraceError(ValueError):
-    """A trace line that is not a Mooncake request."""
 
 
 @dataclass(frozen=True, slots=True)

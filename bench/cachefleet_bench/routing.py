@@ -65,16 +65,17 @@ from pathlib import Path
 from typing import Any
 
 from cachefleet_bench.admission_replay import admission_rows
+from cachefleet_bench.mooncake import (
+    BLOCK_TOKENS,
+    DEFAULT_TRACE,
+    TraceError,
+    TraceRequest,
+    load_trace,
+)
 from cachefleet_router.endpoints import Decision, Endpoint, EndpointMetrics, Picker, RouteRequest
 from cachefleet_router.prefix import PrefixIndex
 from cachefleet_router.scoring import ScoringConfig, ScoringPicker
 
-#: The shared Mooncake synthetic trace: ``../shared/data/`` next to the checkout.
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
-)
-#: Tokens per block of the Mooncake traces' ``hash_ids``.
-BLOCK_TOKENS = 512
 #: Defaults (docs/routing.md says how they were chosen): 8 pods of 2,000 blocks
 #: (1 M tokens of KV each), 20,000 uncached tokens/s of prefill each, the trace
 #: played 2x faster.
@@ -94,19 +95,6 @@ TARGET_LOAD_GAP = 0.25
 TARGET_DECISION_P99_US = 1000.0
 
 
-class TraceError(ValueError):
-    """A trace line that is not a Mooncake request."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of the trace, its arrival already in seconds."""
-
-    arrival: float
-    input_length: int
-    blocks: tuple[int, ...]
-
-
 @dataclass(frozen=True, slots=True)
 class Result:
     """One policy's row of the JSON."""
@@ -118,43 +106,6 @@ class Result:
     ttft_p95: float
     ttft_p99: float
     max_load_ratio: float
-
-
-def load_trace(path: Path, *, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
-    """The trace's requests in arrival order; raises :class:`TraceError` naming the field."""
-    if speed <= 0:
-        raise TraceError(f"--speed must be positive, not {speed}")
-    out: list[TraceRequest] = []
-    try:
-        f = path.open("rb")
-    except OSError as exc:
-        raise TraceError(f"--trace {path}: {exc.strerror}") from None
-    with f:
-        for number, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{path}:{number}: not a JSON object")
-            ts, length, ids = (record.get(k) for k in ("timestamp", "input_length", "hash_ids"))
-            if not isinstance(ts, int | float) or isinstance(ts, bool) or ts < 0:
-                raise TraceError(f"{path}:{number}: 'timestamp' must be a number of ms >= 0")
-            if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-                raise TraceError(f"{path}:{number}: 'input_length' must be an integer >= 0")
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids
-            ):
-                raise TraceError(f"{path}:{number}: 'hash_ids' must be a list of integers")
-            out.append(TraceRequest(ts / 1000.0 / speed, length, tuple(ids)))
-    if not out:
-        raise TraceError(f"{path}: no requests")
-    out.sort(key=lambda r: r.arrival)  # stable: equal timestamps keep the file's order
-    return out
 
 
 # -- the simulated pods -------------------------------------------------------------------
