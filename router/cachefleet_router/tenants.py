@@ -88,15 +88,13 @@ class TenantSync:
             client.hmget(key, ["generation", "assignment"]), OP_TIMEOUT_S
         )
         self.reads += 1
-        if generation is None or raw is None or int(generation) <= self.table.generation:
-            return False
         try:
-            assignment = QuotaAssignment.model_validate_json(raw)
+            assignment = protocol.newer_assignment(generation, raw, self.table.generation)
         except ValidationError as exc:
             self.errors += 1
             log.error("tenants of %s: unreadable quota assignment: %s", self.cache, exc)
             return False
-        if self.table.apply(assignment):
+        if assignment is not None and self.table.apply(assignment):
             log.info(
                 "tenants of %s: generation %d, %d tenants",
                 self.cache,

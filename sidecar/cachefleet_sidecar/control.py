@@ -228,15 +228,13 @@ class ControlSync:
             "HMGET", key, "generation", "assignment", key=key, timeout_s=self.op_timeout_s
         )
         self.last_sync_at = time.time()
-        if generation is None or raw is None or int(generation) <= self._applied:
-            return False
         try:
-            assignment = QuotaAssignment.model_validate_json(raw)
+            assignment = protocol.newer_assignment(generation, raw, self._applied)
         except ValidationError as exc:
             self.errors += 1
             log.error("control %s: unreadable quota assignment: %s", self.cache, exc)
             return False
-        if assignment.generation <= self._applied:
+        if assignment is None:
             return False
         try:
             self._on_quotas(assignment)

@@ -280,6 +280,20 @@ class QuotaAssignment(_Model):
     tenants: dict[str, TenantQuota] = Field(default_factory=dict)
 
 
+def newer_assignment(
+    generation: bytes | str | None, raw: bytes | str | None, applied: int
+) -> QuotaAssignment | None:
+    """The quota table read from :func:`quotas_key` (``HMGET generation assignment``)
+    when it is newer than generation ``applied``; None when it is not, or absent.
+
+    Raises :class:`pydantic.ValidationError` for an assignment that does not parse.
+    """
+    if generation is None or raw is None or int(generation) <= applied:
+        return None
+    assignment = QuotaAssignment.model_validate_json(raw)
+    return assignment if assignment.generation > applied else None
+
+
 class ControlMessage(_Model):
     """A "look now" notice on the control channel.
 
