@@ -43,7 +43,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
-from typing import NamedTuple
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -298,6 +299,16 @@ def _describe(
 _NO_METRICS = TenantMetrics()
 
 
+def _attr(items: Iterable[object], name: str) -> list[Any]:
+    """``[item.<name> for item in items]``, without a Python step per item."""
+    return list(map(attrgetter(name), items))
+
+
+def _numbers(items: Iterable[object], name: str) -> FloatArray:
+    """The attribute ``name`` of every item as floats, ``None`` as NaN."""
+    return np.array(_attr(items, name), dtype=np.float64)
+
+
 def _floats(values: list[float | None]) -> FloatArray:
     """An array with ``None`` and non-finite values as NaN."""
     out = np.array(values, dtype=np.float64)
@@ -321,10 +332,10 @@ def _pressures(
     tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics]
 ) -> tuple[FloatArray, list[bool | None]]:
     """SLA pressure (continuous, 1 at target) and attainment of every tenant."""
-    p95 = _floats([m.p95_s for m in ms])
-    hit = _floats([m.hit_ratio for m in ms])
-    p95_target = _floats([d.p95_target_s for d in tenants])
-    min_hit = _floats([d.min_hit_ratio for d in tenants])
+    p95 = _floats(_attr(ms, "p95_s"))
+    hit = _floats(_attr(ms, "hit_ratio"))
+    p95_target = _floats(_attr(tenants, "p95_target_s"))
+    min_hit = _floats(_attr(tenants, "min_hit_ratio"))
     with np.errstate(divide="ignore", invalid="ignore"):
         lat_ratio = p95 / p95_target
         hit_ratio = np.where(min_hit > 0.0, min_hit / np.maximum(hit, 1e-6), 0.0)
@@ -515,8 +526,8 @@ def _plans(
     known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
     fleet = sum(known) / len(known) if known else DEFAULT_MISS_COST_S
     # requests per second planned for: observed, or the promised minimum
-    rps = _floats([m.rps for m in ms])
-    min_rps = _floats([d.min_rps for d in tenants])
+    rps = _floats(_attr(ms, "rps"))
+    min_rps = _floats(_attr(tenants, "min_rps"))
     rate = np.nan_to_num(np.fmax(rps, min_rps), nan=0.0)
     # upstream seconds a hit saves: the tenant's mean miss latency, else the fleet's (never
     # its p95: a tenant that hits all the time has a p95 of hits, and valuing its hits at
@@ -554,9 +565,10 @@ def _protected(
     if not previous:
         return np.zeros(len(tenants))
     class_targets, _, _ = class_shares(tenants, classes)
-    names = [d.name for d in tenants]
-    known = np.array([n in previous and n in metrics for n in names])
-    prev = np.array([previous.get(n, 0.0) for n in names], dtype=np.float64)
+    names = _attr(tenants, "name")
+    known = np.array(list(map(previous.__contains__, names)))
+    known &= np.array(list(map(metrics.__contains__, names)))
+    prev = np.array(list(map(previous.get, names, repeat(0.0))), dtype=np.float64)
     keep = known & _undecided(plans, prev, capacity)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
@@ -569,10 +581,10 @@ def _utility(plans: _Plans, shares: FloatArray, capacity: int) -> float:
 
 def _needed_hit_ratios(tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics]) -> FloatArray:
     """:func:`needed_hit_ratio` of every tenant (NaN: no hit ratio meets its SLA)."""
-    need = np.array([d.min_hit_ratio or 0.0 for d in tenants], dtype=np.float64)
-    target = _floats([d.p95_target_s for d in tenants])
-    misses = LatencyTable([m.miss_latency for m in ms])
-    hits = LatencyTable([m.hit_latency for m in ms])
+    need = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)  # None: 0
+    target = _numbers(tenants, "p95_target_s")
+    misses = LatencyTable(_attr(ms, "miss_latency"))
+    hits = LatencyTable(_attr(ms, "hit_latency"))
     q = 0.95
     f_miss = misses.cdf(target)
     f_hit = np.where(hits.present, hits.cdf(target), 1.0)
@@ -593,7 +605,8 @@ def _meet_slas(
     capacity: int,
 ) -> None:
     """Raise tenants to the smallest share that meets their SLA, class by class (in place)."""
-    has_sla = np.array([d.p95_target_s is not None or bool(d.min_hit_ratio) for d in tenants])
+    min_hit = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)
+    has_sla = ~np.isnan(_numbers(tenants, "p95_target_s")) | (min_hit != 0.0)
     asks = has_sla & plans.table.present
     if not asks.any():
         return
@@ -791,8 +804,9 @@ def allocate(
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
-    classes = np.array([_CLASS_INDEX[d.priority_class] for d in tenants], dtype=np.int64)
-    ms = [metrics.get(d.name, _NO_METRICS) for d in tenants]
+    names = _attr(tenants, "name")
+    classes = np.array(list(map(_CLASS_INDEX.__getitem__, _attr(tenants, "priority_class"))))
+    ms = list(map(metrics.get, names, repeat(_NO_METRICS)))
     pressure, met = _pressures(tenants, ms)
     if not metrics:
         targets, floors, caps = class_shares(tenants, classes)
@@ -812,7 +826,7 @@ def allocate(
     shares = targets.copy()
     held = np.zeros(len(tenants), dtype=bool)
     if previous:
-        raw_prev = _floats([previous.get(d.name) for d in tenants])
+        raw_prev = _floats(list(map(previous.get, names)))
         has_prev = ~np.isnan(raw_prev)
         prev = np.clip(np.where(has_prev, raw_prev, targets), floors, caps)
         _trim_overbooking(prev, floors, classes)
@@ -864,8 +878,8 @@ def allocate(
             tuple.__new__,
             repeat(TenantAllocation),
             zip(
-                [d.name for d in tenants],
-                [d.priority_class for d in tenants],
+                names,
+                _attr(tenants, "priority_class"),
                 shares.tolist(),
                 targets.tolist(),
                 plans.values.tolist(),

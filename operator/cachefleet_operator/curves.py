@@ -301,8 +301,11 @@ def _unpack(packed: Sequence[array[float] | None]) -> tuple[FloatArray, FloatArr
     present = lengths > 0
     if int(lengths.min(where=present, initial=width)) == width:  # all alike: a reshape
         block = flat.reshape(-1, 2, width)
+        if present.all():
+            return block[:, 0, :], block[:, 1, :], lengths
+        rows = np.flatnonzero(present)
         first, second = np.full((n, width), np.inf), np.zeros((n, width))
-        first[present], second[present] = block[:, 0, :], block[:, 1, :]
+        first[rows], second[rows] = block[:, 0, :], block[:, 1, :]
         return first, second, lengths
     starts = 2 * (np.cumsum(lengths) - lengths)
     cols = np.arange(width)
@@ -381,7 +384,10 @@ class CurveTable:
         the scalar scan in :mod:`cachefleet_operator.allocation` does.
         """
         eps = 1e-12
-        xs, ys, length = self.xs[rows], self.ys[rows], self.length[rows]
+        if rows.size == self.rows.size:  # all of them: views, not copies
+            xs, ys, length = self.xs, self.ys, self.length
+        else:
+            xs, ys, length = self.xs[rows], self.ys[rows], self.length[rows]
         values, lo, hi = values[rows], lo[rows], hi[rows]
         sub = np.arange(rows.size)
         base = self._at_rows(rows, lo * capacity)
