@@ -176,6 +176,11 @@ class TenantAllocation(NamedTuple):
         why = self.why_not
         return why if isinstance(why, str) else _why_not(*why)
 
+    @property
+    def beyond_any_size(self) -> bool:
+        """No cache size reaches the SLA on the tenant's curve (not a matter of bounds)."""
+        return not isinstance(self.why_not, str)
+
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
@@ -361,6 +366,20 @@ def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
         return need
     for_p95 = needed_hit_ratio_for(target, m.hit_latency, m.miss_latency)
     return None if for_p95 is None else max(need, for_p95)
+
+
+def fleet_hit_ratio(curve: HitCurve, observed: float | None, size: float) -> float:
+    """The best hit ratio the fleet can reach: the curve's best plus what only the fleet adds.
+
+    A curve is measured per pod: a key's first access on each pod counts as
+    cold there, though L2 (shared by the fleet) may answer it. The observed
+    hit ratio counts hits at every tier, fleet-wide; what it has above the
+    curve's prediction at the size in force (``size`` L1 bytes per pod) is
+    reuse only the fleet sees, and more L1 does not take it away.
+    """
+    if observed is None or not math.isfinite(observed):
+        return curve.max_hit_ratio
+    return min(1.0, curve.max_hit_ratio + max(0.0, observed - curve.at(size)))
 
 
 def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
