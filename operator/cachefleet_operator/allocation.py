@@ -335,8 +335,8 @@ def _pressure(ratio: FloatArray) -> FloatArray:
 
 def _pressures(
     tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics]
-) -> tuple[FloatArray, list[bool | None]]:
-    """SLA pressure (continuous, 1 at target) and attainment of every tenant."""
+) -> tuple[FloatArray, list[bool | None], BoolArray]:
+    """SLA pressure (continuous, 1 at target), attainment (None: unknown), and who misses."""
     p95 = _floats(_attr(ms, "p95_s"))
     hit = _floats(_attr(ms, "hit_ratio"))
     p95_target = _floats(_attr(tenants, "p95_target_s"))
@@ -347,8 +347,12 @@ def _pressures(
     hit_ratio = np.where(np.isnan(hit) | np.isnan(min_hit), np.nan, hit_ratio)
     worst = np.fmax(lat_ratio, hit_ratio)
     pressure = np.where(np.isnan(worst), 1.0, _pressure(np.nan_to_num(worst, nan=1.0)))
-    met: list[bool | None] = [None if math.isnan(w) else w <= 1.0 + 1e-9 for w in worst.tolist()]
-    return pressure, met
+    known = ~np.isnan(worst)
+    within = worst <= 1.0 + 1e-9
+    met: list[bool | None] = [
+        w if k else None for w, k in zip(within.tolist(), known.tolist(), strict=True)
+    ]
+    return pressure, met, known & ~within
 
 
 def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
@@ -826,7 +830,7 @@ def allocate(
     names = _attr(tenants, "name")
     classes = np.array(list(map(_CLASS_INDEX.__getitem__, _attr(tenants, "priority_class"))))
     ms = list(map(metrics.get, names, repeat(_NO_METRICS)))
-    pressure, met = _pressures(tenants, ms)
+    pressure, met, missed = _pressures(tenants, ms)
     if not metrics:
         targets, floors, caps = class_shares(tenants, classes)
         none: list[HitCurve | None] = [None] * len(tenants)
@@ -854,8 +858,7 @@ def allocate(
         now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
         gain = target_u - now_u
         # An SLA that the target meets and the shares in force do not is always worth a move.
-        missed = np.array([m is False for m in met])
-        meetable = np.array([not c for c in plans.cannot_meet])
+        meetable = ~np.array(list(map(bool, plans.cannot_meet)))
         sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
         worth = (
             not metrics
