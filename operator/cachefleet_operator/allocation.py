@@ -532,6 +532,8 @@ class _Plans:
     #: The curve allocation reads (None: none, or one behind no requests).
     curves: list[HitCurve | None]
     table: CurveTable
+    #: Every tenant's miss latency (upstream).
+    misses: LatencyTable
     #: Why no share within bounds meets the tenant's SLA ("" when one does), as
     #: :attr:`TenantAllocation.why_not` keeps it.
     cannot_meet: list[str | OutOfReach]
@@ -544,9 +546,13 @@ def _plans(
     pressure: FloatArray,
     classes: IntArray,
 ) -> _Plans:
+    misses = LatencyTable(_attr(ms, "miss_latency"))
     # the same model server answers every tenant's misses: a tenant with none to
-    # measure is valued at the others' mean miss latency
-    known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
+    # measure is valued at the others' mean miss latency (all of them, in the map's order)
+    if list(metrics) == _attr(tenants, "name"):
+        known = misses.mean[misses.present].tolist()
+    else:
+        known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
     fleet = sum(known) / len(known) if known else DEFAULT_MISS_COST_S
     # requests per second planned for: observed, or the promised minimum
     rps = _floats(_attr(ms, "rps"))
@@ -555,12 +561,10 @@ def _plans(
     # upstream seconds a hit saves: the tenant's mean miss latency, else the fleet's (never
     # its p95: a tenant that hits all the time has a p95 of hits, and valuing its hits at
     # that would give its cache away)
-    cost = np.array(
-        [fleet if m.miss_latency is None else max(m.miss_latency.mean(), 1e-6) for m in ms]
-    )
+    cost = np.where(misses.present, np.maximum(misses.mean, 1e-6), fleet)
     values = _CLASS_WEIGHTS[classes] * pressure * rate * cost
     curves = [m.curve if m.curve is not None and m.curve.requests > 0 else None for m in ms]
-    return _Plans(values, curves, CurveTable(curves), [""] * len(tenants))
+    return _Plans(values, curves, CurveTable(curves), misses, [""] * len(tenants))
 
 
 def _undecided(plans: _Plans, shares: FloatArray, capacity: int) -> BoolArray:
@@ -602,11 +606,12 @@ def _utility(plans: _Plans, shares: FloatArray, capacity: int) -> float:
     return float(sum(products.tolist()))  # in spec order, one by one
 
 
-def _needed_hit_ratios(tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics]) -> FloatArray:
+def _needed_hit_ratios(
+    tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics], misses: LatencyTable
+) -> FloatArray:
     """:func:`needed_hit_ratio` of every tenant (NaN: no hit ratio meets its SLA)."""
     need = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)  # None: 0
     target = _numbers(tenants, "p95_target_s")
-    misses = LatencyTable(_attr(ms, "miss_latency"))
     hits = LatencyTable(_attr(ms, "hit_latency"))
     q = 0.95
     f_miss = misses.cdf(target)
@@ -633,7 +638,7 @@ def _meet_slas(
     asks = has_sla & plans.table.present
     if not asks.any():
         return
-    need = _needed_hit_ratios(tenants, ms)
+    need = _needed_hit_ratios(tenants, ms, plans.misses)
     if capacity > 0:
         with np.errstate(invalid="ignore"):
             wanted = plans.table.size_for(np.nan_to_num(need, nan=2.0)) / capacity
@@ -834,7 +839,8 @@ def allocate(
     if not metrics:
         targets, floors, caps = class_shares(tenants, classes)
         none: list[HitCurve | None] = [None] * len(tenants)
-        plans = _Plans(np.zeros(len(tenants)), none, CurveTable(none), [""] * len(tenants))
+        n = len(tenants)
+        plans = _Plans(np.zeros(n), none, CurveTable(none), LatencyTable([None] * n), [""] * n)
     else:
         floors, caps = _bounds(tenants, classes)
         plans = _plans(tenants, ms, metrics, pressure, classes)

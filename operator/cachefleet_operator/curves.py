@@ -389,34 +389,31 @@ class CurveTable:
         else:
             xs, ys, length = self.xs[rows], self.ys[rows], self.length[rows]
         values, lo, hi = values[rows], lo[rows], hi[rows]
-        sub = np.arange(rows.size)
         base = self._at_rows(rows, lo * capacity)
         first = np.count_nonzero(xs <= (lo * capacity)[:, None], axis=1)
         last = np.maximum(first, np.count_nonzero(xs < (hi * capacity)[:, None], axis=1))
         last = np.minimum(last, length)
         ok = hi - lo > eps
-        best_per = np.full(rows.size, np.nan)
+        # -inf: nothing yet (every candidate's utility is finite, so the first one wins)
+        best_per = np.full(rows.size, -np.inf)
         best_to = np.full(rows.size, np.nan)
-        found = np.zeros(rows.size, dtype=bool)
+        scale = 1.0 + 1e-9
 
         def offer(cand: BoolArray, to: FloatArray, hit: FloatArray) -> None:
-            nonlocal best_per, best_to, found
+            nonlocal best_per, best_to
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                cand = cand & ~(to - lo <= eps)
-                per = values * (hit - base) / (to - lo)
-                better = cand & (~found | (per > best_per * (1.0 + 1e-9)))
+                gap = to - lo
+                per = values * (hit - base) / gap
+                better = cand & ~(gap <= eps) & (per > best_per * scale)
             best_per = np.where(better, per, best_per)
             best_to = np.where(better, to, best_to)
-            found |= better
 
         span = ok & (first < last)
         if span.any():
             for j in range(int(first[span].min()), int(last[span].max())):
-                cand = span & (first <= j) & (j < last)
-                if cand.any():
-                    offer(cand, xs[sub, j] / capacity, ys[sub, j])
+                offer(span & (first <= j) & (j < last), xs[:, j] / capacity, ys[:, j])
         offer(ok, hi, self._at_rows(rows, hi * capacity))
-        return best_per, best_to
+        return np.where(best_per == -np.inf, np.nan, best_per), best_to
 
     def _at_rows(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
         full = np.zeros(self.rows.size)
@@ -429,6 +426,8 @@ class LatencyTable:
 
     def __init__(self, dists: Sequence[LatencyDist | None]) -> None:
         bounds, counts, self.length = _unpack([d.packed if d else None for d in dists])
+        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
+        self.mean = np.array([np.nan if d is None else d._mean for d in dists], dtype=np.float64)
         n = len(dists)
         # one more +inf column: a histogram without +Inf ends its scan there
         self.bounds = np.hstack([bounds, np.full((n, 1), np.inf)])
