@@ -50,7 +50,6 @@ from cachefleet_operator.allocation import (
 from cachefleet_operator.curves import HitCurve
 
 
-
 def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
     """Why no cache size meets the tenant's SLA, in words."""
     goals = []
