@@ -42,12 +42,22 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import NamedTuple
+from itertools import repeat
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 
-from cachefleet_operator.curves import HitCurve, LatencyDist, needed_hit_ratio_for
+from cachefleet_operator.curves import (
+    BoolArray,
+    CurveTable,
+    FloatArray,
+    HitCurve,
+    IntArray,
+    LatencyDist,
+    LatencyTable,
+    needed_hit_ratio_for,
+)
 
 #: EWMA weight of the newest target share (1 = no smoothing).
 DEFAULT_SMOOTHING = 0.5
@@ -55,10 +65,6 @@ DEFAULT_SMOOTHING = 0.5
 DEFAULT_HYSTERESIS = 0.2
 #: Shares move only when the predicted utility gain exceeds this fraction of the current one.
 DEFAULT_MIN_GAIN = 0.005
-
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
 
 
 class PriorityClass(StrEnum):
@@ -137,12 +143,20 @@ class AllocationParams:
     min_gain: float = DEFAULT_MIN_GAIN
 
 
+#: A tenant no cache size brings to its SLA: what the words about it are made of.
+OutOfReach = tuple[TenantDemand, TenantMetrics, HitCurve]
+
+
 class TenantAllocation(NamedTuple):
     """One tenant's result; ``note`` is ``floor``, ``cap``, ``held`` or empty.
 
     ``cannot_meet`` says why no share within bounds meets the tenant's SLA
     (empty when one does, or when nothing is known); ``predicted_hit_ratio``
     is the curve's hit ratio at the share (None without a curve).
+    ``why_not`` is what ``cannot_meet`` is worded from: the words, or what
+    they are made of when no cache size reaches the SLA (worded on demand:
+    with thousands of tenants out of reach, wording them all would cost more
+    than allocating).
     """
 
     name: str
@@ -154,8 +168,18 @@ class TenantAllocation(NamedTuple):
     l2_bytes: int
     sla_met: bool | None
     note: str
-    cannot_meet: str = ""
+    why_not: str | OutOfReach = ""
     predicted_hit_ratio: float | None = None
+
+    @property
+    def cannot_meet(self) -> str:
+        why = self.why_not
+        return why if isinstance(why, str) else _why_not(*why)
+
+    @property
+    def beyond_any_size(self) -> bool:
+        """No cache size reaches the SLA on the tenant's curve (not a matter of bounds)."""
+        return not isinstance(self.why_not, str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,6 +304,16 @@ def _describe(
 _NO_METRICS = TenantMetrics()
 
 
+def _attr(items: Iterable[object], name: str) -> list[Any]:
+    """``[item.<name> for item in items]``, without a Python step per item."""
+    return list(map(attrgetter(name), items))
+
+
+def _numbers(items: Iterable[object], name: str) -> FloatArray:
+    """The attribute ``name`` of every item as floats, ``None`` as NaN."""
+    return np.array(_attr(items, name), dtype=np.float64)
+
+
 def _floats(values: list[float | None]) -> FloatArray:
     """An array with ``None`` and non-finite values as NaN."""
     out = np.array(values, dtype=np.float64)
@@ -300,40 +334,25 @@ def _pressure(ratio: FloatArray) -> FloatArray:
 
 
 def _pressures(
-    tenants: Sequence[TenantDemand], metrics: Mapping[str, TenantMetrics]
-) -> tuple[FloatArray, list[bool | None]]:
-    """SLA pressure (continuous, 1 at target) and attainment of every tenant."""
-    get = metrics.get
-    ms = [get(d.name, _NO_METRICS) for d in tenants]
-    p95 = _floats([m.p95_s for m in ms])
-    hit = _floats([m.hit_ratio for m in ms])
-    p95_target = _floats([d.p95_target_s for d in tenants])
-    min_hit = _floats([d.min_hit_ratio for d in tenants])
+    tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics]
+) -> tuple[FloatArray, list[bool | None], BoolArray]:
+    """SLA pressure (continuous, 1 at target), attainment (None: unknown), and who misses."""
+    p95 = _floats(_attr(ms, "p95_s"))
+    hit = _floats(_attr(ms, "hit_ratio"))
+    p95_target = _floats(_attr(tenants, "p95_target_s"))
+    min_hit = _floats(_attr(tenants, "min_hit_ratio"))
     with np.errstate(divide="ignore", invalid="ignore"):
         lat_ratio = p95 / p95_target
         hit_ratio = np.where(min_hit > 0.0, min_hit / np.maximum(hit, 1e-6), 0.0)
     hit_ratio = np.where(np.isnan(hit) | np.isnan(min_hit), np.nan, hit_ratio)
     worst = np.fmax(lat_ratio, hit_ratio)
     pressure = np.where(np.isnan(worst), 1.0, _pressure(np.nan_to_num(worst, nan=1.0)))
-    met: list[bool | None] = [None if math.isnan(w) else w <= 1.0 + 1e-9 for w in worst.tolist()]
-    return pressure, met
-
-
-def _rate(d: TenantDemand, m: TenantMetrics) -> float:
-    """Requests per second the allocation plans for (observed, or the promised minimum)."""
-    rates = [r for r in (m.rps, d.min_rps) if r is not None and math.isfinite(r)]
-    return max(rates) if rates else 0.0
-
-
-def _miss_cost(m: TenantMetrics, fleet: float) -> float:
-    """Upstream seconds a hit saves: the tenant's mean miss latency, else ``fleet``'s.
-
-    Never the tenant's p95: a tenant that hits all the time has a p95 of hits,
-    and valuing its hits at that would give its cache away.
-    """
-    if m.miss_latency is not None:
-        return max(m.miss_latency.mean(), 1e-6)
-    return fleet
+    known = ~np.isnan(worst)
+    within = worst <= 1.0 + 1e-9
+    met: list[bool | None] = [
+        w if k else None for w, k in zip(within.tolist(), known.tolist(), strict=True)
+    ]
+    return pressure, met, known & ~within
 
 
 def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
@@ -353,18 +372,18 @@ def needed_hit_ratio(d: TenantDemand, m: TenantMetrics) -> float | None:
     return None if for_p95 is None else max(need, for_p95)
 
 
-def _share_for_hit_ratio(curve: HitCurve, hit: float, capacity: int) -> float | None:
-    """The smallest share of ``capacity`` whose predicted hit ratio reaches ``hit``."""
-    if hit <= 0.0:
-        return 0.0
-    xs, ys = curve.xs, curve.ys
-    k = bisect_left(ys, hit - 1e-12)  # the first point reaching it (hit ratios ascend)
-    if k >= len(ys):
-        return None
-    x, y = xs[k], ys[k]
-    prev_x, prev_y = (xs[k - 1], ys[k - 1]) if k > 0 else (0.0, 0.0)
-    size = x if y <= prev_y else prev_x + (x - prev_x) * (hit - prev_y) / (y - prev_y)
-    return size / capacity if capacity > 0 else None
+def fleet_hit_ratio(curve: HitCurve, observed: float | None, size: float) -> float:
+    """The best hit ratio the fleet can reach: the curve's best plus what only the fleet adds.
+
+    A curve is measured per pod: a key's first access on each pod counts as
+    cold there, though L2 (shared by the fleet) may answer it. The observed
+    hit ratio counts hits at every tier, fleet-wide; what it has above the
+    curve's prediction at the size in force (``size`` L1 bytes per pod) is
+    reuse only the fleet sees, and more L1 does not take it away.
+    """
+    if observed is None or not math.isfinite(observed):
+        return curve.max_hit_ratio
+    return min(1.0, curve.max_hit_ratio + max(0.0, observed - curve.at(size)))
 
 
 def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
@@ -505,122 +524,188 @@ def _to_bytes(shares: FloatArray, floors: FloatArray, capacity: int) -> list[int
 
 
 @dataclass(slots=True)
-class _Plan:
-    """Per-tenant working state of one allocation."""
+class _Plans:
+    """Every tenant's working state of one allocation, as arrays (spec order)."""
 
-    value: float  # utility per unit of hit ratio (class x pressure x rate x miss cost)
-    curve: HitCurve | None
-    cannot_meet: str = ""
+    #: Utility per unit of hit ratio (class x pressure x rate x miss cost).
+    values: FloatArray
+    #: The curve allocation reads (None: none, or one behind no requests).
+    curves: list[HitCurve | None]
+    table: CurveTable
+    #: Every tenant's miss latency (upstream).
+    misses: LatencyTable
+    #: Why no share within bounds meets the tenant's SLA ("" when one does), as
+    #: :attr:`TenantAllocation.why_not` keeps it.
+    cannot_meet: list[str | OutOfReach]
 
 
 def _plans(
     tenants: Sequence[TenantDemand],
+    ms: Sequence[TenantMetrics],
     metrics: Mapping[str, TenantMetrics],
     pressure: FloatArray,
-) -> list[_Plan]:
+    classes: IntArray,
+) -> _Plans:
+    misses = LatencyTable(_attr(ms, "miss_latency"))
     # the same model server answers every tenant's misses: a tenant with none to
-    # measure is valued at the others' mean miss latency
-    known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
+    # measure is valued at the others' mean miss latency (all of them, in the map's order)
+    if list(metrics) == _attr(tenants, "name"):
+        known = misses.mean[misses.present].tolist()
+    else:
+        known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
     fleet = sum(known) / len(known) if known else DEFAULT_MISS_COST_S
-    out = []
-    for i, d in enumerate(tenants):
-        m = metrics.get(d.name, _NO_METRICS)
-        curve = m.curve if m.curve is not None and m.curve.requests > 0 else None
-        value = CLASS_WEIGHT[d.priority_class] * float(pressure[i]) * _rate(d, m)
-        value *= _miss_cost(m, fleet)
-        out.append(_Plan(value, curve))
-    return out
+    # requests per second planned for: observed, or the promised minimum
+    rps = _floats(_attr(ms, "rps"))
+    min_rps = _floats(_attr(tenants, "min_rps"))
+    rate = np.nan_to_num(np.fmax(rps, min_rps), nan=0.0)
+    # upstream seconds a hit saves: the tenant's mean miss latency, else the fleet's (never
+    # its p95: a tenant that hits all the time has a p95 of hits, and valuing its hits at
+    # that would give its cache away)
+    cost = np.where(misses.present, np.maximum(misses.mean, 1e-6), fleet)
+    values = _CLASS_WEIGHTS[classes] * pressure * rate * cost
+    curves = [m.curve if m.curve is not None and m.curve.requests > 0 else None for m in ms]
+    return _Plans(values, curves, CurveTable(curves), misses, [""] * len(tenants))
 
 
-def _undecided(plan: _Plan, share: float, capacity: int) -> bool:
-    """No curve yet, or no reuse yet while all the data seen still fits in ``share``.
+def _undecided(plans: _Plans, shares: FloatArray, capacity: int) -> BoolArray:
+    """No curve yet, or no reuse yet while all the data seen still fits in the share.
 
     A working set whose first round is not over looks like a scan. Until the
     tenant has shown more distinct bytes than its share holds, reuse within
     that share may still come; once it has, any reuse it has would have shown.
     """
-    curve = plan.curve
-    if curve is None:
-        return True
-    return (
-        curve.max_hit_ratio < NO_REUSE_HIT_RATIO
-        and curve.footprint_bytes is not None
-        and curve.footprint_bytes <= share * capacity
-    )
+    table = plans.table
+    with np.errstate(invalid="ignore"):
+        fits = table.footprint <= shares * capacity  # False where the footprint is unknown
+    return ~table.present | ((table.max_hit < NO_REUSE_HIT_RATIO) & fits)
 
 
 def _protected(
     tenants: Sequence[TenantDemand],
     metrics: Mapping[str, TenantMetrics],
-    plans: Sequence[_Plan],
+    plans: _Plans,
     previous: Mapping[str, float] | None,
     classes: IntArray,
     capacity: int,
 ) -> FloatArray:
     """Shares not to cut yet: min(share in force, class share) of undecided tenants."""
-    class_targets, _, _ = class_shares(tenants, classes)
-    out = np.zeros(len(tenants))
     if not previous:
-        return out
-    for i, (d, p) in enumerate(zip(tenants, plans, strict=True)):
-        prev = previous.get(d.name)
-        if prev is not None and d.name in metrics and _undecided(p, prev, capacity):
-            out[i] = min(prev, float(class_targets[i]))
-    return out
+        return np.zeros(len(tenants))
+    class_targets, _, _ = class_shares(tenants, classes)
+    names = _attr(tenants, "name")
+    known = np.array(list(map(previous.__contains__, names)))
+    known &= np.array(list(map(metrics.__contains__, names)))
+    prev = np.array(list(map(previous.get, names, repeat(0.0))), dtype=np.float64)
+    keep = known & _undecided(plans, prev, capacity)
+    return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
 
-def _utility(plans: Sequence[_Plan], shares: FloatArray, capacity: int) -> float:
-    return sum(
-        p.value * p.curve.at(float(s) * capacity)
-        for p, s in zip(plans, shares.tolist(), strict=True)
-        if p.curve is not None
-    )
+def _utility(plans: _Plans, shares: FloatArray, capacity: int) -> float:
+    hits = plans.table.at(shares * capacity)
+    products = (plans.values * hits)[plans.table.present]
+    return float(sum(products.tolist()))  # in spec order, one by one
+
+
+def _needed_hit_ratios(
+    tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics], misses: LatencyTable
+) -> FloatArray:
+    """:func:`needed_hit_ratio` of every tenant (NaN: no hit ratio meets its SLA)."""
+    need = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)  # None: 0
+    target = _numbers(tenants, "p95_target_s")
+    hits = LatencyTable(_attr(ms, "hit_latency"))
+    q = 0.95
+    f_miss = misses.cdf(target)
+    f_hit = np.where(hits.present, hits.cdf(target), 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mixed = np.minimum(1.0, (q - f_miss) / (f_hit - f_miss))
+    for_p95 = np.where(f_miss >= q, 0.0, np.where((f_hit < q) | (f_hit <= f_miss), np.nan, mixed))
+    with_p95 = ~np.isnan(target) & misses.present
+    return np.where(with_p95, np.maximum(need, for_p95), need)
 
 
 def _meet_slas(
     tenants: Sequence[TenantDemand],
-    metrics: Mapping[str, TenantMetrics],
-    plans: list[_Plan],
+    ms: Sequence[TenantMetrics],
+    plans: _Plans,
     shares: FloatArray,
     caps: FloatArray,
     classes: IntArray,
     capacity: int,
 ) -> None:
     """Raise tenants to the smallest share that meets their SLA, class by class (in place)."""
+    min_hit = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)
+    has_sla = ~np.isnan(_numbers(tenants, "p95_target_s")) | (min_hit != 0.0)
+    asks = has_sla & plans.table.present
+    if not asks.any():
+        return
+    need = _needed_hit_ratios(tenants, ms, plans.misses)
+    if capacity > 0:
+        with np.errstate(invalid="ignore"):
+            wanted = plans.table.size_for(np.nan_to_num(need, nan=2.0)) / capacity
+        wanted[np.isnan(need)] = np.nan
+    else:
+        wanted = np.full(len(tenants), np.nan)
+    cannot = plans.cannot_meet
+    for i in np.flatnonzero(asks & np.isnan(wanted)).tolist():
+        curve = plans.curves[i]
+        assert curve is not None
+        cannot[i] = (tenants[i], ms[i], curve)  # worded on demand
+    with np.errstate(invalid="ignore"):
+        above_cap = asks & (wanted > caps + EPS)
+    for i in np.flatnonzero(above_cap).tolist():
+        cannot[i] = f"its SLA needs {wanted[i]:.1%} of the cache, above maxShare {caps[i]:.1%}"
     for cls in CLASS_ORDER:
-        wants: list[tuple[float, int]] = []
-        for i in np.flatnonzero(classes == _CLASS_INDEX[cls]).tolist():
-            d, plan = tenants[i], plans[i]
-            if plan.curve is None or (d.p95_target_s is None and not d.min_hit_ratio):
-                continue
-            m = metrics.get(d.name, _NO_METRICS)
-            need = needed_hit_ratio(d, m)
-            share = None if need is None else _share_for_hit_ratio(plan.curve, need, capacity)
-            if share is None:
-                plan.cannot_meet = _why_not(d, m, plan.curve)
-                continue
-            if share > caps[i] + EPS:
-                plan.cannot_meet = (
-                    f"its SLA needs {share:.1%} of the cache, above maxShare {caps[i]:.1%}"
-                )
-                continue
-            if share > shares[i]:
-                wants.append((share - float(shares[i]), i))
-        for extra, i in sorted(wants):
-            left = 1.0 - float(shares.sum())
-            if extra <= left + EPS:
-                shares[i] += min(extra, max(0.0, left))
-            else:
-                plans[i].cannot_meet = (
-                    f"its SLA needs {shares[i] + extra:.1%} of the cache; "
-                    "higher classes and floors leave too little"
-                )
+        with np.errstate(invalid="ignore"):
+            grows = asks & (classes == _CLASS_INDEX[cls]) & ~above_cap & (wanted > shares)
+        idx = np.flatnonzero(grows)
+        if idx.size == 0:
+            continue
+        extra = wanted[idx] - shares[idx]
+        order = np.lexsort((idx, extra))  # cheapest first, then spec order
+        _grant(shares, idx[order], extra[order], cannot)
+
+
+def _grant(
+    shares: FloatArray, idx: IntArray, extra: FloatArray, cannot: list[str | OutOfReach]
+) -> None:
+    """Grant ``extra`` to tenants ``idx`` in that order while capacity is left (in place).
+
+    What is left is the capacity minus the sum of shares, as summed before
+    each grant; a run of grants whose total stays far inside what is left
+    (1e-9: a thousand times any rounding of that sum) is granted at once, since
+    every one of them fits whole; the rest one by one. Once one does not fit,
+    none after it (dearer) does.
+    """
+    n, k = idx.size, 0
+    while k < n:
+        left = 1.0 - float(shares.sum())
+        run = np.cumsum(extra[k:])
+        sure = int(np.searchsorted(run, left - 1e-9, side="right"))
+        if sure > 0:
+            shares[idx[k : k + sure]] += extra[k : k + sure]
+            k += sure
+            continue
+        if extra[k] <= left + EPS:
+            shares[idx[k]] += min(float(extra[k]), max(0.0, left))
+            k += 1
+            continue
+        for j in range(k, n):
+            i = int(idx[j])
+            cannot[i] = (
+                f"its SLA needs {shares[i] + extra[j]:.1%} of the cache; "
+                "higher classes and floors leave too little"
+            )
+        return
 
 
 def _best_extension(
     curve: HitCurve, value: float, lo: float, hi: float, capacity: int
 ) -> tuple[float, float] | None:
-    """(utility per share, new share) of the best extension of ``lo`` up to ``hi``."""
+    """(utility per share, new share) of the best extension of ``lo`` up to ``hi``.
+
+    One tenant's :meth:`~cachefleet_operator.curves.CurveTable.best_extensions`
+    (the same scan, for the steps of :func:`_greedy` after the first).
+    """
     if hi - lo <= EPS:
         return None
     base = curve.at(lo * capacity)
@@ -642,7 +727,7 @@ def _best_extension(
     return best
 
 
-def _greedy(plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, capacity: int) -> None:
+def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) -> None:
     """Hand out what is left by marginal utility, looking ahead over cliffs (in place).
 
     UCP's lookahead (Qureshi & Patt, MICRO'06): each step gives the tenant
@@ -650,48 +735,54 @@ def _greedy(plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, capaci
     the extension that achieves it, so a working set that pays off only once
     it fits whole competes with its average gain up to the cliff (the slope
     of its concave hull) and is never left half-built on the cliff's side.
-    Each tenant's best extension sits in a heap and is recomputed only when
-    the tenant grew or its extension no longer fits what is left.
+    Each tenant's best extension sits in a heap (all of them computed at
+    once to start with) and is recomputed only when the tenant grew or its
+    extension no longer fits what is left.
     """
     left = 1.0 - float(shares.sum())
     if left <= EPS or capacity <= 0:
         return
-    active = [i for i, p in enumerate(plans) if p.curve is not None and p.value > 0.0]
+    values, curves = plans.values, plans.curves
+    active = np.flatnonzero(plans.table.present & (values > 0.0))
+    if active.size == 0:
+        return
     # gains this small relative to the largest tenant's value are noise
-    noise = max((plans[i].value for i in active), default=0.0) * 1e-9
+    noise = float(values[active].max()) * 1e-9
+    hi = np.minimum(caps, shares + left)
+    per, to = plans.table.best_extensions(values, shares, hi, capacity, active)
+    with np.errstate(invalid="ignore"):
+        kept = per > noise  # NaN (no extension) is not
+    heap = list(zip((-per[kept]).tolist(), active[kept].tolist(), to[kept].tolist(), strict=True))
+    heapq.heapify(heap)
 
     def push(i: int) -> None:
-        curve = plans[i].curve
+        curve = curves[i]
         assert curve is not None
         lo = float(shares[i])
-        found = _best_extension(curve, plans[i].value, lo, min(float(caps[i]), lo + left), capacity)
+        found = _best_extension(
+            curve, float(values[i]), lo, min(float(caps[i]), lo + left), capacity
+        )
         if found is not None and found[0] > noise:
             heapq.heappush(heap, (-found[0], i, found[1]))
 
-    heap: list[tuple[float, int, float]] = []
-    for i in active:
-        push(i)
     while heap and left > EPS:
-        _, i, to = heapq.heappop(heap)
-        grow = to - float(shares[i])
+        _, i, end = heapq.heappop(heap)
+        grow = end - float(shares[i])
         if grow > left + EPS:  # no longer fits: its best within what is left
             push(i)
             continue
-        shares[i] = to
+        shares[i] = end
         left -= grow
         push(i)
 
 
-def _spread_rest(
-    plans: Sequence[_Plan], shares: FloatArray, caps: FloatArray, classes: IntArray
-) -> None:
+def _spread_rest(plans: _Plans, shares: FloatArray, caps: FloatArray, classes: IntArray) -> None:
     """Capacity no curve gains from: by class weight to tenants with reuse or no curve yet."""
     left = 1.0 - float(shares.sum())
     if left <= EPS:
         return
-    eligible = np.array(
-        [p.curve is None or p.curve.max_hit_ratio >= NO_REUSE_HIT_RATIO for p in plans]
-    )
+    table = plans.table
+    eligible = ~table.present | (table.max_hit >= NO_REUSE_HIT_RATIO)
     weights = np.where(eligible, _CLASS_WEIGHTS[classes], 0.0)
     _water_fill(shares, caps, weights, left)
 
@@ -702,8 +793,8 @@ def _move(
     floors: FloatArray,
     classes: IntArray,
     params: AllocationParams,
-    measured: npt.NDArray[np.bool_],
-) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+    measured: BoolArray,
+) -> tuple[FloatArray, BoolArray]:
     """Shares one bounded step from ``prev`` towards ``targets``; (shares, held).
 
     A tenant with a curve moves whenever the move was found worth it (the
@@ -734,31 +825,37 @@ def allocate(
     non-empty map is taken to have no traffic). ``previous`` maps tenant ->
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
-    read at; L2 bytes follow the same shares.
+    read at; L2 bytes follow the same shares. Per-tenant work is done on
+    arrays (numpy), so 10,000 tenants with curves take tens of milliseconds.
     """
     params = params or AllocationParams()
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
-    classes = np.array([_CLASS_INDEX[d.priority_class] for d in tenants], dtype=np.int64)
-    pressure, met = _pressures(tenants, metrics)
+    names = _attr(tenants, "name")
+    classes = np.array(list(map(_CLASS_INDEX.__getitem__, _attr(tenants, "priority_class"))))
+    ms = list(map(metrics.get, names, repeat(_NO_METRICS)))
+    pressure, met, missed = _pressures(tenants, ms)
     if not metrics:
         targets, floors, caps = class_shares(tenants, classes)
-        plans = [_Plan(0.0, None) for _ in tenants]
+        none: list[HitCurve | None] = [None] * len(tenants)
+        n = len(tenants)
+        plans = _Plans(np.zeros(n), none, CurveTable(none), LatencyTable([None] * n), [""] * n)
     else:
         floors, caps = _bounds(tenants, classes)
-        plans = _plans(tenants, metrics, pressure)
+        plans = _plans(tenants, ms, metrics, pressure, classes)
         keep = _protected(tenants, metrics, plans, previous, classes, l1_capacity)
         targets = np.minimum(caps, np.maximum(floors, keep))
         _trim_overbooking(targets, floors, classes)
-        _meet_slas(tenants, metrics, plans, targets, caps, classes, l1_capacity)
+        _meet_slas(tenants, ms, plans, targets, caps, classes, l1_capacity)
         _greedy(plans, targets, caps, l1_capacity)
         _spread_rest(plans, targets, caps, classes)
 
+    measured = plans.table.present
     shares = targets.copy()
     held = np.zeros(len(tenants), dtype=bool)
     if previous:
-        raw_prev = _floats([previous.get(d.name) for d in tenants])
+        raw_prev = _floats(list(map(previous.get, names)))
         has_prev = ~np.isnan(raw_prev)
         prev = np.clip(np.where(has_prev, raw_prev, targets), floors, caps)
         _trim_overbooking(prev, floors, classes)
@@ -767,10 +864,8 @@ def allocate(
         now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
         gain = target_u - now_u
         # An SLA that the target meets and the shares in force do not is always worth a move.
-        sla_fix = any(
-            p.curve is not None and not p.cannot_meet and t > s + EPS and met[i] is False
-            for i, (p, t, s) in enumerate(zip(plans, targets.tolist(), prev.tolist(), strict=True))
-        )
+        meetable = ~np.array(list(map(bool, plans.cannot_meet)))
+        sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
         worth = (
             not metrics
             or sla_fix
@@ -778,19 +873,15 @@ def allocate(
             or not has_prev.all()
             or gain > params.min_gain * max(now_u, EPS)
         )
-        measured = np.array([p.curve is not None for p in plans])
         if worth:
             shares, held = _move(targets, prev, floors, classes, params, measured)
         else:
             shares, held = prev.copy(), np.abs(targets - prev) > EPS
         # A tenant without reuse never keeps more than its target (its floor), gain or not.
-        no_reuse = np.array(
-            [
-                p.curve is not None
-                and p.curve.max_hit_ratio < NO_REUSE_HIT_RATIO
-                and not _undecided(p, s, l1_capacity)
-                for p, s in zip(plans, prev.tolist(), strict=True)
-            ]
+        no_reuse = (
+            measured
+            & (plans.table.max_hit < NO_REUSE_HIT_RATIO)
+            & ~_undecided(plans, prev, l1_capacity)
         )
         shrink = no_reuse & (shares > targets + EPS)
         if shrink.any():
@@ -807,24 +898,27 @@ def allocate(
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     notes = np.where(at_floor, "floor", np.where(at_cap, "cap", np.where(held, "held", "")))
-    predicted = [
-        None if p.curve is None else round(p.curve.at(s * l1_capacity), 4)
-        for p, s in zip(plans, shares.tolist(), strict=True)
-    ]
+    hits = plans.table.at(shares * l1_capacity).tolist()
+    predicted = [round(h, 4) if c else None for h, c in zip(hits, measured.tolist(), strict=True)]
+    # tuple.__new__ over rows: what TenantAllocation._make does, without a call per tenant
     out = tuple(
         map(
-            TenantAllocation,
-            [d.name for d in tenants],
-            [d.priority_class for d in tenants],
-            shares.tolist(),
-            targets.tolist(),
-            [p.value for p in plans],
-            l1,
-            l2,
-            met,
-            notes.tolist(),
-            [p.cannot_meet for p in plans],
-            predicted,
+            tuple.__new__,
+            repeat(TenantAllocation),
+            zip(
+                names,
+                _attr(tenants, "priority_class"),
+                shares.tolist(),
+                targets.tolist(),
+                plans.values.tolist(),
+                l1,
+                l2,
+                met,
+                notes.tolist(),
+                plans.cannot_meet,
+                predicted,
+                strict=True,
+            ),
         )
     )
     return Allocation(out, l1_capacity, l2_capacity, tenants, metrics)
