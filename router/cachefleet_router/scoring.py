@@ -425,7 +425,10 @@ class ScoringPicker:
         ):
             return own
         queued = metrics.waiting + cfg.running_weight * metrics.running
-        reported = (queued * self._mean_request_tokens + state.routed_since_scrape) / state.rate
+        # before this picker has routed anything, a queued request counts one block of prefill:
+        # the server's own queue still orders the endpoints
+        per_request = self._mean_request_tokens or float(cfg.block_tokens)
+        reported = (queued * per_request + state.routed_since_scrape) / state.rate
         return max(own, reported)
 
     def _home(self, request: RouteRequest, ready: Sequence[Endpoint]) -> str | None:

@@ -224,6 +224,17 @@ def test_fresh_queue_counts_and_stale_metrics_are_ignored() -> None:
     assert picker.expected_wait(a) == 0.0
 
 
+def test_the_first_pick_already_avoids_the_longer_reported_queue() -> None:
+    """Before it has routed anything, a picker still orders endpoints by their servers' queues."""
+    clock = Clock()
+    picker = make(clock)
+    a, b = fleet("a", "b")  # "a" sorts first: a tie would pick it
+    _scrape(a, clock.now, waiting=4.0, running=0.0)
+    _scrape(b, clock.now, waiting=0.0, running=0.0)
+    assert picker.expected_wait(a) == pytest.approx(4 * BT / RATE)
+    assert picked(picker, req(tokens=100), [a, b]).address == b.address
+
+
 @pytest.mark.parametrize(
     ("cls", "expected"),
     [("Guaranteed", "a:8000"), (None, "b:8000"), ("Standard", "b:8000"), ("BestEffort", "c:8000")],
