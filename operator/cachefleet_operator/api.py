@@ -425,7 +425,8 @@ class TenantDefaults(_Model):
     pod's ``--max-tenants`` partitions are taken, the unlisted tenant seen least
     recently gives up its partition (listed tenants never do). Unlisted
     tenants stay in L1: they never read or write Redis. The listed tenants'
-    shares are fractions of what the pool leaves.
+    shares are fractions of what the pool leaves; with none listed, the pool
+    is the whole L1.
     """
 
     share: float = Field(

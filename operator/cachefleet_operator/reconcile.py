@@ -235,10 +235,15 @@ def demands_from_spec(spec: InferenceCacheSpec) -> list[TenantDemand]:
 
 
 def unlisted_l1_bytes(spec: InferenceCacheSpec) -> int:
-    """L1 bytes per pod that ``spec.tenantDefaults`` sets aside for all unlisted tenants."""
+    """L1 bytes per pod that ``spec.tenantDefaults`` sets aside for all unlisted tenants.
+
+    With no tenant listed, every tenant is unlisted: the pool is the whole L1.
+    """
     defaults = spec.tenant_defaults
     if defaults is None:
         return 0
+    if not spec.tenants:
+        return spec.capacity.l1_bytes_per_pod
     return int(spec.capacity.l1_bytes_per_pod * defaults.share)
 
 

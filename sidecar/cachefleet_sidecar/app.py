@@ -1168,7 +1168,7 @@ class Sidecar:
         return (
             (self.config.guest_share <= 0 and self.default_quota is None)
             or not self.l1.is_guest(tenant)
-            or not (self.l1.reserved or self.quotas)
+            or not (self.l1.reserved or self.quotas or self.default_quota)
         )
 
     async def _l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:

@@ -23,7 +23,7 @@ With ``F`` = 0 guests are sized like every other tenant without a quota.
 
 The guests' pool can also be given in bytes with a policy of its own
 (:meth:`TenantL1.set_guest_pool`: the operator's ``tenantDefaults``); it then
-replaces the guest share.
+replaces the guest share, and holds even when no tenant is known.
 
 Partitions are bounded by ``max_tenants``. When the table is full, a new
 tenant (guest or known) takes the slot of the guest seen least recently:
@@ -351,7 +351,8 @@ class TenantL1(Generic[K, V]):
         """Guests together get ``pool_bytes`` (capped at the total), with ``policy``.
 
         None returns to the guest share given at construction (and the default
-        policy). Applies once tenants are known, like the guest share.
+        policy). Unlike the guest share it applies with no tenant known, too:
+        then every tenant is a guest, and the pool is all they get.
         """
         if pool_bytes is not None and pool_bytes < 0:
             raise ValueError(f"guest pool must be >= 0 bytes, got {pool_bytes}")
@@ -466,11 +467,11 @@ class TenantL1(Generic[K, V]):
         quotas = self._quotas
         guest_pool = 0
         guests: list[str] = []
-        if (self._guest_pool is not None or self._guest_share > 0) and (self._reserved or quotas):
-            if self._guest_pool is not None:
-                guest_pool = min(self._guest_pool, self._total)
-            else:
-                guest_pool = int(self._total * self._guest_share)
+        if self._guest_pool is not None:
+            guest_pool = min(self._guest_pool, self._total)
+            guests = [t for t in tenants if self.is_guest(t)]
+        elif self._guest_share > 0 and (self._reserved or quotas):
+            guest_pool = int(self._total * self._guest_share)
             guests = [t for t in tenants if self.is_guest(t)]
         budget = self._total - guest_pool
         out = dict.fromkeys(guests, guest_pool // len(guests) if guests else 0)

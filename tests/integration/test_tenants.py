@@ -286,3 +286,23 @@ async def test_guests_never_write_redis(sidecar_factory: SidecarFactory, redis_u
     names = b"\n".join(k if isinstance(k, bytes) else k.encode() for k in found)
     assert b"|alpha}" in names
     assert b"junk" not in names
+
+
+@pytest.mark.redis
+async def test_tenants_under_defaults_stay_out_of_redis(
+    sidecar_factory: SidecarFactory, redis_url: str
+) -> None:
+    # tenantDefaults with no tenant listed: every tenant is unlisted, L1 only.
+    sc = await sidecar_factory(redis_url=redis_url, l1_bytes=1 << 20)
+    unlisted = protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0)
+    sc.sidecar.apply_quotas(protocol.QuotaAssignment(generation=1, default_tenant=unlisted))
+    for i in range(20):
+        assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "MISS"
+        assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "HIT-L1"
+    await asyncio.sleep(0.3)  # L2 writes are in the background
+    client = protocol.redis_from_url(redis_url)
+    try:
+        found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
+    finally:
+        await client.aclose()
+    assert not [k for k in found if b"junk" in (k if isinstance(k, bytes) else k.encode())]

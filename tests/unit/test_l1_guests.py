@@ -142,3 +142,12 @@ def test_idle_partitions_expire() -> None:
     assert expired == [[], [], ["idle"]]  # unused for more than two ticks
     assert set(l1.tenants) == {"busy"}
     assert l1.stats()["busy"].capacity_bytes == 1000  # the share came back
+
+
+def test_a_guest_pool_holds_with_no_tenant_known() -> None:
+    # The operator's defaults with no tenant listed: every tenant is a guest of the pool.
+    l1: TenantL1[int, str] = TenantL1(1000, max_tenants=8)
+    l1.set_guest_pool(1000, "sits")
+    for name in ("a", "b", "c", "d"):
+        l1.put(name, 1, "x", 1)
+    assert {(s.capacity_bytes, s.policy) for s in l1.stats().values()} == {(250, "sits")}

@@ -108,3 +108,11 @@ def test_without_defaults_nothing_changes_for_existing_caches() -> None:
     assert assignment.default_tenant is None
     with_defaults = build_assignment(parse_spec(spec(share=0.2)), allocation)
     assert assignment_digest(with_defaults) != assignment_digest(assignment)
+
+
+def test_with_no_tenant_listed_the_pool_is_the_whole_l1() -> None:
+    raw = spec(share=0.2)
+    raw["tenants"] = []
+    parsed = parse_spec(raw)
+    assert unlisted_l1_bytes(parsed) == parsed.capacity.l1_bytes_per_pod
+    assert listed_l1_bytes(parsed) == 0
