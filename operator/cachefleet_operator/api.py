@@ -37,6 +37,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 #: The most tenants one InferenceCache may list (bounds CEL cost and object size).
 MAX_TENANTS = 1000
+#: Fraction of each pod's L1 that all unlisted tenants share when tenantDefaults does not say.
+DEFAULT_UNLISTED_SHARE = 0.1
+#: The most of each pod's L1 tenantDefaults may set aside (the --guest-share bound).
+MAX_UNLISTED_SHARE = 0.9
 #: Shortest rebalance interval a spec may ask for, seconds.
 MIN_REBALANCE_INTERVAL_S = 1
 #: Rebalance interval when the spec does not say, seconds.
@@ -437,6 +441,40 @@ class TenantSpec(_Model):
         return self
 
 
+class TenantDefaults(_Model):
+    """How a tenant that ``tenants`` does not list is treated: one customer of many.
+
+    Such a tenant is admitted on its first request (instead of refused) and
+    gets an L1 partition of its own on each pod it reaches, from a pool of
+    ``share`` of the pod's L1 that all unlisted tenants split equally; when a
+    pod's ``--max-tenants`` partitions are taken, the unlisted tenant seen least
+    recently gives up its partition (listed tenants never do). Unlisted
+    tenants stay in L1: they never read or write Redis. The listed tenants'
+    shares are fractions of what the pool leaves; with none listed, the pool
+    is the whole L1.
+    """
+
+    share: float = Field(
+        default=DEFAULT_UNLISTED_SHARE,
+        gt=0,
+        le=MAX_UNLISTED_SHARE,
+        description=(
+            "Fraction of each pod's L1 that all unlisted tenants share (split equally among "
+            "those active on the pod); the listed tenants share the rest."
+        ),
+    )
+    priority_class: Literal["Standard", "BestEffort"] = Field(
+        default="Standard",
+        description=(
+            "Class of an unlisted tenant (admission, routing). Guaranteed needs a minShare: "
+            "list the tenant."
+        ),
+    )
+    policy: Policy | None = Field(
+        default=None, description="L1 policy of unlisted tenants; empty = the cache default."
+    )
+
+
 class InferencePoolRef(_Model):
     """An InferencePool (inference.networking.k8s.io/v1) in the cache's namespace."""
 
@@ -538,6 +576,14 @@ class InferenceCacheSpec(_Model):
         max_length=MAX_TENANTS,
         description="Tenants and their SLAs; names are unique.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    tenant_defaults: TenantDefaults | None = Field(
+        default=None,
+        description=(
+            "How tenants not in tenants are treated (admitted with a partition of their own "
+            "from a shared pool); empty = as the sidecars' flags say (refused, mapped to "
+            "--default-tenant, or guests of --guest-share)."
+        ),
     )
 
     @model_validator(mode="after")

@@ -243,14 +243,46 @@ def demands_from_spec(spec: InferenceCacheSpec) -> list[TenantDemand]:
     ]
 
 
+def unlisted_l1_bytes(spec: InferenceCacheSpec) -> int:
+    """L1 bytes per pod that ``spec.tenantDefaults`` sets aside for all unlisted tenants.
+
+    With no tenant listed, every tenant is unlisted: the pool is the whole L1.
+    """
+    defaults = spec.tenant_defaults
+    if defaults is None:
+        return 0
+    if not spec.tenants:
+        return spec.capacity.l1_bytes_per_pod
+    return int(spec.capacity.l1_bytes_per_pod * defaults.share)
+
+
+def listed_l1_bytes(spec: InferenceCacheSpec) -> int:
+    """L1 bytes per pod the listed tenants' allocation shares: what the unlisted pool leaves."""
+    return spec.capacity.l1_bytes_per_pod - unlisted_l1_bytes(spec)
+
+
 def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaAssignment:
-    """The quota table for the sidecars (generation 0; set by the caller)."""
+    """The quota table for the sidecars (generation 0; set by the caller).
+
+    With ``tenantDefaults``, ``default_tenant`` tells the sidecars how to treat
+    a tenant the table does not name: its class, its policy, and the L1 pool
+    all of them share on each pod (they stay out of L2: ``l2_bytes`` 0).
+    """
     by_name = {t.name: t for t in spec.tenants}
+    defaults = spec.tenant_defaults
     return QuotaAssignment(
         generation=0,
         default_policy=spec.default_policy,
         model=spec.model.name,
         model_version=spec.model.version,
+        default_tenant=None
+        if defaults is None
+        else TenantQuota(
+            l1_bytes=unlisted_l1_bytes(spec),
+            l2_bytes=0,
+            policy=defaults.policy,
+            priority_class=defaults.priority_class,
+        ),
         tenants={
             t.name: TenantQuota(
                 l1_bytes=t.l1_bytes,
@@ -275,7 +307,12 @@ def _semantic(tenant: TenantSpec) -> SemanticSpec:
 
 def assignment_digest(assignment: QuotaAssignment) -> str:
     """Digest of what the sidecars act on (not generation or issue time)."""
-    body = assignment.model_dump(mode="json", exclude={"generation", "issued_at"})
+    # Without tenantDefaults the digest is what it was before default_tenant existed,
+    # so an upgrade does not move every cache's quota generation.
+    skip = {"generation", "issued_at"} | (
+        {"default_tenant"} if assignment.default_tenant is None else set()
+    )
+    body = assignment.model_dump(mode="json", exclude=skip)
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 
@@ -552,6 +589,7 @@ class Reconciler:
             self.metrics.reconcile_errors.labels(exc.reason).inc()
 
         capacity = spec.capacity
+        l1_bytes = listed_l1_bytes(spec)
         if metrics is not None:
             params = AllocationParams(
                 spec.allocation.smoothing, spec.allocation.hysteresis, spec.allocation.min_gain
@@ -560,14 +598,14 @@ class Reconciler:
                 demands,
                 metrics,
                 prev_shares or None,
-                capacity.l1_bytes_per_pod,
+                l1_bytes,
                 capacity.l2_bytes,
                 params,
             )
         elif prev_shares:
-            allocation = hold(demands, prev_shares, capacity.l1_bytes_per_pod, capacity.l2_bytes)
+            allocation = hold(demands, prev_shares, l1_bytes, capacity.l2_bytes)
         else:
-            allocation = allocate(demands, {}, None, capacity.l1_bytes_per_pod, capacity.l2_bytes)
+            allocation = allocate(demands, {}, None, l1_bytes, capacity.l2_bytes)
 
         self.metrics.set_slo_pressure(namespace, name, _pressure(spec, metrics, allocation))
         assignment = build_assignment(spec, allocation)

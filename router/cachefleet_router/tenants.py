@@ -2,9 +2,10 @@
 
 :class:`TenantClasses` is the table (pure): ``class_of(tenant)`` is the
 tenant's ``TenantQuota.priority_class`` in the newest
-:class:`~cachefleet_sidecar.protocol.QuotaAssignment` applied, or None
-(Standard) for a tenant the table does not name, and for everyone when the
-router runs without Redis.
+:class:`~cachefleet_sidecar.protocol.QuotaAssignment` applied; for a tenant
+the table does not name, the class of its ``default_tenant`` (the
+InferenceCache's ``tenantDefaults``), else None (Standard), as for everyone
+when the router runs without Redis.
 
 :class:`TenantSync` keeps it current the way the sidecars do (level-triggered,
 :mod:`cachefleet_sidecar.protocol`): it subscribes to the cache's
@@ -45,17 +46,20 @@ class TenantClasses:
     def __init__(self) -> None:
         self.generation = -1
         self._classes: dict[str, str | None] = {}
+        self._default: str | None = None
 
     def apply(self, assignment: QuotaAssignment) -> bool:
         """Take ``assignment`` if it is newer than the one applied; True if it was."""
         if assignment.generation <= self.generation:
             return False
         self._classes = {name: q.priority_class for name, q in assignment.tenants.items()}
+        default = assignment.default_tenant
+        self._default = None if default is None else default.priority_class
         self.generation = assignment.generation
         return True
 
     def class_of(self, tenant: str) -> str | None:
-        return self._classes.get(tenant)
+        return self._classes.get(tenant, self._default)
 
     def tenants(self) -> list[str]:
         return sorted(self._classes)

@@ -174,6 +174,9 @@ class Sidecar:
             max_tenants=config.max_tenants,
             guest_share=config.guest_share,
         )
+        self.l1.on_replaced = self._tenant_replaced
+        #: The operator's ``tenantDefaults`` (None: unlisted tenants are not admitted as such).
+        self.default_quota: protocol.TenantQuota | None = None
         self.l2 = l2
         self.upstream = UpstreamPool(
             config.upstream,
@@ -306,8 +309,8 @@ class Sidecar:
         if not protocol.valid_name(text):
             raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
         if self.known_tenants and text not in self.known_tenants:
-            if self.config.guest_share > 0:
-                pass  # admitted as a guest: its bytes come from the guest share only
+            if self.config.guest_share > 0 or self.default_quota is not None:
+                pass  # admitted as a guest: its bytes come from the guest pool only
             elif self.config.default_tenant is not None:
                 return self.config.default_tenant
             else:
@@ -387,6 +390,20 @@ class Sidecar:
             log.info("%d idle tenants expired from L1", len(gone))
         self.kick_migration()
         return gone
+
+    def _tenant_replaced(self, tenant: str) -> None:
+        """A newcomer took ``tenant``'s L1 slot: drop what this pod keeps for it.
+
+        Its metric series stay until they idle out (bounded, ``_other`` beyond
+        the bound), so a busy pod does not churn a new label value per newcomer.
+        """
+        self.metrics.forget_policy_switches(tenant)
+        self.l2_usage.pop(tenant, None)
+        self.l3.forget(tenant)
+        if self.mrc is not None:
+            self.mrc.forget(tenant)
+        if self.switching is not None:
+            self.switching.forget(tenant)
 
     def kick_migration(self) -> None:
         """Drain switched partitions in the background, if any (no-op without a running loop)."""
@@ -900,7 +917,7 @@ class Sidecar:
     async def _admit(self, tenant: str) -> bytes | None:
         """Admission's refusal of a request about to go upstream (None: it may go)."""
         assert self.gate is not None
-        quota = self.quotas.get(tenant)
+        quota = self.quotas.get(tenant) or self.default_quota
         return await self.gate.admit(tenant, None if quota is None else quota.priority_class)
 
     def _upstream_headers(
@@ -1175,11 +1192,11 @@ class Sidecar:
         return self.tracker.vector(lookup.tenant, key.model)
 
     def _l2_allowed(self, tenant: str) -> bool:
-        """Guests admitted by --guest-share stay in L1: they never read or write Redis."""
+        """Guests (--guest-share, tenantDefaults) stay in L1: they never read or write Redis."""
         return (
-            self.config.guest_share <= 0
+            (self.config.guest_share <= 0 and self.default_quota is None)
             or not self.l1.is_guest(tenant)
-            or not (self.l1.reserved or self.quotas)
+            or not (self.l1.reserved or self.quotas or self.default_quota)
         )
 
     async def _l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:
@@ -1271,6 +1288,7 @@ class Sidecar:
             return
         self.quota_generation = assignment.generation
         self.quotas = dict(assignment.tenants)
+        self.default_quota = assignment.default_tenant
         self.known_tenants = set(self.config.tenants) | set(assignment.tenants)
         self._tenants_changed()
         base = self._default_options
@@ -1299,6 +1317,12 @@ class Sidecar:
                     self.mrc.set_policy(tenant, policy)
         else:
             self.l1.set_quotas(None)
+        unlisted = assignment.default_tenant
+        if unlisted is None:
+            self.l1.set_guest_pool(None)
+        else:
+            policy = self._usable_policy(unlisted.policy or assignment.default_policy)
+            self.l1.set_guest_pool(unlisted.l1_bytes, policy)
         self.kick_migration()
         if self.l2 is not None:
             for tenant, quota in assignment.tenants.items():

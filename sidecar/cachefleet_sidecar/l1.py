@@ -21,11 +21,21 @@ budget, split equally among the active guests, and known tenants share the
 rest, so no number of guest names can shrink a known tenant's partition.
 With ``F`` = 0 guests are sized like every other tenant without a quota.
 
-Partitions are bounded by ``max_tenants``: a new guest beyond it raises
-:class:`TenantLimitError` (it is served uncached), a new known tenant takes
-the slot of the guest seen least recently. :meth:`TenantL1.expire_idle`
-drops partitions not used for a number of :meth:`TenantL1.advance` ticks
-(entries, share and slot), so slots come back.
+The guests' pool can also be given in bytes with a policy of its own
+(:meth:`TenantL1.set_guest_pool`: the operator's ``tenantDefaults``); it then
+replaces the guest share, and holds even when no tenant is known.
+
+Partitions are bounded by ``max_tenants``. When the table is full, a new
+tenant (guest or known) takes the slot of the guest seen least recently:
+that guest's entries are dropped and its bytes go back to the others
+(:attr:`TenantL1.on_replaced` is told its name). Known tenants never lose
+their slot this way; only when every slot holds a known tenant does a new
+one raise :class:`TenantLimitError` (it is served uncached). The guests'
+recency is an ``OrderedDict`` (one ``move_to_end`` per request of a guest;
+known tenants keep a plain tick), so finding the guest to replace is O(1),
+and a guest replacing a guest resizes nobody.
+:meth:`TenantL1.expire_idle` drops partitions not used for a number of
+:meth:`TenantL1.advance` ticks (entries, share and slot).
 
 A partition's policy is, in order: an explicit :meth:`TenantL1.set_policy`
 override, the quota's policy, the L1's default policy. Changing it is O(1):
@@ -43,7 +53,8 @@ event loop.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -96,14 +107,19 @@ class TenantL1(Generic[K, V]):
     __slots__ = (
         "_default_policy",
         "_evictions_before",
+        "_guest_policy",
+        "_guest_pool",
         "_guest_share",
         "_max_tenants",
         "_overrides",
         "_parts",
         "_quotas",
+        "_recent",
         "_reserved",
         "_seen",
         "_total",
+        "on_replaced",
+        "replaced",
         "tick",
     )
 
@@ -125,7 +141,17 @@ class TenantL1(Generic[K, V]):
         self._reserved: frozenset[str] = frozenset()
         #: Coarse clock for idleness, advanced by the owner (:meth:`advance`).
         self.tick = 0
+        #: Tick of each known tenant's partition's last use.
         self._seen: dict[str, int] = {}
+        #: The same for guests, least recently used first (the replacement order).
+        self._recent: OrderedDict[str, int] = OrderedDict()
+        #: The guests' pool in bytes and their policy (None: the guest share, the default).
+        self._guest_pool: int | None = None
+        self._guest_policy: str | None = None
+        #: Called with the name of a guest whose partition a newcomer took.
+        self.on_replaced: Callable[[str], None] | None = None
+        #: Partitions taken from guests by newcomers since construction.
+        self.replaced = 0
         self._default_policy = _check_policy(default_policy)
         self._max_tenants = max_tenants
         self._parts: dict[str, ReplacementPolicy[K, V]] = {}
@@ -139,13 +165,18 @@ class TenantL1(Generic[K, V]):
     def get(self, tenant: str, key: K) -> V | None:
         """The cached value of ``key`` for ``tenant``, or None.
 
-        Raises :class:`TenantLimitError` if ``tenant`` is new and the L1
-        already holds ``max_tenants`` partitions.
+        A new ``tenant`` gets a partition at once (see the module doc);
+        raises :class:`TenantLimitError` only if every slot holds a known tenant.
         """
         part = self._parts.get(tenant)
         if part is None:
             part = self._activate(tenant)
-        self._seen[tenant] = self.tick
+        recent = self._recent
+        if tenant in recent:
+            recent[tenant] = self.tick
+            recent.move_to_end(tenant)
+        else:
+            self._seen[tenant] = self.tick
         return part.get(key)
 
     def put(self, tenant: str, key: K, value: V, size: int, cost: float | None = None) -> int:
@@ -161,7 +192,12 @@ class TenantL1(Generic[K, V]):
         part = self._parts.get(tenant)
         if part is None:
             part = self._activate(tenant)
-        self._seen[tenant] = self.tick
+        recent = self._recent
+        if tenant in recent:
+            recent[tenant] = self.tick
+            recent.move_to_end(tenant)
+        else:
+            self._seen[tenant] = self.tick
         return len(part.put(key, value, size, cost))
 
     def remove(self, tenant: str, key: K) -> bool:
@@ -230,6 +266,7 @@ class TenantL1(Generic[K, V]):
                     raise ValueError(f"tenant {tenant!r}: l1_bytes must be >= 0, got {l1_bytes}")
                 checked[tenant] = (l1_bytes, None if policy is None else _check_policy(policy))
             self._quotas = checked
+        self._sort_seen()
         self._apply(self._parts)
 
     def set_policy(self, tenant: str, name: str | None) -> None:
@@ -291,6 +328,7 @@ class TenantL1(Generic[K, V]):
             return False
         self._evictions_before.pop(tenant, None)
         self._seen.pop(tenant, None)
+        self._recent.pop(tenant, None)
         return True
 
     @property
@@ -306,6 +344,22 @@ class TenantL1(Generic[K, V]):
         reserved = frozenset(tenants)
         if reserved != self._reserved:
             self._reserved = reserved
+            self._sort_seen()
+            self._apply(self._parts)
+
+    def set_guest_pool(self, pool_bytes: int | None, policy: str | None = None) -> None:
+        """Guests together get ``pool_bytes`` (capped at the total), with ``policy``.
+
+        None returns to the guest share given at construction (and the default
+        policy). Unlike the guest share it applies with no tenant known, too:
+        then every tenant is a guest, and the pool is all they get.
+        """
+        if pool_bytes is not None and pool_bytes < 0:
+            raise ValueError(f"guest pool must be >= 0 bytes, got {pool_bytes}")
+        checked = None if policy is None else _check_policy(policy)
+        if (pool_bytes, checked) != (self._guest_pool, self._guest_policy):
+            self._guest_pool = pool_bytes
+            self._guest_policy = checked
             self._apply(self._parts)
 
     def is_guest(self, tenant: str) -> bool:
@@ -319,7 +373,8 @@ class TenantL1(Generic[K, V]):
     def expire_idle(self, max_idle_ticks: int) -> list[str]:
         """Drop every partition unused for more than ``max_idle_ticks`` ticks; their names."""
         limit = self.tick - max_idle_ticks
-        gone = [t for t in self._parts if self._seen.get(t, self.tick) < limit]
+        last = {**self._seen, **self._recent}
+        gone = [t for t in self._parts if last.get(t, self.tick) < limit]
         for tenant in gone:
             self._drop(tenant)
         if gone:
@@ -348,11 +403,20 @@ class TenantL1(Generic[K, V]):
     # ------------------------------------------------------------ internals
 
     def _activate(self, tenant: str) -> ReplacementPolicy[K, V]:
-        if len(self._parts) >= self._max_tenants and not self.is_guest(tenant):
-            # A known tenant always gets a slot: the guest seen least recently gives its up.
-            guests = [t for t in self._parts if self.is_guest(t)]
-            if guests:
-                self._drop(min(guests, key=lambda t: self._seen.get(t, -1)))
+        if len(self._parts) >= self._max_tenants:
+            victim = self._least_recent_guest()
+            if victim is not None:
+                capacity = self._parts[victim].capacity_bytes
+                self._drop(victim)
+                self.replaced += 1
+                if self.on_replaced is not None:
+                    self.on_replaced(victim)
+                if self.is_guest(tenant):
+                    # A guest for a guest: every share stays as it was, nothing to resize.
+                    same: ReplacementPolicy[K, V] = make_policy(self._policy_of(tenant), capacity)
+                    self._parts[tenant] = same
+                    self._recent[tenant] = self.tick
+                    return same
         if len(self._parts) >= self._max_tenants:
             raise TenantLimitError(
                 f"L1 already holds {self._max_tenants} tenant partitions; "
@@ -363,8 +427,27 @@ class TenantL1(Generic[K, V]):
             self._policy_of(tenant), self._capacities(tenants)[tenant]
         )
         self._parts[tenant] = part
+        if self.is_guest(tenant):
+            self._recent[tenant] = self.tick
         self._apply(self._parts)
         return part
+
+    def _least_recent_guest(self) -> str | None:
+        """The guest seen least recently (O(1)), or None if every partition is a known tenant."""
+        return next(iter(self._recent), None)
+
+    def _sort_seen(self) -> None:
+        """Who is a guest changed: file each partition's tick under known or guest again.
+
+        O(partitions), on a change of the known tenants or quotas only; guests
+        keep their order of last use (by tick, then by their previous order).
+        """
+        ticks = {**self._seen, **self._recent}
+        self._seen = {t: n for t, n in ticks.items() if not self.is_guest(t)}
+        guests = sorted(
+            ((n, i, t) for i, (t, n) in enumerate(ticks.items()) if self.is_guest(t)),
+        )
+        self._recent = OrderedDict((t, n) for n, _, t in guests)
 
     def _policy_of(self, tenant: str) -> str:
         override = self._overrides.get(tenant)
@@ -374,6 +457,8 @@ class TenantL1(Generic[K, V]):
             quota = self._quotas.get(tenant)
             if quota is not None and quota[1] is not None:
                 return quota[1]
+        if self._guest_policy is not None and self.is_guest(tenant):
+            return self._guest_policy
         return self._default_policy
 
     def _capacities(self, tenants: Iterable[str]) -> dict[str, int]:
@@ -382,7 +467,10 @@ class TenantL1(Generic[K, V]):
         quotas = self._quotas
         guest_pool = 0
         guests: list[str] = []
-        if self._guest_share > 0 and (self._reserved or quotas):
+        if self._guest_pool is not None:
+            guest_pool = min(self._guest_pool, self._total)
+            guests = [t for t in tenants if self.is_guest(t)]
+        elif self._guest_share > 0 and (self._reserved or quotas):
             guest_pool = int(self._total * self._guest_share)
             guests = [t for t in tenants if self.is_guest(t)]
         budget = self._total - guest_pool

@@ -439,11 +439,22 @@ class _Collector(Collector):
             "L1 policy in force for a tenant (1 for the policy in force).",
             labels=["cache", "tenant", "policy"],
         )
+        # A tenant without series of its own (beyond the bound) is summed into _other,
+        # so the byte gauges name no more tenants than the request counters do.
+        sums: dict[tuple[str, str], list[int]] = {}
+        policies: set[tuple[str, str]] = set()
         for u in m.usage_source():
-            used.add_metric([cache, u.tenant, u.tier], u.used_bytes)
-            quota.add_metric([cache, u.tenant, u.tier], u.quota_bytes)
+            label = u.tenant if u.tenant in m.tenants or u.tenant in m.reserved else OTHER_TENANT
+            both = sums.setdefault((label, u.tier), [0, 0])
+            both[0] += u.used_bytes
+            both[1] += u.quota_bytes
             if u.policy is not None:
-                policy.add_metric([cache, u.tenant, u.policy], 1)
+                policies.add((label, u.policy))
+        for (label, tier), (used_bytes, quota_bytes) in sums.items():
+            used.add_metric([cache, label, tier], used_bytes)
+            quota.add_metric([cache, label, tier], quota_bytes)
+        for label, name in sorted(policies):
+            policy.add_metric([cache, label, name], 1)
         yield from (used, quota, policy)
 
         switches = CounterMetricFamily(

@@ -278,6 +278,12 @@ class QuotaAssignment(_Model):
     model: str | None = None
     model_version: str | None = None
     tenants: dict[str, TenantQuota] = Field(default_factory=dict)
+    #: How a tenant ``tenants`` does not name is treated (``spec.tenantDefaults``):
+    #: admitted with a partition of its own on demand, its policy and class from
+    #: here, and ``l1_bytes`` the pool all such tenants share on each pod (they
+    #: stay in L1: ``l2_bytes`` is 0). None: such tenants are refused or mapped
+    #: to the default tenant, as without quotas.
+    default_tenant: TenantQuota | None = None
 
 
 def newer_assignment(

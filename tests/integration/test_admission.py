@@ -194,3 +194,25 @@ async def test_unreadable_metrics_admit_everyone_and_are_counted(make_fleet: Any
     assert answer.status_code == 200
     metrics = (await fleet.admin.get("/metrics")).text
     assert 'cachefleet_admission_metrics_faults_total{cache="test/cache"}' in metrics
+
+
+async def test_an_unlisted_tenant_is_admitted_by_the_class_of_the_tenant_defaults(
+    make_fleet: Any,
+) -> None:
+    fleet: Fleet = await make_fleet()
+    sidecar = fleet.server.sidecar
+    sidecar.apply_quotas(
+        QuotaAssignment(
+            generation=2,
+            tenants=dict(sidecar.quotas),
+            default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=0, priority_class="BestEffort"),
+        )
+    )
+    cached = await fleet.chat("customer-17", "asked before the rush")
+    assert (cached.status_code, cached.headers["x-cache"]) == (200, "MISS")  # admitted, cached
+    await fleet.saturate(3)
+    shed = await fleet.chat("customer-17", "a new question")
+    assert shed.status_code == 429  # BestEffort, from the defaults
+    assert shed.json()["error"]["reason"] == "saturated_queue"
+    hit = await fleet.chat("customer-17", "asked before the rush")
+    assert (hit.status_code, hit.headers["x-cache"]) == (200, "HIT-L1")  # a hit is never refused

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,30 +89,146 @@ async def test_without_a_guest_share_unknown_names_are_refused(
     assert tenant_labels((await sc.admin.get("/metrics")).text) == {"alpha"}
 
 
-async def test_idle_tenants_expire_and_their_slots_come_back(
+async def test_a_newcomer_takes_the_least_recent_slot_and_idle_ones_expire(
     sidecar_factory: SidecarFactory,
 ) -> None:
-    # Open mode: every name is admitted; slots run out, then idle ones are reclaimed.
+    # Open mode: every name is admitted; when the slots run out, the tenant seen least
+    # recently gives its slot to the newcomer, which is cached at once.
     sc = await sidecar_factory(max_tenants=8, l1_bytes=256 * 1024, tenant_idle_expiry_s=0)
     await flood(sc, 8, prefix="early")
-    late = await sc.chat("late question", tenant="latecomer")
-    assert late.status_code == 200  # served, uncached: no slot
-    assert "latecomer" not in sc.sidecar.l1.stats()
-    assert (await sc.chat("late question", tenant="latecomer")).headers["x-cache"] == "BYPASS"
+    await sc.chat("junk 0", tenant="early-0")  # early-1 is now the least recent
+    assert (await sc.chat("late question", tenant="latecomer")).headers["x-cache"] == "MISS"
+    assert (await sc.chat("late question", tenant="latecomer")).headers["x-cache"] == "HIT-L1"
+    stats = sc.sidecar.l1.stats()
+    assert len(stats) == 8
+    assert "early-1" not in stats
+    assert "early-0" in stats
+    assert (await sc.chat("junk 1", tenant="early-1")).headers["x-cache"] == "MISS"  # dropped
 
     # Three ticks pass; "early-0" keeps asking, the rest are idle for more than two ticks.
     for _ in range(3):
         await sc.chat("junk 0", tenant="early-0")
         sc.sidecar.expire_idle(2)
     stats = sc.sidecar.l1.stats()
-    assert "early-0" in stats
-    assert not any(t.startswith("early-") and t != "early-0" for t in stats)
+    assert set(stats) == {"early-0"}
     labels = tenant_labels((await sc.admin.get("/metrics")).text)
     assert "early-5" not in labels
     assert "early-0" in labels
 
-    await sc.chat("late question", tenant="latecomer")
-    assert (await sc.chat("late question", tenant="latecomer")).headers["x-cache"] == "HIT-L1"
+
+class _Raw:
+    """A bare keep-alive HTTP/1.1 client: 10,000 requests through httpx take minutes here."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def connect(cls, url: str) -> _Raw:
+        host, port = url.removeprefix("http://").split(":")
+        return cls(*await asyncio.open_connection(host, int(port)))
+
+    async def chat(self, content: str, tenant: str) -> tuple[int, str]:
+        """(status, X-Cache) of one chat completion of ``tenant``."""
+        body = orjson.dumps(
+            {"model": "m1", "messages": [{"role": "user", "content": content}], "temperature": 0}
+        )
+        self.writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+            b"x-tenant-id: %s\r\ncontent-length: %d\r\n\r\n%s" % (tenant.encode(), len(body), body)
+        )
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        fields = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+        await self.reader.readexactly(int(fields["content-length"]))
+        return int(lines[0].split()[1]), fields.get("x-cache", "").upper()
+
+    async def aclose(self) -> None:
+        self.writer.close()
+        await self.writer.wait_closed()
+
+
+async def test_five_thousand_tenants_through_sixty_four_slots(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    # A SaaS with one tenant per customer: 5,000 names, two of them listed, 64 slots.
+    names = 5000
+    slots = 64
+    l1_bytes = 1 << 20
+    sc = await sidecar_factory(
+        tenants=("alpha", "beta"), guest_share=0.25, l1_bytes=l1_bytes, max_tenants=slots
+    )
+    app: Sidecar = sc.sidecar
+    await fill(sc, "alpha", 10)
+    await fill(sc, "beta", 10)
+    listed = {t: app.l1.stats()[t] for t in ("alpha", "beta")}
+    most = 0
+    raw = await _Raw.connect(sc.url)
+    try:
+        for i in range(names):  # one after the other: each answer before the next request
+            tenant = f"customer-{i}"
+            assert await raw.chat(f"question of {tenant}", tenant) == (200, "MISS"), tenant
+            assert await raw.chat(f"question of {tenant}", tenant) == (200, "HIT-L1"), tenant
+            most = max(most, len(app.l1.tenants))
+    finally:
+        await raw.aclose()
+    assert most == slots
+    assert app.l1.replaced == names - (slots - 2)
+    assert app.metrics.cache_faults.get("tenant_limit", 0) == 0  # nobody was sent uncached
+
+    # The listed tenants kept their slots, bytes and every entry.
+    stats = app.l1.stats()
+    for tenant, before in listed.items():
+        assert stats[tenant].capacity_bytes == before.capacity_bytes
+        assert stats[tenant].entries == before.entries == 10
+        assert stats[tenant].evictions == 0
+    for i in range(10):
+        for tenant in listed:
+            hit = await sc.chat(f"question {i}", tenant=tenant)
+            assert hit.headers["x-cache"] == "HIT-L1"
+    # Bounded: bytes, the guests' pool, series, /status, the per-tenant state of the pod.
+    assert app.l1.used_bytes <= l1_bytes
+    assert sum(s.capacity_bytes for t, s in stats.items() if t not in listed) <= l1_bytes // 4
+    labels = tenant_labels((await sc.admin.get("/metrics")).text)
+    assert {"alpha", "beta", OTHER_TENANT} <= labels
+    assert len(labels) <= slots + 2 + 1  # max_tenants series, the listed ones, _other
+    assert len(app.metrics.tenants) <= slots + 2 + 1
+    status = (await sc.admin.get("/status")).json()
+    assert len(status["tenants"]) <= slots
+    assert len(app._tenant_memo) <= 4096
+
+
+async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    l1_bytes = 1 << 20
+    sc = await sidecar_factory(l1_bytes=l1_bytes, max_tenants=8)
+    app: Sidecar = sc.sidecar
+    quotas = {"alpha": protocol.TenantQuota(l1_bytes=l1_bytes * 3 // 4, l2_bytes=0)}
+    app.apply_quotas(protocol.QuotaAssignment(generation=1, tenants=quotas))
+    assert (await sc.chat("hello", tenant="customer-1")).status_code == 403  # no defaults
+
+    unlisted = protocol.TenantQuota(
+        l1_bytes=l1_bytes // 4, l2_bytes=0, policy=protocol.Policy.LIRS, priority_class="BestEffort"
+    )
+    app.apply_quotas(
+        protocol.QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted)
+    )
+    await fill(sc, "alpha", 3)
+    for i in range(20):
+        tenant = f"customer-{i}"
+        assert (await sc.chat("hello", tenant=tenant)).headers["x-cache"] == "MISS"
+        assert (await sc.chat("hello", tenant=tenant)).headers["x-cache"] == "HIT-L1"
+    stats = app.l1.stats()
+    assert len(stats) == 8
+    assert stats["alpha"].capacity_bytes == l1_bytes * 3 // 4
+    assert stats["alpha"].entries == 3
+    guests = {t: s for t, s in stats.items() if t != "alpha"}
+    assert {s.policy for s in guests.values()} == {"lirs"}
+    assert sum(s.capacity_bytes for s in guests.values()) <= l1_bytes // 4
+
+    app.apply_quotas(protocol.QuotaAssignment(generation=3, tenants=quotas))  # defaults gone
+    assert (await sc.chat("hello", tenant="customer-99")).status_code == 403
 
 
 class _Sink:
@@ -169,3 +286,23 @@ async def test_guests_never_write_redis(sidecar_factory: SidecarFactory, redis_u
     names = b"\n".join(k if isinstance(k, bytes) else k.encode() for k in found)
     assert b"|alpha}" in names
     assert b"junk" not in names
+
+
+@pytest.mark.redis
+async def test_tenants_under_defaults_stay_out_of_redis(
+    sidecar_factory: SidecarFactory, redis_url: str
+) -> None:
+    # tenantDefaults with no tenant listed: every tenant is unlisted, L1 only.
+    sc = await sidecar_factory(redis_url=redis_url, l1_bytes=1 << 20)
+    unlisted = protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0)
+    sc.sidecar.apply_quotas(protocol.QuotaAssignment(generation=1, default_tenant=unlisted))
+    for i in range(20):
+        assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "MISS"
+        assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "HIT-L1"
+    await asyncio.sleep(0.3)  # L2 writes are in the background
+    client = protocol.redis_from_url(redis_url)
+    try:
+        found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
+    finally:
+        await client.aclose()
+    assert not [k for k in found if b"junk" in (k if isinstance(k, bytes) else k.encode())]

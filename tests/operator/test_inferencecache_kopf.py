@@ -160,6 +160,25 @@ def test_create_publishes_quotas_and_reports_status(
     )
 
 
+def test_tenant_defaults_are_published_for_unlisted_tenants(
+    emulator: EmulatorHandle, operator_factory: OperatorFactory, redis_url: str
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(make(fake))
+    defaults = {"share": 0.2, "priorityClass": "BestEffort", "policy": "sits"}
+    emulator.create(IC_PATH, cache_body("saas", redis_url, tenantDefaults=defaults))
+    assignment = wait_for(
+        lambda: stored_assignment(redis_url, f"{NAMESPACE}/saas"), ACT_TIMEOUT_S, "quotas"
+    )
+    unlisted = assignment.default_tenant
+    assert unlisted is not None
+    assert (unlisted.l1_bytes, unlisted.l2_bytes) == (int(L1 * 0.2), 0)
+    assert (unlisted.priority_class, unlisted.policy) == ("BestEffort", protocol.Policy.SITS)
+    # The listed tenants share what the pool leaves.
+    assert sum(q.l1_bytes for q in assignment.tenants.values()) <= L1 - int(L1 * 0.2)
+
+
 def wait_condition(
     emulator: EmulatorHandle, name: str, type_: str, status: str, reason: str | None = None
 ) -> dict[str, Any]:

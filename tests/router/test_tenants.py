@@ -52,6 +52,18 @@ def test_without_a_table_every_tenant_is_standard() -> None:
     assert table.class_of("new") is None
 
 
+def test_unlisted_tenants_get_the_class_of_the_tenant_defaults() -> None:
+    table = TenantClasses()
+    with_defaults = assignment(1, {"gold": "Guaranteed"}).model_copy(
+        update={"default_tenant": TenantQuota(l1_bytes=0, l2_bytes=0, priority_class="BestEffort")}
+    )
+    assert table.apply(with_defaults)
+    assert table.class_of("customer-4711") == "BestEffort"
+    assert table.class_of("gold") == "Guaranteed"
+    assert table.apply(assignment(2, {"gold": "Guaranteed"}))  # defaults removed
+    assert table.class_of("customer-4711") is None
+
+
 @pytest.mark.redis
 async def test_classes_follow_the_operators_notices(redis_url: str) -> None:
     operator = Redis.from_url(redis_url)

@@ -194,6 +194,7 @@ def test_default_policy_applies_to_tenants_without_one() -> None:
 
 def test_max_tenants_bounds_the_partitions() -> None:
     l1: TenantL1[int, str] = TenantL1(1000, max_tenants=2)
+    l1.set_reserved({"a", "b"})  # every slot held by a known tenant: nobody to replace
     l1.put("a", 1, "x", 1)
     l1.put("b", 1, "x", 1)
     with pytest.raises(TenantLimitError, match="'c'"):
@@ -205,6 +206,7 @@ def test_max_tenants_bounds_the_partitions() -> None:
     assert l1.remove_tenant("a") is True
     assert l1.remove_tenant("a") is False
     assert capacities(l1) == {"b": 1000}
+    l1.set_reserved(())
     l1.put("c", 1, "y", 1)
     assert capacities(l1) == {"b": 500, "c": 500}
 
