@@ -148,6 +148,8 @@ class Admission:
         self._queue: deque[tuple[object, float]] = deque()
         #: Requests sent upstream since the last reading (it cannot show them yet).
         self.sent = 0
+        #: The last reading failed: nothing is refused until one succeeds.
+        self._blind = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -158,6 +160,7 @@ class Admission:
     def observe(self, metrics: ModelServerMetrics | None, now: float) -> bool:
         """Take one reading (None: it failed); True when shedding started or stopped."""
         self.sent = 0
+        self._blind = metrics is None
         if metrics is None:
             self.faults += 1
             self.waiting = self.running = self.kv_usage = 0.0
@@ -166,7 +169,7 @@ class Admission:
             self.kv_usage = metrics.kv_usage
             if metrics.prefill_seconds_total and metrics.prefill_requests_total:
                 self.prefill_s = metrics.prefill_seconds_total / metrics.prefill_requests_total
-        self._assess(failed=metrics is None)
+        self._assess()
         was = self.shedding_since is not None
         if self.saturated and not was:
             self.shedding_since = now
@@ -175,10 +178,11 @@ class Admission:
             self.shedding_since = None
         return self.saturated != was
 
-    def _assess(self, *, failed: bool = False) -> None:
-        """``saturated`` and ``cause`` from the last reading plus the requests sent since."""
+    def _assess(self) -> None:
+        """``saturated`` and ``cause`` from the last reading plus the requests sent since
+        (after a failed reading: not saturated, whatever was sent)."""
         cfg = self.config
-        if failed:
+        if self._blind:
             self.saturated, self.cause = False, ""
         elif self.waiting + self.sent >= cfg.max_waiting:
             self.saturated, self.cause = True, "queue"
@@ -255,6 +259,8 @@ class Admission:
         unsaturated, each counted as sent, so the next one waits for the next reading."""
         out: list[object] = []
         while self._queue and not self.saturated:
+            if self._blind and self.sent >= self.config.max_waiting:
+                break  # no reading to go by: at most max_waiting per (failed) reading
             out.append(self._queue.popleft()[0])
             self._send()
         return out
