@@ -23,9 +23,14 @@ holds) / prefill_rate``. Deterministic: no clock, no randomness beyond the
 * **Modes.** ``fifo``: every miss enters its pod's queue. ``class-aware``: each
   pod has its own :class:`cachefleet_sidecar.admission.Admission` (the
   sidecar's), fed a reading of that pod (waiting, running, KV use, prefill
-  histogram) at every arrival and completion there: a poller with no delay.
-  Refused requests are counted; parked Standard requests enter the queue when
-  released (their TTFT includes the wait) or are refused at their deadline.
+  histogram) every ``poll_s`` seconds, as the sidecar's gate polls
+  (:data:`cachefleet_sidecar.gate.METRICS_POLL_S`; the pods' polls are spread
+  over the period). Parked Standard requests are released and timed out at
+  readings, as the gate does; between readings the core decides from the last
+  reading and what it sent since. ``poll_s=0`` reads at every arrival and
+  completion instead: a poller with no delay, which no sidecar has
+  (optimistic; the replay's first version). Refused requests are counted;
+  released Standard requests enter the queue (their TTFT includes the wait).
 
 Row fields: ``guaranteed_ttft_p95`` (seconds, Guaranteed misses),
 ``guaranteed_ttft_p95_unloaded`` (the same requests replayed with no other
@@ -57,6 +62,7 @@ from cachefleet_sidecar.admission import (
     Admission,
     AdmissionConfig,
 )
+from cachefleet_sidecar.gate import METRICS_POLL_S
 from cachefleet_sidecar.modelserver import ModelServerMetrics
 
 #: Class shares by conversation (the rest is BestEffort).
@@ -199,6 +205,15 @@ class _Outcome:
     misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     refused: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CLASSES, 0))
     hits_refused: int = 0
+    #: Standard requests refused after waiting their whole bound (503), of ``refused``.
+    standard_timeouts: int = 0
+    #: Per Guaranteed miss, by trace index: its TTFT, the rest of the prefill running
+    #: on its pod when it arrived (it cannot be interrupted), that prefill's class,
+    #: and its own prefill seconds.
+    guaranteed: dict[int, float] = field(default_factory=dict)
+    residual: dict[int, float] = field(default_factory=dict)
+    residual_class: dict[int, str] = field(default_factory=dict)
+    service: dict[int, float] = field(default_factory=dict)
 
 
 def replay(
@@ -208,15 +223,23 @@ def replay(
     kv_blocks: int,
     prefill_rate: float,
     admission: AdmissionConfig | None,
+    poll_s: float = METRICS_POLL_S,
 ) -> _Outcome:
-    """One replay (``admission`` None: FIFO); requests need their ``at`` times set."""
+    """One replay (``admission`` None: FIFO); requests need their ``at`` times set.
+
+    ``poll_s``: seconds between two readings of a pod by its sidecar (0: a
+    reading at every arrival and completion on that pod).
+    """
     fleet = [_Pod(kv_blocks) for _ in range(pods)]
     if admission is not None:
         for pod in fleet:
             pod.admission = Admission(admission)
     out = _Outcome()
-    done: list[tuple[float, int, int]] = []  # (time, sequence, pod)
+    done: list[tuple[float, int, int]] = []  # (time, sequence, pod): prefills ending
     seq = 0
+    polled = admission is not None and poll_s > 0
+    # (time, pod): each pod's next reading, the pods' phases spread over the period
+    polls = [(poll_s * p / pods, p) for p in range(pods)] if polled else []
 
     def start(p: int, now: float) -> None:
         nonlocal seq
@@ -227,17 +250,22 @@ def replay(
         pod.queued_work -= job.estimate
         service = uncached_s(job.req.tokens, pod.matched(job.req.blocks), prefill_rate)
         pod.busy, pod.busy_until, pod.busy_service = job, now + service, service
+        if job.req.cls == GUARANTEED:
+            out.service[job.req.index] = service
         seq += 1
         heapq.heappush(done, (pod.busy_until, seq, p))
 
     def enqueue(job: _Job, now: float) -> None:
         pod = fleet[job.pod]
+        if job.req.cls == GUARANTEED and pod.busy is not None:
+            out.residual[job.req.index] = pod.busy_until - now
+            out.residual_class[job.req.index] = pod.busy.req.cls
         pod.queue.append(job)
         pod.queued_work += job.estimate
         start(job.pod, now)
 
     def tick(p: int, now: float) -> None:
-        """The pod's sidecar takes a reading and lets parked requests go."""
+        """The pod's sidecar takes a reading, lets parked requests go, times out the rest."""
         pod = fleet[p]
         if pod.admission is None:
             return
@@ -246,34 +274,56 @@ def replay(
             assert isinstance(ticket, _Job)
             pod.parked_work -= ticket.estimate
             enqueue(ticket, now)
+        expire(p, now)
 
-    def expire(now: float) -> None:
-        for pod in fleet:
-            if pod.admission is not None and pod.admission.queued:
-                for ticket in pod.admission.expire(now):
-                    assert isinstance(ticket, _Job)
-                    pod.parked_work -= ticket.estimate
-                    out.refused[ticket.req.cls] += 1
+    def expire(p: int, now: float) -> None:
+        pod = fleet[p]
+        if pod.admission is not None and pod.admission.queued:
+            for ticket in pod.admission.expire(now):
+                assert isinstance(ticket, _Job)
+                pod.parked_work -= ticket.estimate
+                out.refused[ticket.req.cls] += 1
+                out.standard_timeouts += 1
 
-    def complete_until(t: float) -> None:
-        while done and done[0][0] <= t:
-            now, _, p = heapq.heappop(done)
-            pod = fleet[p]
-            job = pod.busy
-            assert job is not None
-            pod.remember(job.req.blocks)
-            pod.prefill_s += pod.busy_service
-            pod.prefills += 1
-            pod.busy = None
-            out.ttft[job.req.cls].append(now - job.req.at)
-            expire(now)
-            start(p, now)
+    def complete(now: float, p: int) -> None:
+        pod = fleet[p]
+        job = pod.busy
+        assert job is not None
+        pod.remember(job.req.blocks)
+        pod.prefill_s += pod.busy_service
+        pod.prefills += 1
+        pod.busy = None
+        out.ttft[job.req.cls].append(now - job.req.at)
+        if job.req.cls == GUARANTEED:
+            out.guaranteed[job.req.index] = now - job.req.at
+        if not polled:
+            for q in range(pods):
+                expire(q, now)
+        start(p, now)
+        if not polled:
             tick(p, now)
 
+    def advance(t: float) -> None:
+        """Every prefill end and reading up to ``t``, in time order."""
+        while True:
+            t_done = done[0][0] if done else math.inf
+            t_poll = polls[0][0] if polls else math.inf
+            if min(t_done, t_poll) > t:
+                return
+            if t_done <= t_poll:
+                now, _, p = heapq.heappop(done)
+                complete(now, p)
+            else:
+                now, p = heapq.heappop(polls)
+                tick(p, now)
+                heapq.heappush(polls, (now + poll_s, p))
+
     for req in reqs:
-        complete_until(req.at)
+        advance(req.at)
         now = req.at
-        expire(now)
+        if not polled:
+            for p in range(pods):
+                expire(p, now)
         if req.hit:
             adm = fleet[0].admission
             if adm is not None and adm.decide(req.cls, now, hit=True).action != "admit":
@@ -295,7 +345,8 @@ def replay(
         if pod.admission is None:
             enqueue(job, now)
             continue
-        tick(best, now)
+        if not polled:
+            tick(best, now)
         decision = pod.admission.decide(req.cls, now, job)
         if decision.action == "admit":
             enqueue(job, now)
@@ -303,8 +354,14 @@ def replay(
             pod.parked_work += job.estimate
         else:
             out.refused[req.cls] += 1
-    # Every completion takes a reading and releases parked requests, so the queues drain.
-    complete_until(math.inf)
+
+    # Readings go on until nothing is parked (each waits at most its bound) or running.
+    def parked() -> bool:
+        return any(pod.admission is not None and pod.admission.queued for pod in fleet)
+
+    while done or (polled and parked()):
+        t_next = min(done[0][0] if done else math.inf, polls[0][0] if polls else math.inf)
+        advance(t_next)
     for pod in fleet:
         if pod.admission is not None:
             for ticket in pod.admission.release_all():  # none expected: counted if any
@@ -323,8 +380,14 @@ def admission_rows(
     seed: int = 0,
     limit: int | None = None,
     config: AdmissionConfig = REPLAY_ADMISSION,
+    poll_s: float = METRICS_POLL_S,
+    explain: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The ``fifo`` and ``class-aware`` rows of one trace at ``overload`` x capacity."""
+    """The ``fifo`` and ``class-aware`` rows of one trace at ``overload`` x capacity.
+
+    ``explain``: a list that gets, per mode, what the rows leave out: Standard's
+    outcome, and where Guaranteed's p95 comes from (:func:`_explain`).
+    """
     if pods < 1:
         raise ValueError(f"pods: must be >= 1, got {pods}")
     if kv_blocks < 1:
@@ -333,6 +396,8 @@ def admission_rows(
         raise ValueError(f"prefill_rate: must be > 0 tokens/s, got {prefill_rate}")
     if not (math.isfinite(overload) and overload > 0):
         raise ValueError(f"overload: must be > 0, got {overload}")
+    if not (math.isfinite(poll_s) and poll_s >= 0):
+        raise ValueError(f"poll_s: must be >= 0 seconds, got {poll_s}")
     reqs = load_trace(trace_path, seed, limit)
     span_s = (reqs[-1].ts_ms - reqs[0].ts_ms) / 1000.0
     work = fleet_work_s(reqs, pods, kv_blocks, prefill_rate)
@@ -348,7 +413,9 @@ def admission_rows(
     unloaded = p95(alone.ttft[GUARANTEED])
     rows = []
     for mode, adm in (("fifo", None), ("class-aware", config)):
-        result = replay(reqs, admission=adm, **common)
+        result = replay(reqs, admission=adm, poll_s=poll_s, **common)
+        if explain is not None:
+            explain.append({"mode": mode, **_explain(result, alone, unloaded)})
         be = result.misses[BEST_EFFORT]
         rows.append(
             {
@@ -362,6 +429,41 @@ def admission_rows(
     return rows
 
 
+def _explain(result: _Outcome, alone: _Outcome, unloaded: float) -> dict[str, Any]:
+    """Standard's outcome and Guaranteed's p95 with each delay taken out, as x unloaded.
+
+    ``no_residual``: TTFT less the rest of the prefill running when it arrived;
+    ``own_prefill``: its prefill alone (no wait at all); ``unloaded_prefill``:
+    its wait plus the prefill it had in the unloaded replay (the KV cache held
+    by Guaranteed alone).
+    """
+    g = sorted(result.guaranteed)
+    ttft = result.guaranteed
+    waits = {i: ttft[i] - result.service[i] for i in g}
+
+    def ratio(values: list[float]) -> float:
+        return round(p95(values) / unloaded, 3) if unloaded else math.nan
+
+    st = result.misses[STANDARD]
+    return {
+        "guaranteed_ratio": ratio([ttft[i] for i in g]),
+        "no_residual": ratio([ttft[i] - result.residual.get(i, 0.0) for i in g]),
+        "own_prefill": ratio([result.service[i] for i in g]),
+        "unloaded_prefill": ratio([waits[i] + alone.service[i] for i in g if i in alone.service]),
+        "guaranteed_meeting_a_running_standard": round(
+            sum(1 for i in g if result.residual_class.get(i) == STANDARD) / len(g), 3
+        )
+        if g
+        else 0.0,
+        "standard_misses": st,
+        "standard_refused_share": round(result.refused[STANDARD] / st, 3) if st else 0.0,
+        "standard_timeouts": result.standard_timeouts,
+        "standard_ttft_p95": round(p95(result.ttft[STANDARD]), 2),
+        "besteffort_misses": result.misses[BEST_EFFORT],
+        "besteffort_refused": result.refused[BEST_EFFORT],
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="cachefleet-bench-admission", description=__doc__.splitlines()[0]
@@ -372,9 +474,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--prefill-rate", type=float, default=20000.0, help="tokens/s per pod")
     p.add_argument("--overload", type=float, default=1.5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--poll-s",
+        type=float,
+        default=METRICS_POLL_S,
+        help="seconds between a sidecar's readings of its pod (0: at every event, optimistic)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="also print Standard's outcome and where Guaranteed's p95 comes from",
+    )
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--json", default=None, help="write {'admission': rows} here")
     args = p.parse_args(argv)
+    explain: list[dict[str, Any]] | None = [] if args.explain else None
     try:
         rows = admission_rows(
             args.trace,
@@ -384,12 +498,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             overload=args.overload,
             seed=args.seed,
             limit=args.limit,
+            poll_s=args.poll_s,
+            explain=explain,
         )
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for row in rows:
         print(json.dumps(row))
+    for detail in explain or ():
+        print(json.dumps({"explain": detail}))
     if args.json:
         Path(args.json).write_text(json.dumps({"admission": rows}, indent=2) + "\n")
     return 0

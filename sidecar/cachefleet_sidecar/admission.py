@@ -12,6 +12,9 @@ The rules (docs/admission.md):
   ``max_waiting`` requests, its KV cache is at least ``max_kv_usage`` full, or
   (when ``max_running`` is set) at least that many requests run;
   a reading that failed counts as not saturated (and is counted);
+* between two readings, every request this sidecar sent upstream counts as
+  one more waiting (and running) request: the reading cannot show it yet, and
+  without it every request until the next reading would see the old room;
 * a cache hit costs the GPU nothing and is always admitted; only a request
   that would go upstream is asked about;
 * ``Guaranteed`` always passes;
@@ -143,8 +146,10 @@ class Admission:
         self.shedding_since: float | None = None
         self.shedding_starts = 0
         self._queue: deque[tuple[object, float]] = deque()
-        #: Tickets :meth:`release` may still let go on the current reading.
-        self._headroom = 0
+        #: Requests sent upstream since the last reading (it cannot show them yet).
+        self.sent = 0
+        #: The last reading failed: nothing is refused until one succeeds.
+        self._blind = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -154,28 +159,17 @@ class Admission:
 
     def observe(self, metrics: ModelServerMetrics | None, now: float) -> bool:
         """Take one reading (None: it failed); True when shedding started or stopped."""
-        cfg = self.config
+        self.sent = 0
+        self._blind = metrics is None
         if metrics is None:
             self.faults += 1
-            self.saturated, self.cause = False, ""
             self.waiting = self.running = self.kv_usage = 0.0
         else:
             self.waiting, self.running = metrics.waiting, metrics.running
             self.kv_usage = metrics.kv_usage
             if metrics.prefill_seconds_total and metrics.prefill_requests_total:
                 self.prefill_s = metrics.prefill_seconds_total / metrics.prefill_requests_total
-            if metrics.waiting >= cfg.max_waiting:
-                self.saturated, self.cause = True, "queue"
-            elif metrics.kv_usage >= cfg.max_kv_usage:
-                self.saturated, self.cause = True, "kv"
-            elif cfg.max_running is not None and metrics.running >= cfg.max_running:
-                self.saturated, self.cause = True, "running"
-            else:
-                self.saturated, self.cause = False, ""
-        room = cfg.max_waiting - self.waiting
-        if cfg.max_running is not None:
-            room = min(room, cfg.max_running - self.running)
-        self._headroom = 0 if self.saturated else max(1, int(room))
+        self._assess()
         was = self.shedding_since is not None
         if self.saturated and not was:
             self.shedding_since = now
@@ -183,6 +177,27 @@ class Admission:
         elif not self.saturated and was:
             self.shedding_since = None
         return self.saturated != was
+
+    def _assess(self) -> None:
+        """``saturated`` and ``cause`` from the last reading plus the requests sent since
+        (after a failed reading: not saturated, whatever was sent)."""
+        cfg = self.config
+        if self._blind:
+            self.saturated, self.cause = False, ""
+        elif self.waiting + self.sent >= cfg.max_waiting:
+            self.saturated, self.cause = True, "queue"
+        elif self.kv_usage >= cfg.max_kv_usage:
+            self.saturated, self.cause = True, "kv"
+        elif cfg.max_running is not None and self.running + self.sent >= cfg.max_running:
+            self.saturated, self.cause = True, "running"
+        else:
+            self.saturated, self.cause = False, ""
+
+    def _send(self) -> None:
+        """Count one request sent upstream; the estimate may now say "saturated"."""
+        self.sent += 1
+        if not self.saturated:
+            self._assess()
 
     def drain_s(self) -> float:
         """Estimated seconds until the server has room again (0 when it has room now).
@@ -196,7 +211,7 @@ class Admission:
             return 0.0
         per = self.prefill_s or 0.0
         if self.cause == "queue":
-            excess = self.waiting - self.config.max_waiting + 1 + len(self._queue)
+            excess = self.waiting + self.sent - self.config.max_waiting + 1 + len(self._queue)
         else:
             excess = 1 + len(self._queue)
         return max(0.0, excess * per)
@@ -224,12 +239,15 @@ class Admission:
             return ADMIT
         cls = normal_class(priority_class)
         if cls == GUARANTEED:
+            self._send()
             return ADMIT
         if cls == BEST_EFFORT:
             if not self.saturated:
+                self._send()
                 return ADMIT
             return self._refusal(429, _CAUSE_REASON[self.cause])
         if not self.saturated and not self._queue:
+            self._send()
             return ADMIT
         if len(self._queue) >= self.config.standard_queue:
             return self._refusal(429, REASON_QUEUE_FULL)
@@ -237,11 +255,14 @@ class Admission:
         return WAIT
 
     def release(self) -> list[object]:
-        """Parked tickets that may go now (oldest first), within the reading's headroom."""
+        """Parked tickets that may go now (oldest first): as many as leave the server
+        unsaturated, each counted as sent, so the next one waits for the next reading."""
         out: list[object] = []
-        while self._queue and self._headroom > 0:
+        while self._queue and not self.saturated:
+            if self._blind and self.sent >= self.config.max_waiting:
+                break  # no reading to go by: at most max_waiting per (failed) reading
             out.append(self._queue.popleft()[0])
-            self._headroom -= 1
+            self._send()
         return out
 
     def release_all(self) -> list[object]:
@@ -280,7 +301,8 @@ class Admission:
         elif reason == REASON_SATURATED_RUNNING:
             text = f"model server saturated: {self.running:g} requests running"
         else:
-            text = f"model server saturated: {self.waiting:g} requests waiting for prefill"
+            waiting = self.waiting + self.sent  # what it holds now, as far as we know
+            text = f"model server saturated: {waiting:g} requests waiting for prefill"
         return Decision("refuse", status, reason, retry, f"{text}; retry in {retry} s")
 
     def describe(self) -> dict[str, object]:
@@ -291,6 +313,7 @@ class Admission:
             "waiting": self.waiting,
             "running": self.running,
             "kv_usage": round(self.kv_usage, 4),
+            "sent_since_reading": self.sent,
             "queued": len(self._queue),
             "retry_after_s": self.retry_after_s() if self.saturated else None,
             "metrics_faults": self.faults,

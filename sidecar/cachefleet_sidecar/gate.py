@@ -6,7 +6,8 @@ feeds it a reading every :data:`METRICS_POLL_S` (parsed by
 model server counts as "not saturated" and is counted), turns parked Standard
 requests into futures the request waits on, and renders refusals (429 / 503
 with ``Retry-After`` and a JSON body that gives the reason). The sidecar asks
-it only for requests about to go upstream: a cache hit never meets it.
+it for every request about to go upstream (it counts them until a reading can
+show them): a cache hit never meets it.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ class AdmissionGate:
 
     @property
     def busy(self) -> bool:
-        """True when a request may have to wait or be refused (the fast path then steps aside)."""
-        return self.core.saturated or self.core.queued > 0
+        """True: every request about to go upstream must ask :meth:`admit` (the fast path
+        steps aside), because the core counts what was sent since its last reading."""
+        return True
 
     # ---------------------------------------------------------------- poller
     def start(self) -> None:

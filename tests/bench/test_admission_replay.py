@@ -77,3 +77,39 @@ def test_bad_trace_and_bad_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="prefill_rate"):
         admission_rows(TRACE_FILE, pods=2, kv_blocks=10, prefill_rate=0)
     assert main(["--trace", str(bad)]) == 2
+
+
+def test_sidecars_read_their_pods_at_the_poll_period_and_explain_adds_up() -> None:
+    # A reading at every event (poll 0) lets a parked Standard request go the moment
+    # a prefill ends; at the gate's 0.5 s period the pod can sit idle until the next
+    # reading, so fewer Guaranteed requests find a Standard prefill running and more
+    # Standard requests wait out their bound.
+    explained: dict[float, dict[str, object]] = {}
+    for poll_s in (0.0, 0.5):
+        found: list[dict[str, object]] = []
+        _, aware = admission_rows(
+            TRACE_FILE,
+            pods=4,
+            kv_blocks=1000,
+            prefill_rate=20000.0,
+            limit=600,
+            poll_s=poll_s,
+            explain=found,
+        )
+        assert aware["hits_refused"] == 0
+        assert [e["mode"] for e in found] == ["fifo", "class-aware"]
+        detail = found[1]
+        ratio = aware["guaranteed_ttft_p95"] / aware["guaranteed_ttft_p95_unloaded"]  # type: ignore[operator]
+        assert detail["guaranteed_ratio"] == pytest.approx(ratio, abs=0.002)
+        assert detail["no_residual"] <= detail["guaranteed_ratio"]  # type: ignore[operator]
+        assert detail["besteffort_refused"] == round(
+            aware["besteffort_shed_share"] * detail["besteffort_misses"]  # type: ignore[operator]
+        )
+        assert found[0]["standard_refused_share"] == 0.0  # FIFO refuses nobody
+        explained[poll_s] = detail
+    every, polled = explained[0.0], explained[0.5]
+    meeting = "guaranteed_meeting_a_running_standard"
+    assert polled[meeting] < every[meeting]  # type: ignore[operator]
+    assert polled["standard_timeouts"] > every["standard_timeouts"]  # type: ignore[operator]
+    with pytest.raises(ValueError, match="poll_s"):
+        admission_rows(TRACE_FILE, pods=2, kv_blocks=10, prefill_rate=1.0, poll_s=-1)

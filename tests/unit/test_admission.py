@@ -36,12 +36,36 @@ def saturated(config: AdmissionConfig | None = None, **kw: float) -> Admission:
 
 
 def test_nothing_is_refused_while_the_server_has_room() -> None:
-    a = Admission(AdmissionConfig(max_waiting=4))
+    a = Admission(AdmissionConfig(max_waiting=8))
     a.observe(reading(waiting=3, kv=0.5), 0.0)
     assert not a.saturated
     for cls in (GUARANTEED, STANDARD, BEST_EFFORT, None):
         assert a.decide(cls, 0.0, object()).action == "admit"
     assert a.queued == 0
+
+
+def test_requests_sent_since_the_last_reading_count_as_waiting() -> None:
+    # The reading says 2 waiting (threshold 4); it cannot show what the sidecar sends next.
+    a = Admission(AdmissionConfig(max_waiting=4, standard_queue=4))
+    a.observe(reading(waiting=2, prefill_s=0.5, n=10), 0.0)
+    assert a.decide(GUARANTEED, 0.1, object()).action == "admit"
+    assert a.decide(BEST_EFFORT, 0.2, object()).action == "admit"
+    assert (a.saturated, a.cause, a.sent) == (True, "queue", 2)  # 2 read + 2 sent
+    shed = a.decide(BEST_EFFORT, 0.3)
+    assert (shed.status, shed.reason) == (429, "saturated_queue")
+    assert "4 requests waiting" in shed.message
+    assert a.decide(STANDARD, 0.3, "parked").action == "wait"
+    assert a.decide(GUARANTEED, 0.4, object()).action == "admit"  # still always passes
+    # a shedding episode (log, Event) starts and stops on readings only
+    assert a.shedding_since is None
+    assert a.describe()["sent_since_reading"] == 3
+    assert a.release() == []
+    # the next reading shows the server's own count again: room for one
+    a.observe(reading(waiting=3), 0.5)
+    assert a.sent == 0
+    assert a.release() == ["parked"]
+    assert a.saturated  # 3 read + the one just let go
+    assert a.decide(BEST_EFFORT, 0.6).action == "refuse"
 
 
 def test_queue_threshold_and_kv_threshold_each_saturate() -> None:
@@ -134,7 +158,10 @@ def test_a_failed_reading_is_not_saturated_and_is_counted() -> None:
     a = saturated()
     assert a.observe(None, 1.0) is True  # shedding stopped
     assert (a.saturated, a.faults) == (False, 1)
-    assert a.decide(BEST_EFFORT, 1.0).action == "admit"
+    # no reading to add the sent requests to: nothing is refused, however many go
+    for _ in range(10):
+        assert a.decide(BEST_EFFORT, 1.0).action == "admit"
+    assert not a.saturated
 
 
 def test_shedding_start_and_stop_are_reported_once() -> None:
