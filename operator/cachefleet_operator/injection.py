@@ -125,6 +125,8 @@ class CacheInfo:
     outage_staleness_s: int = 0
     #: Admission flags from ``spec.admission`` as (flag, value) pairs; empty: off.
     admission: tuple[tuple[str, str], ...] = ()
+    #: ``spec.namespaceHeader``, ``spec.warmup`` as sidecar flags; empty: the defaults.
+    cache_flags: tuple[tuple[str, str], ...] = ()
 
     @property
     def ref(self) -> str:
@@ -149,7 +151,21 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         policy=spec.get("defaultPolicy") or None,
         outage_staleness_s=int(redis.get("outageStalenessSeconds") or 0),
         admission=admission_flags(spec.get("admission")),
+        cache_flags=cache_flags(spec),
     )
+
+
+def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Sidecar flags of ``spec.namespaceHeader`` and ``spec.warmup`` (absent: none)."""
+    flags: list[tuple[str, str]] = []
+    if spec.get("namespaceHeader"):
+        flags.append(("namespace-header", str(spec["namespaceHeader"])))
+    warmup = spec.get("warmup")
+    if isinstance(warmup, Mapping) and warmup.get("bytes"):
+        flags.append(("warm-bytes", str(int(warmup["bytes"]))))
+        if warmup.get("timeoutSeconds") is not None:
+            flags.append(("warm-timeout", str(warmup["timeoutSeconds"])))
+    return tuple(flags)
 
 
 #: spec.admission field -> sidecar flag
@@ -238,6 +254,7 @@ def sidecar_container(
     if cache.outage_staleness_s:
         env.append(_env("redis-outage-staleness", str(cache.outage_staleness_s)))
     env.extend(_env(flag, value) for flag, value in cache.admission)
+    env.extend(_env(flag, value) for flag, value in cache.cache_flags)
     if api_keys_secret:
         env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}
