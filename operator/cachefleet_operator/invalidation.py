@@ -503,6 +503,8 @@ class InvalidationRunner:
             message = f"InferenceCache {spec.cache_ref.name!r} is invalid: {exc}"
             return self._failed(generation, started, message, "CacheInvalid")
         scope = scope_name(spec.scope)
+        # a key purge names its digest: "purge" alone says nothing about which entry
+        label = f"purge (key {spec.scope.key})" if spec.scope.type is ScopeType.KEY else scope
         ref = protocol.cache_ref(namespace, spec.cache_ref.name)
         recorded = _recorded_epoch(raw_status)
         started = str((raw_status or {}).get("startTime") or started)
@@ -516,7 +518,7 @@ class InvalidationRunner:
                     # finds it and does not advance again
                     floor = _floor(cache.get("status"), scope)
                     intended = max(await invalidator.current(scope), floor) + 1
-                    message = f"advancing {scope} to epoch {intended}"
+                    message = f"advancing {label} to epoch {intended}"
                     return Outcome(
                         status={
                             "phase": InvalidationPhase.RUNNING.value,
@@ -575,7 +577,7 @@ class InvalidationRunner:
             status["propagationSeconds"] = round(result.propagation_s, 6)
             status["laggingPods"] = []
             status["message"] = (
-                f"{scope} advanced to epoch {result.epoch}; {result.acks} sidecar(s) "
+                f"{label} advanced to epoch {result.epoch}; {result.acks} sidecar(s) "
                 f"acknowledged in {result.propagation_s * 1000:.1f} ms"
             )
             if resumed:
@@ -585,7 +587,7 @@ class InvalidationRunner:
             status["phase"] = InvalidationPhase.FAILED.value
             status["laggingPods"] = result.lagging
             status["message"] = (
-                f"{scope} advanced to epoch {result.epoch}, but {len(result.lagging)} of "
+                f"{label} advanced to epoch {result.epoch}, but {len(result.lagging)} of "
                 f"{result.expected} live sidecar(s) did not acknowledge within "
                 f"{spec.timeout_seconds}s: {', '.join(result.lagging)}"
             )
