@@ -191,6 +191,9 @@ class Sidecar:
         self.purge_index = PurgeIndex()
         #: The L1 warm-up from L2 at start (--warm-bytes; /status "warmup").
         self.warm = WarmReport()
+        #: Key purges applied to L1 (/status "purges"): digests named, entries dropped,
+        #: and whole-L1 drops (a purge range the log no longer held).
+        self.purge_stats = {"digests": 0, "l1_entries_dropped": 0, "l1_emptied": 0}
         self.known_tenants: set[str] = set(config.tenants)
         self.api_keys: ApiKeys | None = None
         if config.api_keys_file:
@@ -540,9 +543,15 @@ class Sidecar:
         control sync takes the new purge number (and acknowledges it) only
         after this returns.
         """
-        self._drop_purged(digests)
+        dropped = self._drop_purged(digests)
         await asyncio.sleep(0)
-        self._drop_purged(digests)
+        dropped += self._drop_purged(digests)
+        stats = self.purge_stats
+        if digests is None:
+            stats["l1_emptied"] += 1
+        else:
+            stats["digests"] += len(digests)
+            stats["l1_entries_dropped"] += dropped
         log.info("purged %s from L1", "everything" if digests is None else f"{len(digests)} keys")
 
     def _drop_purged(self, digests: list[str] | None) -> int:
@@ -1486,6 +1495,7 @@ class Sidecar:
             "model_version": self.model_version,
             "invalidation_epochs": self.tracker.known,
             "warmup": self.warm.describe(),
+            "purges": dict(self.purge_stats),
             "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
             "redis_outage": self.outage_mode(),
             "l1": {

@@ -829,11 +829,12 @@ SIDECAR_COMMANDS = (
 #: Commands the L2 and control Lua scripts run on the caller's behalf.
 SCRIPT_COMMANDS = (
     "+set", "+hexists", "+hincrby", "+time", "+unlink",
-    "+zadd", "+zrange", "+zremrangebyscore", "+zscore", "+zcard", "+zremrangebyrank",
+    "+zadd", "+zrange", "+zremrangebyscore", "+zscore",
     "+exists", "+pexpire",
 )  # fmt: skip
-#: Further commands of the operator (cleanup of a deleted cache scans its keys).
-OPERATOR_COMMANDS = ("+scan",)
+#: Further commands of the operator (cleanup of a deleted cache scans its keys; the
+#: key-purge script trims the purge log).
+OPERATOR_COMMANDS = ("+scan", "+zcard", "+zremrangebyrank")
 
 
 def _cache_patterns(cache: str) -> list[str]:

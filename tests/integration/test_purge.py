@@ -133,6 +133,7 @@ async def test_key_purge_drops_one_entry_from_l2_and_every_l1(
     assert await ask(b, "q2") == (1, "HIT-L1")
     status = (await a.admin.get("/status")).json()
     assert status["invalidation_epochs"] == {"purge": 1}
+    assert status["purges"] == {"digests": 1, "l1_entries_dropped": 1, "l1_emptied": 0}
     assert a.server.control.purges_applied == 1
 
 
@@ -216,6 +217,7 @@ async def test_a_sidecar_that_missed_trimmed_purges_empties_its_l1(
             break
         await asyncio.sleep(0.02)
     assert a.server.control.purge_gaps == 1
+    assert (await a.admin.get("/status")).json()["purges"]["l1_emptied"] == 1
     assert await ask(a, "kept") == (1, "HIT-L2")  # L1 emptied, L2 untouched
 
 
