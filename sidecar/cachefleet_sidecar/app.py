@@ -1816,6 +1816,8 @@ class SidecarServer:
         self.limiter.stop()
         if self._warm_task is not None:
             self._warm_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warm_task
         for task in (self._usage_task, self._keys_task, self._idle_task, self._l3_task):
             if task is not None:
                 task.cancel()
