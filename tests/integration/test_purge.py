@@ -41,6 +41,15 @@ POLL_S = 0.05
 SETTLE_S = 5.0
 
 
+@pytest.fixture(params=["standalone", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> str:
+    """A flushed standalone Redis, then a flushed 3-node cluster."""
+    if request.param == "cluster":
+        request.applymarker(pytest.mark.redis_cluster)
+        return str(request.getfixturevalue("cluster_url"))
+    return str(request.getfixturevalue("redis_url"))
+
+
 @pytest.fixture
 async def truth() -> AsyncIterator[VersionedUpstream]:
     async with VersionedUpstream() as up:
@@ -114,8 +123,9 @@ async def purge(url: str, digest: str) -> tuple[int, int, int]:
 
 
 async def test_key_purge_drops_one_entry_from_l2_and_every_l1(
-    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
+    redis_url = any_redis
     a, b = await fleet(sidecar_factory, redis_url, truth.url, 2)
     for prompt in ("q1", "q2"):
         assert await ask(a, prompt) == (1, "MISS")
@@ -225,8 +235,9 @@ async def test_a_sidecar_that_missed_trimmed_purges_empties_its_l1(
 
 
 async def test_a_namespace_partitions_a_tenant_and_is_invalidated_alone(
-    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
+    redis_url = any_redis
     a, b = await fleet(sidecar_factory, redis_url, truth.url, 2)
     for namespace in ("kb1", "kb2", None):  # three entries: same prompt, same tenant
         assert await ask(a, "q", namespace=namespace) == (1, "MISS")

@@ -30,6 +30,15 @@ WAIT_S = 10.0
 PROMPTS = [f"popular {i}" for i in range(6)]
 
 
+@pytest.fixture(params=["standalone", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> str:
+    """A flushed standalone Redis, then a flushed 3-node cluster."""
+    if request.param == "cluster":
+        request.applymarker(pytest.mark.redis_cluster)
+        return str(request.getfixturevalue("cluster_url"))
+    return str(request.getfixturevalue("redis_url"))
+
+
 @pytest.fixture
 async def truth() -> AsyncIterator[VersionedUpstream]:
     async with VersionedUpstream() as up:
@@ -72,8 +81,9 @@ async def filled(factory: SidecarFactory, url: str, upstream: str) -> RunningSid
 
 
 async def test_a_new_sidecar_answers_warmed_entries_from_l1(
-    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
+    redis_url = any_redis
     await filled(sidecar_factory, redis_url, truth.url)
     b = await sidecar_factory(
         redis_url=redis_url,
