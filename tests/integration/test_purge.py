@@ -272,3 +272,41 @@ async def test_the_namespace_header_is_a_flag_and_bad_values_are_refused(
     bad = await sc.chat("q", headers={"X-KB": "no/slashes"})
     assert bad.status_code == 400
     assert "X-KB" in bad.json()["error"]["message"]
+
+
+async def test_a_lost_purge_notice_is_caught_up_by_the_poll(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    (a,) = await fleet(sidecar_factory, redis_url, truth.url, 1)
+    assert await ask(a, "q") == (1, "MISS")
+    digest = await l2_digest(redis_url, "acme", "q")
+    assert await ask(a, "q") == (1, "HIT-L1")
+    truth.bump()
+    async with invalidator(redis_url) as inv:
+        # CAS + log, delete + fence, and no announcement: the notice is "lost"
+        client = protocol.redis_from_url(redis_url)
+        try:
+            epoch = await protocol.log_purge(client, CACHE, digest)
+        finally:
+            await client.aclose()
+        assert inv.lean is not None
+        assert await protocol.purge_fence_lean(inv.lean, CACHE, digest, epoch) == 1
+        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=ACK_TIMEOUT_S)
+    assert result.completed
+    assert await ask(a, "q") == (2, "MISS")
+
+
+async def test_a_resumed_purge_does_not_purge_twice(redis_url: str) -> None:
+    """An operator restart after the CAS: the digest is found logged, nothing advances again."""
+    digest = "cd" * 32
+    async with invalidator(redis_url) as inv:
+        first, _, advanced = await inv.purge_to(digest, 1)
+        assert (first, advanced) == (1, True)
+        again, _, advanced = await inv.purge_to(digest, 1)
+        assert (again, advanced) == (1, False)
+        # another digest purged meanwhile does not stand in for this one
+        other, _, _ = await inv.purge_to("ef" * 32, 2)
+        assert other == 2
+        third, _, advanced = await inv.purge_to(digest, 3)
+        assert (third, advanced) == (3, True)
+        assert await inv.current(PURGE_SCOPE) == 3
