@@ -587,6 +587,7 @@ class Sidecar:
                     self._warm_put,
                     budget_bytes=cfg.warm_bytes,
                     share=self._l1_share,
+                    resident=self.l1.contains,
                     report=report,
                     read_timeout_s=cfg.warm_timeout_s,
                 )

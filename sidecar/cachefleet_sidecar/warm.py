@@ -119,6 +119,7 @@ async def warm_l1(
     *,
     budget_bytes: int,
     share: Callable[[str], int | None],
+    resident: Callable[[str, int], bool],
     report: WarmReport,
     per_tenant: int = WARM_ENTRIES_PER_TENANT,
     read_timeout_s: float = 1.0,
@@ -127,8 +128,11 @@ async def warm_l1(
 
     ``put(tenant, digest_hex, l1_key, entry)`` stores one entry and returns the
     bytes it costs in L1 (0: not stored). ``share(tenant)`` is the tenant's L1
-    partition in bytes when known. A tenant whose read fails is skipped; an
-    epoch that moves while a tenant's values are out drops that batch.
+    partition in bytes when known (the L1 enforces it anyway: a put over it
+    evicts the tenant's least recent, i.e. earlier warmed, entries);
+    ``resident(tenant, l1_key)`` says whether an entry is still in L1, so only
+    what stayed is counted. A tenant whose read fails is skipped; an epoch
+    that moves while a tenant's values are out drops that batch.
     """
     started = time.monotonic()
     left = budget_bytes
@@ -168,15 +172,16 @@ async def warm_l1(
                     continue
                 room -= size
                 chosen.append((digest, l1_id, entry))
-            warmed = 0
+            stored: list[tuple[int, int]] = []
             for digest, l1_id, entry in reversed(chosen):  # least recent first: LRU order kept
                 cost = put(tenant, digest, l1_id, entry)
                 if cost > 0:
-                    report.entries += 1
-                    report.bytes += cost
-                    left -= cost
-                    warmed += 1
-            if warmed:
+                    stored.append((l1_id, cost))
+            kept = [cost for l1_id, cost in stored if resident(tenant, l1_id)]
+            report.entries += len(kept)
+            report.bytes += sum(kept)
+            left -= sum(kept)
+            if kept:
                 report.tenants += 1
     finally:
         report.seconds = time.monotonic() - started

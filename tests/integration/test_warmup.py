@@ -173,3 +173,33 @@ async def test_with_redis_down_the_sidecar_is_ready_after_the_warm_up_timeout(
     assert (warm["state"], warm["entries"]) == ("timed_out", 0)
     resp = await b.chat("still served")
     assert (resp.status_code, resp.headers["x-cache"]) == (200, "MISS")
+
+
+async def test_the_warm_up_keeps_to_each_tenant_l1_share(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    a = await filled(sidecar_factory, redis_url, truth.url)
+    mine = (await a.admin.get("/status")).json()["tenants"]["acme"]
+    per_entry = mine["l1_bytes"] // mine["l1_entries"]
+    share = int(2.5 * per_entry)  # room for two entries
+    client = protocol.redis_from_url(redis_url)
+    try:
+        quotas = protocol.QuotaAssignment(
+            generation=1,
+            tenants={"acme": protocol.TenantQuota(l1_bytes=share, l2_bytes=64 << 20)},
+        )
+        await protocol.publish_quotas(client, CACHE, quotas)
+    finally:
+        await client.aclose()
+    b = await sidecar_factory(
+        redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
+    )
+    assert (await ready(b)).status_code == 200
+    status = (await b.admin.get("/status")).json()
+    assert status["quota_generation"] == 1  # the share was known before the warm-up
+    assert status["warmup"]["entries"] == 2
+    assert status["warmup"]["bytes"] <= share
+    assert status["tenants"]["acme"]["l1_bytes"] <= share
+    # the two warmed are the two most recently used
+    answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS[-2:]]
+    assert answers == ["HIT-L1", "HIT-L1"]
