@@ -78,6 +78,14 @@ REDIS_ONE_OF_RULE = "has(self.url) != has(self.secretRef)"
 REDIS_ONE_OF_MESSAGE = "set exactly one of url and secretRef"
 POOL_REF_RULE = "!has(self.inferencePoolRef) || (has(self.enabled) && self.enabled)"
 POOL_REF_MESSAGE = "inferencePoolRef needs enabled: true"
+NAMESPACE_SCOPE_RULE = "self.type != 'Namespace' || (has(self.tenant) && has(self.namespace))"
+NAMESPACE_SCOPE_MESSAGE = "scope Namespace needs tenant and namespace"
+KEY_SCOPE_RULE = "self.type != 'Key' || has(self.key)"
+KEY_SCOPE_MESSAGE = "scope Key needs key (the X-Cache-Key of a hit)"
+#: A key purge names an entry by the SHA-256 hex digest of its key (X-Cache-Key).
+KEY_DIGEST_PATTERN = r"^[0-9a-f]{64}$"
+#: An HTTP header name (a token).
+HEADER_NAME_PATTERN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$"
 IMMUTABLE_RULE = "self == oldSelf"
 IMMUTABLE_MESSAGE = "a CacheInvalidation is one-shot: its spec is immutable"
 
@@ -475,6 +483,25 @@ class TenantDefaults(_Model):
     )
 
 
+class WarmupSpec(_Model):
+    """L1 warm-up of starting sidecars from L2 (a rollout or scale-out does not start cold)."""
+
+    bytes: int = Field(
+        ge=0,
+        le=1 << 40,
+        description=(
+            "Bytes of L1 a starting sidecar fills from L2 with its tenants' most recently "
+            "used entries (each tenant within its L1 share) before it reports ready; 0: off."
+        ),
+    )
+    timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="Longest a warm-up holds readiness back (a Redis that is down ends it).",
+    )
+
+
 class InferencePoolRef(_Model):
     """An InferencePool (inference.networking.k8s.io/v1) in the cache's namespace."""
 
@@ -570,6 +597,18 @@ class InferenceCacheSpec(_Model):
     admission: AdmissionSpec | None = Field(
         default=None,
         description="Class-aware admission when the model server saturates; empty = off.",
+    )
+    namespace_header: str | None = Field(
+        default=None,
+        description=(
+            "Request header whose value partitions a tenant's entries (e.g. one namespace "
+            "per knowledge base), invalidated alone by a CacheInvalidation of scope "
+            "Namespace; empty = X-Cache-Namespace."
+        ),
+        pattern=HEADER_NAME_PATTERN,
+    )
+    warmup: WarmupSpec | None = Field(
+        default=None, description="L1 warm-up of starting sidecars from L2; empty = off."
     )
     tenants: list[TenantSpec] = Field(
         default_factory=list,
@@ -737,6 +776,8 @@ class ScopeType(StrEnum):
     CACHE = "Cache"
     TENANT = "Tenant"
     MODEL = "Model"
+    NAMESPACE = "Namespace"
+    KEY = "Key"
 
 
 class InvalidationScope(_Model):
@@ -753,15 +794,37 @@ class InvalidationScope(_Model):
                 _cel(
                     "self.type != 'Model' || has(self.model)", "scope Model needs model", ".model"
                 ),
+                _cel(NAMESPACE_SCOPE_RULE, NAMESPACE_SCOPE_MESSAGE, ".namespace"),
+                _cel(KEY_SCOPE_RULE, KEY_SCOPE_MESSAGE, ".key"),
             ]
         }
     )
 
-    type: ScopeType = Field(description="Cache (everything), Tenant or Model.")
+    type: ScopeType = Field(
+        description=(
+            "Cache (everything), Tenant, Model, Namespace (one namespace of one tenant) or "
+            "Key (one entry, by its X-Cache-Key)."
+        )
+    )
     tenant: str | None = Field(
-        default=None, description="Tenant id for scope Tenant.", pattern=_NAME_PATTERN
+        default=None,
+        description=(
+            "Tenant id for scopes Tenant and Namespace; for scope Key it narrows the purge "
+            "to that tenant's entries (empty: every tenant's)."
+        ),
+        pattern=_NAME_PATTERN,
     )
     model: str | None = Field(default=None, description="Model name for scope Model.")
+    namespace: str | None = Field(
+        default=None,
+        description="Namespace (the value of the sidecars' namespace header) for scope Namespace.",
+        pattern=_NAME_PATTERN,
+    )
+    key: str | None = Field(
+        default=None,
+        description="SHA-256 hex digest of the entry's key (X-Cache-Key) for scope Key.",
+        pattern=KEY_DIGEST_PATTERN,
+    )
 
     @model_validator(mode="after")
     def _needs(self) -> InvalidationScope:
@@ -769,6 +832,10 @@ class InvalidationScope(_Model):
             raise ValueError("scope Tenant needs tenant")
         if self.type is ScopeType.MODEL and self.model is None:
             raise ValueError("scope Model needs model")
+        if self.type is ScopeType.NAMESPACE and (self.tenant is None or self.namespace is None):
+            raise ValueError(NAMESPACE_SCOPE_MESSAGE)
+        if self.type is ScopeType.KEY and self.key is None:
+            raise ValueError(KEY_SCOPE_MESSAGE)
         return self
 
 

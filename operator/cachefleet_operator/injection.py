@@ -128,6 +128,8 @@ class CacheInfo:
     #: spec.upstream's bounds (None: the sidecar's defaults).
     upstream_max_connections: int | None = None
     upstream_max_queued: int | None = None
+    #: ``spec.namespaceHeader``, ``spec.warmup`` as sidecar flags; empty: the defaults.
+    cache_flags: tuple[tuple[str, str], ...] = ()
 
     @property
     def ref(self) -> str:
@@ -157,7 +159,21 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         admission=admission_flags(spec.get("admission")),
         upstream_max_connections=None if max_connections is None else int(max_connections),
         upstream_max_queued=None if max_queued is None else int(max_queued),
+        cache_flags=cache_flags(spec),
     )
+
+
+def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Sidecar flags of ``spec.namespaceHeader`` and ``spec.warmup`` (absent: none)."""
+    flags: list[tuple[str, str]] = []
+    if spec.get("namespaceHeader"):
+        flags.append(("namespace-header", str(spec["namespaceHeader"])))
+    warmup = spec.get("warmup")
+    if isinstance(warmup, Mapping) and warmup.get("bytes"):
+        flags.append(("warm-bytes", str(int(warmup["bytes"]))))
+        if warmup.get("timeoutSeconds") is not None:
+            flags.append(("warm-timeout", str(warmup["timeoutSeconds"])))
+    return tuple(flags)
 
 
 #: spec.admission field -> sidecar flag
@@ -250,6 +266,7 @@ def sidecar_container(
         env.append(_env("upstream-max-connections", str(cache.upstream_max_connections)))
     if cache.upstream_max_queued is not None:
         env.append(_env("upstream-max-queued", str(cache.upstream_max_queued)))
+    env.extend(_env(flag, value) for flag, value in cache.cache_flags)
     if api_keys_secret:
         env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}

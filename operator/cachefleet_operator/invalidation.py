@@ -1,15 +1,15 @@
 """Versioned, acknowledged invalidation: the operator's side, independent of kopf.
 
-One invalidation of a scope (``cache``, ``tenant:<t>`` or ``model:<m>``, see
-:mod:`cachefleet_sidecar.epochs`) goes:
+One invalidation of a scope (``cache``, ``tenant:<t>``, ``model:<m>`` or
+``namespace:<t>/<n>``, see :mod:`cachefleet_sidecar.epochs`) goes:
 
 1. **CAS** the scope's epoch in the cache's control slot
    (:func:`~cachefleet_sidecar.protocol.advance_epoch`: read, CAS to +1, retry
    on conflict; a ``floor`` taken from the operator's status is merged first,
    so a Redis that lost its state never hands out a used epoch again);
 2. **fence** the data slot of every registered tenant (only the tenant's own
-   slot for a tenant scope): from now on L2 refuses readers and writers with
-   the older epoch, in the same round trip as the read;
+   slot for a tenant or namespace scope): from now on L2 refuses readers and
+   writers with the older epoch, in the same round trip as the read;
 3. **announce** the new epoch on the control channel (in one pipelined batch
    with the fences, queued after them; the wait starts once every fence
    answered);
@@ -20,6 +20,15 @@ One invalidation of a scope (``cache``, ``tenant:<t>`` or ``model:<m>``, see
    and the hash are re-read every ``poll_s``, so a sidecar whose heartbeat
    expires (gone) stops being waited for, and a lost message costs at most
    ``poll_s``. The result names the lagging pods when ``timeout_s`` passes.
+
+A **key purge** (scope ``Key``: one entry, by the SHA-256 digest of its key)
+takes the same four steps on the fence-only ``purge`` scope: the CAS also logs
+the digest under the new number (:func:`~cachefleet_sidecar.protocol.log_purge`,
+one script), the fence step also deletes the entry in each tenant slot
+(:func:`~cachefleet_sidecar.protocol.purge_fence_lean`), and a sidecar
+acknowledges the number only once it has dropped the logged digests from its
+L1. A resumed run advances again only if its digest is not logged at or after
+the number it recorded (:meth:`Invalidator.purge_to`).
 
 Propagation time is measured on the invalidator's monotonic clock from the
 moment the CAS reply arrived to the moment the last acknowledgement was seen.
@@ -68,7 +77,13 @@ from cachefleet_operator.publisher import (
     ControlPlaneUnavailable,
 )
 from cachefleet_sidecar import protocol, resp
-from cachefleet_sidecar.epochs import CACHE_SCOPE, model_scope, tenant_scope
+from cachefleet_sidecar.epochs import (
+    CACHE_SCOPE,
+    PURGE_SCOPE,
+    model_scope,
+    namespace_scope,
+    tenant_scope,
+)
 from cachefleet_sidecar.protocol import EpochAck, RedisClient
 
 log = logging.getLogger(__name__)
@@ -80,6 +95,7 @@ MODEL_ACK_WAIT_S = 2.0
 #: Attempts at finding the referenced InferenceCache before the invalidation fails.
 CACHE_LOOKUP_RETRIES = 5
 _TENANT_PREFIX = tenant_scope("")
+_NAMESPACE_PREFIX = "namespace:"
 #: Ends the message of the intentional "retry at once" after recording the intended
 #: epoch (kopf logs every TemporaryError as an error; run.py lowers this one to INFO).
 RECORDED_MARK = "(recorded; continuing)"
@@ -126,7 +142,22 @@ def scope_name(scope: InvalidationScope) -> str:
     if scope.type is ScopeType.MODEL:
         assert scope.model is not None
         return model_scope(scope.model)
+    if scope.type is ScopeType.NAMESPACE:
+        assert scope.tenant is not None
+        assert scope.namespace is not None
+        return namespace_scope(scope.tenant, scope.namespace)
+    if scope.type is ScopeType.KEY:
+        return PURGE_SCOPE
     return CACHE_SCOPE
+
+
+def scope_tenant(scope: str) -> str | None:
+    """The one tenant whose data slot a scope covers (tenant and namespace scopes), else None."""
+    if scope.startswith(_TENANT_PREFIX):
+        return scope.removeprefix(_TENANT_PREFIX)
+    if scope.startswith(_NAMESPACE_PREFIX):
+        return scope.removeprefix(_NAMESPACE_PREFIX).partition("/")[0]
+    return None
 
 
 class Invalidator:
@@ -234,7 +265,8 @@ class Invalidator:
         return epoch, cas_at
 
     async def _fence_and_announce(self, scope: str, epoch: int) -> None:
-        tenants = [scope.removeprefix(_TENANT_PREFIX)] if scope.startswith(_TENANT_PREFIX) else None
+        one = scope_tenant(scope)
+        tenants = None if one is None else [one]
         if self.lean is None:
             await protocol.fence_tenants(self.client, self.cache, {scope: epoch}, tenants)
             await protocol.publish_epochs(self.client, self.cache, {scope: epoch})
@@ -266,6 +298,46 @@ class Invalidator:
         at = self.clock()
         await self._fence_and_announce(scope, current)
         return current, at, advanced
+
+    async def purge(
+        self, digest: str, *, tenant: str | None = None, floor: int = 0
+    ) -> tuple[int, float]:
+        """Key purge: CAS ``purge`` and log ``digest``, delete and fence, announce.
+
+        Returns (new purge epoch, clock() when the CAS answered). ``tenant``
+        narrows the delete to that tenant's slot.
+        """
+        await self.listen()
+        epoch = await protocol.log_purge(self.client, self.cache, digest, floor=floor)
+        at = self.clock()
+        await self._purge_fence(digest, epoch, tenant)
+        return epoch, at
+
+    async def purge_to(
+        self, digest: str, intended: int, *, tenant: str | None = None
+    ) -> tuple[int, float, bool]:
+        """Make sure ``digest`` is purged under a number at least ``intended``, once.
+
+        A run that recorded ``intended`` and then stopped (operator restart)
+        finds its digest logged at or after it and only repeats the delete,
+        fence and announcement (idempotent); otherwise it purges now. Returns
+        (the purge epoch, clock() when it was known, whether this call advanced it).
+        """
+        await self.listen()
+        logged = await protocol.purge_logged(self.client, self.cache, digest, intended)
+        advanced = logged is None
+        if logged is None:
+            logged = await protocol.log_purge(self.client, self.cache, digest, floor=intended - 1)
+        at = self.clock()
+        await self._purge_fence(digest, logged, tenant)
+        return logged, at, advanced
+
+    async def _purge_fence(self, digest: str, epoch: int, tenant: str | None) -> None:
+        tenants = None if tenant is None else [tenant]
+        lean = self.lean
+        if lean is None:
+            raise RuntimeError("a key purge needs the lean client (Invalidator.from_url)")
+        await protocol.purge_fence_lean(lean, self.cache, digest, epoch, tenants, announce=True)
 
     async def progress(self, wanted: Mapping[str, int]) -> tuple[list[str], list[str]]:
         """(acked, lagging) live pods for ``wanted``, read from Redis now."""
@@ -431,6 +503,8 @@ class InvalidationRunner:
             message = f"InferenceCache {spec.cache_ref.name!r} is invalid: {exc}"
             return self._failed(generation, started, message, "CacheInvalid")
         scope = scope_name(spec.scope)
+        # a key purge names its digest: "purge" alone says nothing about which entry
+        label = f"purge (key {spec.scope.key})" if spec.scope.type is ScopeType.KEY else scope
         ref = protocol.cache_ref(namespace, spec.cache_ref.name)
         recorded = _recorded_epoch(raw_status)
         started = str((raw_status or {}).get("startTime") or started)
@@ -444,7 +518,7 @@ class InvalidationRunner:
                     # finds it and does not advance again
                     floor = _floor(cache.get("status"), scope)
                     intended = max(await invalidator.current(scope), floor) + 1
-                    message = f"advancing {scope} to epoch {intended}"
+                    message = f"advancing {label} to epoch {intended}"
                     return Outcome(
                         status={
                             "phase": InvalidationPhase.RUNNING.value,
@@ -457,7 +531,13 @@ class InvalidationRunner:
                         failure_message=f"{message} {RECORDED_MARK}",
                         delay=0.0,
                     )
-                epoch, at, advanced = await invalidator.advance_to(scope, recorded)
+                if spec.scope.type is ScopeType.KEY:
+                    assert spec.scope.key is not None
+                    epoch, at, advanced = await invalidator.purge_to(
+                        spec.scope.key, recorded, tenant=spec.scope.tenant
+                    )
+                else:
+                    epoch, at, advanced = await invalidator.advance_to(scope, recorded)
                 resumed = not advanced
                 result = await invalidator.await_acks(
                     scope, epoch, timeout_s=float(spec.timeout_seconds), started_at=at
@@ -497,7 +577,7 @@ class InvalidationRunner:
             status["propagationSeconds"] = round(result.propagation_s, 6)
             status["laggingPods"] = []
             status["message"] = (
-                f"{scope} advanced to epoch {result.epoch}; {result.acks} sidecar(s) "
+                f"{label} advanced to epoch {result.epoch}; {result.acks} sidecar(s) "
                 f"acknowledged in {result.propagation_s * 1000:.1f} ms"
             )
             if resumed:
@@ -507,7 +587,7 @@ class InvalidationRunner:
             status["phase"] = InvalidationPhase.FAILED.value
             status["laggingPods"] = result.lagging
             status["message"] = (
-                f"{scope} advanced to epoch {result.epoch}, but {len(result.lagging)} of "
+                f"{label} advanced to epoch {result.epoch}, but {len(result.lagging)} of "
                 f"{result.expected} live sidecar(s) did not acknowledge within "
                 f"{spec.timeout_seconds}s: {', '.join(result.lagging)}"
             )

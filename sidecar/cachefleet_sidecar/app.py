@@ -64,10 +64,12 @@ from .l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from .metrics import SidecarMetrics, TierUsage, admission_families, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
+from .purge import PurgeIndex
 from .server import Connection, Limiter, Limits, Outbox, Request, simple_response
 from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
 from .upstream import Begun, UpstreamError, UpstreamPool
+from .warm import WarmReport, warm_l1
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -145,6 +147,8 @@ class Lookup:
     begun: Begun | None = None
     flight: _Flight | None = None
     begun_at: float = 0.0
+    #: The request's cache namespace (--namespace-header); "" when it names none.
+    namespace: str = ""
 
 
 class Sidecar:
@@ -189,6 +193,14 @@ class Sidecar:
         self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
         self.telemetry = telemetry or GpuTelemetry()
         self.tenant_header = config.tenant_header.lower().encode()
+        self.namespace_header = config.namespace_header.lower().encode()
+        #: SHA-256 digest -> L1 key of entries in L1, for key purges (with Redis only).
+        self.purge_index = PurgeIndex()
+        #: The L1 warm-up from L2 at start (--warm-bytes; /status "warmup").
+        self.warm = WarmReport()
+        #: Key purges applied to L1 (/status "purges"): digests named, entries dropped,
+        #: and whole-L1 drops (a purge range the log no longer held).
+        self.purge_stats = {"digests": 0, "l1_entries_dropped": 0, "l1_emptied": 0}
         self.known_tenants: set[str] = set(config.tenants)
         self.api_keys: ApiKeys | None = None
         if config.api_keys_file:
@@ -427,7 +439,9 @@ class Sidecar:
         return self._key_options.get(tenant, self._default_options)
 
     # ---------------------------------------------------------------- fast path
-    def _key_for(self, tenant: str, kind: str, query: bytes, raw: bytes) -> keys.CacheKey | str:
+    def _key_for(
+        self, tenant: str, kind: str, query: bytes, raw: bytes, namespace: str = ""
+    ) -> keys.CacheKey | str:
         """The canonical key of a raw body, or why it is not cacheable (memoised).
 
         Byte-identical bodies have identical keys, so a repeated request skips
@@ -435,7 +449,8 @@ class Sidecar:
         the raw body within (tenant, endpoint, query string) and cleared
         whenever anything that scopes keys changes.
         """
-        memo_key = (tenant, kind, query, xxhash.xxh3_128_intdigest(raw))
+        who = f"{tenant}/{namespace}" if namespace else tenant
+        memo_key = (who, kind, query, xxhash.xxh3_128_intdigest(raw))
         found = self._key_memo.get(memo_key)
         if found is not None:
             return found
@@ -447,8 +462,9 @@ class Sidecar:
             epochs: tuple[int, ...] = ()
             if self._versioned:
                 model = body.get("model")
-                epochs += self.tracker.values_for(tenant, model if isinstance(model, str) else "")
-            scope = keys.Scope(tenant, self._model_version, epochs)
+                name = model if isinstance(model, str) else ""
+                epochs += self.tracker.values_for(tenant, name, namespace)
+            scope = keys.Scope(tenant, self._model_version, epochs, namespace)
             try:
                 result = keys.make_key(body, kind, scope, self.key_options(tenant), query=query)
             except keys.Uncacheable as exc:
@@ -473,11 +489,25 @@ class Sidecar:
             directives = {d.strip().split(b"=")[0] for d in cc.lower().split(b",")}
             no_cache = b"no-cache" in directives
             no_store = b"no-store" in directives
+        namespace = self._namespace(request)
         version = self._scope_version
-        key = self._key_for(tenant, kind, query, request.body)
+        key = self._key_for(tenant, kind, query, request.body, namespace)
         if isinstance(key, str):
-            return Lookup(tenant, None, key, no_cache, no_store, version)
-        return Lookup(tenant, key, None, no_cache, no_store, version)
+            return Lookup(tenant, None, key, no_cache, no_store, version, namespace=namespace)
+        return Lookup(tenant, key, None, no_cache, no_store, version, namespace=namespace)
+
+    def _namespace(self, request: Request) -> str:
+        """The request's cache namespace ("" for none); :class:`Refusal` for a bad one."""
+        raw = request.header(self.namespace_header)
+        if raw is None:
+            return ""
+        text = raw.decode("latin-1")
+        if not protocol.valid_name(text):
+            raise Refusal(
+                400,
+                f"invalid {self.config.namespace_header} {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]",
+            )
+        return text
 
     # Everything that scopes keys goes through these, so the key memo stays true.
     @property
@@ -526,6 +556,89 @@ class Sidecar:
         """The tracker's epochs moved: stop using keys made under the old ones."""
         self._rescope()
         log.info("epochs now %s", self.tracker.known)
+
+    async def on_purge(self, digests: list[str] | None) -> None:
+        """Key purges arrived: drop those entries from L1 (``None``: drop all of L1).
+
+        Dropped twice, around one pass of the loop: an L2 hit answered just
+        before may still have its promotion to L1 queued for the end of its
+        turn (:meth:`_l2_hit_done`); the second drop comes after it. The
+        control sync takes the new purge number (and acknowledges it) only
+        after this returns.
+        """
+        dropped = self._drop_purged(digests)
+        await asyncio.sleep(0)
+        dropped += self._drop_purged(digests)
+        stats = self.purge_stats
+        if digests is None:
+            stats["l1_emptied"] += 1
+        else:
+            stats["digests"] += len(digests)
+            stats["l1_entries_dropped"] += dropped
+        log.info("purged %s from L1", "everything" if digests is None else f"{len(digests)} keys")
+
+    def _drop_purged(self, digests: list[str] | None) -> int:
+        if digests is None:
+            self.l1.clear()
+            self.purge_index.clear()
+            return 0
+        return sum(self.l1.remove(t, k) for t, k in self.purge_index.take(digests))
+
+    async def warm_up(self, synced: Callable[[], bool]) -> None:
+        """Fill L1 from L2 before readiness (docs: warm pods), bounded by --warm-timeout.
+
+        Waits (within the bound) until ``synced()`` says the epochs are confirmed
+        and the quotas were read, so entries are judged under the epochs in force.
+        """
+        cfg, report = self.config, self.warm
+        report.state = "running"
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(cfg.warm_timeout_s):
+                # two components' state, no event to wait on: polled, within the bound
+                while not synced():  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
+                tenants = set(self.known_tenants)
+                if self.api_keys is not None:
+                    tenants |= self.api_keys.tenants
+                if cfg.default_tenant is not None:
+                    tenants.add(cfg.default_tenant)
+                await warm_l1(
+                    self.l2,
+                    sorted(t for t in tenants if self._l2_allowed(t)),
+                    self.tracker,
+                    self._warm_put,
+                    budget_bytes=cfg.warm_bytes,
+                    share=self._l1_share,
+                    resident=self.l1.contains,
+                    report=report,
+                    read_timeout_s=cfg.warm_timeout_s,
+                )
+            report.state = "done"
+        except TimeoutError:
+            report.state = "timed_out"
+        except Exception:  # a cache fault never holds readiness: counted, logged
+            report.state = "failed"
+            self.metrics.fault("warmup")
+            log.exception("L1 warm-up failed")
+        report.seconds = time.monotonic() - started
+        log.info("L1 warm-up %s", orjson.dumps(report.describe()).decode())
+
+    def _l1_share(self, tenant: str) -> int | None:
+        stats = self.l1.stats().get(tenant)
+        return None if stats is None else stats.capacity_bytes
+
+    def _warm_put(self, tenant: str, digest_hex: str, l1_key: int, entry: Entry) -> int:
+        """Put a warmed entry in L1; the bytes it costs there (0: not stored)."""
+        value, size = entry.l1_value()
+        try:
+            self.l1.put(tenant, l1_key, value, size)
+        except TenantLimitError:
+            return 0
+        if not self.l1.contains(tenant, l1_key):
+            return 0
+        self.purge_index.add(digest_hex, tenant, l1_key, self.l1.contains)
+        return size
 
     def fast(self, request: Request) -> bytes | asyncio.Future[Any] | None:
         """Answer an L1 hit synchronously, or start the L2 read (:meth:`resume` answers it).
@@ -799,7 +912,8 @@ class Sidecar:
         l3_answer: bytes | None = None
         try:
             pending: Pending | None = None
-            if not lookup.no_cache and self.l3.enabled(tenant):
+            # L3 is not asked for namespaced requests: its neighbours are per tenant only
+            if not lookup.no_cache and not lookup.namespace and self.l3.enabled(tenant):
                 l3_answer, pending = await self._l3_get(request, lookup, key)
                 if l3_answer is not None:
                     flight.tier = "l3"
@@ -904,7 +1018,9 @@ class Sidecar:
                 self.metrics.fault("answer_not_stored")
                 log.debug("answer to %s not stored: %s", request.url, problem)
             return entry
-        self._l1_put(tenant, key, entry, cost)
+        if not self._versioned or lookup.version == self._scope_version:
+            # an answer fetched before a purge (or any epoch move) is not kept in L1
+            self._l1_put(tenant, key, entry, cost)
         if pending is not None and lookup.version == self._scope_version:
             self.l3.add(pending, Ref(key.digest, key.sha256_hex, key.stream))
         if self.l2 is not None and self._l2_allowed(tenant):
@@ -1126,6 +1242,8 @@ class Sidecar:
             self.metrics.fault("tenant_limit")
             return
         self.metrics.tenant(tenant).evicted("l1", evicted)
+        if self._versioned:  # a key purge can arrive: remember which L1 key it would name
+            self.purge_index.add(key.sha256_hex, tenant, key.digest, self.l1.contains)
 
     async def _l3_get(
         self, request: Request, lookup: Lookup, key: keys.CacheKey
@@ -1189,7 +1307,7 @@ class Sidecar:
             return None
         if lookup.version != self._scope_version:
             return False
-        return self.tracker.vector(lookup.tenant, key.model)
+        return self.tracker.vector(lookup.tenant, key.model, lookup.namespace)
 
     def _l2_allowed(self, tenant: str) -> bool:
         """Guests (--guest-share, tenantDefaults) stay in L1: they never read or write Redis."""
@@ -1237,7 +1355,7 @@ class Sidecar:
         vector = self._vector(lookup, key)
         if vector is False:
             return  # keyed under epochs that have moved on: nobody can read it
-        await self.l2.put(lookup.tenant, key.sha256_hex, entry.dumps(), vector)
+        await self.l2.put(lookup.tenant, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -1429,6 +1547,8 @@ class Sidecar:
             "quota_generation": self.quota_generation,
             "model_version": self.model_version,
             "invalidation_epochs": self.tracker.known,
+            "warmup": self.warm.describe(),
+            "purges": dict(self.purge_stats),
             "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
             "redis_outage": self.outage_mode(),
             "l1": {
@@ -1479,6 +1599,8 @@ class Sidecar:
         }
 
     async def ready(self) -> bool:
+        if self.warm.state == "running":
+            return False  # filling L1 from L2 (bounded by --warm-timeout)
         if time.monotonic() - self._last_upstream_ok < READY_FRESH_S:
             return True
         ok = await self.upstream.probe()
@@ -1495,7 +1617,12 @@ class Sidecar:
             conn.write(
                 simple_response(200, b"ready\n")
                 if ok
-                else simple_response(503, b"upstream unreachable\n")
+                else simple_response(
+                    503,
+                    b"warming L1 from L2\n"
+                    if self.warm.state == "running"
+                    else b"upstream unreachable\n",
+                )
             )
         elif path == b"/status":
             status = self.status()
@@ -1591,6 +1718,7 @@ class SidecarServer:
         self._keys_task: asyncio.Task[None] | None = None
         self._idle_task: asyncio.Task[None] | None = None
         self._l3_task: asyncio.Task[None] | None = None
+        self._warm_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -1618,6 +1746,7 @@ class SidecarServer:
                 tracker=self.sidecar.tracker,
                 on_epochs=self.sidecar.on_epochs,
                 on_redis_reset=getattr(l2, "forget_registrations", None),
+                on_purge=self.sidecar.on_purge,
                 # The poll keeps the strict cadence even when serve-stale lengthens the bound.
                 epoch_poll_s=cfg.staleness_bound_s / 4,
             )
@@ -1625,6 +1754,14 @@ class SidecarServer:
                 l2.on_behind = self.control.poke
             await self.control.start()
             self._usage_task = loop.create_task(self._refresh_usage())
+            if cfg.warm_bytes > 0 and l2 is not None:
+                control, tracker = self.control, self.sidecar.tracker
+                self.sidecar.warm.state = "running"  # not ready until it ends
+                self._warm_task = loop.create_task(
+                    self.sidecar.warm_up(
+                        lambda: tracker.fresh() and control.last_sync_at is not None
+                    )
+                )
         if self.sidecar.api_keys is not None and self.sidecar.api_keys.path is not None:
             self._keys_task = loop.create_task(self._poll_api_keys())
         if cfg.tenant_idle_expiry_s > 0:
@@ -1737,6 +1874,10 @@ class SidecarServer:
         for conn in list(self.connections):
             conn.close()
         self.limiter.stop()
+        if self._warm_task is not None:
+            self._warm_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._warm_task
         for task in (self._usage_task, self._keys_task, self._idle_task, self._l3_task):
             if task is not None:
                 task.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from .semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
 from .server import Limits
 from .upstream import DEFAULT_MAX_CONNECTIONS as DEFAULT_UPSTREAM_MAX_CONNECTIONS
 from .upstream import DEFAULT_MAX_WAITING as DEFAULT_UPSTREAM_MAX_QUEUED
+from .warm import DEFAULT_WARM_TIMEOUT_S
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 #: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
@@ -128,6 +130,15 @@ def _guest_share(value: str) -> float:
     return number
 
 
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}$")
+
+
+def _header_name(value: str) -> str:
+    if not _HEADER_NAME.match(value):
+        raise argparse.ArgumentTypeError(f"expected an HTTP header name, got {value!r}")
+    return value
+
+
 def _non_negative(value: str) -> float:
     number = float(value)
     if not number >= 0:
@@ -175,6 +186,12 @@ class SidecarConfig:
     staleness_bound_s: float = DEFAULT_STALENESS_BOUND_S
     #: 0: strict (no L1 hits once epochs are unconfirmed); N: L1 hits up to N s into an outage.
     redis_outage_staleness_s: float = 0.0
+    #: Request header whose value partitions a tenant's entries (docs: invalidation).
+    namespace_header: str = "X-Cache-Namespace"
+    #: Bytes a starting sidecar warms its L1 with from L2 before it is ready (0: no warm-up).
+    warm_bytes: int = 0
+    #: Longest a warm-up may hold readiness back, seconds.
+    warm_timeout_s: float = DEFAULT_WARM_TIMEOUT_S
     max_tenants: int = DEFAULT_MAX_TENANTS
     #: Keys tracked per tenant for its miss-ratio curve (0: no curves).
     mrc_samples: int = DEFAULT_MRC_SAMPLES
@@ -328,6 +345,24 @@ def build_parser() -> argparse.ArgumentParser:
         "0 (strict): while Redis is unreachable, L1 hits stop after --staleness-bound; "
         "N > 0: they go on for up to N seconds after the last confirmed epochs",
         default="0",
+    )
+    add(
+        "namespace-header",
+        "request header whose value (1-63 of [A-Za-z0-9._-]) partitions the tenant's entries, "
+        "e.g. one namespace per knowledge base, each with its own invalidation scope",
+        default="X-Cache-Namespace",
+    )
+    add(
+        "warm-bytes",
+        "bytes of L1 a starting sidecar fills from L2 (its tenants' most recently used "
+        "entries) before /readyz says ready; 0: no warm-up",
+        default="0",
+    )
+    add(
+        "warm-timeout",
+        "seconds a warm-up may hold readiness back (a Redis that is down ends it sooner "
+        "or at this bound)",
+        default=str(DEFAULT_WARM_TIMEOUT_S),
     )
     add(
         "upstream-timeout",
@@ -638,6 +673,9 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         redis_outage_staleness_s=float(
             conv("redis-outage-staleness", ns.redis_outage_staleness, _non_negative)  # type: ignore[arg-type]
         ),
+        namespace_header=str(conv("namespace-header", ns.namespace_header, _header_name)),
+        warm_bytes=size("warm-bytes", ns.warm_bytes),
+        warm_timeout_s=seconds("warm-timeout", ns.warm_timeout),
         max_tenants=int(conv("max-tenants", ns.max_tenants, _positive_int)),  # type: ignore[call-overload]
         guest_share=float(conv("guest-share", ns.guest_share, _guest_share)),  # type: ignore[arg-type]
         tenant_idle_expiry_s=float(

@@ -23,6 +23,11 @@ Redis, level-triggered as the protocol prescribes:
   backwards); ``on_epochs`` is called first, so the sidecar has stopped using
   the old epochs before the ack says so. ``poke()`` asks for a poll now (the
   L2 tier calls it when a read was refused for being behind the fence);
+* a newer ``purge`` epoch (key purges, see :mod:`cachefleet_sidecar.protocol`)
+  is never merged as it comes: the digests purged since the last one applied
+  are read from the purge log and handed to ``on_purge`` (None: the log no
+  longer holds them all, drop everything), and only then is the new number
+  merged and acknowledged;
 * when Redis goes away it reconnects with a bounded exponential backoff and
   re-reads the quotas right after re-subscribing, so nothing published while
   it was away is lost.
@@ -50,7 +55,7 @@ from pydantic import ValidationError
 from redis.exceptions import RedisError
 
 from cachefleet_sidecar import protocol, resp
-from cachefleet_sidecar.epochs import EpochTracker, parse_epochs
+from cachefleet_sidecar.epochs import PURGE_SCOPE, EpochTracker, parse_epochs
 from cachefleet_sidecar.protocol import (
     ControlMessage,
     EpochAck,
@@ -100,6 +105,7 @@ class ControlSync:
         on_epochs: Callable[[], None] | None = None,
         on_redis_reset: Callable[[], None] | None = None,
         epoch_poll_s: float | None = None,
+        on_purge: Callable[[list[str] | None], Awaitable[None]] | None = None,
     ) -> None:
         if not protocol.valid_name(pod):
             raise ValueError(f"invalid pod name {pod!r}")
@@ -140,6 +146,11 @@ class ControlSync:
         self.acks_written = 0
         #: Epoch polls that found Redis behind the tracker (and restored it).
         self.restores = 0
+        self._on_purge = on_purge
+        self._purge_lock = asyncio.Lock()
+        #: Key purges applied, and purge ranges the log no longer held whole.
+        self.purges_applied = 0
+        self.purge_gaps = 0
 
     # ------------------------------------------------------------ properties
 
@@ -330,13 +341,21 @@ class ControlSync:
         tracker = self.tracker
         if tracker is None:
             return
-        if message.epochs and tracker.merge(message.epochs):
+        epochs = message.epochs
+        purge = None if epochs is None else epochs.get(PURGE_SCOPE)
+        if epochs is not None and purge is not None:
+            epochs = {s: e for s, e in epochs.items() if s != PURGE_SCOPE}
+        if epochs and tracker.merge(epochs):
             self._applied_epochs()
-        else:
+        elif purge is None:
             self.poke()  # a notice without news: make sure by reading the hash
-        if not self._ack_lock.locked() and self._ack_now(tracker):
+        if purge is not None and purge > tracker.epoch(PURGE_SCOPE):
+            work = self._purge_then_ack(purge)  # the log is read first: one more round trip
+        elif not self._ack_lock.locked() and self._ack_now(tracker):
             return
-        task = asyncio.get_running_loop().create_task(self._ack_logged())
+        else:
+            work = self._ack_logged()
+        task = asyncio.get_running_loop().create_task(work)
         self._notices.add(task)
         task.add_done_callback(self._notices.discard)
 
@@ -397,6 +416,52 @@ class ControlSync:
         """Ask for an epoch poll now (bounded by :data:`EPOCH_POLL_MIN_GAP_S`)."""
         self._poke.set()
 
+    async def apply_purges(self, upto: int) -> bool:
+        """Apply the key purges up to sequence number ``upto``; True if any was new.
+
+        Reads the purge log range not applied yet, hands its digests to
+        ``on_purge`` (None when the log no longer holds the whole range), then
+        merges ``purge`` into the tracker (which moves the sidecar's keys on,
+        :meth:`_applied_epochs`). Raises on Redis faults (nothing merged then).
+        """
+        tracker = self.tracker
+        if tracker is None:
+            return False
+        async with self._purge_lock:
+            after = tracker.epoch(PURGE_SCOPE)
+            if upto <= after:
+                return False
+            digests, whole = await protocol.purges_since_lean(
+                self._require_resp(), self.cache, after, upto, timeout_s=self.op_timeout_s
+            )
+            if not whole:
+                self.purge_gaps += 1
+                log.warning(
+                    "control %s: purges %d..%d are no longer all logged: dropping all of L1",
+                    self.cache,
+                    after + 1,
+                    upto,
+                )
+            if self._on_purge is not None:
+                await self._on_purge(digests if whole else None)
+            self.purges_applied += upto - after
+            if tracker.merge({PURGE_SCOPE: upto}):
+                self._applied_epochs()
+            return True
+
+    async def _purge_then_ack(self, upto: int) -> None:
+        """A purge notice's slow path: apply the purges, then acknowledge (failures logged)."""
+        try:
+            await self.apply_purges(upto)
+        except Exception as exc:  # the poll applies them later
+            self.errors += 1
+            self.poke()
+            log.warning(
+                "control %s: applying purges failed: %s", self.cache, str(exc) or type(exc).__name__
+            )
+            return
+        await self._ack_logged()
+
     async def _ack_logged(self) -> None:
         """:meth:`ack`, with a failure logged (the poll acknowledges later)."""
         try:
@@ -428,6 +493,9 @@ class ControlSync:
             "HGETALL", key, key=key, timeout_s=self.op_timeout_s
         )
         current = parse_epochs(dict(zip(flat[::2], flat[1::2], strict=True)))
+        purge = current.get(PURGE_SCOPE, 0)
+        if purge > tracker.epoch(PURGE_SCOPE):
+            await self.apply_purges(purge)  # before the confirmation can take the number
         confirmation = tracker.confirm(current, sent_at)
         if confirmation.changed:
             self._applied_epochs()

@@ -7,11 +7,18 @@ scope exist (their names are hash fields in Redis, see
 
 * ``cache``         the whole cache;
 * ``tenant:<t>``    one tenant's entries;
-* ``model:<m>``     one model's entries (a new model version bumps it).
+* ``model:<m>``     one model's entries (a new model version bumps it);
+* ``namespace:<t>/<n>`` the entries of namespace ``n`` of tenant ``t`` (the
+  ``X-Cache-Namespace`` request header partitions a tenant, e.g. one
+  namespace per knowledge base);
+* ``purge``         the sequence number of key purges (one entry each, see
+  :mod:`cachefleet_sidecar.protocol`, "key purges"). It is *fence-only*: L2
+  reads and writes are checked against it, but it is no part of a key nor
+  of an entry's head, so a purge moves no other entry.
 
-Every cache key carries the three epochs that apply to it (cache, its
-tenant, its model), so once a sidecar knows a newer epoch it can no longer
-even *find* an older entry, in L1 or in L2.
+Every cache key carries the epochs that apply to it (cache, its tenant, its
+model and, for a namespaced request, its namespace), so once a sidecar knows
+a newer epoch it can no longer even *find* an older entry, in L1 or in L2.
 
 :class:`EpochTracker` holds the epochs one sidecar knows and when it last
 *confirmed* them, i.e. read the whole epoch hash from Redis (the sequencer):
@@ -45,6 +52,9 @@ DEFAULT_STALENESS_BOUND_S = 2.0
 CACHE_SCOPE = "cache"
 _TENANT_PREFIX = "tenant:"
 _MODEL_PREFIX = "model:"
+_NAMESPACE_PREFIX = "namespace:"
+#: Scope name of the key-purge sequence (fence-only: never in a key or an entry's head).
+PURGE_SCOPE = "purge"
 #: Most (tenant, model) vectors EpochTracker.vector keeps built.
 _VECTORS_LIMIT = 4096
 
@@ -62,10 +72,18 @@ def model_scope(model: str) -> str:
     return f"{_MODEL_PREFIX}{model}"
 
 
+def namespace_scope(tenant: str, namespace: str) -> str:
+    """Scope name of one namespace of one tenant (tenant names hold no ``/``)."""
+    return f"{_NAMESPACE_PREFIX}{tenant}/{namespace}"
+
+
 def valid_scope(scope: str) -> bool:
-    """True for ``cache``, ``tenant:<non-empty>`` and ``model:<non-empty>``."""
-    if scope == CACHE_SCOPE:
+    """True for ``cache``, ``purge``, ``tenant:<t>``, ``model:<m>``, ``namespace:<t>/<n>``."""
+    if scope in (CACHE_SCOPE, PURGE_SCOPE):
         return True
+    if scope.startswith(_NAMESPACE_PREFIX):
+        tenant, slash, namespace = scope[len(_NAMESPACE_PREFIX) :].partition("/")
+        return bool(tenant and slash and namespace)
     for prefix in (_TENANT_PREFIX, _MODEL_PREFIX):
         if scope.startswith(prefix) and len(scope) > len(prefix):
             return True
@@ -73,8 +91,12 @@ def valid_scope(scope: str) -> bool:
 
 
 def encode_vector(vector: EpochVector) -> str:
-    """Wire form of a vector, as L2 stores it next to an entry: ``cache=3;tenant:a=1``."""
-    return ";".join(f"{scope}={epoch}" for scope, epoch in vector)
+    """Wire form of a vector, as L2 stores it next to an entry: ``cache=3;tenant:a=1``.
+
+    The fence-only ``purge`` scope is left out: an entry's head names only
+    the epochs that version it.
+    """
+    return ";".join(f"{scope}={epoch}" for scope, epoch in vector if scope != PURGE_SCOPE)
 
 
 def parse_epochs(raw: Mapping[bytes | str, bytes | str | int]) -> dict[str, int]:
@@ -122,7 +144,7 @@ class EpochTracker:
         #: Moves whenever a known epoch moves forward.
         self.version = 0
         #: vector() per (tenant, model), valid while version is _vectors_version
-        self._vectors: dict[tuple[str, str], EpochVector] = {}
+        self._vectors: dict[tuple[str, str, str], EpochVector] = {}
         self._vectors_version = 0
         #: clock() at which the last confirmed read was sent; None before the first.
         self.confirmed_at: float | None = None
@@ -172,32 +194,38 @@ class EpochTracker:
         self.confirmed_at = None
         self.valid_until = -math.inf
 
-    def values_for(self, tenant: str, model: str) -> tuple[int, int, int]:
-        """(cache, tenant, model) epochs that scope a key of ``tenant`` and ``model``."""
+    def values_for(self, tenant: str, model: str, namespace: str = "") -> tuple[int, ...]:
+        """(cache, tenant, model[, namespace]) epochs that scope a key (the namespace's
+        only for a namespaced request)."""
         known = self._known
-        return (
+        values = (
             known.get(CACHE_SCOPE, 0),
             known.get(_TENANT_PREFIX + tenant, 0),
             known.get(_MODEL_PREFIX + model, 0),
         )
+        if namespace:
+            return (*values, known.get(namespace_scope(tenant, namespace), 0))
+        return values
 
-    def vector(self, tenant: str, model: str) -> EpochVector:
-        """The same epochs with their scope names (what L2 checks and records).
+    def vector(self, tenant: str, model: str, namespace: str = "") -> EpochVector:
+        """The same epochs with their scope names, then ``purge`` (what L2 checks and records).
 
-        Built once per (tenant, model) until an epoch moves: every L2 lookup asks.
+        Built once per (tenant, model, namespace) until an epoch moves: every L2
+        lookup asks.
         """
         vectors = self._vectors
         if self._vectors_version != self.version or len(vectors) >= _VECTORS_LIMIT:
             vectors.clear()
             self._vectors_version = self.version
-        vector = vectors.get((tenant, model))
+        vector = vectors.get((tenant, model, namespace))
         if vector is None:
-            cache_epoch, tenant_epoch, model_epoch = self.values_for(tenant, model)
-            vector = vectors[tenant, model] = (
-                (CACHE_SCOPE, cache_epoch),
-                (tenant_scope(tenant), tenant_epoch),
-                (model_scope(model), model_epoch),
-            )
+            values = self.values_for(tenant, model, namespace)
+            scopes = [CACHE_SCOPE, tenant_scope(tenant), model_scope(model)]
+            if namespace:
+                scopes.append(namespace_scope(tenant, namespace))
+            built = [*zip(scopes, values, strict=True)]
+            built.append((PURGE_SCOPE, self._known.get(PURGE_SCOPE, 0)))
+            vector = vectors[tenant, model, namespace] = tuple(built)
         return vector
 
 

@@ -109,12 +109,17 @@ class Scope:
     tenant: str
     model_version: str = ""
     epochs: tuple[int, ...] = ()
+    #: The request's cache namespace (``X-Cache-Namespace``); "" when it names none.
+    namespace: str = ""
 
     def prefix(self) -> bytes:
         epochs = ",".join(str(e) for e in self.epochs).encode()
+        # A namespace partitions its tenant: ``<tenant>/<namespace>`` in the tenant's
+        # place (tenant names hold no "/", so it is no other tenant's name either).
+        who = f"{self.tenant}/{self.namespace}" if self.namespace else self.tenant
         return (
             KEY_FORMAT
-            + _lp(self.tenant.encode())
+            + _lp(who.encode())
             + _lp(self.model_version.encode("utf-8", "surrogateescape"))
             + _lp(epochs)
         )

@@ -200,6 +200,11 @@ class TenantL1(Generic[K, V]):
             self._seen[tenant] = self.tick
         return len(part.put(key, value, size, cost))
 
+    def contains(self, tenant: str, key: K) -> bool:
+        """True if ``key`` is resident for ``tenant`` (no recency touch, no activation)."""
+        part = self._parts.get(tenant)
+        return part is not None and key in part
+
     def remove(self, tenant: str, key: K) -> bool:
         """Drop one entry; True if it was cached. Does not activate ``tenant``."""
         part = self._parts.get(tenant)

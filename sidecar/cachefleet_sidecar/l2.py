@@ -60,7 +60,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from cachefleet_sidecar import protocol, resp
-from cachefleet_sidecar.epochs import EpochVector
+from cachefleet_sidecar.epochs import EpochVector, parse_epochs
 from cachefleet_sidecar.protocol import RedisClient
 
 log = logging.getLogger(__name__)
@@ -570,14 +570,23 @@ class RedisL2:
         self._registered.clear()
 
     async def put(
-        self, tenant: str, digest_hex: str, value: bytes, vector: EpochVector | None = None
+        self,
+        tenant: str,
+        digest_hex: str,
+        value: bytes,
+        vector: EpochVector | None = None,
+        *,
+        l1_id: int | None = None,
     ) -> bool:
         """Store ``value``; False when the quota, the fence, the breaker or an error refused it.
 
         With ``vector`` the write is versioned (see :meth:`get`); the tenant is
-        registered for invalidation fencing first.
+        registered for invalidation fencing first. ``l1_id`` (the writer's L1
+        key) is stored with a versioned entry, for warm-ups (:meth:`recent`).
         """
         versioned = vector is not None
+        if versioned and l1_id is not None:
+            value = protocol.l1_id_line(l1_id) + value
         keys = (
             self._versioned_keys(tenant, digest_hex)
             if versioned
@@ -681,6 +690,47 @@ class RedisL2:
             return (0, 0)
         self.counters.reclaimed_expired += reclaimed
         return (used, limit)
+
+    async def recent(
+        self, tenant: str, limit: int, timeout_s: float
+    ) -> tuple[list[tuple[str, bytes | None]], dict[str, int]] | None:
+        """``tenant``'s ``limit`` most recently used (digest, stored value), most recent
+        first, and its fence; None on any fault. Two round trips, on the tenant's one slot.
+
+        For warm-ups (:mod:`cachefleet_sidecar.warm`), which judge each value as
+        a read would; off the request path, so ``timeout_s`` bounds it, not the
+        per-operation budget. The LRU order is as of the last batched touches.
+        """
+        lru = protocol.lru_key(self.cache, tenant)
+        fence_key = protocol.tenant_epochs_key(self.cache, tenant)
+        breaker = self.breaker_for(self._client.address_for(lru))
+        if limit <= 0 or not breaker.allow():
+            return None
+        try:
+            async with asyncio.timeout(timeout_s):
+                members = await self._client.execute(
+                    "ZRANGE", lru, -limit, -1, key=lru, timeout_s=timeout_s
+                )
+                names = [bytes(m) for m in reversed(members)]
+                commands = [resp.pack_command(("HGETALL", fence_key))]
+                if names:
+                    commands.append(resp.pack_command(("MGET", *names)))
+                replies = await self._client.pipeline(lru, commands, timeout_s=timeout_s)
+            for reply in replies:
+                if isinstance(reply, resp.ReplyError):
+                    raise reply
+        except Exception as exc:  # a cache fault never fails a warm-up: it ends it
+            self._fault(breaker, exc)
+            return None
+        self._succeeded(breaker)
+        flat = replies[0]
+        fence = parse_epochs(dict(zip(flat[::2], flat[1::2], strict=True)))
+        values = replies[1] if names else []
+        out = [
+            (name.rpartition(b":e:")[2].decode(), None if v is None else bytes(v))
+            for name, v in zip(names, values, strict=True)
+        ]
+        return out, fence
 
     async def ping(self) -> bool:
         """One bounded PING that goes through the breaker (readiness probes)."""

@@ -81,6 +81,30 @@ sidecar's tracker; functions and scripts in the "epochs" section below):
   reads; another sidecar's eviction may see them up to that interval late.
   A read's miss leaves an expired entry's accounting to the next put's reap.
 
+Key purges (one entry, by the SHA-256 hex digest of its key, the
+``X-Cache-Key`` of a hit) go through the same acknowledged path, with one
+cache-wide sequence, the fence-only scope ``purge``
+(:data:`cachefleet_sidecar.epochs.PURGE_SCOPE`):
+
+* ``cf:{cf:<cache>}:purges``  sorted set: ``<seq>:<digest>`` -> seq, the
+  *purge log* (the last :data:`PURGE_LOG_MAX` purges). :data:`PURGE_CAS_LUA`
+  advances ``purge`` in the sequencer and logs the digest in one script, so
+  whoever sees the new sequence number finds its digest in the log;
+* :data:`PURGE_FENCE_LUA` then raises ``purge`` in the fence of every
+  registered tenant (or the one named) and deletes the entry there, with its
+  accounting. Every versioned read and write carries the reader's / writer's
+  ``purge`` (it is part of the vector, not of the head): a writer that has
+  not applied the purge (an upstream answer fetched before it) is refused;
+* a sidecar that learns a newer ``purge`` reads the log range it has not
+  applied (:func:`purges_since_lean`), drops those digests from its L1 and
+  only then takes the new number and acknowledges it. A range the log no
+  longer holds whole (trimmed, or Redis restarted) empties its whole L1.
+
+A versioned entry may carry the writer's L1 key between its head and the
+entry: ``<vector>\n#<L1 key hex>\n<entry>`` (:func:`split_l1_id`), so that a
+starting sidecar can warm its L1 from L2 (:mod:`cachefleet_sidecar.warm`);
+readers strip it.
+
 Redis restart: without persistence the epoch hash is lost. Epochs never go
 backwards anyway: a sidecar that finds Redis behind what it knows writes its
 known epochs back (:func:`restore_epochs`), the operator merges the epochs in
@@ -120,8 +144,10 @@ from redis.asyncio.cluster import ClusterNode
 
 from cachefleet_sidecar import resp
 from cachefleet_sidecar.epochs import CACHE_SCOPE as CACHE_SCOPE
+from cachefleet_sidecar.epochs import PURGE_SCOPE as PURGE_SCOPE
 from cachefleet_sidecar.epochs import EpochVector, encode_vector, parse_epochs
 from cachefleet_sidecar.epochs import model_scope as model_scope
+from cachefleet_sidecar.epochs import namespace_scope as namespace_scope
 from cachefleet_sidecar.epochs import tenant_scope as tenant_scope
 from cachefleet_sidecar.epochs import valid_scope as valid_scope
 
@@ -826,8 +852,9 @@ SCRIPT_COMMANDS = (
     "+zadd", "+zrange", "+zremrangebyscore", "+zscore",
     "+exists", "+pexpire",
 )  # fmt: skip
-#: Further commands of the operator (cleanup of a deleted cache scans its keys).
-OPERATOR_COMMANDS = ("+scan",)
+#: Further commands of the operator (cleanup of a deleted cache scans its keys; the
+#: key-purge script trims the purge log).
+OPERATOR_COMMANDS = ("+scan", "+zcard", "+zremrangebyrank")
 
 
 def _cache_patterns(cache: str) -> list[str]:
@@ -1155,7 +1182,32 @@ def judge_versioned_read(
         return READ_MISS
     if not value.startswith(head):
         return READ_STALE_ENTRY
-    return value[len(head) :]
+    body = value[len(head) :]
+    if body[:1] == L1_ID_MARK:
+        return split_l1_id(body)[1]
+    return body
+
+
+#: Starts the optional L1-key line between a versioned entry's head and the entry.
+L1_ID_MARK: Final = b"#"
+
+
+def l1_id_line(l1_id: int) -> bytes:
+    """The line a writer puts before its entry: ``#<L1 key hex>\n``."""
+    return b"#%x\n" % l1_id
+
+
+def split_l1_id(body: bytes) -> tuple[int | None, bytes]:
+    """(the writer's L1 key or None, the entry) of what follows a versioned entry's head."""
+    if body[:1] != L1_ID_MARK:
+        return None, body
+    end = body.find(b"\n", 1, 40)
+    if end < 0:
+        return None, body
+    try:
+        return int(body[1:end], 16), body[end + 1 :]
+    except ValueError:
+        return None, body
 
 
 #: KEYS = :func:`l2_versioned_keys`; ARGV[1] = value, ARGV[2] = ttl (ms),
@@ -1423,3 +1475,152 @@ async def live_acks_lean(
         if parsed is not None:
             out[_text(flat[i])] = parsed[1]
     return live, out
+
+
+# --------------------------------------------------------------------- key purges
+
+#: Purges the log keeps (older ones are trimmed; a sidecar that missed them empties its L1).
+PURGE_LOG_MAX = 10000
+#: What a purge names: the SHA-256 hex digest of an entry's key (``X-Cache-Key``).
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def purge_log_key(cache: str) -> str:
+    """The purge log: sorted set ``<seq>:<digest>`` -> seq (control slot)."""
+    return f"{_control(cache)}:purges"
+
+
+#: KEYS[1] = epochs_key, KEYS[2] = purge_log_key; ARGV[1] = the ``purge`` epoch the
+#: caller read, ARGV[2] = digest, ARGV[3] = PURGE_LOG_MAX. Returns {1, new epoch}
+#: (advanced and logged) or {0, current epoch} (someone else advanced it: retry).
+PURGE_CAS_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'purge') or '0')
+if cur ~= tonumber(ARGV[1]) then return {0, cur} end
+local new = cur + 1
+redis.call('HSET', KEYS[1], 'purge', string.format('%d', new))
+redis.call('ZADD', KEYS[2], new, string.format('%d', new) .. ':' .. ARGV[2])
+local n = redis.call('ZCARD', KEYS[2])
+local keep = tonumber(ARGV[3])
+if n > keep then redis.call('ZREMRANGEBYRANK', KEYS[2], 0, n - keep - 1) end
+return {1, new}
+"""
+
+#: KEYS = :func:`l2_keys` of the digest, then the tenant's fence; ARGV[1] = the purge
+#: epoch. Raises the fence's ``purge`` to it and deletes the entry with its
+#: accounting. Returns 1 when an entry was deleted.
+PURGE_FENCE_LUA = (
+    _L2_LUA_READ_HELPERS
+    + """
+local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
+local cur = tonumber(redis.call('HGET', KEYS[6], 'purge') or '0')
+if tonumber(ARGV[1]) > cur then redis.call('HSET', KEYS[6], 'purge', ARGV[1]) end
+if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('HEXISTS', meta[3], KEYS[1]) == 1 then
+  return forget(meta, KEYS[1])
+end
+return 0
+"""
+)
+PURGE_FENCE_SCRIPT = resp.Script(PURGE_FENCE_LUA)
+
+
+def check_digest(digest: str) -> str:
+    """``digest`` if it is a SHA-256 hex digest (64 lower-case hex digits); else ValueError."""
+    if not DIGEST_RE.match(digest):
+        raise ValueError(f"not a SHA-256 hex digest (64 of 0-9a-f): {digest[:80]!r}")
+    return digest
+
+
+async def log_purge(
+    client: RedisClient,
+    cache: str,
+    digest: str,
+    *,
+    floor: int = 0,
+    max_attempts: int = MAX_CAS_ATTEMPTS,
+) -> int:
+    """Advance ``purge`` by one and log ``digest`` under it, atomically; the new epoch.
+
+    ``floor`` is merged first, as for :func:`advance_epoch`.
+    """
+    check_digest(digest)
+    key = epochs_key(cache)
+    if floor > 0:
+        await client.eval(EPOCH_MERGE_LUA, 1, key, PURGE_SCOPE, str(int(floor)))
+    for _ in range(max_attempts):
+        raw = await client.hget(key, PURGE_SCOPE)
+        seen = int(raw) if raw is not None else 0
+        reply = await client.eval(
+            PURGE_CAS_LUA, 2, key, purge_log_key(cache), str(seen), digest, str(PURGE_LOG_MAX)
+        )
+        ok, epoch = (int(x) for x in reply)
+        if ok == 1:
+            return epoch
+    raise EpochConflict(f"{cache} purge: lost the CAS {max_attempts} times")
+
+
+async def purge_logged(client: RedisClient, cache: str, digest: str, since: int) -> int | None:
+    """The sequence number ``digest`` was logged under at ``since`` or later, if any."""
+    members = await client.zrangebyscore(purge_log_key(cache), since, "+inf")
+    for raw in members:
+        seq, _, logged = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(":")
+        if logged == digest:
+            return int(seq)
+    return None
+
+
+async def purge_fence_lean(
+    client: resp.RespClient,
+    cache: str,
+    digest: str,
+    epoch: int,
+    tenants: Iterable[str] | None = None,
+    *,
+    announce: bool = False,
+    timeout_s: float | None = None,
+) -> int:
+    """:data:`PURGE_FENCE_LUA` in the slot of ``tenants`` (default: every registered one).
+
+    ``announce``: the ``purge`` epoch is announced in the same batch, queued
+    after the fences (see :func:`fence_tenants_lean`). Returns the entries deleted.
+    """
+    if tenants is None:
+        key = l2_tenants_key(cache)
+        raw = await client.execute("SMEMBERS", key, key=key, timeout_s=timeout_s)
+        names = sorted(_text(t) for t in raw)
+    else:
+        names = sorted(set(tenants))
+    batch: list[Awaitable[Any]] = [
+        client.run_script(
+            PURGE_FENCE_SCRIPT,
+            [*l2_keys(cache, t, digest), tenant_epochs_key(cache, t)],
+            [str(int(epoch))],
+            timeout_s=timeout_s,
+        )
+        for t in names
+    ]
+    if announce:
+        batch.append(publish_epochs_lean(client, cache, {PURGE_SCOPE: epoch}, timeout_s=timeout_s))
+    replies = await asyncio.gather(*batch)
+    return sum(int(r) for r in replies[: len(names)])
+
+
+async def purges_since_lean(
+    client: resp.RespClient, cache: str, after: int, upto: int, *, timeout_s: float | None = None
+) -> tuple[list[str], bool]:
+    """(digests purged with sequence numbers in (after, upto], whether the log held them all)."""
+    if upto <= after:
+        return [], True
+    key = purge_log_key(cache)
+    raw = await client.execute(
+        "ZRANGEBYSCORE", key, f"({after}", str(upto), key=key, timeout_s=timeout_s
+    )
+    digests: list[str] = []
+    seen: set[int] = set()
+    for member in raw:
+        seq, _, digest = _text(member).partition(":")
+        try:
+            seen.add(int(seq))
+        except ValueError:
+            continue
+        digests.append(digest)
+    return digests, seen >= set(range(after + 1, upto + 1))

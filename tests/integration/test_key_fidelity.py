@@ -222,10 +222,12 @@ async def test_a_planted_or_corrupt_l2_entry_is_a_counted_miss(
                 await asyncio.sleep(0.05)
             (name,) = added
             stored = bytes(await client.get(name))
-            epochs, _, envelope = stored.partition(b"\n")
-            await client.set(
-                name, epochs + b"\n" + _planted(Entry.loads(envelope), variant), keepttl=True
-            )
+            epochs, _, rest = stored.partition(b"\n")
+            l1_id, envelope = protocol.split_l1_id(rest)  # the writer's L1 key, then the entry
+            assert l1_id is not None
+            line = protocol.l1_id_line(l1_id)
+            planted = _planted(Entry.loads(envelope), variant)
+            await client.set(name, epochs + b"\n" + line + planted, keepttl=True)
     finally:
         await client.aclose()
     reader = await sidecar_factory(redis_url=redis_url, pod="pod-b")

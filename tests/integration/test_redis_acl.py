@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_operator.invalidation import Invalidator
 from cachefleet_operator.publisher import RedisControlPlane
 from cachefleet_sidecar import protocol
 
@@ -120,6 +121,26 @@ async def test_sidecar_and_operator_work_under_least_privilege(
         status = (await pod_a.admin.get("/status")).json()
         assert status["redis"] == "ok"
         assert SIDECAR_PASSWORD not in str(status)
+        assert await refusals(admin) == []
+
+        # A key purge (operator) applied by both sidecars, and a warm-up, under the same users.
+        async def rewritten() -> bool:  # the entry before the invalidation, and the one after
+            return int(await admin.zcard(protocol.lru_key(CACHE, "acme"))) == 2
+
+        await wait_until(rewritten)
+        newest = await admin.zrange(protocol.lru_key(CACHE, "acme"), -1, -1)
+        pod_c = await sidecar_factory(
+            redis_url=sidecar_url, cache=CACHE, pod="pod-c", warm_bytes=1 << 20
+        )
+        await wait_until(lambda: pod_c.sidecar.warm.state == "done")
+        assert pod_c.sidecar.warm.entries == 1
+        digest = newest[0].decode().rpartition(":e:")[2]
+        operator_url = as_user(redis_url, "cf-operator", OPERATOR_PASSWORD)
+        async with Invalidator.from_url(operator_url, CACHE, poll_s=0.05) as inv:
+            purged, at = await inv.purge(digest)
+            result = await inv.await_acks("purge", purged, timeout_s=5.0, started_at=at)
+        assert (result.completed, result.acks) == (True, 3)
+        assert (await pod_c.chat("under ACL")).headers["x-cache"] == "MISS"
         assert await refusals(admin) == []
     finally:
         await operator.aclose()

@@ -188,3 +188,66 @@ async def test_invalid_scope_and_unknown_cache_fail_with_a_reason(
         "orphan reported",
     )
     assert "not found" in pending["message"]
+
+
+async def test_key_and_namespace_invalidations_complete_with_acks(
+    emulator: EmulatorHandle,
+    operator_factory: OperatorFactory,
+    redis_url: str,
+    sidecars: list[ControlSync],
+) -> None:
+    fake = FakeMetrics()
+    fake.data = steady_metrics()
+    operator_factory(Reconciler(metrics_source=fake.factory, metrics=OperatorMetrics()))
+    await asyncio.to_thread(emulator.create, IC_PATH, cache_body("chat", redis_url))
+    await eventually(
+        lambda: status_of(emulator, f"{IC_PATH}/chat").get("sidecars", {}).get("epochsInSync") == 2,
+        "InferenceCache status with both sidecars in sync",
+    )
+    digest = "5e" * 32
+    client = protocol.redis_from_url(redis_url)
+    try:  # an L2 entry of a registered tenant, and one of the same digest elsewhere
+        await protocol.register_tenant(client, CACHE, "gold")
+        await client.set(protocol.entry_key(CACHE, "gold", digest), b"old answer")
+        await client.set(protocol.entry_key(CACHE, "gold", "6f" * 32), b"other answer")
+
+        body = invalidation("purge-1", {"type": "Key", "key": digest})
+        await asyncio.to_thread(emulator.create, CI_PATH, body)
+        done = await eventually(
+            lambda: (
+                (s := status_of(emulator, f"{CI_PATH}/purge-1")).get("phase") == "Completed" and s
+            ),
+            "purge-1 Completed",
+        )
+        assert (done["epoch"], done["acks"], done["expectedAcks"]) == (1, 2, 2)
+        assert digest in done["message"]
+        assert await client.get(protocol.entry_key(CACHE, "gold", digest)) is None
+        assert await client.get(protocol.entry_key(CACHE, "gold", "6f" * 32)) == b"other answer"
+        assert (await protocol.read_epochs(client, CACHE))["purge"] == 1
+    finally:
+        await client.aclose()
+    for sync in sidecars:
+        assert sync.tracker is not None
+        assert sync.tracker.known.get("purge") == 1
+        assert sync.purges_applied == 1
+
+    ns = {"type": "Namespace", "tenant": "gold", "namespace": "kb-7"}
+    await asyncio.to_thread(emulator.create, CI_PATH, invalidation("kb-7", ns))
+    done = await eventually(
+        lambda: (s := status_of(emulator, f"{CI_PATH}/kb-7")).get("phase") == "Completed" and s,
+        "kb-7 Completed",
+    )
+    assert (done["epoch"], done["acks"], done["expectedAcks"]) == (1, 2, 2)
+    assert "namespace:gold/kb-7" in done["message"]
+    for sync in sidecars:
+        assert sync.tracker is not None
+        assert sync.tracker.known.get("namespace:gold/kb-7") == 1
+
+    # a bad digest fails with the field named
+    bad = invalidation("bad-key", {"type": "Key", "key": "NOT-A-DIGEST"})
+    await asyncio.to_thread(emulator.create, CI_PATH, bad)
+    failed = await eventually(
+        lambda: (s := status_of(emulator, f"{CI_PATH}/bad-key")).get("phase") == "Failed" and s,
+        "bad-key Failed",
+    )
+    assert "spec.scope.key" in failed["message"]

@@ -93,6 +93,22 @@ GOOD = [
         "cacheinvalidations", cinv(scope={"type": "Tenant", "tenant": "a"}), id="tenant-scope"
     ),
     pytest.param("cacheinvalidations", cinv(scope={"type": "Model", "model": "m"}), id="model"),
+    pytest.param(
+        "cacheinvalidations",
+        cinv(scope={"type": "Namespace", "tenant": "a", "namespace": "kb-1"}),
+        id="namespace-scope",
+    ),
+    pytest.param("cacheinvalidations", cinv(scope={"type": "Key", "key": "0f" * 32}), id="key"),
+    pytest.param(
+        "cacheinvalidations",
+        cinv(scope={"type": "Key", "key": "0f" * 32, "tenant": "a"}),
+        id="key-of-one-tenant",
+    ),
+    pytest.param(
+        "inferencecaches",
+        ic(namespaceHeader="X-KB", warmup={"bytes": 1 << 20, "timeoutSeconds": 5}),
+        id="namespace-header-and-warmup",
+    ),
 ]
 
 
@@ -180,7 +196,41 @@ BAD = [
         ".spec.scope.model: scope Model needs model",
         id="model-scope-no-model",
     ),
+    pytest.param(
+        "cacheinvalidations",
+        cinv(scope={"type": "Namespace", "tenant": "a"}),
+        ".spec.scope.namespace: scope Namespace needs tenant and namespace",
+        id="namespace-scope-no-namespace",
+    ),
+    pytest.param(
+        "cacheinvalidations",
+        cinv(scope={"type": "Key", "tenant": "a"}),
+        ".spec.scope.key: scope Key needs key (the X-Cache-Key of a hit)",
+        id="key-scope-no-key",
+    ),
 ]
+
+
+BAD_FIELDS = [
+    pytest.param(cinv(scope={"type": "Key", "key": "F0" * 32}), "spec.scope.key", id="upper-hex"),
+    pytest.param(cinv(scope={"type": "Key", "key": "0f" * 16}), "spec.scope.key", id="short"),
+    pytest.param(
+        cinv(scope={"type": "Namespace", "tenant": "a", "namespace": "kb/1"}),
+        "spec.scope.namespace",
+        id="namespace-with-slash",
+    ),
+]
+
+
+@pytest.mark.parametrize(("obj", "field"), BAD_FIELDS)
+def test_bad_digest_or_namespace_is_refused_naming_the_field(
+    obj: dict[str, Any], field: str
+) -> None:
+    errors = list(validator_for("cacheinvalidations").iter_errors(obj))
+    assert [_schema_path(e) for e in errors] == [field], errors
+    with pytest.raises(SpecError) as info:
+        parse_invalidation_spec(obj["spec"])
+    assert info.value.field == field
 
 
 @pytest.mark.parametrize(("plural", "obj", "expected"), BAD)

@@ -53,8 +53,28 @@ def test_vector_order_and_encoding() -> None:
     assert tracker.values_for("a", "m") == (2, 5, 1)
     assert tracker.values_for("c", "other") == (2, 0, 0)
     vector = tracker.vector("a", "m")
-    assert vector == (("cache", 2), ("tenant:a", 5), ("model:m", 1))
+    # the key-purge sequence is checked against the fence but is no part of the head
+    assert vector == (("cache", 2), ("tenant:a", 5), ("model:m", 1), ("purge", 0))
     assert encode_vector(vector) == "cache=2;tenant:a=5;model:m=1"
+
+
+def test_a_namespace_has_its_own_epoch_and_a_purge_moves_no_head() -> None:
+    tracker = EpochTracker()
+    tracker.merge({"tenant:a": 5, "namespace:a/kb1": 3, "purge": 7})
+    assert tracker.values_for("a", "m", "kb1") == (0, 5, 0, 3)
+    assert tracker.values_for("a", "m", "kb2") == (0, 5, 0, 0)
+    assert tracker.values_for("a", "m") == (0, 5, 0)
+    vector = tracker.vector("a", "m", "kb1")
+    assert vector[-2:] == (("namespace:a/kb1", 3), ("purge", 7))
+    assert encode_vector(vector) == "cache=0;tenant:a=5;model:m=0;namespace:a/kb1=3"
+    before = encode_vector(tracker.vector("a", "m"))
+    tracker.merge({"purge": 8})
+    assert encode_vector(tracker.vector("a", "m")) == before  # entries stay readable
+    assert valid_scope("namespace:a/kb1")
+    assert valid_scope("purge")
+    assert not valid_scope("namespace:a")
+    assert not valid_scope("namespace:/kb1")
+    assert not valid_scope("namespace:a/")
 
 
 def test_merge_is_monotone_duplicates_and_reordering_change_nothing() -> None:
@@ -147,6 +167,9 @@ def test_scope_name_of_a_spec() -> None:
     assert scope_name(InvalidationScope(type=ScopeType.CACHE)) == "cache"
     assert scope_name(InvalidationScope(type=ScopeType.TENANT, tenant="t1")) == "tenant:t1"
     assert scope_name(InvalidationScope(type=ScopeType.MODEL, model="llama")) == "model:llama"
+    kb = InvalidationScope(type=ScopeType.NAMESPACE, tenant="t1", namespace="kb-7")
+    assert scope_name(kb) == "namespace:t1/kb-7"
+    assert scope_name(InvalidationScope(type=ScopeType.KEY, key="a" * 64)) == "purge"
 
 
 def test_ack_epochs_reads_what_the_sidecar_writes_and_skips_junk() -> None:
@@ -172,7 +195,7 @@ def test_vector_is_built_once_and_follows_every_epoch_move() -> None:
     assert tracker.vector("u", "m") != first
     tracker.merge({"tenant:t": 3})
     moved = tracker.vector("t", "m")
-    assert moved == (("cache", 0), ("tenant:t", 3), ("model:m", 0))
+    assert moved == (("cache", 0), ("tenant:t", 3), ("model:m", 0), ("purge", 0))
     tracker.merge({"tenant:t": 2})  # behind: nothing moves
     assert tracker.vector("t", "m") is moved
     tracker.merge({"model:m": 1})

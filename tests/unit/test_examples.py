@@ -38,6 +38,13 @@ def test_cache_invalidation_example_is_valid() -> None:
     assert inv.spec.scope.tenant == "acme-support"
 
 
+@pytest.mark.parametrize("name", ["purge-key.yaml", "invalidate-namespace.yaml"])
+def test_key_and_namespace_examples_are_valid(name: str) -> None:
+    doc = load(name)
+    assert list(validator_for("cacheinvalidations").iter_errors(doc)) == []
+    assert CacheInvalidation.model_validate(doc).spec.scope.type.value in ("Key", "Namespace")
+
+
 @pytest.mark.parametrize(
     ("mutate", "field"),
     [

@@ -128,6 +128,41 @@ def test_env_is_understood_by_the_sidecar(monkeypatch: pytest.MonkeyPatch) -> No
     assert cfg.policy.value == "lirs"
 
 
+def test_namespace_header_and_warm_up_flow_from_the_cache_to_the_sidecar(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    obj = copy.deepcopy(CACHE_OBJ)
+    obj["spec"]["namespaceHeader"] = "X-Knowledge-Base"
+    obj["spec"]["warmup"] = {"bytes": 64 << 20, "timeoutSeconds": 7.5}
+    container = injection.sidecar_container(injection.cache_info(obj), SETTINGS)
+    env = env_of(container)
+    assert env["CACHEFLEET_NAMESPACE_HEADER"] == "X-Knowledge-Base"
+    assert env["CACHEFLEET_WARM_BYTES"] == str(64 << 20)
+    for e in container["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    cfg = sidecar_config.parse_args([])
+    assert cfg.namespace_header == "X-Knowledge-Base"
+    assert (cfg.warm_bytes, cfg.warm_timeout_s) == (64 << 20, 7.5)
+    # without them: the sidecar's defaults (no warm-up)
+    plain = env_of(injection.sidecar_container(injection.cache_info(CACHE_OBJ), SETTINGS))
+    assert "CACHEFLEET_WARM_BYTES" not in plain
+    assert "CACHEFLEET_NAMESPACE_HEADER" not in plain
+
+
+def test_bad_warm_up_and_namespace_flags_are_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv, flag in (
+        (["--warm-bytes", "lots"], "--warm-bytes"),
+        (["--warm-timeout", "0"], "--warm-timeout"),
+        (["--namespace-header", "X KB"], "--namespace-header"),
+    ):
+        with pytest.raises(SystemExit):
+            sidecar_config.parse_args(argv)
+        assert flag in capsys.readouterr().err
+
+
 def test_probes_hit_the_admin_port_and_upstream_annotation_overrides() -> None:
     p = pod({CACHE_LABEL: "c"}, {injection.UPSTREAM_ANNOTATION: "http://127.0.0.1:9000"})
     sidecar = patched(p)["spec"]["containers"][1]

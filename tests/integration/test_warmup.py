@@ -1,0 +1,205 @@
+"""Warm pods: a starting sidecar fills its L1 from L2 before it reports ready.
+
+What a user would notice: after sidecar A has filled L2, a new sidecar B
+answers its first request for a popular prompt from L1 (``HIT-L1``) and
+``/status`` says what it warmed; ``--warm-bytes`` bounds what it takes; an
+entry invalidated meanwhile is not warmed; with Redis down, B still becomes
+ready once ``--warm-timeout`` has passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from cachefleet_e2e.services import free_port
+from cachefleet_e2e.truth import VersionedUpstream
+from cachefleet_operator.invalidation import Invalidator
+from cachefleet_sidecar import protocol
+from tests.integration.conftest import RunningSidecar, SidecarFactory
+
+pytestmark = [pytest.mark.redis]
+
+CACHE = "test/cache"
+#: Bound on waiting for acks, background writes and readiness, seconds.
+WAIT_S = 10.0
+PROMPTS = [f"popular {i}" for i in range(6)]
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> str:
+    """A flushed standalone Redis, then a flushed 3-node cluster."""
+    if request.param == "cluster":
+        request.applymarker(pytest.mark.redis_cluster)
+        return str(request.getfixturevalue("cluster_url"))
+    return str(request.getfixturevalue("redis_url"))
+
+
+@pytest.fixture
+async def truth() -> AsyncIterator[VersionedUpstream]:
+    async with VersionedUpstream() as up:
+        yield up
+
+
+async def ready(sc: RunningSidecar) -> httpx.Response:
+    """/readyz once it is 200 (bounded)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        resp = await sc.admin.get("/readyz")
+        if resp.status_code == 200 or time.monotonic() > deadline:
+            return resp
+        await asyncio.sleep(0.05)
+
+
+async def l2_entries(url: str, tenant: str) -> int:
+    client = protocol.redis_from_url(url)
+    try:
+        return int(await client.zcard(protocol.lru_key(CACHE, tenant)))
+    finally:
+        await client.aclose()
+
+
+async def filled(factory: SidecarFactory, url: str, upstream: str) -> RunningSidecar:
+    """Sidecar A, with every prompt answered once and written to L2."""
+    a = await factory(redis_url=url, upstream=upstream, pod="pod-a")
+    for _ in range(500):  # bounded: 10 s
+        if a.sidecar.tracker.fresh():
+            break
+        await asyncio.sleep(0.02)
+    for prompt in PROMPTS:
+        assert (await a.chat(prompt)).headers["x-cache"] == "MISS"
+    for _ in range(500):  # the L2 writes are in the background (bounded: 10 s)
+        if await l2_entries(url, "acme") >= len(PROMPTS):
+            break
+        await asyncio.sleep(0.02)
+    assert await l2_entries(url, "acme") == len(PROMPTS)
+    return a
+
+
+async def test_a_new_sidecar_answers_warmed_entries_from_l1(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
+) -> None:
+    redis_url = any_redis
+    await filled(sidecar_factory, redis_url, truth.url)
+    b = await sidecar_factory(
+        redis_url=redis_url,
+        upstream=truth.url,
+        pod="pod-b",
+        tenants=("acme",),
+        warm_bytes=1024 * 1024,
+    )
+    assert (await ready(b)).status_code == 200
+    warm = (await b.admin.get("/status")).json()["warmup"]
+    assert warm["state"] == "done"
+    assert (warm["entries"], warm["tenants"]) == (len(PROMPTS), 1)
+    assert warm["bytes"] > 0
+    calls = truth.calls
+    for prompt in PROMPTS:
+        resp = await b.chat(prompt)
+        assert resp.headers["x-cache"] == "HIT-L1", prompt
+        assert resp.json()["version"] == 1
+    assert truth.calls == calls  # nothing went upstream
+    # a warmed entry is purged like any other
+    client = protocol.redis_from_url(redis_url)
+    try:
+        members = await client.zrange(protocol.lru_key(CACHE, "acme"), -1, -1)
+    finally:
+        await client.aclose()
+    digest = members[0].decode().rpartition(":e:")[2]
+    truth.bump()
+    async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
+        epoch, at = await inv.purge(digest)
+        result = await inv.await_acks(protocol.PURGE_SCOPE, epoch, timeout_s=5.0, started_at=at)
+    assert result.completed
+    answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS]
+    assert answers.count("MISS") == 1
+    assert answers.count("HIT-L1") == len(PROMPTS) - 1
+
+
+async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    a = await filled(sidecar_factory, redis_url, truth.url)
+    size = len((await a.chat(PROMPTS[0])).content)  # an entry costs a bit more than this
+    b = await sidecar_factory(
+        redis_url=redis_url,
+        upstream=truth.url,
+        pod="pod-b",
+        tenants=("acme",),
+        warm_bytes=3 * size + 400,
+    )
+    assert (await ready(b)).status_code == 200
+    warm = (await b.admin.get("/status")).json()["warmup"]
+    assert 1 <= warm["entries"] < len(PROMPTS)
+    assert warm["bytes"] <= 3 * size + 400
+    assert warm["skipped"]["over_budget"] == len(PROMPTS) - warm["entries"]
+    # the tenant's entries are invalidated: a newcomer warms none of them
+    async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
+        assert (await inv.invalidate("tenant:acme", timeout_s=5.0)).completed
+    c = await sidecar_factory(
+        redis_url=redis_url,
+        upstream=truth.url,
+        pod="pod-c",
+        tenants=("acme",),
+        warm_bytes=1024 * 1024,
+    )
+    assert (await ready(c)).status_code == 200
+    warm = (await c.admin.get("/status")).json()["warmup"]
+    assert (warm["state"], warm["entries"]) == ("done", 0)
+    assert sum(warm["skipped"].values()) > 0  # read, judged stale, not warmed
+    assert (await c.chat(PROMPTS[0])).headers["x-cache"] == "MISS"
+
+
+async def test_with_redis_down_the_sidecar_is_ready_after_the_warm_up_timeout(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream
+) -> None:
+    nobody = f"redis://127.0.0.1:{free_port()}/0"
+    b = await sidecar_factory(
+        redis_url=nobody,
+        upstream=truth.url,
+        tenants=("acme",),
+        warm_bytes=1024 * 1024,
+        warm_timeout_s=3.0,
+    )
+    first = await b.admin.get("/readyz")
+    assert first.status_code == 503
+    assert b"warming" in first.content
+    assert (await ready(b)).status_code == 200
+    warm = (await b.admin.get("/status")).json()["warmup"]
+    assert (warm["state"], warm["entries"]) == ("timed_out", 0)
+    resp = await b.chat("still served")
+    assert (resp.status_code, resp.headers["x-cache"]) == (200, "MISS")
+
+
+async def test_the_warm_up_keeps_to_each_tenant_l1_share(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    a = await filled(sidecar_factory, redis_url, truth.url)
+    mine = (await a.admin.get("/status")).json()["tenants"]["acme"]
+    per_entry = mine["l1_bytes"] // mine["l1_entries"]
+    share = int(2.5 * per_entry)  # room for two entries
+    client = protocol.redis_from_url(redis_url)
+    try:
+        quotas = protocol.QuotaAssignment(
+            generation=1,
+            tenants={"acme": protocol.TenantQuota(l1_bytes=share, l2_bytes=64 << 20)},
+        )
+        await protocol.publish_quotas(client, CACHE, quotas)
+    finally:
+        await client.aclose()
+    b = await sidecar_factory(
+        redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
+    )
+    assert (await ready(b)).status_code == 200
+    status = (await b.admin.get("/status")).json()
+    assert status["quota_generation"] == 1  # the share was known before the warm-up
+    assert status["warmup"]["entries"] == 2
+    assert status["warmup"]["bytes"] <= share
+    assert status["tenants"]["acme"]["l1_bytes"] <= share
+    # the two warmed are the two most recently used
+    answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS[-2:]]
+    assert answers == ["HIT-L1", "HIT-L1"]
