@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -570,12 +571,20 @@ class RedisL2:
         self._registered.clear()
 
     async def put(
-        self, tenant: str, digest_hex: str, value: bytes, vector: EpochVector | None = None
+        self,
+        tenant: str,
+        digest_hex: str,
+        value: bytes,
+        vector: EpochVector | None = None,
+        *,
+        ttl_s: float | None = None,
     ) -> bool:
         """Store ``value``; False when the quota, the fence, the breaker or an error refused it.
 
         With ``vector`` the write is versioned (see :meth:`get`); the tenant is
-        registered for invalidation fencing first.
+        registered for invalidation fencing first. The key expires after
+        ``ttl_s`` (the tenant's TTL left to the entry) or the L2 TTL, whichever
+        is sooner.
         """
         versioned = vector is not None
         keys = (
@@ -585,7 +594,7 @@ class RedisL2:
         )
         args: list[Any] = [
             value,
-            max(1, int(self.ttl_s * 1000)),
+            max(1, int(min(self.ttl_s, math.inf if ttl_s is None else ttl_s) * 1000)),
             self.default_limit_bytes,
             self.max_evict,
         ]
