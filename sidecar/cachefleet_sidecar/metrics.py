@@ -377,7 +377,7 @@ def _ignored_text(labels: str, tm: TenantMetrics) -> list[str]:
 
 
 METRIC_SAVED_TOKENS = protocol.METRIC_SAVED_TOKENS
-METRIC_SAVED_COST = "cachefleet_saved_cost_total"
+METRIC_SAVED_COST = protocol.METRIC_SAVED_COST
 METRIC_DIRECTIVES_IGNORED = "cachefleet_cache_control_ignored_total"
 HELP_SAVED_TOKENS = (
     "Tokens not sent to the model because a cache hit answered, by model and kind "

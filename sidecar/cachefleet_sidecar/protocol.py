@@ -654,10 +654,26 @@ METRIC_SAVED_MODEL_SECONDS = "cachefleet_saved_model_seconds_total"
 METRIC_SAVED_TOKENS = "cachefleet_saved_tokens_total"
 
 
+#: Counter (price units), labels cache, tenant, model: what the saved tokens cost by
+#: the sidecar's --price-table.
+METRIC_SAVED_COST = "cachefleet_saved_cost_total"
+
+
 def promql_saved_model_seconds(cache: str, window: str) -> str:
     """Per-tenant model seconds cache hits saved over ``window``, added over pods and models."""
     sel = f'{METRIC_SAVED_MODEL_SECONDS}{{cache="{cache}"}}'
     return f"sum by (tenant) (increase({sel}[{window}]))"
+
+
+def promql_saved_tokens(cache: str, window: str) -> str:
+    """Per-tenant, per-kind (prompt, completion) tokens saved over ``window``."""
+    sel = f'{METRIC_SAVED_TOKENS}{{cache="{cache}"}}'
+    return f"sum by (tenant, kind) (increase({sel}[{window}]))"
+
+
+def promql_saved_cost(cache: str, window: str) -> str:
+    """Per-tenant price of the saved tokens over ``window`` (sidecars with a price table)."""
+    return f'sum by (tenant) (increase({METRIC_SAVED_COST}{{cache="{cache}"}}[{window}]))'
 
 
 def promql_policy_switches(cache: str, span: str) -> str:
