@@ -31,6 +31,7 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,10 +213,27 @@ async def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: What a sidecar's /status says each tenant saved (summed over models and pods).
+SAVED_FIELDS = ("hits", "prompt_tokens", "completion_tokens", "model_seconds")
+
+
+def savings_by_tenant(sidecars: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per tenant: hits, tokens and model seconds the sidecars' hits saved (their /status)."""
+    out: dict[str, dict[str, float]] = {}
+    for status in sidecars.values():
+        for tenant, models in ((status or {}).get("savings") or {}).items():
+            total = out.setdefault(tenant, dict.fromkeys(SAVED_FIELDS, 0.0))
+            for saved in models.values():
+                for name in SAVED_FIELDS:
+                    total[name] += float(saved.get(name, 0))
+    return out
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     outcomes: list[Outcome] = result["outcomes"]
     tenants: dict[str, Any] = {}
     q = quotas(result["status"])
+    saved = savings_by_tenant(result.get("sidecars") or {})
     for plan in DEFAULT_TENANTS:
         rows = [o for o in outcomes if o.tenant == plan.name]
         if not rows:
@@ -234,12 +252,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "l1_bytes_per_pod": q.get(plan.name, {}).get("l1Bytes"),
             "share": q.get(plan.name, {}).get("share"),
             "reason": q.get(plan.name, {}).get("reason"),
+            "saved": saved.get(plan.name),
         }
     return {
         "tenants": tenants,
         "conditions": result["status"].get("conditions"),
         "sla_attainment": result["status"].get("slaAttainment"),
         "quota_generation": result["status"].get("quotaGeneration"),
+        "saved_model_hours": result["status"].get("savedModelHours"),
         "events": [
             {"reason": e.get("reason"), "type": e.get("type"), "message": e.get("message")}
             for e in result["events"]
@@ -264,6 +284,19 @@ def print_report(summary: dict[str, Any]) -> None:
     for name, t in summary["tenants"].items():
         if t["reason"]:
             print(f"  {name}: {t['reason']}")
+    print("\nwhat cache hits saved the model (the sidecars' /status, all pods):")
+    print(f"{'tenant':<18}{'hits':>8}{'prompt tok':>12}{'compl tok':>11}{'model s':>10}")
+    for name, t in summary["tenants"].items():
+        s = t.get("saved") or dict.fromkeys(SAVED_FIELDS, 0.0)
+        print(
+            f"{name:<18}{s['hits']:>8.0f}{s['prompt_tokens']:>12.0f}"
+            f"{s['completion_tokens']:>11.0f}{s['model_seconds']:>10.1f}"
+        )
+    if summary.get("saved_model_hours") is not None:
+        print(
+            f"operator: {summary['saved_model_hours']:g} model-hours saved over its window "
+            "(the SAVED column of kubectl get inferencecaches)"
+        )
     print(
         f"\nSLA attainment: {summary['sla_attainment']}; quota generation "
         f"{summary['quota_generation']}"

@@ -205,6 +205,12 @@ async def test_savings_after_plain_and_streamed_hits(
     assert status["saved"]["prompt_tokens"] == 20
     assert status["saved"]["priced"] is True
     assert upstream.calls[CHAT] == 3
+    # the demo's report reads the same /status of every pod
+    from cachefleet_e2e.demo import savings_by_tenant
+
+    two_pods = savings_by_tenant({"pod-a": status, "pod-b": status})
+    assert two_pods["acme"]["hits"] == 2 * 5
+    assert two_pods["acme"]["prompt_tokens"] == 2 * 20
 
 
 async def test_a_bad_price_table_is_refused_naming_the_flag(
