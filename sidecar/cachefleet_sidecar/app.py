@@ -904,7 +904,7 @@ class Sidecar:
             del self._inflight[key.digest]
         # The answer is copied into a response for joiners only when there are some.
         if l3_answer is None and answer is not None and flight.joiners:
-            l3_answer = answer.response(b"MISS", 0, key.sha256_hex)
+            l3_answer = answer.response(b"MISS", None, key.sha256_hex)
         flight.future.set_result(l3_answer)
 
     async def _miss(

@@ -308,19 +308,26 @@ class Entry:
         """Seconds since the fill at Unix time ``now`` (0 for a clock behind it)."""
         return max(0.0, now - self.filled_at)
 
-    def _prefix(self, key_hex: str = "") -> bytes:
-        """The response up to the Age value: status line, headers, content-length, key."""
+    def _prefix(self, key_hex: str = "", age: bool = True) -> bytes:
+        """The response up to the Age value (``age``; else up to X-Cache): status line,
+        headers, content-length, key."""
         key = b"x-cache-key: %s\r\n" % key_hex.encode() if key_hex else b""
-        return b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%sage: " % (
+        return b"HTTP/1.1 %d %s\r\n%scontent-length: %d\r\n%s%s" % (
             self.status,
             reason_phrase(self.status),
             self.headers,
             len(self.body),
             key,
+            b"age: " if age else b"",
         )
 
-    def response(self, x_cache: bytes, age: int = 0, key_hex: str = "") -> bytes:
-        """The complete HTTP/1.1 response with ``Age``, ``X-Cache-Key`` and ``X-Cache``."""
+    def response(self, x_cache: bytes, age: int | None = 0, key_hex: str = "") -> bytes:
+        """The complete HTTP/1.1 response with ``Age`` (None: none, a shared miss),
+        ``X-Cache-Key`` and ``X-Cache``."""
+        if age is None:
+            return b"".join(
+                (self._prefix(key_hex, False), b"x-cache: ", x_cache, b"\r\n\r\n", self.body)
+            )
         return b"".join(
             (self._prefix(key_hex), b"%d\r\nx-cache: " % age, x_cache, b"\r\n\r\n", self.body)
         )

@@ -71,6 +71,17 @@ async def test_hits_say_their_age_and_every_cacheable_answer_its_key(
     assert upstream.calls[CHAT] == 3
 
 
+async def test_requests_that_share_a_miss_get_its_key_and_no_age(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    upstream.default_latency_s = 0.3
+    results = await asyncio.gather(*(sidecar.chat("shared miss") for _ in range(4)))
+    assert upstream.calls[CHAT] == 1
+    assert {r.headers["x-cache"] for r in results} == {"MISS"}
+    assert len({r.headers["x-cache-key"] for r in results}) == 1
+    assert not [r for r in results if "age" in r.headers]
+
+
 async def test_max_age_accepts_only_a_young_enough_entry(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:
