@@ -463,7 +463,9 @@ class Sidecar:
     def _lookup(
         self, request: Request, kind: str, query: bytes, tenant: str | None = None
     ) -> Lookup:
-        """Tenant, key and cache directives of a request (``tenant`` when already decided)."""
+        """Tenant, key and cache directives of a request (``tenant`` when already decided:
+        keyed again, its ignored directives were counted the first time)."""
+        first = tenant is None
         if tenant is None:
             tenant = self.resolve_tenant(request)
         version = self._scope_version
@@ -474,7 +476,7 @@ class Sidecar:
                 return Lookup(tenant, None, key, False, False, version)
             return Lookup(tenant, key, None, False, False, version)
         asked = directives.parse(cc, self._allowed.get(tenant, directives.ALL_ALLOWED))
-        if asked.ignored:
+        if asked.ignored and first:
             tm = self.metrics.tenant(tenant)
             for directive in asked.ignored:
                 tm.directive_ignored(directive)
