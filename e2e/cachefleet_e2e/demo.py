@@ -193,7 +193,8 @@ async def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             status = await asyncio.to_thread(fleet.status)
             stats = window_stats(outcomes, max(0.0, t - 2 * SAMPLE_EVERY_S), t)
             q = quotas(status)
-            timeline.append({"t": t, "stats": stats, "quotas": q})
+            saved = savings_by_tenant(await asyncio.to_thread(fleet.sidecar_status))
+            timeline.append({"t": t, "stats": stats, "quotas": q, "saved": saved})
             line = "  ".join(
                 f"{name}: hit {s['hit_ratio']:.0%} p95 {s['p95_s'] * 1000:.0f}ms "
                 f"L1 {q.get(name, {}).get('l1Bytes', 0) // 1024}KiB"
@@ -260,6 +261,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         "sla_attainment": result["status"].get("slaAttainment"),
         "quota_generation": result["status"].get("quotaGeneration"),
         "saved_model_hours": result["status"].get("savedModelHours"),
+        "saved_model_seconds": (result["status"].get("savings") or {}).get("modelSeconds"),
         "events": [
             {"reason": e.get("reason"), "type": e.get("type"), "message": e.get("message")}
             for e in result["events"]
@@ -294,8 +296,9 @@ def print_report(summary: dict[str, Any]) -> None:
         )
     if summary.get("saved_model_hours") is not None:
         print(
-            f"operator: {summary['saved_model_hours']:g} model-hours saved over its window "
-            "(the SAVED column of kubectl get inferencecaches)"
+            f"operator: {summary['saved_model_hours']:g} model-hours "
+            f"({summary['saved_model_seconds'] or 0:g} model seconds) saved over its Prometheus "
+            "window at its last rebalance (the SAVED column of kubectl get inferencecaches)"
         )
     print(
         f"\nSLA attainment: {summary['sla_attainment']}; quota generation "
@@ -320,7 +323,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         print("(matplotlib missing: no plot; pip install 'cachefleet[demo]')")
         return False
     timeline = result["timeline"]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
     names = sorted({n for row in timeline for n in row["stats"]})
     for name in names:
         ts = [row["t"] for row in timeline if name in row["stats"]]
@@ -339,10 +342,16 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             [row["quotas"].get(name, {}).get("l1Bytes", 0) / 1024 for row in timeline],
             label=name,
         )
+        axes[3].plot(
+            [row["t"] for row in timeline],
+            [(row.get("saved") or {}).get(name, {}).get("model_seconds", 0.0) for row in timeline],
+            label=name,
+        )
     axes[0].set_ylabel("hit ratio (4 s window)")
     axes[1].set_ylabel("client p95 (ms)")
     axes[2].set_ylabel("L1 quota per pod (KiB)")
-    axes[2].set_xlabel("seconds into the load")
+    axes[3].set_ylabel("model seconds saved (all pods)")
+    axes[3].set_xlabel("seconds into the load")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)

@@ -356,10 +356,10 @@ def savings_status(parts: Iterable[Mapping[str, float]]) -> SavingsStatus:
 
 
 def saved_model_hours(saved: Mapping[str, Mapping[str, float]] | None) -> float | None:
-    """The SAVED column: model-hours over the window, all tenants (2 decimals)."""
+    """The SAVED column: model-hours over the window, all tenants (4 decimals: 0.36 s)."""
     if saved is None:
         return None
-    return round(sum(part.get("model_seconds", 0.0) for part in saved.values()) / 3600.0, 2)
+    return round(sum(part.get("model_seconds", 0.0) for part in saved.values()) / 3600.0, 4)
 
 
 def _sla_condition(allocation: Allocation) -> tuple[ConditionStatus, str, str, str]:

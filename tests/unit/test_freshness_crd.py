@@ -132,6 +132,8 @@ def test_savings_from_prometheus_answers_to_the_status() -> None:
         "bolt": {"model_seconds": 1800.0},
     }
     assert saved_model_hours(found) == 2.0
+    assert saved_model_hours({"a": {"model_seconds": 18.0}}) == 0.005  # a short run still shows
+    assert saved_model_hours(None) is None
     total = savings_status(found.values()).wire()
     assert total == {
         "modelSeconds": 7200.0,
