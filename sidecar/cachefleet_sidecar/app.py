@@ -608,13 +608,15 @@ class Sidecar:
             return None
         value = reaged(hit, mono)
         with contextlib.suppress(TenantLimitError):
-            self.l1.put(
+            evicted = self.l1.put(
                 tenant,
                 key.digest,
                 value,
                 len(value[V_RESPONSE]) + L1_OVERHEAD_BYTES,
                 value[V_UPSTREAM_S],
             )
+            if evicted:  # one more Age digit can push a full partition over
+                self.metrics.tenant(tenant).evicted("l1", evicted)
         return value
 
     def _l1_fresh(self, lookup: Lookup, key: keys.CacheKey, digest: int) -> L1Value | None:
