@@ -280,3 +280,30 @@ async def wait_until(predicate: object, timeout_s: float = 5.0) -> None:
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+async def test_l3_serves_a_neighbour_only_within_the_ttl_and_counts_its_savings(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream
+) -> None:
+    from .test_semantic import PARA, Q, semantic_sidecar
+
+    sc = await semantic_sidecar(sidecar_factory, ttl_s=3.0)
+    started = time.monotonic()
+    first = await sc.chat(Q)
+    para = await sc.chat(PARA)
+    if time.monotonic() - started < 2.5:  # the entry is surely younger than its TTL
+        assert para.headers["x-cache"] == "HIT-L3"
+        assert para.headers["x-cache-key"] == first.headers["x-cache-key"]  # the entry served
+        assert int(para.headers["age"]) <= 2
+        text = (await sc.admin.get("/metrics")).text
+        assert metric(text, "cachefleet_saved_tokens_total", tenant="acme", kind="prompt") == 5
+    # once the neighbour is older than the TTL, L3 no longer answers with it
+    deadline = time.monotonic() + 20.0
+    for n in range(1000):
+        resp = await sc.chat(f"{PARA} {'?' * (n % 3 + 1)}")
+        if resp.headers["x-cache"] != "HIT-L3":
+            break
+        assert int(resp.headers["age"]) < 3, "L3 served an entry older than the TTL"
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.2)
+    assert resp.headers["x-cache"] == "MISS"
