@@ -31,6 +31,7 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -192,7 +193,8 @@ async def run_demo(args: argparse.Namespace) -> dict[str, Any]:
             status = await asyncio.to_thread(fleet.status)
             stats = window_stats(outcomes, max(0.0, t - 2 * SAMPLE_EVERY_S), t)
             q = quotas(status)
-            timeline.append({"t": t, "stats": stats, "quotas": q})
+            saved = savings_by_tenant(await asyncio.to_thread(fleet.sidecar_status))
+            timeline.append({"t": t, "stats": stats, "quotas": q, "saved": saved})
             line = "  ".join(
                 f"{name}: hit {s['hit_ratio']:.0%} p95 {s['p95_s'] * 1000:.0f}ms "
                 f"L1 {q.get(name, {}).get('l1Bytes', 0) // 1024}KiB"
@@ -212,10 +214,27 @@ async def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+#: What a sidecar's /status says each tenant saved (summed over models and pods).
+SAVED_FIELDS = ("hits", "prompt_tokens", "completion_tokens", "model_seconds")
+
+
+def savings_by_tenant(sidecars: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Per tenant: hits, tokens and model seconds the sidecars' hits saved (their /status)."""
+    out: dict[str, dict[str, float]] = {}
+    for status in sidecars.values():
+        for tenant, models in ((status or {}).get("savings") or {}).items():
+            total = out.setdefault(tenant, dict.fromkeys(SAVED_FIELDS, 0.0))
+            for saved in models.values():
+                for name in SAVED_FIELDS:
+                    total[name] += float(saved.get(name, 0))
+    return out
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     outcomes: list[Outcome] = result["outcomes"]
     tenants: dict[str, Any] = {}
     q = quotas(result["status"])
+    saved = savings_by_tenant(result.get("sidecars") or {})
     for plan in DEFAULT_TENANTS:
         rows = [o for o in outcomes if o.tenant == plan.name]
         if not rows:
@@ -234,12 +253,15 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "l1_bytes_per_pod": q.get(plan.name, {}).get("l1Bytes"),
             "share": q.get(plan.name, {}).get("share"),
             "reason": q.get(plan.name, {}).get("reason"),
+            "saved": saved.get(plan.name),
         }
     return {
         "tenants": tenants,
         "conditions": result["status"].get("conditions"),
         "sla_attainment": result["status"].get("slaAttainment"),
         "quota_generation": result["status"].get("quotaGeneration"),
+        "saved_model_hours": result["status"].get("savedModelHours"),
+        "saved_model_seconds": (result["status"].get("savings") or {}).get("modelSeconds"),
         "events": [
             {"reason": e.get("reason"), "type": e.get("type"), "message": e.get("message")}
             for e in result["events"]
@@ -264,6 +286,20 @@ def print_report(summary: dict[str, Any]) -> None:
     for name, t in summary["tenants"].items():
         if t["reason"]:
             print(f"  {name}: {t['reason']}")
+    print("\nwhat cache hits saved the model (the sidecars' /status, all pods):")
+    print(f"{'tenant':<18}{'hits':>8}{'prompt tok':>12}{'compl tok':>11}{'model s':>10}")
+    for name, t in summary["tenants"].items():
+        s = t.get("saved") or dict.fromkeys(SAVED_FIELDS, 0.0)
+        print(
+            f"{name:<18}{s['hits']:>8.0f}{s['prompt_tokens']:>12.0f}"
+            f"{s['completion_tokens']:>11.0f}{s['model_seconds']:>10.1f}"
+        )
+    if summary.get("saved_model_hours") is not None:
+        print(
+            f"operator: {summary['saved_model_hours']:g} model-hours "
+            f"({summary['saved_model_seconds'] or 0:g} model seconds) saved over its Prometheus "
+            "window at its last rebalance (the SAVED column of kubectl get inferencecaches)"
+        )
     print(
         f"\nSLA attainment: {summary['sla_attainment']}; quota generation "
         f"{summary['quota_generation']}"
@@ -287,7 +323,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         print("(matplotlib missing: no plot; pip install 'cachefleet[demo]')")
         return False
     timeline = result["timeline"]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(9, 11), sharex=True)
     names = sorted({n for row in timeline for n in row["stats"]})
     for name in names:
         ts = [row["t"] for row in timeline if name in row["stats"]]
@@ -306,10 +342,16 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             [row["quotas"].get(name, {}).get("l1Bytes", 0) / 1024 for row in timeline],
             label=name,
         )
+        axes[3].plot(
+            [row["t"] for row in timeline],
+            [(row.get("saved") or {}).get(name, {}).get("model_seconds", 0.0) for row in timeline],
+            label=name,
+        )
     axes[0].set_ylabel("hit ratio (4 s window)")
     axes[1].set_ylabel("client p95 (ms)")
     axes[2].set_ylabel("L1 quota per pod (KiB)")
-    axes[2].set_xlabel("seconds into the load")
+    axes[3].set_ylabel("model seconds saved (all pods)")
+    axes[3].set_xlabel("seconds into the load")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)

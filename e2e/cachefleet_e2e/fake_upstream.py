@@ -12,7 +12,9 @@ Behaviour:
   ``/v1/embeddings`` answers a real, lexical embedding of each input: hashed
   character n-grams (:func:`embed`; the call number is its ``id``);
   ``"stream": true`` answers as SSE with several events and
-  ``data: [DONE]``.
+  ``data: [DONE]`` (with ``stream_options.include_usage``, a last chunk that
+  carries the usage, as OpenAI sends it; JSON answers always carry
+  ``usage`` 5 prompt + 3 completion tokens).
 * Per-tenant latency (``X-Tenant-ID``) and faults are set through
   :class:`FakeUpstream` attributes, or ``POST /_control`` from another
   process: ``{"latency_s": {"tenant": 0.05}, "default_latency_s": 0,
@@ -317,6 +319,17 @@ class _Handler(BaseHTTPRequestHandler):
                 b'data: {"error": {"message": "generation failed", "type": "server_error"}}\n\n'
             )
             self.wfile.write(b"%x\r\n%s\r\n" % (len(failure), failure))
+        options = request.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            # as OpenAI does: a last chunk with no choices and the whole answer's usage
+            last = {
+                "id": f"chunk-{number}",
+                "object": "chat.completion.chunk",
+                "choices": [],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+            }
+            data = f"data: {json.dumps(last)}\n\n".encode()
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         end = b"data: [DONE]\n\n" if done else b""
         if end:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(end), end))

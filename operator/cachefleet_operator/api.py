@@ -387,6 +387,35 @@ class AdmissionSpec(_Model):
     )
 
 
+#: Longest entry TTL a spec may ask for, seconds (one year).
+MAX_TTL_SECONDS = 31_536_000
+
+
+class CacheControlSpec(_Model):
+    """Which request ``Cache-Control`` directives a tenant may use (RFC 9111 semantics).
+
+    A directive the tenant may not use is ignored (the request is served as
+    if it had not been sent) and counted in
+    ``cachefleet_cache_control_ignored_total``. ``only-if-cached`` never costs
+    the model anything and is always obeyed.
+    """
+
+    allow_bypass: bool = Field(
+        default=True,
+        description=(
+            "Obey no-cache (skip the cache, refresh the entry) and no-store (do not store the "
+            "answer); false: both ignored and counted."
+        ),
+    )
+    allow_max_age: bool = Field(
+        default=True,
+        description=(
+            "Obey max-age=N (serve only an entry filled at most N seconds ago); false: ignored "
+            "and counted."
+        ),
+    )
+
+
 class TenantSpec(_Model):
     """One tenant of the cache: its class, SLA and share bounds."""
 
@@ -438,6 +467,19 @@ class TenantSpec(_Model):
     semantic: SemanticSpec | None = Field(
         default=None,
         description="Semantic tier (L3) of this tenant; empty = the sidecar's default (off).",
+    )
+    ttl_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_TTL_SECONDS,
+        description=(
+            "Seconds after its fill an entry of this tenant stops being served, by L1, L2 and "
+            "L3 alike; empty = spec.ttlSeconds."
+        ),
+    )
+    cache_control: CacheControlSpec | None = Field(
+        default=None,
+        description="Request Cache-Control directives this tenant may use; empty = all.",
     )
 
     @model_validator(mode="after")
@@ -610,6 +652,15 @@ class InferenceCacheSpec(_Model):
     warmup: WarmupSpec | None = Field(
         default=None, description="L1 warm-up of starting sidecars from L2; empty = off."
     )
+    ttl_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_TTL_SECONDS,
+        description=(
+            "Entry TTL of tenants that set no ttlSeconds (and of unlisted ones), seconds; "
+            "empty = entries live until evicted or the sidecars' L2 TTL."
+        ),
+    )
     tenants: list[TenantSpec] = Field(
         default_factory=list,
         max_length=MAX_TENANTS,
@@ -671,6 +722,22 @@ class ObservedMetrics(_Observed):
     rps: float | None = Field(default=None, description="Requests per second.")
 
 
+class SavingsStatus(_Observed):
+    """What cache hits saved the model over spec.prometheus.window (all pods and models)."""
+
+    model_seconds: float = Field(
+        default=0.0, description="Upstream seconds of the hit entries' fills: model time saved."
+    )
+    prompt_tokens: float = Field(default=0.0, description="Prompt tokens not sent to the model.")
+    completion_tokens: float = Field(
+        default=0.0, description="Completion tokens the model did not have to generate."
+    )
+    cost: float | None = Field(
+        default=None,
+        description="Their price by the sidecars' --price-table (no currency); empty: unpriced.",
+    )
+
+
 class TenantStatus(_Observed):
     """A tenant's current allocation and SLA attainment."""
 
@@ -690,6 +757,9 @@ class TenantStatus(_Observed):
     observed: ObservedMetrics | None = Field(default=None, description="Last metrics read.")
     sla_met: bool | None = Field(
         default=None, description="Whether every SLA target was met; empty when unknown."
+    )
+    savings: SavingsStatus | None = Field(
+        default=None, description="What the tenant's cache hits saved over the window."
     )
 
 
@@ -736,6 +806,16 @@ class InferenceCacheStatus(_Observed):
     tenant_count: int | None = Field(default=None, description="Number of tenants.")
     sla_attainment: str | None = Field(
         default=None, description="Tenants meeting their SLA / tenants with SLA and metrics."
+    )
+    saved_model_hours: float | None = Field(
+        default=None,
+        description=(
+            "Model-hours cache hits saved over spec.prometheus.window, all tenants, pods and "
+            "models (the upstream time of each hit entry's fill): the SAVED column."
+        ),
+    )
+    savings: SavingsStatus | None = Field(
+        default=None, description="What cache hits saved over the window, all tenants."
     )
     tenants: list[TenantStatus] | None = Field(default=None, description="Per-tenant allocation.")
     sidecars: SidecarStatus | None = Field(default=None, description="Sidecar membership.")

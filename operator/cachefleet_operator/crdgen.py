@@ -217,6 +217,12 @@ def inference_cache_crd() -> dict[str, Any]:
             },
             {"name": "Sidecars", "type": "integer", "jsonPath": ".status.sidecars.seen"},
             {
+                "name": "Saved",
+                "type": "number",
+                "jsonPath": ".status.savedModelHours",
+                "description": "Model-hours cache hits saved over spec.prometheus.window.",
+            },
+            {
                 "name": "Pool",
                 "type": "string",
                 "jsonPath": ".status.routing.pool",

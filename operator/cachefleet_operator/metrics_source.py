@@ -31,6 +31,9 @@ from cachefleet_sidecar.protocol import (
     promql_policy_switches,
     promql_reuse_buckets,
     promql_rps,
+    promql_saved_cost,
+    promql_saved_model_seconds,
+    promql_saved_tokens,
     promql_upstream_buckets,
     redact_url,
 )
@@ -85,6 +88,33 @@ class PolicySwitchSource(Protocol):
         Raises :class:`MetricsUnavailable`.
         """
         ...
+
+
+@runtime_checkable
+class SavingsSource(Protocol):
+    """A metrics source that also reports what cache hits saved the model."""
+
+    async def savings(self, cache: str, window: str) -> dict[str, dict[str, float]]:
+        """Tenant -> what cache hits saved over ``window`` (all pods and models): a
+        :func:`savings_from` mapping. Raises :class:`MetricsUnavailable`.
+        """
+        ...
+
+
+def savings_from(
+    seconds: list[dict[str, Any]], tokens: list[dict[str, Any]], cost: list[dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """Tenant -> {model_seconds, prompt_tokens, completion_tokens[, cost]} from the answers
+    of the ``promql_saved_*`` queries (pure)."""
+    out: dict[str, dict[str, float]] = {}
+    for (tenant,), value in _samples(seconds, "tenant"):
+        out.setdefault(tenant, {})["model_seconds"] = value
+    for (tenant, kind), value in _samples(tokens, "tenant", "kind"):
+        if kind in ("prompt", "completion"):
+            out.setdefault(tenant, {})[f"{kind}_tokens"] = value
+    for (tenant,), value in _samples(cost, "tenant"):
+        out.setdefault(tenant, {})["cost"] = value
+    return out
 
 
 def policy_switches_from(result: list[dict[str, Any]]) -> list[PolicySwitches]:
@@ -268,6 +298,14 @@ class PrometheusMetricsSource:
                 "NoMetrics", f"Prometheus at {self.where} has no sidecar metrics for {cache}"
             )
         return metrics
+
+    async def savings(self, cache: str, window: str) -> dict[str, dict[str, float]]:
+        seconds, tokens, cost = await asyncio.gather(
+            self._run(promql_saved_model_seconds(cache, window)),
+            self._run(promql_saved_tokens(cache, window)),
+            self._run(promql_saved_cost(cache, window)),
+        )
+        return savings_from(seconds, tokens, cost)
 
     async def policy_switches(self, cache: str, span_s: float, at: float) -> list[PolicySwitches]:
         span = f"{max(1, round(span_s * 1000))}ms"

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -56,6 +56,7 @@ from cachefleet_operator.api import (
     ObservedMetrics,
     RedisEndpoint,
     RoutingStatus,
+    SavingsStatus,
     SemanticSpec,
     SidecarStatus,
     SpecError,
@@ -76,6 +77,7 @@ from cachefleet_operator.metrics_source import (
     MetricsUnavailable,
     PolicySwitches,
     PolicySwitchSource,
+    SavingsSource,
     prometheus_source,
 )
 from cachefleet_operator.outcome import (
@@ -294,10 +296,21 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
                 semantic_threshold=_semantic(by_name[t.name]).threshold,
                 semantic_shadow=_semantic(by_name[t.name]).shadow,
                 priority_class=by_name[t.name].priority_class.value,
+                ttl_seconds=by_name[t.name].ttl_seconds or spec.ttl_seconds,
+                allow_bypass=_cache_control(by_name[t.name], "allow_bypass"),
+                allow_max_age=_cache_control(by_name[t.name], "allow_max_age"),
             )
             for t in allocation.tenants
         },
+        ttl_seconds=spec.ttl_seconds,
     )
+
+
+def _cache_control(tenant: TenantSpec, field: str) -> bool | None:
+    """A tenant's Cache-Control allowance for the sidecars: False, or None (allowed)."""
+    if tenant.cache_control is None or getattr(tenant.cache_control, field):
+        return None
+    return False
 
 
 def _semantic(tenant: TenantSpec) -> SemanticSpec:
@@ -333,7 +346,9 @@ def _previous_status(raw: Mapping[str, Any] | None) -> InferenceCacheStatus:
         return InferenceCacheStatus()
 
 
-def _tenant_status(allocation: Allocation) -> list[TenantStatus]:
+def _tenant_status(
+    allocation: Allocation, saved: Mapping[str, Mapping[str, float]] | None = None
+) -> list[TenantStatus]:
     out = []
     for i, t in enumerate(allocation.tenants):
         m = allocation.metrics.get(t.name) if allocation.metrics else None
@@ -353,9 +368,44 @@ def _tenant_status(allocation: Allocation) -> list[TenantStatus]:
                 reason=allocation.reason(i),
                 observed=observed,
                 sla_met=t.sla_met,
+                savings=None if saved is None else savings_status([saved.get(t.name, {})]),
             )
         )
     return out
+
+
+async def _savings(
+    source: MetricsSource | None, cache: str, spec: InferenceCacheSpec
+) -> dict[str, dict[str, float]] | None:
+    """Per-tenant savings over the window; None when unknown (never a fault)."""
+    if source is None or not isinstance(source, SavingsSource):
+        return None
+    try:
+        return await source.savings(cache, spec.prometheus.window)
+    except MetricsUnavailable:
+        return None
+
+
+def savings_status(parts: Iterable[Mapping[str, float]]) -> SavingsStatus:
+    """``parts`` (:func:`~cachefleet_operator.metrics_source.savings_from` values) added up."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for name, value in part.items():
+            total[name] = total.get(name, 0.0) + value
+    cost = total.get("cost")
+    return SavingsStatus(
+        model_seconds=round(total.get("model_seconds", 0.0), 3),
+        prompt_tokens=round(total.get("prompt_tokens", 0.0)),
+        completion_tokens=round(total.get("completion_tokens", 0.0)),
+        cost=None if cost is None else round(cost, 6),
+    )
+
+
+def saved_model_hours(saved: Mapping[str, Mapping[str, float]] | None) -> float | None:
+    """The SAVED column: model-hours over the window, all tenants (4 decimals: 0.36 s)."""
+    if saved is None:
+        return None
+    return round(sum(part.get("model_seconds", 0.0) for part in saved.values()) / 3600.0, 4)
 
 
 def _sla_condition(allocation: Allocation) -> tuple[ConditionStatus, str, str, str]:
@@ -666,13 +716,16 @@ class Reconciler:
                     Event("Normal", "QuotasAssigned", describe_moves(quota_moves(None, allocation)))
                 )
             sla_status, sla_reason, sla_message, attainment = _sla_condition(allocation)
+            saved = await _savings(source, cache, spec) if metrics is not None else None
             state = InferenceCacheStatus(
                 quota_generation=quota_generation,
                 quota_digest=digest,
                 last_rebalance_time=now,
                 tenant_count=len(allocation.tenants),
                 sla_attainment=attainment,
-                tenants=_tenant_status(allocation),
+                saved_model_hours=saved_model_hours(saved),
+                savings=None if saved is None else savings_status(saved.values()),
+                tenants=_tenant_status(allocation, saved),
                 sidecars=sidecars,
             )
             status.update(state.wire())

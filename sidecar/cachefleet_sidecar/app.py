@@ -44,16 +44,26 @@ import orjson
 import xxhash
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from . import keys, mrc, protocol, semantic
+from . import directives, keys, mrc, protocol, savings, semantic
 from .config import SidecarConfig, parse_args
 from .entry import (
     HOP_BY_HOP,
+    L1_OVERHEAD_BYTES,
+    V_COMPLETION,
+    V_EXPIRES_AT,
+    V_FILLED_AT,
+    V_PROMPT,
+    V_RESPONSE,
+    V_UPSTREAM_S,
     CorruptEntry,
     Entry,
     L1Value,
+    OldEntry,
     answer_problem,
     check_header_block,
+    reaged,
     reason_phrase,
+    usage_of,
 )
 from .epochs import EpochTracker, EpochVector
 from .gate import AdmissionGate
@@ -149,6 +159,11 @@ class Lookup:
     begun_at: float = 0.0
     #: The request's cache namespace (--namespace-header); "" when it names none.
     namespace: str = ""
+    #: Cache-Control max-age (seconds) and only-if-cached, as the tenant may use them.
+    max_age: int | None = None
+    only_if_cached: bool = False
+    #: Some directive needs the slow path (no-cache, max-age, only-if-cached).
+    slow: bool = False
 
 
 class Sidecar:
@@ -238,6 +253,13 @@ class Sidecar:
             cache_nondeterministic=config.cache_nondeterministic,
         )
         self._tenant_memo: dict[bytes, str] = {}
+        #: Entry TTL by tenant (the operator's ttlSeconds), and of the others, seconds.
+        self._ttl: dict[str, float] = {}
+        self._default_ttl = config.ttl_s or math.inf
+        #: Cache-Control directives each tenant may use (absent: all).
+        self._allowed: dict[str, directives.Allowed] = {}
+        #: Prices per 1k tokens by model (--price-table): hits count their cost too.
+        self.prices = config.price_table
         self._inflight: dict[int, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
         #: The answers of a loop turn and their bookkeeping (the server's connections share it).
@@ -480,21 +502,36 @@ class Sidecar:
     def _lookup(
         self, request: Request, kind: str, query: bytes, tenant: str | None = None
     ) -> Lookup:
-        """Tenant, key and cache directives of a request (``tenant`` when already decided)."""
+        """Tenant, key and cache directives of a request (``tenant`` when already decided:
+        keyed again, its ignored directives were counted the first time)."""
+        first = tenant is None
         if tenant is None:
             tenant = self.resolve_tenant(request)
-        no_cache = no_store = False
-        cc = request.header(b"cache-control")
-        if cc is not None:
-            directives = {d.strip().split(b"=")[0] for d in cc.lower().split(b",")}
-            no_cache = b"no-cache" in directives
-            no_store = b"no-store" in directives
-        namespace = self._namespace(request)
         version = self._scope_version
+        namespace = self._namespace(request)
         key = self._key_for(tenant, kind, query, request.body, namespace)
-        if isinstance(key, str):
-            return Lookup(tenant, None, key, no_cache, no_store, version, namespace=namespace)
-        return Lookup(tenant, key, None, no_cache, no_store, version, namespace=namespace)
+        cc = request.header(b"cache-control")
+        if cc is None:
+            if isinstance(key, str):
+                return Lookup(tenant, None, key, False, False, version, namespace=namespace)
+            return Lookup(tenant, key, None, False, False, version, namespace=namespace)
+        asked = directives.parse(cc, self._allowed.get(tenant, directives.ALL_ALLOWED))
+        if asked.ignored and first:
+            tm = self.metrics.tenant(tenant)
+            for directive in asked.ignored:
+                tm.directive_ignored(directive)
+        found = Lookup(
+            tenant,
+            None if isinstance(key, str) else key,
+            key if isinstance(key, str) else None,
+            asked.no_cache,
+            asked.no_store,
+            version,
+            namespace=namespace,
+        )
+        found.max_age, found.only_if_cached = asked.max_age, asked.only_if_cached
+        found.slow = asked.no_cache or asked.only_if_cached or asked.max_age is not None
+        return found
 
     def _namespace(self, request: Request) -> str:
         """The request's cache namespace ("" for none); :class:`Refusal` for a bad one."""
@@ -629,8 +666,12 @@ class Sidecar:
         return None if stats is None else stats.capacity_bytes
 
     def _warm_put(self, tenant: str, digest_hex: str, l1_key: int, entry: Entry) -> int:
-        """Put a warmed entry in L1; the bytes it costs there (0: not stored)."""
-        value, size = entry.l1_value()
+        """Put a warmed entry in L1; the bytes it costs there (0: not stored, or too old
+        for its tenant's TTL)."""
+        ttl, now = self.ttl_of(tenant), time.time()
+        if entry.elapsed(now) >= ttl:
+            return 0
+        value, size = entry.l1_value(digest_hex, now, time.monotonic(), ttl)
         try:
             self.l1.put(tenant, l1_key, value, size)
         except TenantLimitError:
@@ -660,14 +701,17 @@ class Sidecar:
             request.memo = exc
             return None
         request.memo = lookup
-        if lookup.key is None or lookup.no_cache:
+        if lookup.key is None or lookup.slow:
             return None
-        if self.tracker.valid_until <= time.monotonic():
+        now = time.monotonic()
+        if self.tracker.valid_until <= now:
             return None  # epochs not confirmed within the bound: no L1 hits
         try:
             hit = self.l1.get(lookup.tenant, lookup.key.digest)
         except TenantLimitError:
             return None
+        if hit is not None and hit[2] <= now:  # V_CHECK_AT: Age out of date, or expired
+            hit = self._l1_aged(lookup.tenant, lookup.key, hit, now)
         if hit is None:
             if self.l2 is not None and self._l2_allowed(lookup.tenant):
                 return self._l2_begin(lookup, lookup.key)
@@ -676,7 +720,7 @@ class Sidecar:
             self.metrics.cross_tenant_hits += 1
             return None
         seconds = time.perf_counter() - request.started
-        self._after_write(self._l1_hit_done, lookup.tenant, lookup.key.digest, hit[1], seconds)
+        self._after_write(self._l1_hit_done, lookup.tenant, lookup.key, hit, seconds)
         return hit[1]
 
     def _after_write(self, fn: Callable[..., None], *args: Any) -> None:
@@ -684,13 +728,65 @@ class Sidecar:
         the bookkeeping of a fast-path answer is not on its latency."""
         self.outbox.later(fn, *args)
 
-    def _l1_hit_done(self, tenant: str, digest: int, response: bytes, seconds: float) -> None:
-        """What follows an L1 hit: the curves' access, the metrics, switching."""
+    def _l1_hit_done(self, tenant: str, key: keys.CacheKey, hit: L1Value, seconds: float) -> None:
+        """What follows an L1 hit: the curves' access, the metrics, savings, switching."""
+        digest = key.digest
         if self.mrc is not None:
-            self.mrc.access(tenant, digest, len(response))
-        self.metrics.tenant(tenant).request("l1", "hit", seconds)
+            self.mrc.access(tenant, digest, len(hit[V_RESPONSE]))
+        tm = self.metrics.tenant(tenant)
+        tm.request("l1", "hit", seconds)
+        self._saved(tenant, key.model, hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
         if self.switching is not None:
             self._observe(tenant, seconds, digest)
+
+    def _l1_aged(
+        self, tenant: str, key: keys.CacheKey, hit: L1Value, mono: float
+    ) -> L1Value | None:
+        """An L1 hit found past its check time: None when its TTL is over (it is
+        dropped), else the value with its ``Age`` brought up to date (kept in L1)."""
+        if mono >= hit[V_EXPIRES_AT]:
+            self.l1.remove(tenant, key.digest)
+            return None
+        value = reaged(hit, mono)
+        with contextlib.suppress(TenantLimitError):
+            evicted = self.l1.put(
+                tenant,
+                key.digest,
+                value,
+                len(value[V_RESPONSE]) + L1_OVERHEAD_BYTES,
+                value[V_UPSTREAM_S],
+            )
+            if evicted:  # one more Age digit can push a full partition over
+                self.metrics.tenant(tenant).evicted("l1", evicted)
+        return value
+
+    def _l1_fresh(self, lookup: Lookup, key: keys.CacheKey, digest: int) -> L1Value | None:
+        """The slow path's L1 hit on ``digest``: owned, within the TTL and ``max-age``."""
+        tenant = lookup.tenant
+        mono = time.monotonic()
+        if self.tracker.valid_until <= mono:
+            return None
+        hit = self.l1.get(tenant, digest)
+        if hit is None or hit[0] != tenant:
+            return None
+        if hit[2] <= mono:
+            hit = self._l1_aged(tenant, key, hit, mono)
+            if hit is None:
+                return None
+        if lookup.max_age is not None and mono - hit[V_FILLED_AT] > lookup.max_age:
+            return None
+        return hit
+
+    def _saved(
+        self, tenant: str, model: str, prompt: int, completion: int, upstream_s: float
+    ) -> None:
+        """Count what one hit saved the model (and its price, with a price table)."""
+        price = savings.cost(self.prices, model, prompt, completion) if self.prices else None
+        self.metrics.tenant(tenant).saving(model).add(prompt, completion, upstream_s, price)
+
+    def ttl_of(self, tenant: str) -> float:
+        """Seconds after its fill an entry of ``tenant`` stops being served (inf: no limit)."""
+        return self._ttl.get(tenant, self._default_ttl)
 
     def _l2_begin(self, lookup: Lookup, key: keys.CacheKey) -> asyncio.Future[Any] | None:
         """Send the versioned L2 read of an L1 miss now; its last reply's future, or None."""
@@ -726,7 +822,7 @@ class Sidecar:
         entry = None if data is None else self._l2_entry(lookup, key, data)
         if entry is None:
             return self._upstream_begin(request, lookup, key)
-        response, promoted = entry.l2_hit()
+        response, promoted = self._l2_rendered(lookup, key, entry)
         seconds = time.perf_counter() - request.started
         self._after_write(self._l2_hit_done, lookup.tenant, key, entry, promoted, seconds)
         return response
@@ -743,8 +839,18 @@ class Sidecar:
         the promotion to L1, the metrics and the switching observation."""
         self._l1_put(tenant, key, entry, rendered=promoted)
         self.metrics.tenant(tenant).request("l2", "hit", seconds)
+        self._saved(
+            tenant, key.model, entry.prompt_tokens, entry.completion_tokens, entry.upstream_s
+        )
         if self.switching is not None:
             self._observe(tenant, seconds, key.digest)
+
+    def _l2_rendered(
+        self, lookup: Lookup, key: keys.CacheKey, entry: Entry
+    ) -> tuple[bytes, tuple[L1Value, int]]:
+        """An L2 hit's response and its promotion to L1 (:meth:`Entry.l2_hit`), now."""
+        ttl = self.ttl_of(lookup.tenant)
+        return entry.l2_hit(key.sha256_hex, time.time(), time.monotonic(), ttl)
 
     def _upstream_begin(
         self, request: Request, lookup: Lookup, key: keys.CacheKey
@@ -789,7 +895,7 @@ class Sidecar:
         if whole is None:
             return None
         status, resp_headers, body = whole
-        head = self._relay_head(request, status, resp_headers, len(body), b"MISS")
+        head = self._relay_head(request, status, resp_headers, len(body), _miss_marker(key))
         begun.release()
         self._after_write(self._upstream_done, request, lookup, key, status, resp_headers, body)
         return head + body
@@ -851,6 +957,9 @@ class Sidecar:
             return
         assert isinstance(memo, Lookup)
         if memo.key is None:
+            if memo.only_if_cached:  # nothing uncacheable is ever stored
+                conn.write(_not_cached())
+                return
             await self._passthrough(request, conn, tenant=memo.tenant, reason=memo.bypass_reason)
             return
         await self._cached(request, conn, memo, memo.key)
@@ -872,31 +981,41 @@ class Sidecar:
             return
         if not lookup.no_cache:
             try:
-                hit = (
-                    self.l1.get(tenant, key.digest)
-                    if self.tracker.valid_until > time.monotonic()
-                    else None
-                )
+                hit = self._l1_fresh(lookup, key, key.digest)
             except TenantLimitError:
+                if lookup.only_if_cached:
+                    conn.write(_not_cached())
+                    return
                 await self._passthrough(request, conn, tenant=tenant, reason="tenant limit")
                 return
-            if hit is not None and hit[0] == tenant:
+            if hit is not None:
                 conn.write(hit[1])
                 if self.mrc is not None:
                     self.mrc.access(tenant, key.digest, len(hit[1]))
                 tm.request("l1", "hit", time.perf_counter() - request.started)
+                self._saved(tenant, key.model, hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
                 return
             entry = None if lookup.l2_read is not None else await self._l2_get(lookup, key)
             if entry is not None:
-                response, promoted = entry.l2_hit()
+                response, promoted = self._l2_rendered(lookup, key, entry)
                 self._l1_put(tenant, key, entry, rendered=promoted)
                 conn.write(response)
                 tm.request("l2", "hit", time.perf_counter() - request.started)
+                self._saved(
+                    tenant,
+                    key.model,
+                    entry.prompt_tokens,
+                    entry.completion_tokens,
+                    entry.upstream_s,
+                )
                 return
+        if lookup.only_if_cached and not self.l3.enabled(tenant):
+            conn.write(_not_cached())  # RFC 9111 5.2.1.7: nothing stored, nothing sent
+            return
         if lookup.no_cache and lookup.no_store:
             await self._passthrough(request, conn, tenant=tenant, reason="no-cache, no-store")
             return
-        leader = self._inflight.get(key.digest)
+        leader = None if lookup.only_if_cached else self._inflight.get(key.digest)
         if leader is not None:
             self.metrics.single_flight_joins += 1
             leader.joiners += 1
@@ -920,6 +1039,9 @@ class Sidecar:
                     conn.write(l3_answer)
                     tm.request("l3", "hit", time.perf_counter() - request.started)
                     return
+            if lookup.only_if_cached:
+                conn.write(_not_cached())
+                return
             if self.gate is not None and (refused := await self._admit(tenant)) is not None:
                 conn.write(refused)
                 return
@@ -935,7 +1057,7 @@ class Sidecar:
             del self._inflight[key.digest]
         # The answer is copied into a response for joiners only when there are some.
         if l3_answer is None and answer is not None and flight.joiners:
-            l3_answer = answer.response(b"MISS")
+            l3_answer = answer.response(b"MISS", None, key.sha256_hex)
         flight.future.set_result(l3_answer)
 
     async def _miss(
@@ -961,7 +1083,7 @@ class Sidecar:
             request,
             conn,
             headers,
-            b"MISS",
+            _miss_marker(key),
             tenant=tenant,
             capture=self.max_entry_bytes,
             begun=lookup.begun,
@@ -1004,7 +1126,15 @@ class Sidecar:
         entry_headers = b"".join(
             name + b": " + value + b"\r\n" for name, value in resp_headers if name not in HOP_BY_HOP
         )
-        entry = Entry(status, entry_headers, body, stream=key.stream, tenant=tenant)
+        entry = Entry(
+            status,
+            entry_headers,
+            body,
+            stream=key.stream,
+            tenant=tenant,
+            filled_at=time.time(),
+            upstream_s=cost,
+        )
         if lookup.no_store:
             return entry
         problem = answer_problem(status, resp_headers, body, stream=key.stream)
@@ -1018,6 +1148,7 @@ class Sidecar:
                 self.metrics.fault("answer_not_stored")
                 log.debug("answer to %s not stored: %s", request.url, problem)
             return entry
+        entry.prompt_tokens, entry.completion_tokens = usage_of(body, stream=key.stream)
         if not self._versioned or lookup.version == self._scope_version:
             # an answer fetched before a purge (or any epoch move) is not kept in L1
             self._l1_put(tenant, key, entry, cost)
@@ -1216,7 +1347,7 @@ class Sidecar:
         self._last_upstream_ok = time.monotonic()
         tm = self.metrics.tenant(tenant)
         tm.upstream.observe(upstream_s)
-        if x_cache == b"MISS":
+        if x_cache.startswith(b"MISS"):
             tm.request("upstream", "miss", seconds)
 
     # -------------------------------------------------------------- cache tiers
@@ -1233,7 +1364,11 @@ class Sidecar:
 
         ``rendered`` is ``entry.l1_value()`` when the caller has rendered it already.
         """
-        value, size = entry.l1_value() if rendered is None else rendered
+        if rendered is None:
+            rendered = entry.l1_value(
+                key.sha256_hex, time.time(), time.monotonic(), self.ttl_of(tenant)
+            )
+        value, size = rendered
         if self.mrc is not None:
             self.mrc.access(tenant, key.digest, size)
         try:
@@ -1281,24 +1416,28 @@ class Sidecar:
         if ref.stream != key.stream:
             return None, pending
         answer: bytes | None = None
-        try:
-            hit = self.l1.get(tenant, ref.digest)
+        ref_key = keys.CacheKey(key.kind, key.model, ref.stream, b"", ref.digest, ref.sha256_hex)
+        saved = (0, 0, 0.0)
+        try:  # the neighbour's entry, within the TTL and max-age like any hit
+            hit = self._l1_fresh(lookup, ref_key, ref.digest)
         except TenantLimitError:
             hit = None
-        if hit is not None and hit[0] == tenant:
+        if hit is not None:
             answer = with_similarity(hit[1], match.similarity)
+            saved = (hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
         else:
-            ref_key = keys.CacheKey(
-                key.kind, key.model, ref.stream, b"", ref.digest, ref.sha256_hex
-            )
             entry = await self._l2_get(lookup, ref_key)
             if entry is not None and lookup.version == self._scope_version:
-                answer = entry.response(l3_marker(match.similarity))
+                answer = entry.response(
+                    l3_marker(match.similarity), entry.age(time.time()), ref.sha256_hex
+                )
+                saved = (entry.prompt_tokens, entry.completion_tokens, entry.upstream_s)
         if answer is None:
             self.l3.gone(tenant, match)
             return None, pending
         if pending is not None and self.l3.shadowing(tenant):
             return None, self.l3.shadow(pending, answer, key.stream)  # measured, not served
+        self._saved(tenant, key.model, *saved)
         return answer, None
 
     def _vector(self, lookup: Lookup, key: keys.CacheKey) -> EpochVector | Literal[False] | None:
@@ -1338,6 +1477,9 @@ class Sidecar:
             if len(data) > self.l2_max_entry_bytes + 64 * 1024:  # body + envelope and headers
                 raise CorruptEntry("larger than any entry this sidecar stores")
             entry = Entry.loads(data)
+        except OldEntry:
+            self.metrics.fault("old_entry_format")  # a miss: the fill writes the new format
+            return None
         except ValueError as exc:
             self.metrics.fault("corrupt_entry")
             log.debug("L2 entry of %s refused: %s", tenant, exc)
@@ -1348,6 +1490,11 @@ class Sidecar:
         if entry.tenant != tenant:
             self.metrics.cross_tenant_hits += 1
             return None
+        elapsed = entry.elapsed(time.time())
+        if elapsed >= self.ttl_of(tenant):
+            return None  # older than the tenant's TTL: a miss, the fill replaces it
+        if lookup.max_age is not None and elapsed > lookup.max_age:
+            return None
         return entry
 
     async def _l2_put(self, lookup: Lookup, key: keys.CacheKey, entry: Entry) -> None:
@@ -1355,7 +1502,12 @@ class Sidecar:
         vector = self._vector(lookup, key)
         if vector is False:
             return  # keyed under epochs that have moved on: nobody can read it
-        await self.l2.put(lookup.tenant, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest)
+        ttl = self.ttl_of(lookup.tenant) - entry.elapsed(time.time())
+        if ttl <= 0:
+            return
+        await self.l2.put(
+            lookup.tenant, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest, ttl_s=ttl
+        )
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -1422,6 +1574,7 @@ class Sidecar:
             for t, q in assignment.tenants.items()
         }
         self._clear_key_memo()
+        self._apply_freshness(assignment)
         if assignment.tenants:
             policies = {
                 t: self._usable_policy(q.policy or assignment.default_policy)
@@ -1462,6 +1615,29 @@ class Sidecar:
             assignment.generation,
             len(assignment.tenants),
         )
+
+    def _apply_freshness(self, assignment: protocol.QuotaAssignment) -> None:
+        """Per-tenant TTLs and Cache-Control allowances from the operator's table.
+
+        An L1 value keeps the expiry its TTL gave it when stored, so a tenant
+        whose TTL shrinks has its L1 partition emptied (L2 and L3 judge each
+        entry's age at read time, under the TTL in force).
+        """
+        before = {t: self.ttl_of(t) for t in self.l1.tenants}
+        self._default_ttl = assignment.ttl_seconds or self.config.ttl_s or math.inf
+        self._ttl = {
+            t: float(q.ttl_seconds) for t, q in assignment.tenants.items() if q.ttl_seconds
+        }
+        self._allowed = {
+            t: directives.Allowed(
+                bypass=q.allow_bypass is not False, max_age=q.allow_max_age is not False
+            )
+            for t, q in assignment.tenants.items()
+            if q.allow_bypass is False or q.allow_max_age is False
+        }
+        for tenant, ttl in before.items():
+            if self.ttl_of(tenant) < ttl:
+                self.l1.clear(tenant)
 
     def _usable_policy(self, wanted: protocol.Policy) -> str:
         """``wanted`` if this sidecar implements it, else LIRS (logged, counted)."""
@@ -1569,6 +1745,8 @@ class Sidecar:
                 for t, s in stats.items()
             },
             "known_tenants": sorted(self.known_tenants),
+            "savings": self.savings(),
+            "saved": self.saved_totals(),
             "redis": None if self.l2 is None else self.l2.state,
             "gpu_telemetry": self.telemetry.describe(),
             "semantic": self.l3.describe(),
@@ -1581,6 +1759,26 @@ class Sidecar:
                 "gpu_telemetry": not self.telemetry.available,
             },
         }
+
+    def savings(self) -> dict[str, dict[str, dict[str, float | int]]]:
+        """Per tenant and model: what cache hits saved the model since the sidecar started."""
+        return {
+            t: {model: saved.as_dict() for model, saved in tm.saved.items()}
+            for t, tm in self.metrics.tenants.items()
+            if tm.saved
+        }
+
+    def saved_totals(self) -> dict[str, float | int]:
+        """:meth:`savings` added over tenants and models (shown to every peer)."""
+        total = savings.Saved()
+        for tm in self.metrics.tenants.values():
+            for saved in tm.saved.values():
+                total.hits += saved.hits
+                total.prompt_tokens += saved.prompt_tokens
+                total.completion_tokens += saved.completion_tokens
+                total.model_seconds += saved.model_seconds
+                total.cost += saved.cost
+        return {**total.as_dict(), "priced": bool(self.prices)}
 
     def outage_mode(self) -> dict[str, Any]:
         """What this sidecar does while Redis is unreachable (the InferenceCache's choice)."""
@@ -1657,9 +1855,28 @@ class Sidecar:
             await self.gate.aclose()
 
 
+def _miss_marker(key: keys.CacheKey) -> bytes:
+    """The ``X-Cache`` value of a cacheable miss, with the entry's ``X-Cache-Key`` after it."""
+    return b"MISS\r\nx-cache-key: " + key.sha256_hex.encode()
+
+
+def _not_cached() -> bytes:
+    """The answer to ``Cache-Control: only-if-cached`` when nothing is cached (RFC 9111)."""
+    body = orjson.dumps(
+        {
+            "error": {
+                "message": "only-if-cached: no cached answer for this request",
+                "type": "cachefleet_not_cached",
+                "code": 504,
+            }
+        }
+    )
+    return simple_response(504, body, content_type=b"application/json", extra=b"x-cache: MISS\r\n")
+
+
 #: /status fields that name tenants: shown only to --status-peers (loopback: kubectl
 #: port-forward, exec; 127.0.0.6, where Istio delivers mesh traffic, is not among them).
-TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_switching")
+TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_switching", "savings")
 
 
 def public_status(status: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, identity, protocol
+from . import admission, identity, protocol, savings
 from .epochs import DEFAULT_STALENESS_BOUND_S
 from .l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
@@ -176,6 +176,10 @@ class SidecarConfig:
     collapse_whitespace: bool = False
     cache_nondeterministic: bool = False
     l2_ttl_s: float = DEFAULT_L2_TTL_S
+    #: Entry TTL of tenants the operator sets none for, seconds (0: only --l2-ttl bounds L2).
+    ttl_s: float = 0.0
+    #: Prices per 1k (prompt, completion) tokens by model (--price-table; "*": any model).
+    price_table: dict[str, tuple[float, float]] = field(default_factory=dict)
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     #: Connections open to the model server at once; more requests wait (bounded queue).
     upstream_max_connections: int = DEFAULT_UPSTREAM_MAX_CONNECTIONS
@@ -335,6 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
     )
     add("l2-ttl", "L2 entry TTL, seconds", default=str(DEFAULT_L2_TTL_S))
+    add(
+        "ttl",
+        "seconds after its fill an entry stops being served (L1, L2, L3), for tenants the "
+        "operator sets no ttlSeconds for; 0: no limit but --l2-ttl",
+        default="0",
+    )
+    add(
+        "price-table",
+        'JSON file of prices per 1k tokens by model, {"<model>": {"prompt": P, '
+        '"completion": C}} ("*" = any model): cache hits count what they saved in it',
+        default="",
+    )
     add(
         "staleness-bound",
         "seconds without confirmed invalidation epochs after which L1 hits stop",
@@ -661,6 +677,12 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         collapse_whitespace=bool(ns.collapse_whitespace),
         cache_nondeterministic=bool(ns.cache_nondeterministic),
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
+        ttl_s=float(conv("ttl", ns.ttl, _non_negative)),  # type: ignore[arg-type]
+        price_table=(
+            conv("price-table", ns.price_table, savings.load_price_table)  # type: ignore[arg-type]
+            if ns.price_table
+            else {}
+        ),
         upstream_timeout_s=float(conv("upstream-timeout", ns.upstream_timeout, float)),  # type: ignore[arg-type]
         upstream_max_connections=int(
             conv("upstream-max-connections", ns.upstream_max_connections, _positive_int)  # type: ignore[call-overload]

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -577,12 +578,15 @@ class RedisL2:
         vector: EpochVector | None = None,
         *,
         l1_id: int | None = None,
+        ttl_s: float | None = None,
     ) -> bool:
         """Store ``value``; False when the quota, the fence, the breaker or an error refused it.
 
         With ``vector`` the write is versioned (see :meth:`get`); the tenant is
         registered for invalidation fencing first. ``l1_id`` (the writer's L1
-        key) is stored with a versioned entry, for warm-ups (:meth:`recent`).
+        key) is stored with a versioned entry, for warm-ups (:meth:`recent`). The
+        key expires after ``ttl_s`` (the tenant's TTL left to the entry) or the L2
+        TTL, whichever is sooner.
         """
         versioned = vector is not None
         if versioned and l1_id is not None:
@@ -594,7 +598,7 @@ class RedisL2:
         )
         args: list[Any] = [
             value,
-            max(1, int(self.ttl_s * 1000)),
+            max(1, int(min(self.ttl_s, math.inf if ttl_s is None else ttl_s) * 1000)),
             self.default_limit_bytes,
             self.max_evict,
         ]

@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 from . import protocol
 from .admission import Admission
 from .mrc import MissRatioCurves
+from .savings import Saved
 
 #: Latency buckets (seconds): from an L1 hit (tens of µs) to a long generation.
 BUCKETS: tuple[float, ...] = (
@@ -69,6 +70,11 @@ OTHER_TENANT = "_other"
 DEFAULT_MAX_TENANT_SERIES = 64
 #: CPU time one piece of the /metrics text may take before the loop gets a turn, seconds.
 PIECE_BUDGET_S = 0.0005
+
+#: Models with their own savings series per tenant; more go under ``model="_other"``.
+MAX_MODEL_SERIES = 16
+#: Longest model label value (a longer name is cut).
+MAX_MODEL_LABEL = 128
 
 TIERS = ("l1", "l2", "l3", "upstream")
 RESULTS = ("hit", "miss", "bypass", "error")
@@ -107,6 +113,10 @@ class TenantMetrics:
     evictions: dict[str, int] = field(default_factory=dict)
     #: L3 shadow-mode comparisons by outcome (agree, disagree, error).
     shadow: dict[str, int] = field(default_factory=dict)
+    #: What hits saved the model, by model (at most :data:`MAX_MODEL_SERIES`, then "_other").
+    saved: dict[str, Saved] = field(default_factory=dict)
+    #: Cache-Control directives the tenant may not use, ignored, by directive.
+    ignored: dict[str, int] = field(default_factory=dict)
 
     def request(self, tier: str, result: str, seconds: float) -> None:
         key = (tier, result)
@@ -119,6 +129,21 @@ class TenantMetrics:
     def evicted(self, tier: str, count: int) -> None:
         if count:
             self.evictions[tier] = self.evictions.get(tier, 0) + count
+
+    def saving(self, model: str) -> Saved:
+        """The savings counters of ``model`` (label bounded, see :data:`MAX_MODEL_SERIES`)."""
+        found = self.saved.get(model)
+        if found is None:
+            label = model[:MAX_MODEL_LABEL] or "_none"
+            if len(self.saved) >= MAX_MODEL_SERIES and label not in self.saved:
+                label = OTHER_TENANT
+            found = self.saved.get(label)
+            if found is None:
+                found = self.saved[label] = Saved()
+        return found
+
+    def directive_ignored(self, directive: str) -> None:
+        self.ignored[directive] = self.ignored.get(directive, 0) + 1
 
     def shadow_compared(self, outcome: str) -> None:
         """Count one L3 shadow comparison (its would-be hit against upstream's answer)."""
@@ -319,6 +344,56 @@ def _shadow_text(labels: str, tm: TenantMetrics) -> list[str]:
     ]
 
 
+def _saved_text(labels: str, tm: TenantMetrics) -> list[str]:
+    out = []
+    for model, saved in list(tm.saved.items()):
+        where = f'{labels},model="{_esc(model)}"'
+        prompt, completion = saved.prompt_tokens, saved.completion_tokens
+        out.append(f'{METRIC_SAVED_TOKENS}{{{where},kind="prompt"}} {prompt}\n')
+        out.append(f'{METRIC_SAVED_TOKENS}{{{where},kind="completion"}} {completion}\n')
+    return out
+
+
+def _saved_seconds_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'{protocol.METRIC_SAVED_MODEL_SECONDS}{{{labels},model="{_esc(m)}"}} {s.model_seconds!r}\n'
+        for m, s in list(tm.saved.items())
+    ]
+
+
+def _saved_cost_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'{METRIC_SAVED_COST}{{{labels},model="{_esc(m)}"}} {s.cost!r}\n'
+        for m, s in list(tm.saved.items())
+        if s.cost
+    ]
+
+
+def _ignored_text(labels: str, tm: TenantMetrics) -> list[str]:
+    return [
+        f'{METRIC_DIRECTIVES_IGNORED}{{{labels},directive="{d}"}} {count}\n'
+        for d, count in list(tm.ignored.items())
+    ]
+
+
+METRIC_SAVED_TOKENS = protocol.METRIC_SAVED_TOKENS
+METRIC_SAVED_COST = protocol.METRIC_SAVED_COST
+METRIC_DIRECTIVES_IGNORED = "cachefleet_cache_control_ignored_total"
+HELP_SAVED_TOKENS = (
+    "Tokens not sent to the model because a cache hit answered, by model and kind "
+    "(prompt, completion: the usage of the stored answer)."
+)
+HELP_SAVED_SECONDS = (
+    "Model seconds cache hits avoided: the upstream time recorded when each entry was filled."
+)
+HELP_SAVED_COST = (
+    "What the tokens cache hits saved would have cost, by the --price-table prices "
+    "(per 1k tokens; no currency)."
+)
+HELP_DIRECTIVES_IGNORED = (
+    "Cache-Control request directives ignored because the tenant may not use them "
+    "(InferenceCache tenants[].cacheControl)."
+)
 METRIC_L3_SHADOW = "cachefleet_l3_shadow_comparisons_total"
 HELP_L3_SHADOW = (
     "L3 shadow mode: would-be L3 hits sent upstream, by whether upstream's answer agreed "
@@ -336,6 +411,10 @@ _TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str
     (protocol.METRIC_UPSTREAM_DURATION, "histogram", HELP_UPSTREAM, _upstream_text),
     ("cachefleet_evictions_total", "counter", HELP_EVICTIONS, _evictions_text),
     (METRIC_L3_SHADOW, "counter", HELP_L3_SHADOW, _shadow_text),
+    (METRIC_SAVED_TOKENS, "counter", HELP_SAVED_TOKENS, _saved_text),
+    (protocol.METRIC_SAVED_MODEL_SECONDS, "counter", HELP_SAVED_SECONDS, _saved_seconds_text),
+    (METRIC_SAVED_COST, "counter", HELP_SAVED_COST, _saved_cost_text),
+    (METRIC_DIRECTIVES_IGNORED, "counter", HELP_DIRECTIVES_IGNORED, _ignored_text),
 )
 
 
@@ -401,11 +480,65 @@ def _evictions(cache: str, tenants: TenantItems) -> Metric:
     return ev
 
 
+def _saved(cache: str, tenants: TenantItems) -> Metric:
+    fam = CounterMetricFamily(
+        METRIC_SAVED_TOKENS.removesuffix("_total"),
+        HELP_SAVED_TOKENS,
+        labels=["cache", "tenant", "model", "kind"],
+    )
+    for tenant, tm in tenants:
+        for model, saved in list(tm.saved.items()):
+            fam.add_metric([cache, tenant, model, "prompt"], saved.prompt_tokens)
+            fam.add_metric([cache, tenant, model, "completion"], saved.completion_tokens)
+    return fam
+
+
+def _saved_seconds(cache: str, tenants: TenantItems) -> Metric:
+    fam = CounterMetricFamily(
+        protocol.METRIC_SAVED_MODEL_SECONDS.removesuffix("_total"),
+        HELP_SAVED_SECONDS,
+        labels=["cache", "tenant", "model"],
+    )
+    for tenant, tm in tenants:
+        for model, saved in list(tm.saved.items()):
+            fam.add_metric([cache, tenant, model], saved.model_seconds)
+    return fam
+
+
+def _saved_cost(cache: str, tenants: TenantItems) -> Metric:
+    fam = CounterMetricFamily(
+        METRIC_SAVED_COST.removesuffix("_total"),
+        HELP_SAVED_COST,
+        labels=["cache", "tenant", "model"],
+    )
+    for tenant, tm in tenants:
+        for model, saved in list(tm.saved.items()):
+            if saved.cost:
+                fam.add_metric([cache, tenant, model], saved.cost)
+    return fam
+
+
+def _ignored(cache: str, tenants: TenantItems) -> Metric:
+    fam = CounterMetricFamily(
+        METRIC_DIRECTIVES_IGNORED.removesuffix("_total"),
+        HELP_DIRECTIVES_IGNORED,
+        labels=["cache", "tenant", "directive"],
+    )
+    for tenant, tm in tenants:
+        for directive, count in list(tm.ignored.items()):
+            fam.add_metric([cache, tenant, directive], count)
+    return fam
+
+
 _TENANT_FAMILIES: tuple[Callable[[str, TenantItems], Metric], ...] = (
     _requests,
     _latency,
     _upstream,
     _evictions,
+    _saved,
+    _saved_seconds,
+    _saved_cost,
+    _ignored,
 )
 
 

@@ -292,6 +292,18 @@ class TenantQuota(_Model):
         default=None,
         description="The tenant's class (admission and routing order); None = Standard",
     )
+    ttl_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="No tier serves an entry filled longer ago; None = the sidecar's default",
+    )
+    allow_bypass: bool | None = Field(
+        default=None,
+        description="Cache-Control no-cache / no-store obeyed; None = allowed",
+    )
+    allow_max_age: bool | None = Field(
+        default=None, description="Cache-Control max-age obeyed; None = allowed"
+    )
 
 
 class QuotaAssignment(_Model):
@@ -310,6 +322,8 @@ class QuotaAssignment(_Model):
     #: stay in L1: ``l2_bytes`` is 0). None: such tenants are refused or mapped
     #: to the default tenant, as without quotas.
     default_tenant: TenantQuota | None = None
+    #: TTL of tenants not in ``tenants`` (the InferenceCache's spec.ttlSeconds); None = none.
+    ttl_seconds: float | None = Field(default=None, gt=0)
 
 
 def newer_assignment(
@@ -676,6 +690,36 @@ def promql_rps(cache: str, window: str) -> str:
 #: sidecar exports each tenant's two series at 0 before its first switch, so that
 #: a first switch is a change Prometheus can see (docs/sits.md).
 METRIC_POLICY_SWITCHES = "cachefleet_policy_switches_total"
+
+
+#: Counter (seconds), labels cache, tenant, model: upstream seconds cache hits avoided
+#: (each entry records the upstream time of its fill; a hit adds it).
+METRIC_SAVED_MODEL_SECONDS = "cachefleet_saved_model_seconds_total"
+#: Counter (tokens), labels cache, tenant, model, kind (prompt, completion): tokens
+#: cache hits kept from the model (the usage of the stored answers).
+METRIC_SAVED_TOKENS = "cachefleet_saved_tokens_total"
+
+
+#: Counter (price units), labels cache, tenant, model: what the saved tokens cost by
+#: the sidecar's --price-table.
+METRIC_SAVED_COST = "cachefleet_saved_cost_total"
+
+
+def promql_saved_model_seconds(cache: str, window: str) -> str:
+    """Per-tenant model seconds cache hits saved over ``window``, added over pods and models."""
+    sel = f'{METRIC_SAVED_MODEL_SECONDS}{{cache="{cache}"}}'
+    return f"sum by (tenant) (increase({sel}[{window}]))"
+
+
+def promql_saved_tokens(cache: str, window: str) -> str:
+    """Per-tenant, per-kind (prompt, completion) tokens saved over ``window``."""
+    sel = f'{METRIC_SAVED_TOKENS}{{cache="{cache}"}}'
+    return f"sum by (tenant, kind) (increase({sel}[{window}]))"
+
+
+def promql_saved_cost(cache: str, window: str) -> str:
+    """Per-tenant price of the saved tokens over ``window`` (sidecars with a price table)."""
+    return f'sum by (tenant) (increase({METRIC_SAVED_COST}{{cache="{cache}"}}[{window}]))'
 
 
 def promql_policy_switches(cache: str, span: str) -> str:

@@ -166,7 +166,7 @@ async def warm_l1(
                 if entry.tenant != tenant:
                     report.skip("corrupt")
                     continue
-                size = entry.l1_value()[1]
+                size = entry.l1_bytes(digest)
                 if size > room:
                     report.skip("over_budget")
                     continue

@@ -233,6 +233,8 @@ def exported_metric_names() -> set[str]:
     tm = sidecar.tenant("t")
     tm.request("l1", "hit", 0.001)
     tm.evicted("l1", 1)
+    tm.saving("m").add(10, 5, 0.5, 0.01)
+    tm.directive_ignored("no-cache")
     sidecar.usage_source = lambda: [TierUsage("t", "l1", 1, 2, "lru")]
     operator = OperatorMetrics()
     operator.reconcile_duration.labels(trigger="t", result="ok").observe(0.1)
@@ -259,7 +261,7 @@ def test_dashboard_parses_and_uses_only_exported_or_recorded_metrics() -> None:
     used = {m for e in exprs for m in re.findall(r"\b(cachefleet[:_][a-z0-9_:]+)", e)}
     assert used - known == set()
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
-    for needed in ("hit ratio", "p99", "evictions", "quota", "gpu"):
+    for needed in ("hit ratio", "p99", "evictions", "quota", "gpu", "saved", "tokens saved"):
         assert needed in titles
     # the ConfigMap carries the same JSON
     (cm,) = [

@@ -180,3 +180,40 @@ async def test_policy_switches_count_pods_over_tiled_spans(prometheus_factory: o
         for _, server, thread in pods:
             server.shutdown()
             thread.join(5)
+
+
+@pytest.mark.prometheus
+@pytest.mark.slow
+async def test_savings_from_a_sidecars_own_metrics(prometheus_factory: object) -> None:
+    """The sidecar's real savings families, scraped; the operator's queries add them up."""
+    from cachefleet_sidecar.metrics import SidecarMetrics
+
+    metrics = SidecarMetrics(CACHE)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        prom = prometheus_factory(  # type: ignore[operator]
+            {"sidecars": [f"127.0.0.1:{server.server_port}"]}, scrape_interval_s=0.5
+        )
+        source = PrometheusMetricsSource(prom.url, timeout_s=2.0)
+        deadline = time.monotonic() + FIRST_DATA_TIMEOUT_S
+        found: dict[str, dict[str, float]] = {}
+        while time.monotonic() < deadline:
+            for model in ("m1", "m2"):
+                metrics.tenant("acme").saving(model).add(100, 20, 0.5, 0.01)
+            metrics.tenant("free").saving("m1").add(10, 0, 0.1, None)
+            found = await source.savings(CACHE, "30s")
+            if {"acme", "free"} <= set(found) and found["acme"].get("model_seconds", 0) > 0:
+                break
+            await asyncio.sleep(0.5)
+        assert {"acme", "free"} <= set(found), "no savings from Prometheus in time"
+        acme, free = found["acme"], found["free"]
+        # both models added up: per hit 2 x (100 prompt, 20 completion, 0.5 s, 0.01); a
+        # scrape may fall between two adds (families are read one after another): approx
+        assert acme["prompt_tokens"] == pytest.approx(5 * acme["completion_tokens"], rel=0.05)
+        assert acme["model_seconds"] == pytest.approx(acme["prompt_tokens"] / 200, rel=0.05)
+        assert acme["cost"] == pytest.approx(acme["model_seconds"] / 50, rel=0.05)
+        assert "cost" not in free  # unpriced hits export no cost series
+        assert free["completion_tokens"] == 0
+    finally:
+        server.shutdown()
+        thread.join(5)

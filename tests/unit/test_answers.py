@@ -4,7 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.entry import CorruptEntry, Entry, answer_problem, check_header_block
+from cachefleet_sidecar.entry import (
+    V_CHECK_AT,
+    V_COMPLETION,
+    V_EXPIRES_AT,
+    V_FILLED_AT,
+    V_PROMPT,
+    V_RESPONSE,
+    V_UPSTREAM_S,
+    CorruptEntry,
+    Entry,
+    answer_problem,
+    check_header_block,
+    reaged,
+    usage_of,
+)
 
 JSON = [(b"content-type", b"application/json")]
 SSE = [(b"content-type", b"text/event-stream; charset=utf-8")]
@@ -133,8 +147,62 @@ def test_header_block_edge_lines() -> None:
 
 
 def test_l2_hit_renders_the_response_and_the_promotion_once() -> None:
-    e = Entry(200, b"content-type: application/json\r\n", b'{"x": 1}', stream=False, tenant="t")
-    response, (value, size) = e.l2_hit()
-    assert response == e.response(b"HIT-L2")
-    assert (value, size) == e.l1_value()
-    assert value == ("t", e.hit_l1)
+    e = Entry(
+        200,
+        b"content-type: application/json\r\n",
+        b'{"x": 1}',
+        stream=False,
+        tenant="t",
+        filled_at=1000.0,
+        prompt_tokens=3,
+        completion_tokens=4,
+        upstream_s=0.5,
+    )
+    response, (value, size) = e.l2_hit("k" * 64, 1012.5, 50.0, 60.0)
+    assert response == e.response(b"HIT-L2", 12, "k" * 64)
+    assert (value, size) == e.l1_value("k" * 64, 1012.5, 50.0, 60.0)
+    assert value[V_RESPONSE] == e.hit_l1(12, "k" * 64)
+    assert value[V_FILLED_AT] == 50.0 - 12.5
+    assert value[V_EXPIRES_AT] == 50.0 - 12.5 + 60.0
+    assert value[V_CHECK_AT] == 50.0 - 12.5 + 13  # when "Age: 12" goes out of date
+    assert (value[V_PROMPT], value[V_COMPLETION], value[V_UPSTREAM_S]) == (3, 4, 0.5)
+
+
+def test_reaged_value_says_the_new_age_and_keeps_the_rest() -> None:
+    e = Entry(200, b"content-type: application/json\r\n", b"{}", stream=False, tenant="t")
+    value, _ = e.l1_value("", 9.0, 100.0, 1000.0)  # filled 9 s ago: Age 9
+    assert b"\r\nage: 9\r\n" in value[V_RESPONSE]
+    later = reaged(value, 100.0 + 95.2)  # 104.2 s after the fill: three digits now
+    assert later[V_RESPONSE] == e.hit_l1(104)
+    assert later[V_CHECK_AT] == value[V_FILLED_AT] + 105
+    assert reaged(later, 100.0 + 999.0)[V_RESPONSE] == e.hit_l1(1008)
+    near_end = reaged(value, 100.0 + 990.5)
+    assert near_end[V_CHECK_AT] == value[V_EXPIRES_AT]  # the TTL ends before Age moves
+
+
+def test_usage_of_json_and_stream_answers() -> None:
+    body = b'{"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 7}}'
+    assert usage_of(body, stream=False) == (11, 7)
+    assert usage_of(b'{"choices": []}', stream=False) == (0, 0)
+    assert usage_of(
+        b'{"usage": {"prompt_tokens": "x", "completion_tokens": -3}}', stream=False
+    ) == (
+        0,
+        0,
+    )
+    stream = (
+        b'data: {"choices": [{"delta": {"content": "hi"}}], "usage": null}\n\n'
+        b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    assert usage_of(stream, stream=True) == (5, 2)
+    assert usage_of(stream.replace(b"\n", b"\r\n"), stream=True) == (5, 2)
+    no_usage = b'data: {"choices": []}\n\ndata: [DONE]\n\n'
+    assert usage_of(no_usage, stream=True) == (0, 0)
+    # embeddings report prompt tokens only
+    assert usage_of(
+        b'{"data": [], "usage": {"prompt_tokens": 9, "total_tokens": 9}}', stream=False
+    ) == (
+        9,
+        0,
+    )

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.entry import CorruptEntry, Entry
+from cachefleet_sidecar.entry import CorruptEntry, Entry, OldEntry
 from cachefleet_sidecar.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
 
 ACME = Scope("acme", "v1", (0,))
@@ -199,7 +199,17 @@ def test_distinct_contents_never_share_a_key(a: str, b: str) -> None:
 
 
 def test_entry_round_trip_and_hit_bytes() -> None:
-    e = Entry(200, b"content-type: application/json\r\n", b'{"x":1}', stream=False, tenant="t")
+    e = Entry(
+        200,
+        b"content-type: application/json\r\n",
+        b'{"x":1}',
+        stream=False,
+        tenant="t",
+        filled_at=1_700_000_000.25,
+        upstream_s=1.5,
+        prompt_tokens=12,
+        completion_tokens=34,
+    )
     back = Entry.loads(e.dumps())
     assert (back.status, back.headers, back.body, back.stream, back.tenant) == (
         200,
@@ -208,12 +218,53 @@ def test_entry_round_trip_and_hit_bytes() -> None:
         False,
         "t",
     )
-    assert e.hit_l1.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
-    assert b"content-length: 7\r\nx-cache: HIT-L1\r\n\r\n" in e.hit_l1
-    assert orjson.loads(e.hit_l1.split(b"\r\n\r\n", 1)[1]) == {"x": 1}
+    assert (back.filled_at, back.upstream_s, back.prompt_tokens, back.completion_tokens) == (
+        1_700_000_000.25,
+        1.5,
+        12,
+        34,
+    )
+    hit = e.hit_l1(7, "ab" * 32)
+    assert hit.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    assert b"content-length: 7\r\nx-cache-key: " + b"ab" * 32 + b"\r\nage: 7\r\n" in hit
+    assert b"x-cache: HIT-L1\r\n\r\n" in hit
+    assert orjson.loads(hit.split(b"\r\n\r\n", 1)[1]) == {"x": 1}
 
 
-@pytest.mark.parametrize("data", [b"", b"garbage", b"CF1" + b"\x00" * 20])
+#: A CF2 envelope, byte for byte: what every sidecar of this version writes to L2
+#: (magic, flags, status 200, tenant/headers/body lengths, fill time and upstream
+#: seconds as big-endian doubles, prompt and completion tokens, then the bytes).
+CF2_ENTRY = (
+    b"CF2\x00\x00\xc8\x01\x00\x00\x00\x20\x00\x00\x00\x07"
+    b"A\xd9T\xfc@@\x00\x00?\xf8\x00\x00\x00\x00\x00\x00\x00\x00\x00\x0c\x00\x00\x00\x22"
+    b'tcontent-type: application/json\r\n{"x":1}'
+)
+
+
+def test_entry_envelope_golden_bytes() -> None:
+    e = Entry(
+        200,
+        b"content-type: application/json\r\n",
+        b'{"x":1}',
+        stream=False,
+        tenant="t",
+        filled_at=1_700_000_001.0,
+        upstream_s=1.5,
+        prompt_tokens=12,
+        completion_tokens=34,
+    )
+    assert e.dumps() == CF2_ENTRY
+    assert Entry.loads(CF2_ENTRY).filled_at == 1_700_000_001.0
+
+
+def test_an_entry_of_the_previous_format_is_an_old_entry() -> None:
+    # the CF1 envelope had no fill time: it cannot be aged, so it is a miss (and replaced)
+    old = b"CF1\x00\x00\xc8\x01\x00\x00\x00\x00\x00\x00\x00\x02t{}"
+    with pytest.raises(OldEntry):
+        Entry.loads(old)
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage", b"CF2" + b"\x00" * 20])
 def test_corrupt_entries_are_refused(data: bytes) -> None:
     with pytest.raises(CorruptEntry):
         Entry.loads(data)

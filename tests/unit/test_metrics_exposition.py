@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefleet_sidecar.metrics import OTHER_TENANT, SidecarMetrics
+from cachefleet_sidecar.metrics import MAX_MODEL_SERIES, OTHER_TENANT, SidecarMetrics
 
 
 def samples(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
@@ -23,6 +23,8 @@ def busy(metrics: SidecarMetrics, tenants: int) -> None:
         tm.request("upstream", "miss", 0.3)
         tm.upstream.observe(0.29)
         tm.evicted("l1", i)
+        tm.saving("llama").add(10 + i, 20, 0.25, 0.001 if i % 2 else None)
+        tm.directive_ignored("no-cache")
 
 
 def test_pieces_make_the_same_exposition_as_the_registry() -> None:
@@ -39,8 +41,37 @@ def test_zero_budget_cuts_a_piece_per_tenant_and_family() -> None:
     m = SidecarMetrics("ns/chat")
     busy(m, 10)
     pieces = list(m.exposition(budget_s=0))
-    assert len(pieces) == 5 * 10 + 1  # five per-tenant families, then everything else
+    assert len(pieces) == 9 * 10 + 1  # nine per-tenant families, then everything else
     assert samples(b"".join(pieces).decode()) == samples(m.render().decode())
+
+
+def test_savings_series_and_their_model_label_bound() -> None:
+    m = SidecarMetrics("ns/chat")
+    tm = m.tenant("acme")
+    for i in range(MAX_MODEL_SERIES + 5):
+        tm.saving(f"model-{i}").add(100, 50, 2.0, 0.5)
+    tm.saving("x" * 500).add(1, 1, 1.0, None)
+    found = samples(m.render().decode())
+    models = {
+        dict(lab)["model"] for name, lab, _ in found if name == "cachefleet_saved_tokens_total"
+    }
+    assert len(models) == MAX_MODEL_SERIES + 1  # the first 16 and "_other"
+    assert OTHER_TENANT in models
+    other = [
+        v
+        for name, lab, v in found
+        if name == "cachefleet_saved_tokens_total"
+        and dict(lab)["model"] == OTHER_TENANT
+        and dict(lab)["kind"] == "prompt"
+    ]
+    assert other == [5 * 100 + 1]
+    seconds = {
+        dict(lab)["model"]: v
+        for name, lab, v in found
+        if name == "cachefleet_saved_model_seconds_total"
+    }
+    assert seconds["model-0"] == 2.0
+    assert seconds[OTHER_TENANT] == 5 * 2.0 + 1.0
 
 
 def test_tenant_labels_are_bounded_and_known_tenants_keep_theirs() -> None:
