@@ -20,6 +20,7 @@ from cachefleet_e2e.services import free_port
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar import protocol
+from cachefleet_sidecar.entry import L1_OVERHEAD_BYTES
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]
@@ -124,18 +125,19 @@ async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
     sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
 ) -> None:
     a = await filled(sidecar_factory, redis_url, truth.url)
-    size = len((await a.chat(PROMPTS[0])).content)  # an entry costs a bit more than this
+    # an entry costs its body, its head (under 400 bytes here) and L1's own overhead
+    size = len((await a.chat(PROMPTS[0])).content) + 400 + L1_OVERHEAD_BYTES
     b = await sidecar_factory(
         redis_url=redis_url,
         upstream=truth.url,
         pod="pod-b",
         tenants=("acme",),
-        warm_bytes=3 * size + 400,
+        warm_bytes=3 * size,
     )
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert 1 <= warm["entries"] < len(PROMPTS)
-    assert warm["bytes"] <= 3 * size + 400
+    assert warm["bytes"] <= 3 * size
     assert warm["skipped"]["over_budget"] == len(PROMPTS) - warm["entries"]
     # the tenant's entries are invalidated: a newcomer warms none of them
     async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:

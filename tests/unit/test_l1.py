@@ -250,6 +250,9 @@ def test_stats_are_frozen_snapshots() -> None:
     assert stats.entries == 1
 
 
+KEY_HEX = "ab" * 32  # an X-Cache-Key digest, as every L1 value carries one
+
+
 @pytest.mark.parametrize("policy", ["lru", "lirs", "sits"])
 @pytest.mark.parametrize("body_bytes", [0, 600, 4000])
 def test_counted_bytes_are_what_an_entry_really_holds(policy: str, body_bytes: int) -> None:
@@ -257,14 +260,15 @@ def test_counted_bytes_are_what_an_entry_really_holds(policy: str, body_bytes: i
     (its response bytes, the value, the key and the policy's records, as tracemalloc sees
     them): a 64 MiB L1 holds about 64 MiB, whatever the answers' sizes (issue 23, item 6)."""
     import gc
+    import time
     import tracemalloc
 
     import xxhash
 
-    from cachefleet_sidecar.entry import Entry
+    from cachefleet_sidecar.entry import Entry, L1Value
 
     n = 12000
-    l1: TenantL1[int, tuple[str, bytes]] = TenantL1(1 << 40, default_policy=policy)
+    l1: TenantL1[int, L1Value] = TenantL1(1 << 40, default_policy=policy)
     entries = [
         Entry(
             200,
@@ -282,7 +286,7 @@ def test_counted_bytes_are_what_an_entry_really_holds(policy: str, body_bytes: i
         before = tracemalloc.get_traced_memory()[0]
         counted = 0
         for entry, raw in zip(entries, raw_keys, strict=True):
-            value, size = entry.l1_value()
+            value, size = entry.l1_value(KEY_HEX, time.time(), time.monotonic(), 3600.0)
             l1.put("a", xxhash.xxh3_64_intdigest(raw), value, size, 0.01)
             counted += size
         gc.collect()
