@@ -91,9 +91,6 @@ GIVE_BACK_PRESSURE = 0.5
 SHORTFALL_GAIN = 2.0
 #: Shortfall ratios are capped here so one broken tenant cannot take everything.
 MAX_SHORTFALL_RATIO = 4.0
-#: Traffic factor bounds (request rate relative to the fleet mean).
-MIN_TRAFFIC = 0.1
-MAX_TRAFFIC = 10.0
 #: A curve whose best hit ratio is below this shows no reuse.
 NO_REUSE_HIT_RATIO = 0.001
 #: Upstream seconds per miss assumed when no latency is known.

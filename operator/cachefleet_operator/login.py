@@ -28,7 +28,6 @@ DEFAULT_SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 #: Fallback kubeconfig, as kubectl's.
 DEFAULT_KUBECONFIG = "~/.kube/config"
 _HOST_ENV = "KUBERNETES_SERVICE_HOST"
-_PORT_ENV = "KUBERNETES_SERVICE_PORT"
 
 
 class CredentialsUnavailable(RuntimeError):

@@ -51,8 +51,6 @@ SELF_SIGNED_DAYS = 365
 WEBHOOK_ID = "inject-sidecar"
 #: Timeout of the InferenceCache read during admission, seconds (the API server waits <= 10 s).
 CACHE_READ_TIMEOUT_S = 3.0
-#: Default port of the webhook's HTTPS server inside the operator pod.
-DEFAULT_WEBHOOK_PORT = 9443
 #: Default port of the webhook Service.
 DEFAULT_SERVICE_PORT = 443
 

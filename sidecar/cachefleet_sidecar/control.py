@@ -72,8 +72,6 @@ DEFAULT_CONTROL_OP_TIMEOUT_S = 2.0
 #: First and largest pause between reconnect attempts, seconds.
 RECONNECT_BACKOFF_MIN_S = 0.05
 RECONNECT_BACKOFF_MAX_S = 2.0
-#: Longest single wait for a pub/sub message, seconds (keeps the loop responsive).
-MESSAGE_POLL_S = 1.0
 #: How long stop() waits for the background tasks to finish, seconds.
 STOP_TIMEOUT_S = 5.0
 #: Shortest pause between two epoch polls, even when poked, seconds.

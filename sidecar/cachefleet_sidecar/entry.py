@@ -259,13 +259,6 @@ def reason_phrase(status: int) -> bytes:
     return _PHRASES.get(status, b"Unknown")
 
 
-def header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
-    """``name: value\\r\\n`` lines of the end-to-end headers, in order."""
-    return b"".join(
-        name + b": " + value + b"\r\n" for name, value in headers if name.lower() not in HOP_BY_HOP
-    )
-
-
 class Entry:
     """One cached response, with what it saves and when it was filled."""
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 #: How long confirmed epochs stay good for serving L1 hits, seconds.
@@ -227,8 +227,3 @@ class EpochTracker:
             built.append((PURGE_SCOPE, self._known.get(PURGE_SCOPE, 0)))
             vector = vectors[tenant, model, namespace] = tuple(built)
         return vector
-
-
-def scopes_of(vector: Iterable[tuple[str, int]]) -> list[str]:
-    """The scope names of a vector, in order."""
-    return [scope for scope, _ in vector]

@@ -77,11 +77,6 @@ MINI_SIM_FRACTIONS: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 
 BUCKETS: tuple[float, ...] = tuple(float(round(2 ** (12 + i / 2))) for i in range(45))
 
 
-def sample_hash(digest: int) -> int:
-    """The sampling hash of a 128-bit key digest (0 .. 2**24 - 1)."""
-    return (digest >> HASH_SHIFT) & HASH_MASK
-
-
 class _Fenwick:
     """Prefix sums of bytes over access slots (1-based)."""
 

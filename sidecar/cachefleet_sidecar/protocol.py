@@ -760,16 +760,6 @@ class RedisTarget:
     #: CA bundle that signs the server's certificate (``?ssl_ca_certs=PATH``), for rediss.
     ca_file: str | None = None
 
-    def node_urls(self) -> list[str]:
-        """One plain ``redis://`` (or ``rediss://``) URL per node, without credentials."""
-        scheme = "rediss" if self.tls else "redis"
-        suffix = "" if self.cluster else f"/{self.db}"
-        return [f"{scheme}://{_host_port(host, port)}{suffix}" for host, port in self.nodes]
-
-
-def _host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
 
 def redact_url(url: str) -> str:
     """``url`` with its password (or a lone user-info token) replaced by ``***``.
@@ -960,14 +950,6 @@ async def publish_quotas(client: RedisClient, cache: str, assignment: QuotaAssig
         message = ControlMessage(kind="quotas", generation=stored)
         await client.publish(control_channel(cache), message.model_dump_json())
     return stored
-
-
-async def read_quotas(client: RedisClient, cache: str) -> QuotaAssignment | None:
-    """The assignment stored for ``cache``, or None when there is none yet."""
-    raw = await client.hget(quotas_key(cache), "assignment")
-    if raw is None:
-        return None
-    return QuotaAssignment.model_validate_json(raw)
 
 
 @dataclass(frozen=True)

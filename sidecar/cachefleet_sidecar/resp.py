@@ -563,12 +563,6 @@ class Node:
             wire = await self.ready(deadline)
         return await _replies(wire.send_many(packed, n, deadline))
 
-    def send_push(self, packed: bytes) -> None:
-        """Write a command whose replies arrive as pushes (SUBSCRIBE); no-op when not connected."""
-        wire = self._wire
-        if wire is not None and not wire.closed:
-            wire.write(packed)
-
     async def aclose(self) -> None:
         self._closed = True
         if self._retry_handle is not None:
