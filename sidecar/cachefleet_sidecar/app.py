@@ -47,8 +47,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from . import directives, keys, mrc, protocol, savings, semantic
 from .config import SidecarConfig, parse_args
 from .entry import (
-    HOP_BY_HOP,
+    FORWARD_DROP,
     L1_OVERHEAD_BYTES,
+    STORE_DROP,
     V_COMPLETION,
     V_EXPIRES_AT,
     V_FILLED_AT,
@@ -75,7 +76,7 @@ from .metrics import SidecarMetrics, TierUsage, admission_families, reuse_famili
 from .mrc import MissRatioCurves
 from .policies import available_policies
 from .purge import PurgeIndex
-from .server import Connection, Limiter, Limits, Outbox, Request, simple_response
+from .server import Connection, Limiter, Limits, Outbox, Request, error_response, simple_response
 from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
 from .upstream import Begun, UpstreamError, UpstreamPool
@@ -83,10 +84,6 @@ from .warm import WarmReport, warm_l1
 
 log = logging.getLogger("cachefleet.sidecar")
 
-#: Headers never forwarded from the upstream as they are (we frame ourselves).
-FORWARD_DROP = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"x-cache", b"trailer"}
-)
 #: How often the L2 bytes of each tenant are read for /metrics and /status, seconds.
 L2_USAGE_REFRESH_S = 10.0
 #: Largest sized upstream answer sent in one write once complete; larger ones stream.
@@ -129,13 +126,10 @@ class Refusal(Exception):
         self.extra = extra
 
     def response(self) -> bytes:
-        body = orjson.dumps(
-            {"error": {"message": self.reason, "type": "cachefleet_refused", "code": self.status}}
-        )
-        return simple_response(
+        return error_response(
             self.status,
-            body,
-            content_type=b"application/json",
+            self.reason,
+            "cachefleet_refused",
             extra=b"x-cache: BYPASS\r\n" + self.extra,
         )
 
@@ -728,15 +722,17 @@ class Sidecar:
         the bookkeeping of a fast-path answer is not on its latency."""
         self.outbox.later(fn, *args)
 
-    def _l1_hit_done(self, tenant: str, key: keys.CacheKey, hit: L1Value, seconds: float) -> None:
-        """What follows an L1 hit: the curves' access, the metrics, savings, switching."""
+    def _l1_hit_done(
+        self, tenant: str, key: keys.CacheKey, hit: L1Value, seconds: float, observe: bool = True
+    ) -> None:
+        """What follows an L1 hit: the curves' access, the metrics, savings and (unless
+        the caller observes the request itself) switching."""
         digest = key.digest
         if self.mrc is not None:
             self.mrc.access(tenant, digest, len(hit[V_RESPONSE]))
-        tm = self.metrics.tenant(tenant)
-        tm.request("l1", "hit", seconds)
+        self.metrics.tenant(tenant).request("l1", "hit", seconds)
         self._saved(tenant, key.model, hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
-        if self.switching is not None:
+        if observe and self.switching is not None:
             self._observe(tenant, seconds, digest)
 
     def _l1_aged(
@@ -989,11 +985,9 @@ class Sidecar:
                 await self._passthrough(request, conn, tenant=tenant, reason="tenant limit")
                 return
             if hit is not None:
-                conn.write(hit[1])
-                if self.mrc is not None:
-                    self.mrc.access(tenant, key.digest, len(hit[1]))
-                tm.request("l1", "hit", time.perf_counter() - request.started)
-                self._saved(tenant, key.model, hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
+                conn.write(hit[V_RESPONSE])
+                seconds = time.perf_counter() - request.started
+                self._l1_hit_done(tenant, key, hit, seconds, False)  # handle() observes
                 return
             entry = None if lookup.l2_read is not None else await self._l2_get(lookup, key)
             if entry is not None:
@@ -1124,7 +1118,7 @@ class Sidecar:
             self.metrics.fault("entry_too_large")
             return None
         entry_headers = b"".join(
-            name + b": " + value + b"\r\n" for name, value in resp_headers if name not in HOP_BY_HOP
+            name + b": " + value + b"\r\n" for name, value in resp_headers if name not in STORE_DROP
         )
         entry = Entry(
             status,
@@ -1236,19 +1230,12 @@ class Sidecar:
                     request.method, request.url, headers, request.body
                 )
         except UpstreamError as exc:
-            body = orjson.dumps(
-                {
-                    "error": {
-                        "message": f"upstream unavailable: {exc}",
-                        "type": "cachefleet_upstream",
-                    }
-                }
-            )
             conn.write(
-                simple_response(
+                error_response(
                     503 if exc.overloaded else 504 if exc.timed_out else 502,
-                    body,
-                    content_type=b"application/json",
+                    f"upstream unavailable: {exc}",
+                    "cachefleet_upstream",
+                    code=False,
                     extra=b"x-cache: %s\r\n%s"
                     % (x_cache, b"retry-after: 1\r\n" if exc.overloaded else b""),
                 )
@@ -1291,14 +1278,12 @@ class Sidecar:
         except UpstreamError as exc:
             log.warning("upstream broke mid-response for %s: %s", request.url, exc)
             if buffered:
-                message = f"upstream answer incomplete: {exc}"
                 conn.write(
-                    simple_response(
+                    error_response(
                         502,
-                        orjson.dumps(
-                            {"error": {"message": message, "type": "cachefleet_upstream"}}
-                        ),
-                        content_type=b"application/json",
+                        f"upstream answer incomplete: {exc}",
+                        "cachefleet_upstream",
+                        code=False,
                         extra=b"x-cache: %s\r\n" % x_cache,
                     )
                 )
@@ -1862,16 +1847,12 @@ def _miss_marker(key: keys.CacheKey) -> bytes:
 
 def _not_cached() -> bytes:
     """The answer to ``Cache-Control: only-if-cached`` when nothing is cached (RFC 9111)."""
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": "only-if-cached: no cached answer for this request",
-                "type": "cachefleet_not_cached",
-                "code": 504,
-            }
-        }
+    return error_response(
+        504,
+        "only-if-cached: no cached answer for this request",
+        "cachefleet_not_cached",
+        extra=b"x-cache: MISS\r\n",
     )
-    return simple_response(504, body, content_type=b"application/json", extra=b"x-cache: MISS\r\n")
 
 
 #: /status fields that name tenants: shown only to --status-peers (loopback: kubectl

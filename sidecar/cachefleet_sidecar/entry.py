@@ -39,24 +39,31 @@ from typing import Final
 
 import orjson
 
-#: Response headers that describe the connection or the framing, never the
-#: content: not stored, not forwarded as is.
+#: Headers that describe one connection, not the message (RFC 9110 7.6.1, and the
+#: old ``keep-alive`` / ``proxy-connection``): never passed on, in either direction.
 HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
         b"proxy-authenticate",
         b"proxy-authorization",
+        b"proxy-connection",
         b"te",
         b"trailer",
         b"trailers",
         b"transfer-encoding",
         b"upgrade",
-        b"content-length",
-        b"x-cache",
-        b"date",
     }
 )
+#: Upstream response headers never relayed as they are: the sidecar frames every
+#: answer itself (its own length or chunking, its own ``X-Cache``).
+FORWARD_DROP = HOP_BY_HOP | {b"content-length", b"x-cache"}
+#: Upstream response headers not stored in an entry: a hit is framed, marked and
+#: dated (``Age``) when served, so the upstream's ``Date`` is not kept either.
+STORE_DROP = FORWARD_DROP | {b"date"}
+#: Client request headers not sent upstream: the upstream connection has its own
+#: framing and host, and the sidecar answers ``Expect`` itself.
+REQUEST_DROP = HOP_BY_HOP | {b"content-length", b"host", b"expect"}
 
 #: An L1 value: a tuple of atomic values (untracked by the cyclic GC), read by index:
 #: ``(tenant, HIT-L1 response, check_at, expires_at, filled_at, age_start, age_end,
@@ -113,7 +120,7 @@ def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
 
     A block is ``name: value\r\n`` lines: lower-case token names, values
     without control characters, and no header that frames or routes the
-    response (:data:`HOP_BY_HOP`): the sidecar frames every response itself.
+    response (:data:`STORE_DROP`): the sidecar frames every response itself.
     The block is checked by one regular expression, not line by line (this
     runs on every L2 hit).
     """
@@ -125,7 +132,7 @@ def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
         raise CorruptEntry("malformed header line")
     pairs: list[tuple[bytes, bytes]] = _LINES.findall(block)
     for name, _ in pairs:
-        if name in HOP_BY_HOP:
+        if name in STORE_DROP:
             raise CorruptEntry(f"framing header {name.decode()!r} in a stored entry")
     return pairs
 

@@ -20,12 +20,11 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import orjson
 
 from .admission import ADMIT, Admission, AdmissionConfig, Decision, normal_class
 from .modelserver import MetricsParseError, parse_metrics
 from .protocol import redact_url
-from .server import simple_response
+from .server import error_response
 
 log = logging.getLogger("cachefleet.admission")
 
@@ -42,19 +41,14 @@ RefusalCounter = Callable[[str, str, str], None]
 
 def refusal_response(decision: Decision) -> bytes:
     """The answer of a refused request: its status, ``Retry-After`` and a JSON error."""
-    body = orjson.dumps(
-        {
-            "error": {
-                "message": decision.message,
-                "type": "cachefleet_admission",
-                "code": decision.status,
-                "reason": decision.reason,
-                "retry_after_s": decision.retry_after_s,
-            }
-        }
+    return error_response(
+        decision.status,
+        decision.message,
+        "cachefleet_admission",
+        extra=b"retry-after: %d\r\nx-cache: BYPASS\r\n" % decision.retry_after_s,
+        reason=decision.reason,
+        retry_after_s=decision.retry_after_s,
     )
-    extra = b"retry-after: %d\r\nx-cache: BYPASS\r\n" % decision.retry_after_s
-    return simple_response(decision.status, body, content_type=b"application/json", extra=extra)
 
 
 class AdmissionGate:

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, cast
 
 import httptools
+import orjson
 
 from .entry import reason_phrase
 
@@ -895,3 +896,22 @@ def simple_response(
         )
         + body
     )
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str,
+    *,
+    code: bool = True,
+    extra: bytes = b"",
+    **fields: object,
+) -> bytes:
+    """A JSON error answer in the OpenAI shape: ``{"error": {"message", "type", "code",
+    ...fields}}`` (``code`` is the status; left out when ``code`` is False)."""
+    error: dict[str, object] = {"message": message, "type": kind}
+    if code:
+        error["code"] = status
+    error.update(fields)
+    body = orjson.dumps({"error": error})
+    return simple_response(status, body, content_type=b"application/json", extra=extra)

@@ -53,6 +53,7 @@ from urllib.parse import unquote, urlsplit
 
 import httptools
 
+from .entry import REQUEST_DROP
 from .protocol import redact_url
 
 #: Seconds to open a connection to the upstream.
@@ -74,23 +75,6 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_MAX_WAITING = 1024
 #: Methods that may be sent again when a reused connection fails before answering.
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
-
-#: Request headers that describe the client connection, not the request.
-REQUEST_HOP_BY_HOP = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
-        b"host",
-        b"expect",
-    }
-)
 
 
 class UpstreamError(Exception):
@@ -529,7 +513,7 @@ class UpstreamPool:
         lines = [method, b" ", self.base_path + path, b" HTTP/1.1\r\nhost: ", self.host_header]
         auth = self.authorization
         for name, value in headers:
-            if name not in REQUEST_HOP_BY_HOP and not (auth and name == b"authorization"):
+            if name not in REQUEST_DROP and not (auth and name == b"authorization"):
                 lines += [b"\r\n", name, b": ", value]
         if auth:
             lines += [b"\r\nauthorization: ", auth]
