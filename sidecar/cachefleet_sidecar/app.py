@@ -97,7 +97,8 @@ IDLE_TICK_S = 5.0
 #: Bytes the key memo may hold (a key keeps its canonical form, about the body's size).
 KEY_MEMO_MAX_BYTES = 64 * 1024 * 1024
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
-#: Entries a policy switch moves per batch between requests (~2 µs each: well under 1 ms).
+#: Entries a policy switch moves per batch between requests (small: a batch runs between
+#: requests on the event loop, so it must not stall them).
 MIGRATION_BATCH = 256
 #: Pause between two migration batches, seconds (requests run in between).
 MIGRATION_PAUSE_S = 0.002

@@ -62,7 +62,7 @@ SAMPLING_FIELDS = frozenset(
     }
 )
 #: Largest body that is parsed to be keyed; larger ones are forwarded uncached
-#: (parsing runs on the event loop: ~20 ms per MiB of token-id arrays).
+#: (parsing runs on the event loop, and a large token-id array stalls it for long).
 MAX_KEYED_BODY_BYTES = 4 * 1024 * 1024
 #: Version of the canonical form (part of every key: a change never reuses old entries).
 KEY_FORMAT = b"cf2"

@@ -42,7 +42,7 @@ from .admission import Admission
 from .mrc import MissRatioCurves
 from .savings import Saved
 
-#: Latency buckets (seconds): from an L1 hit (tens of µs) to a long generation.
+#: Latency buckets (seconds): from an L1 hit (well under a millisecond) to a long generation.
 BUCKETS: tuple[float, ...] = (
     0.0001,
     0.00025,

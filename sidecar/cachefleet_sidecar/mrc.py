@@ -33,7 +33,7 @@ hit ratio would change with the bytes it is given: its miss-ratio curve
   histogram.
 
 Cost: an access to an unsampled key is a shift, a mask and a comparison;
-a sampled one is O(log max_samples) (a few µs in Python), plus one policy
+a sampled one is O(log max_samples), plus one policy
 operation per miniature cache. A **budget** of sampled accesses per second
 for the whole sidecar bounds it: every 256 samples the clock is read, and if
 they came faster than the budget allows, the rate of the tenant with the most
@@ -67,7 +67,8 @@ DEFAULT_MAX_SAMPLES = 2048
 DEFAULT_MAX_RATE = 1.0
 #: Sampled accesses per second the whole sidecar may spend on curves; above it the
 #: rate of the tenant with the most samples in that burst halves. This is what bounds
-#: the hit path's cost (a sampled access is a few µs, more with mini-simulations).
+#: the hit path's cost (a sampled access costs far more than a hit, more with
+#: mini-simulations).
 DEFAULT_BUDGET_PER_S = 1000.0
 #: The budget is checked once per this many sampled accesses (one clock read each time).
 BUDGET_CHECK_EVERY = 256

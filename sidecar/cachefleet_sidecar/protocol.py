@@ -1040,7 +1040,7 @@ return 1
 """
 
 # 1 when every (scope, epoch) pair of ARGV from index `first` is at least the fence
-# (the fence's scopes read with one HMGET: each redis.call costs ~1 us of Lua glue).
+# (the fence's scopes read with one HMGET: every redis.call adds a round of Lua glue).
 _FENCE_LUA = """
 local function current(fence, first)
   local scopes = {}

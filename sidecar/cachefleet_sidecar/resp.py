@@ -1,8 +1,8 @@
 """A lean asyncio RESP2 client for the sidecar's hot Redis paths (L2 scripts, acks, pub/sub).
 
-redis-py costs ~150 µs of Python per command; a loopback round trip is
-~30-50 µs. This client does the least that the data path needs, on the
-caller's own event loop:
+redis-py spends several times a loopback round trip in Python per command,
+so on the data path it, not Redis, would set the latency. This client does
+the least that the data path needs, on the caller's own event loop:
 
 * **One connection per Redis node, pipelined.** Concurrent callers' commands
   are encoded with ``hiredis.pack_command``, queued and written together once

@@ -1,8 +1,9 @@
 """A pause-free policy switch: two policies, one draining into the other.
 
 Switching a partition's policy by moving every entry in one step blocks the
-event loop for O(n) (about 6 µs an entry: 0.6 s for 100,000). A
-:class:`Migration` makes the switch O(1) instead and spreads the move:
+event loop for O(n): a pause that grows with the partition, and every request
+waits it out. A :class:`Migration` makes the switch O(1) instead and spreads
+the move:
 
 * The **front** (the new policy) takes over at once: every ``put`` goes
   there, and every ``get`` looks there first.
