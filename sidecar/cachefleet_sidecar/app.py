@@ -69,14 +69,30 @@ from .entry import (
 from .epochs import EpochTracker, EpochVector
 from .gate import AdmissionGate
 from .host import HostPressure
-from .identity import API_KEYS_POLL_S, ApiKeys, TrustedNetworks, parse_api_keys, parse_networks
+from .identity import (
+    API_KEYS_POLL_S,
+    ApiKeys,
+    TenantRules,
+    TrustedNetworks,
+    parse_api_keys,
+    parse_networks,
+)
 from .l1 import TenantL1, TenantLimitError
 from .l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from .metrics import SidecarMetrics, TierUsage, admission_families, reuse_families
 from .mrc import MissRatioCurves
 from .policies import available_policies
 from .purge import PurgeIndex
-from .server import Connection, Limiter, Limits, Outbox, Request, error_response, simple_response
+from .server import (
+    Connection,
+    Limiter,
+    Limits,
+    Outbox,
+    Refusal,
+    Request,
+    error_response,
+    simple_response,
+)
 from .switching import SwitchingConfig, SwitchingEngine, gpu_pressure
 from .telemetry import GpuTelemetry
 from .upstream import Begun, UpstreamError, UpstreamPool
@@ -115,24 +131,6 @@ class _Flight:
         self.joiners = 0
         #: Where the shared answer came from, as the joiners count it: "upstream" or "l3".
         self.tier = "upstream"
-
-
-class Refusal(Exception):
-    """A request the sidecar must refuse, with a status and a reason."""
-
-    def __init__(self, status: int, reason: str, *, extra: bytes = b"") -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.extra = extra
-
-    def response(self) -> bytes:
-        return error_response(
-            self.status,
-            self.reason,
-            "cachefleet_refused",
-            extra=b"x-cache: BYPASS\r\n" + self.extra,
-        )
 
 
 @dataclass(slots=True)
@@ -211,13 +209,23 @@ class Sidecar:
         #: Key purges applied to L1 (/status "purges"): digests named, entries dropped,
         #: and whole-L1 drops (a purge range the log no longer held).
         self.purge_stats = {"digests": 0, "l1_entries_dropped": 0, "l1_emptied": 0}
-        self.known_tenants: set[str] = set(config.tenants)
         self.api_keys: ApiKeys | None = None
         if config.api_keys_file:
             self.api_keys = ApiKeys.from_file(config.api_keys_file)
         elif config.api_keys:
             self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
-        self.trusted = TrustedNetworks(parse_networks(config.trusted_proxies))
+        #: Who the tenant of a request is (its tables follow the keys file and the quotas).
+        self.tenancy = TenantRules(
+            config.tenant_header,
+            api_keys=self.api_keys,
+            trusted=TrustedNetworks(parse_networks(config.trusted_proxies)),
+            default_tenant=config.default_tenant,
+            known=config.tenants,
+            admit_guests=config.guest_share > 0,
+            on_mismatch=self.metrics.identity_mismatch,
+        )
+        # bound once: the fast path calls it for every request
+        self._resolve = self.tenancy.resolve
         #: Peers shown tenant names in /status (loopback's 127.0.0.1 and ::1 by default).
         self.status_peers = TrustedNetworks(parse_networks(config.status_peers))
         #: Per-tenant miss-ratio curves (None: off).
@@ -247,7 +255,6 @@ class Sidecar:
             collapse_whitespace=config.collapse_whitespace,
             cache_nondeterministic=config.cache_nondeterministic,
         )
-        self._tenant_memo: dict[bytes, str] = {}
         #: Entry TTL by tenant (the operator's ttlSeconds), and of the others, seconds.
         self._ttl: dict[str, float] = {}
         self._default_ttl = config.ttl_s or math.inf
@@ -295,84 +302,13 @@ class Sidecar:
 
     # ------------------------------------------------------------------ tenants
     def resolve_tenant(self, request: Request) -> str:
-        """The request's tenant, by the rules of docs/security.md; :class:`Refusal` otherwise.
+        """The request's tenant (:class:`identity.TenantRules`); :class:`Refusal` otherwise."""
+        return self.tenancy.resolve(request.headers, request.peer)
 
-        With an API-keys table the key alone decides (a tenant header that
-        disagrees is ignored and counted); without one the tenant header is
-        believed only from a trusted proxy network. Only request headers are
-        read: the server drops chunked-body trailers before they get here.
-        """
-        name = self.tenant_header
-        claimed: bytes | None = None
-        auth: bytes | None = None
-        for hname, value in request.headers:
-            if hname == name:
-                if claimed is not None and claimed != value:
-                    raise self._refuse(
-                        "ambiguous", 400, f"more than one {self.config.tenant_header} header"
-                    )
-                claimed = value
-            elif hname == b"authorization":
-                if auth is not None and auth != value and self.api_keys is not None:
-                    raise self._refuse("ambiguous", 400, "more than one Authorization header")
-                auth = value
-        if self.api_keys is not None:
-            return self._tenant_by_key(auth, claimed)
-        if claimed is None:
-            if self.config.default_tenant is not None:
-                return self.config.default_tenant
-            raise Refusal(
-                403, f"no tenant: set the {self.config.tenant_header} header (or a mapped API key)"
-            )
-        if not self.trusted.trusts(request.peer):
-            raise self._refuse(
-                "untrusted_header",
-                403,
-                f"the {self.config.tenant_header} header is believed only from the "
-                f"--trusted-proxies networks, and this connection comes from {request.peer}",
-            )
-        tenant = self._tenant_memo.get(claimed)
-        if tenant is not None:
-            return tenant
-        text = claimed.decode("latin-1")
-        if not protocol.valid_name(text):
-            raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
-        if self.known_tenants and text not in self.known_tenants:
-            if self.config.guest_share > 0 or self.default_quota is not None:
-                pass  # admitted as a guest: its bytes come from the guest pool only
-            elif self.config.default_tenant is not None:
-                return self.config.default_tenant
-            else:
-                raise Refusal(403, f"unknown tenant {text!r}")
-        if len(self._tenant_memo) < 4096:
-            self._tenant_memo[claimed] = text
-        return text
-
-    def _tenant_by_key(self, auth: bytes | None, claimed: bytes | None) -> str:
-        assert self.api_keys is not None
-        if auth is None:
-            if self.config.default_tenant is None:
-                raise self._refuse(
-                    "missing_key", 401, "an API key is required: Authorization: Bearer <key>"
-                )
-            tenant = self.config.default_tenant
-        else:
-            scheme, _, token = auth.strip().partition(b" ")
-            found = self.api_keys.lookup(token.strip()) if scheme.lower() == b"bearer" else None
-            if found is None:
-                raise self._refuse(
-                    "invalid_key", 401, "invalid API key (expected Authorization: Bearer <key>)"
-                )
-            tenant = found
-        if claimed is not None and claimed != tenant.encode():
-            # The key decides; the header is ignored, and counted: it names someone else.
-            self.metrics.identity_mismatch("header_ignored")
-        return tenant
-
-    def _refuse(self, reason: str, status: int, message: str) -> Refusal:
-        self.metrics.identity_mismatch(reason)
-        extra = b'www-authenticate: Bearer realm="cachefleet"\r\n' if status == 401 else b""
-        return Refusal(status, message, extra=extra)
+    @property
+    def known_tenants(self) -> set[str]:
+        """Tenants admitted by name (configured and the operator's); empty: any valid name."""
+        return self.tenancy.known
 
     def poll_api_keys(self) -> bool:
         """Re-read the API-keys file if it changed (called periodically by the server)."""
@@ -383,7 +319,7 @@ class Sidecar:
 
     def _tenants_changed(self) -> None:
         """Known/reserved tenants moved: forget memoised tenant decisions."""
-        self._tenant_memo.clear()
+        self.tenancy.memo.clear()
         self._update_reserved()
 
     def _update_reserved(self) -> None:
@@ -501,7 +437,7 @@ class Sidecar:
         keyed again, its ignored directives were counted the first time)."""
         first = tenant is None
         if tenant is None:
-            tenant = self.resolve_tenant(request)
+            tenant = self._resolve(request.headers, request.peer)
         version = self._scope_version
         namespace = self._namespace(request)
         key = self._key_for(tenant, kind, query, request.body, namespace)
@@ -1545,7 +1481,10 @@ class Sidecar:
         self.quota_generation = assignment.generation
         self.quotas = dict(assignment.tenants)
         self.default_quota = assignment.default_tenant
-        self.known_tenants = set(self.config.tenants) | set(assignment.tenants)
+        self.tenancy.set_known(
+            set(self.config.tenants) | set(assignment.tenants),
+            admit_guests=self.config.guest_share > 0 or self.default_quota is not None,
+        )
         self._tenants_changed()
         base = self._default_options
         self._key_options = {

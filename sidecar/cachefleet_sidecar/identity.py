@@ -8,11 +8,13 @@ The sidecar learns a request's tenant from exactly two places, both request
 * the tenant header (``X-Tenant-ID`` by default), honoured only when there is
   no keys table and the connection comes from a trusted proxy network.
 
-This module holds the parts of that decision that need no event loop: the
-keys table (plain keys or ``sha256:<hex>`` digests, only digests kept in
-memory, reloaded when the file changes) and the trusted networks. A key never
-appears in an error message or a log line: errors name the entry by its
-position and the tenant it maps to.
+This module holds that decision, none of it needing an event loop or a
+socket: the keys table (plain keys or ``sha256:<hex>`` digests, only digests
+kept in memory, reloaded when the file changes), the trusted networks, and
+:class:`TenantRules`, which decides a request's tenant from its headers and
+peer address with those tables, the known tenants and the default tenant. A
+key never appears in an error message or a log line: errors name the entry by
+its position and the tenant it maps to.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import hashlib
 import ipaddress
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import orjson
 
 from . import protocol
+from .server import Refusal
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -36,6 +39,8 @@ DIGEST_PREFIX = "sha256:"
 API_KEYS_POLL_S = 2.0
 #: Most peer addresses whose trust decision is remembered (cleared when full).
 PEER_MEMO_MAX = 4096
+#: Most tenant-header values whose decision is remembered (no more are added when full).
+TENANT_MEMO_MAX = 4096
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -224,3 +229,127 @@ class TrustedNetworks:
             self._memo.clear()
         self._memo[peer] = found
         return found
+
+
+# ------------------------------------------------------------------ the rules
+
+
+class TenantRules:
+    """A request's tenant from its headers and peer, by the rules of docs/security.md.
+
+    With an API-keys table the key alone decides (a tenant header that
+    disagrees is ignored and counted); without one the tenant header is
+    believed only from a trusted proxy network. A request that cannot be
+    given a tenant raises :class:`Refusal`; ``on_mismatch(reason)`` counts
+    the refusals and ignored headers that look like a client claiming an
+    identity it does not have.
+    """
+
+    def __init__(
+        self,
+        header: str,
+        *,
+        api_keys: ApiKeys | None = None,
+        trusted: TrustedNetworks | None = None,
+        default_tenant: str | None = None,
+        known: Iterable[str] = (),
+        admit_guests: bool = False,
+        on_mismatch: Callable[[str], None] | None = None,
+    ) -> None:
+        #: The tenant header as configured (messages) and as the server lowercases it.
+        self.header = header
+        self.name = header.lower().encode()
+        self.api_keys = api_keys
+        self.trusted = trusted or TrustedNetworks(())
+        self.default_tenant = default_tenant
+        #: Tenants admitted by name (empty: any valid name).
+        self.known: set[str] = set(known)
+        #: Whether an unlisted tenant is served as a guest (not sent to the default tenant).
+        self.admit_guests = admit_guests
+        self.on_mismatch = on_mismatch
+        #: Tenant-header value -> tenant, for headers that were decided (cleared on change).
+        self.memo: dict[bytes, str] = {}
+
+    def set_known(self, known: Iterable[str], *, admit_guests: bool) -> None:
+        """New known tenants and guest rule (the operator's quotas moved)."""
+        self.known = set(known)
+        self.admit_guests = admit_guests
+        self.memo.clear()
+
+    def resolve(self, headers: list[tuple[bytes, bytes]], peer: str | None) -> str:
+        """The tenant of a request with these (lowercased) headers from ``peer``.
+
+        Only request headers are read: the server drops chunked-body trailers
+        before they get here.
+        """
+        name = self.name
+        claimed: bytes | None = None
+        auth: bytes | None = None
+        for hname, value in headers:
+            if hname == name:
+                if claimed is not None and claimed != value:
+                    raise self._refuse("ambiguous", 400, f"more than one {self.header} header")
+                claimed = value
+            elif hname == b"authorization":
+                if auth is not None and auth != value and self.api_keys is not None:
+                    raise self._refuse("ambiguous", 400, "more than one Authorization header")
+                auth = value
+        if self.api_keys is not None:
+            return self._by_key(auth, claimed)
+        if claimed is None:
+            if self.default_tenant is not None:
+                return self.default_tenant
+            raise Refusal(403, f"no tenant: set the {self.header} header (or a mapped API key)")
+        if not self.trusted.trusts(peer):
+            raise self._refuse(
+                "untrusted_header",
+                403,
+                f"the {self.header} header is believed only from the "
+                f"--trusted-proxies networks, and this connection comes from {peer}",
+            )
+        tenant = self.memo.get(claimed)
+        if tenant is not None:
+            return tenant
+        text = claimed.decode("latin-1")
+        if not protocol.valid_name(text):
+            raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
+        if self.known and text not in self.known:
+            if self.admit_guests:
+                pass  # admitted as a guest: its bytes come from the guest pool only
+            elif self.default_tenant is not None:
+                return self.default_tenant
+            else:
+                raise Refusal(403, f"unknown tenant {text!r}")
+        if len(self.memo) < TENANT_MEMO_MAX:
+            self.memo[claimed] = text
+        return text
+
+    def _by_key(self, auth: bytes | None, claimed: bytes | None) -> str:
+        assert self.api_keys is not None
+        if auth is None:
+            if self.default_tenant is None:
+                raise self._refuse(
+                    "missing_key", 401, "an API key is required: Authorization: Bearer <key>"
+                )
+            tenant = self.default_tenant
+        else:
+            scheme, _, token = auth.strip().partition(b" ")
+            found = self.api_keys.lookup(token.strip()) if scheme.lower() == b"bearer" else None
+            if found is None:
+                raise self._refuse(
+                    "invalid_key", 401, "invalid API key (expected Authorization: Bearer <key>)"
+                )
+            tenant = found
+        if claimed is not None and claimed != tenant.encode():
+            # The key decides; the header is ignored, and counted: it names someone else.
+            self._count("header_ignored")
+        return tenant
+
+    def _count(self, reason: str) -> None:
+        if self.on_mismatch is not None:
+            self.on_mismatch(reason)
+
+    def _refuse(self, reason: str, status: int, message: str) -> Refusal:
+        self._count(reason)
+        extra = b'www-authenticate: Bearer realm="cachefleet"\r\n' if status == 401 else b""
+        return Refusal(status, message, extra=extra)

@@ -915,3 +915,21 @@ def error_response(
     error.update(fields)
     body = orjson.dumps({"error": error})
     return simple_response(status, body, content_type=b"application/json", extra=extra)
+
+
+class Refusal(Exception):
+    """A request the sidecar must refuse, with a status and a reason."""
+
+    def __init__(self, status: int, reason: str, *, extra: bytes = b"") -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.extra = extra
+
+    def response(self) -> bytes:
+        return error_response(
+            self.status,
+            self.reason,
+            "cachefleet_refused",
+            extra=b"x-cache: BYPASS\r\n" + self.extra,
+        )

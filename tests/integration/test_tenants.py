@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.identity import TENANT_MEMO_MAX
 from cachefleet_sidecar.metrics import OTHER_TENANT
 from cachefleet_sidecar.server import Request
 
@@ -195,7 +196,7 @@ async def test_five_thousand_tenants_through_sixty_four_slots(
     assert len(app.metrics.tenants) <= slots + 2 + 1
     status = (await sc.admin.get("/status")).json()
     assert len(status["tenants"]) <= slots
-    assert len(app._tenant_memo) <= 4096
+    assert len(app.tenancy.memo) <= TENANT_MEMO_MAX
 
 
 async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
