@@ -347,6 +347,113 @@ def test_invalidate_without_wait_and_the_wait_bound(
     assert progress.getvalue() == f"{name}: Pending\n"  # one line: nothing changed
 
 
+DIGEST = "5e1f" + "0123456789abcdef" * 3 + "a1b2c3d4e5f6"
+
+
+def test_invalidate_one_key_wait_until_completed(emulator: EmulatorHandle, kubeconfig: str) -> None:
+    _seed(emulator)
+    done = {
+        "phase": "Completed",
+        "epoch": 3,
+        "acks": 3,
+        "expectedAcks": 3,
+        "message": f"purge (key {DIGEST}) advanced to epoch 3; 3 sidecar(s) acknowledged",
+    }
+    thread, seen = _operator_stand_in(emulator, done)
+    code, out, err = _run(
+        "invalidate", "chat", "--scope", "key", "--key", DIGEST.upper(), "--tenant", "search",
+        "--wait", "--timeout", "30s", "--kubeconfig", kubeconfig,
+    )  # fmt: skip
+    thread.join(5)
+    assert (code, err) == (0, "")
+    # exactly what the CRD takes: the digest as the X-Cache-Key header spells it
+    assert seen["object"]["spec"] == {
+        "cacheRef": {"name": "chat"},
+        "scope": {"type": "Key", "tenant": "search", "key": DIGEST},
+        "timeoutSeconds": 30,
+    }
+    name = seen["object"]["metadata"]["name"]
+    lines = out.splitlines()
+    assert lines[0] == (
+        f"cacheinvalidation.cachefleet.io/{name} created (purge of key {DIGEST} in tenant "
+        f"search of {NAMESPACE}/chat, acknowledgement timeout 30s)"
+    )
+    assert f"{name}: Completed, epoch 3, 3/3 sidecars acknowledged: {done['message']}" in lines
+    assert lines[-1] == f"invalidation {name} completed"
+    code, out, _ = _run("status", "chat", "--kubeconfig", kubeconfig)
+    assert code == 0
+    assert (
+        f"invalidation: {name} Completed (purge of key {DIGEST} in tenant search, epoch 3, "
+        "3/3 acks)" in out
+    )
+
+
+def test_invalidate_one_namespace_and_status_shows_it(
+    emulator: EmulatorHandle, kubeconfig: str
+) -> None:
+    _seed(emulator)
+    failed = {
+        "phase": "Failed",
+        "epoch": 1,
+        "acks": 2,
+        "expectedAcks": 3,
+        "laggingPods": ["llm-2"],
+        "message": "namespace:search/kb-billing advanced to epoch 1, but 1 of 3 did not ...",
+    }
+    thread, seen = _operator_stand_in(emulator, failed)
+    # -n is kubectl's (the cache's Kubernetes namespace); the cache namespace has its own flag
+    code, out, err = _run(
+        "invalidate", "chat", "-n", NAMESPACE, "--scope", "namespace", "--tenant", "search",
+        "--namespace-value", "kb-billing", "--wait", "--kubeconfig", kubeconfig,
+    )  # fmt: skip
+    thread.join(5)
+    assert code == cli.EXIT_INVALIDATION_FAILED
+    assert seen["object"]["spec"]["scope"] == {
+        "type": "Namespace",
+        "tenant": "search",
+        "namespace": "kb-billing",
+    }
+    name = seen["object"]["metadata"]["name"]
+    assert out.startswith(
+        f"cacheinvalidation.cachefleet.io/{name} created (namespace:search/kb-billing of "
+    )
+    assert err.rstrip().endswith("(lagging pods: llm-2)")
+    code, out, _ = _run("status", "chat", "--kubeconfig", kubeconfig)
+    assert code == 0
+    assert (
+        f"invalidation: {name} Failed (namespace:search/kb-billing, epoch 1, 2/3 acks); "
+        "lagging pods: llm-2" in out
+    )
+
+
+def test_invalidate_new_scopes_refuse_before_creating_anything(
+    emulator: EmulatorHandle, kubeconfig: str
+) -> None:
+    _seed(emulator)
+    refusals = [
+        (["--scope", "key"], "error: --scope key needs --key (the X-Cache-Key response header"),
+        (["--scope", "key", "--key", "abc123"], "error: --key: 'abc123' is not 64 hex digits"),
+        (
+            ["--scope", "namespace", "--tenant", "search"],
+            "error: --scope namespace needs --namespace-value",
+        ),
+        (
+            ["--scope", "namespace", "--tenant", "search", "--namespace-value", "kb billing"],
+            "error: --namespace-value: 'kb billing': 1-63 of [A-Za-z0-9._-]",
+        ),
+        (
+            ["--scope", "cache", "--namespace-value", "kb"],
+            "error: --namespace-value goes with --scope namespace, not --scope cache",
+        ),
+        (["--scope", "tenant", "--key", DIGEST], "error: --key goes with --scope key"),
+    ]
+    for flags, message in refusals:
+        code, out, err = _run("invalidate", "chat", *flags, "--kubeconfig", kubeconfig)
+        assert (code, out) == (cli.EXIT_USAGE, ""), flags
+        assert err.startswith(message), (flags, err)
+    assert (emulator.get(CI_PATH) or {}).get("items") == []
+
+
 def _pods(emulator: EmulatorHandle, *pods: tuple[str, str]) -> None:
     """Serve v1/pods and create ``(name, app label)`` pods, running and ready."""
     emulator.emulator.resources["v1/pods"] = kmock.ResourceInfo(

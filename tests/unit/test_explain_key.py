@@ -147,3 +147,66 @@ def test_a_body_too_large_to_key(tmp_path: Path) -> None:
     size = keys.MAX_KEYED_BODY_BYTES + 1
     big = _write(tmp_path, "big.json", b'{"model": "m", "prompt": "' + b"x" * size + b'"}')
     assert "cacheable:      no: body too large to key" in _run([big])[1]
+
+
+def test_a_cache_namespace_changes_the_digest_not_the_sharing(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+    b = _write(tmp_path, "b.json", CHAT_AGAIN)
+    code, out, _ = _run([a, "--tenant", "acme", "--namespace-value", "kb-billing"])
+    assert code == 0
+    # the sidecar's keying of a request with X-Cache-Namespace: kb-billing
+    key = keys.make_key(CHAT, "chat", keys.Scope("acme", namespace="kb-billing"))
+    assert "namespace:      kb-billing" in out
+    assert f"sha256:         {key.sha256_hex}  (X-Cache-Key: the L2 entry in Redis)" in out
+    # a line to paste: the purge of this very entry
+    assert (
+        f"purge it:       kubectl cachefleet invalidate CACHE --scope key --key {key.sha256_hex}"
+        in out
+    )
+    plain = keys.make_key(CHAT, "chat", keys.Scope("acme"))
+    assert plain.sha256_hex != key.sha256_hex
+    assert "namespace:      (none: no X-Cache-Namespace header)" in _run([a, "--tenant", "acme"])[1]
+    _, out, _ = _run([a, b, "--namespace-value", "kb-billing"])
+    assert "share one cache entry" in out
+    doc = json.loads(_run([a, "--namespace-value", "kb-billing", "-o", "json"])[1])
+    assert doc["requests"][0]["namespace"] == "kb-billing"
+
+
+def test_output_key_prints_only_the_x_cache_key(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+    b = _write(tmp_path, "b.json", {**CHAT, "max_tokens": 65})
+    code, out, err = _run([a, b, "-o", "key", "--tenant", "acme", "--namespace-value", "kb"])
+    assert (code, err) == (0, "")
+    scope = keys.Scope("acme", namespace="kb")
+    assert out.splitlines() == [
+        keys.make_key(CHAT, "chat", scope).sha256_hex,
+        keys.make_key({**CHAT, "max_tokens": 65}, "chat", scope).sha256_hex,
+    ]
+    sampled = _write(tmp_path, "s.json", {**CHAT, "temperature": 0.7})
+    code, out, err = _run([sampled, "-o", "key"])
+    assert (code, out) == (cli.EXIT_ERROR, "")
+    assert f"{sampled} is not cached, so it has no X-Cache-Key: not deterministic" in err
+
+
+def test_namespace_epochs_and_bad_namespaces(tmp_path: Path) -> None:
+    a = _write(tmp_path, "a.json", CHAT)
+    # a sidecar with Redis keys a namespaced request by four epochs, the namespace's last
+    code, out, _ = _run([a, "-o", "key", "--namespace-value", "kb", "--epochs", "0,1,2,3"])
+    assert code == 0
+    scope = keys.Scope(explain.DEFAULT_TENANT, "", (0, 1, 2, 3), "kb")
+    assert out.strip() == keys.make_key(CHAT, "chat", scope).sha256_hex
+    code, _, err = _run([a, "--namespace-value", "kb", "--epochs", "0,1,2"])
+    assert code == cli.EXIT_USAGE
+    assert err == (
+        "error: --epochs '0,1,2': 4 integers (cache, tenant, model, namespace), e.g. 0,2,1,3\n"
+    )
+    code, _, err = _run([a, "--epochs", "0,1,2,3"])
+    assert (code, err) == (
+        cli.EXIT_USAGE,
+        "error: --epochs '0,1,2,3': 3 integers (cache, tenant, model), e.g. 0,2,1\n",
+    )
+    # what the sidecar answers 400 to
+    for bad in ("kb billing", "-kb", "x" * 64):
+        code, _, err = _run([a, f"--namespace-value={bad}"])
+        assert code == cli.EXIT_USAGE
+        assert err.startswith(f"error: --namespace-value {bad!r}: 1-63 of [A-Za-z0-9._-]")

@@ -277,6 +277,104 @@ def test_invalidation_progress_lines() -> None:
     )
 
 
+DIGEST = "3fa9" + "0" * 56 + "beef"
+
+
+def _invalidation(scope: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": "chat-k1",
+            "namespace": "inference",
+            "creationTimestamp": "2026-12-01T11:55:00Z",
+        },
+        "spec": {"cacheRef": {"name": "chat"}, "scope": scope},
+        "status": status,
+    }
+
+
+@pytest.mark.parametrize(
+    ("scope", "text"),
+    [
+        ({"type": "Cache"}, "cache"),
+        ({"type": "Tenant", "tenant": "a"}, "tenant:a"),
+        ({"type": "Model", "model": "m"}, "model:m"),
+        # the epoch scope the operator advances: namespace:<tenant>/<namespace>
+        ({"type": "Namespace", "tenant": "acme", "namespace": "kb-1"}, "namespace:acme/kb-1"),
+        ({"type": "Key", "key": DIGEST}, f"purge of key {DIGEST}"),
+        ({"type": "Key", "key": DIGEST, "tenant": "acme"}, f"purge of key {DIGEST} in tenant acme"),
+    ],
+)
+def test_scope_text_of_every_scope(scope: dict[str, Any], text: str) -> None:
+    assert views.scope_text(scope) == text
+
+
+def test_last_invalidation_line_of_the_new_scopes() -> None:
+    done = {"phase": "Completed", "epoch": 2, "acks": 3, "expectedAcks": 3}
+    purge = _invalidation({"type": "Key", "key": DIGEST}, done)
+    view = views.cache_view(_cache(_status()), [purge])
+    text = views.render_status([view], NOW)
+    # the whole digest: what was purged can be searched for (X-Cache-Key)
+    assert f"invalidation: chat-k1 Completed (purge of key {DIGEST}, epoch 2, 3/3 acks)" in text
+    failed = {**done, "phase": "Failed", "acks": 2, "laggingPods": ["llm-2"]}
+    kb = _invalidation({"type": "Namespace", "tenant": "search", "namespace": "kb-billing"}, failed)
+    text = views.render_status([views.cache_view(_cache(_status()), [kb])], NOW)
+    assert (
+        "invalidation: chat-k1 Failed (namespace:search/kb-billing, epoch 2, 2/3 acks); "
+        "lagging pods: llm-2" in text
+    )
+    doc = views.status_document([views.cache_view(_cache(_status()), [kb])])
+    assert "namespace:search/kb-billing" in json.dumps(doc)
+
+
+CACHE_OBJ: dict[str, Any] = {"metadata": {"name": "chat"}, "spec": {"model": {"name": "m"}}}
+
+
+def _body(scope: str, **flags: str | None) -> dict[str, Any]:
+    spec: dict[str, Any] = cli.invalidation_body(CACHE_OBJ, scope, None, 60, **flags)["spec"]
+    return spec
+
+
+def test_invalidation_body_of_the_namespace_and_key_scopes() -> None:
+    spec = _body("namespace", tenant="acme", namespace="kb-billing")
+    assert spec == {
+        "cacheRef": {"name": "chat"},
+        "scope": {"type": "Namespace", "tenant": "acme", "namespace": "kb-billing"},
+        "timeoutSeconds": 60,
+    }
+    assert _body("key", key=DIGEST)["scope"] == {"type": "Key", "key": DIGEST}
+    # the same digest in capitals (and pasted with a newline) is still that digest
+    assert _body("key", key=f" {DIGEST.upper()}\n", tenant="acme")["scope"] == {
+        "type": "Key",
+        "tenant": "acme",
+        "key": DIGEST,
+    }
+    # the older scopes are unchanged
+    assert _body("model")["scope"] == {"type": "Model", "model": "m"}
+    assert _body("tenant", tenant="a")["scope"] == {"type": "Tenant", "tenant": "a"}
+
+
+@pytest.mark.parametrize(
+    ("scope", "flags", "message"),
+    [
+        ("key", {}, "--scope key needs --key (the X-Cache-Key response header"),
+        ("key", {"key": "abc"}, "--key: 'abc' is not 64 hex digits (the X-Cache-Key"),
+        ("key", {"key": DIGEST[:-1] + "g"}, "--key: "),
+        ("namespace", {"tenant": "acme"}, "--scope namespace needs --namespace-value"),
+        ("namespace", {}, "--scope namespace needs --tenant and --namespace-value"),
+        ("namespace", {"tenant": "acme", "namespace": "kb billing"}, "--namespace-value: "),
+        ("cache", {"key": DIGEST}, "--key goes with --scope key, not --scope cache"),
+        ("tenant", {"tenant": "a", "namespace": "kb"}, "--namespace-value goes with --scope"),
+        ("model", {"tenant": "a"}, "--tenant goes with --scope tenant or namespace or key, not"),
+    ],
+)
+def test_invalidation_body_refusals_name_the_flag(
+    scope: str, flags: dict[str, str], message: str
+) -> None:
+    with pytest.raises(cli.UsageError) as caught:
+        _body(scope, **flags)
+    assert str(caught.value).startswith(message)
+
+
 @pytest.mark.parametrize(
     ("n", "text"),
     [(0, "0"), (1023, "1023"), (1536, "1.5Ki"), (640 * MI, "640Mi"), (5 * 1024 * MI, "5Gi")],

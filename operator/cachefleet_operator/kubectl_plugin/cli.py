@@ -21,6 +21,7 @@ from cachefleet_operator.api import (
     API_VERSION,
     DEFAULT_INVALIDATION_TIMEOUT_S,
     InvalidationPhase,
+    ScopeType,
     SpecError,
     parse_invalidation_spec,
 )
@@ -63,6 +64,26 @@ EXIT_CODES = f"""exit status:
 
 class UsageError(PluginError):
     exit_code = EXIT_USAGE
+
+
+#: ``invalidate --scope`` -> the ``spec.scope`` fields it needs and those it may take.
+SCOPE_FLAGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "cache": ((), ()),
+    "tenant": (("tenant",), ()),
+    "model": (("model",), ()),  # defaults to the cache's spec.model.name
+    "namespace": (("tenant", "namespace"), ()),
+    "key": (("key",), ("tenant",)),
+}
+#: ``spec.scope`` field -> the flag of ``invalidate`` that sets it (``--namespace-value``:
+#: ``-n/--namespace`` is kubectl's, the Kubernetes namespace).
+FIELD_FLAGS = {
+    "tenant": "--tenant",
+    "model": "--model",
+    "namespace": "--namespace-value",
+    "key": "--key",
+}
+NAME_RULE = "1-63 of [A-Za-z0-9._-], starting with a letter or digit"
+KEY_HINT = " (the X-Cache-Key response header; kubectl cachefleet explain-key prints it)"
 
 
 def parse_duration(text: str, flag: str) -> int:
@@ -162,7 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         "invalidate",
         help="create a CacheInvalidation; --wait follows it to Completed or Failed",
         description=_para(
-            "Creates a CacheInvalidation of the InferenceCache NAME. With --wait, follows it like "
+            "Creates a CacheInvalidation of the InferenceCache NAME: --scope cache (everything), "
+            "tenant (--tenant), model (--model), namespace (one cache namespace of a tenant: "
+            "--tenant and --namespace-value, the X-Cache-Namespace header's value; -n/--namespace "
+            "stays the Kubernetes namespace) or key (one entry: --key, the X-Cache-Key header "
+            "of a response, optionally --tenant). The flags are checked before anything is "
+            "created. With --wait, follows it like "
             "kubectl rollout status, printing each change, until Completed (exit 0), Failed "
             f"(exit {EXIT_INVALIDATION_FAILED}, lagging pods named) or no outcome within "
             f"--timeout plus {RESULT_GRACE_S:.0f}s for the operator to write it "
@@ -172,10 +198,29 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     inv.add_argument("name", help="InferenceCache")
-    inv.add_argument("--scope", required=True, choices=["cache", "tenant", "model"])
-    inv.add_argument("--tenant", help="tenant of --scope tenant")
+    inv.add_argument("--scope", required=True, choices=list(SCOPE_FLAGS))
+    inv.add_argument(
+        "--tenant",
+        help="tenant of --scope tenant and namespace; with --scope key, only that tenant's entry",
+    )
     inv.add_argument(
         "--model", help="model of --scope model (default: the cache's spec.model.name)"
+    )
+    inv.add_argument(
+        "--namespace-value",
+        metavar="NS",
+        help=(
+            "cache namespace of --scope namespace: the X-Cache-Namespace header's value "
+            "(not -n/--namespace, which names the Kubernetes namespace of the cache)"
+        ),
+    )
+    inv.add_argument(
+        "--key",
+        metavar="DIGEST",
+        help=(
+            "entry of --scope key: the X-Cache-Key response header, 64 hex digits "
+            "(explain-key prints it)"
+        ),
     )
     inv.add_argument("--reason", help="why (shown in the object's Events)")
     inv.add_argument(
@@ -195,11 +240,13 @@ def build_parser() -> argparse.ArgumentParser:
         description=_para(
             "Keys a request body (FILE, or - for stdin) with the sidecar's own code "
             "(cachefleet_sidecar.keys) and prints its canonical form, its xxh3-128 digest (the L1 "
-            "index) and SHA-256 (the L2 entry), or why the sidecar would not cache it. With two "
-            "files, says whether they share one entry and, if not, where their canonical forms "
-            "first differ. The digest also depends on the tenant, the model version and, on a "
-            "sidecar with Redis, the invalidation epochs (--epochs, from the cache's status); "
-            "whether two bodies share an entry does not."
+            "index) and SHA-256 (the L2 entry: the X-Cache-Key response header, what invalidate "
+            "--scope key --key takes; -o key prints only it), or why the sidecar would not cache "
+            "it. With two files, says whether they share one entry and, if not, where their "
+            "canonical forms first differ. The digest also depends on the tenant, the cache "
+            "namespace (--namespace-value: the X-Cache-Namespace header), the model version and, "
+            "on a sidecar with Redis, the invalidation epochs (--epochs, from the cache's "
+            "status); whether two bodies share an entry does not."
         ),
         epilog=EXIT_CODES,
         formatter_class=fmt,
@@ -211,9 +258,19 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument(
         "--tenant", default=explain.DEFAULT_TENANT, help="tenant (default %(default)s)"
     )
+    key.add_argument(
+        "--namespace-value",
+        default="",
+        metavar="NS",
+        help=("the request's X-Cache-Namespace header (not -n/--namespace; default: none)"),
+    )
     key.add_argument("--model-version", default="", help="the sidecar's --model-version")
     key.add_argument(
-        "--epochs", help="CACHE,TENANT,MODEL epochs of a sidecar with Redis, e.g. 0,2,1"
+        "--epochs",
+        help=(
+            "CACHE,TENANT,MODEL epochs of a sidecar with Redis, e.g. 0,2,1; with "
+            "--namespace-value, CACHE,TENANT,MODEL,NAMESPACE"
+        ),
     )
     key.add_argument(
         "--collapse-whitespace", action="store_true", help="the tenant's collapseWhitespace"
@@ -221,7 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument(
         "--cache-nondeterministic", action="store_true", help="the tenant's cacheNondeterministic"
     )
-    key.add_argument("-o", "--output", choices=["json", "yaml"], help="output format")
+    key.add_argument(
+        "-o",
+        "--output",
+        choices=["json", "yaml", "key"],
+        help="output format; key: only the X-Cache-Key digest, one line per FILE",
+    )
     return parser
 
 
@@ -335,26 +397,42 @@ def _redis_url(cluster: Cluster, namespace: str, spec: Mapping[str, Any]) -> str
 def invalidation_body(
     cache: Mapping[str, Any],
     scope: str,
-    tenant: str | None,
-    model: str | None,
     reason: str | None,
     timeout_s: int,
+    **given: str | None,
 ) -> dict[str, Any]:
-    """The CacheInvalidation to create, validated with the CRD's own model."""
+    """The CacheInvalidation to create, validated with the CRD's own model.
+
+    ``given`` holds the scope flags by their ``spec.scope`` field (``tenant``,
+    ``model``, ``namespace``, ``key``); a flag the scope does not take, or a
+    missing one it needs, is an error naming the flag.
+    """
     name = str(cache["metadata"]["name"])
-    raw_scope: dict[str, Any] = {"type": scope.capitalize()}
-    if scope == "tenant":
-        if not tenant:
-            raise UsageError("--scope tenant needs --tenant")
-        raw_scope["tenant"] = tenant
-    elif tenant:
-        raise UsageError(f"--tenant goes with --scope tenant, not --scope {scope}")
-    if scope == "model":
-        raw_scope["model"] = model or ((cache.get("spec") or {}).get("model") or {}).get("name")
-        if not raw_scope["model"]:
+    if scope not in SCOPE_FLAGS:
+        raise UsageError(f"--scope {scope!r}: one of {', '.join(SCOPE_FLAGS)}")
+    needed, optional = SCOPE_FLAGS[scope]
+    values = {f: v for f, v in given.items() if v is not None and v != ""}
+    for field_name in values:
+        if field_name not in needed + optional:
+            takes = [s for s, (n, o) in SCOPE_FLAGS.items() if field_name in n + o]
+            raise UsageError(
+                f"{FIELD_FLAGS[field_name]} goes with --scope {' or '.join(takes)}, "
+                f"not --scope {scope}"
+            )
+    if scope == "model" and "model" not in values:
+        default = ((cache.get("spec") or {}).get("model") or {}).get("name")
+        if not default:
             raise UsageError("--scope model needs --model (the cache's spec names no model)")
-    elif model:
-        raise UsageError(f"--model goes with --scope model, not --scope {scope}")
+        values["model"] = str(default)
+    missing = [FIELD_FLAGS[f] for f in needed if f not in values]
+    if missing:
+        hint = KEY_HINT if "--key" in missing else ""
+        raise UsageError(f"--scope {scope} needs {' and '.join(missing)}{hint}")
+    if "key" in values:
+        # the header is lower-case hex; the same digest typed in capitals is still it
+        values["key"] = str(values["key"]).strip().lower()
+    raw_scope: dict[str, Any] = {"type": ScopeType(scope.capitalize()).value}
+    raw_scope.update((f, values[f]) for f in ("tenant", "model", "namespace", "key") if f in values)
     spec: dict[str, Any] = {
         "cacheRef": {"name": name},
         "scope": raw_scope,
@@ -365,12 +443,14 @@ def invalidation_body(
     try:
         parse_invalidation_spec(spec)
     except SpecError as exc:
-        flag = {
-            "spec.scope.tenant": "--tenant",
-            "spec.scope.model": "--model",
-            "spec.reason": "--reason",
-        }
-        raise UsageError(f"{flag.get(exc.field, exc.field)}: {exc.message}") from exc
+        flag = {f"spec.scope.{f}": flag for f, flag in FIELD_FLAGS.items()}
+        flag["spec.reason"] = "--reason"
+        message = exc.message
+        if exc.field == "spec.scope.key":
+            message = f"{values.get('key')!r} is not 64 hex digits{KEY_HINT}"
+        elif exc.field == "spec.scope.namespace":
+            message = f"{values.get('namespace')!r}: {NAME_RULE} (what a sidecar accepts)"
+        raise UsageError(f"{flag.get(exc.field, exc.field)}: {message}") from exc
     generate = name[:52] + "-" if len(name) > 52 else name + "-"
     return {
         "apiVersion": API_VERSION,
@@ -417,7 +497,18 @@ def cmd_invalidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cluster = _cluster(args)
     ns = cluster.target.namespace
     cache = cluster.get(CACHES, ns, args.name)
-    body = invalidation_body(cache, args.scope, args.tenant, args.model, args.reason, timeout_s)
+    body = invalidation_body(
+        cache,
+        args.scope,
+        args.reason,
+        timeout_s,
+        tenant=args.tenant,
+        model=args.model,
+        namespace=args.namespace_value,
+        key=args.key,
+    )
+    # as a manifest names it (the API server would fill it in from the path anyway)
+    body["metadata"]["namespace"] = ns
     created = cluster.create(INVALIDATIONS, ns, body)
     name = created["metadata"]["name"]
     output = getattr(args, "output", None)
@@ -476,17 +567,25 @@ def cmd_explain_key(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: A
         raise UsageError("explain-key takes one or two files")
     if files.count("-") > 1:
         raise UsageError("stdin (-) can be read once")
+    namespace = args.namespace_value
+    if namespace and not protocol.valid_name(namespace):
+        # what the sidecar answers 400 to
+        raise UsageError(f"--namespace-value {namespace!r}: {NAME_RULE}")
     epochs: tuple[int, ...] = ()
     if args.epochs:
+        # a sidecar with Redis keys a namespaced request by the namespace's epoch too
+        want, example = (4, "0,2,1,3") if namespace else (3, "0,2,1")
+        wanted = f"{want} integers (cache, tenant, model" + (", namespace)" if namespace else ")")
         try:
             epochs = tuple(int(x) for x in args.epochs.split(","))
         except ValueError as exc:
-            raise UsageError(f"--epochs {args.epochs!r}: three integers, e.g. 0,2,1") from exc
-        if len(epochs) != 3 or min(epochs) < 0:
-            raise UsageError(f"--epochs {args.epochs!r}: three integers, e.g. 0,2,1")
+            raise UsageError(f"--epochs {args.epochs!r}: {wanted}, e.g. {example}") from exc
+        if len(epochs) != want or min(epochs) < 0:
+            raise UsageError(f"--epochs {args.epochs!r}: {wanted}, e.g. {example}")
     request = explain.KeyRequest(
         path=args.path,
         tenant=args.tenant,
+        namespace=namespace,
         model_version=args.model_version,
         epochs=epochs,
         options=keys.KeyOptions(
@@ -499,8 +598,14 @@ def cmd_explain_key(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: A
         for source, raw in (_read_source(f, stdin) for f in files)
     ]
     comparison = explain.compare(found[0], found[1]) if len(found) == 2 else None
+    if args.output == "key":
+        for e in found:
+            if e.key is None:
+                raise PluginError(f"{e.source} is not cached, so it has no X-Cache-Key: {e.reason}")
+        out.write("".join(f"{e.key.sha256_hex}\n" for e in found if e.key is not None))
+        return EXIT_OK
     if args.output:
-        _dump(explain.document(found, comparison), args.output, out)
+        _dump(explain.document(found, comparison, request), args.output, out)
         return EXIT_OK
     out.write("\n".join(explain.render(e, request) for e in found))
     if comparison is not None:

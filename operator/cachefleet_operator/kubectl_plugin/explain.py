@@ -4,8 +4,11 @@ Every step is the sidecar's own code in :mod:`cachefleet_sidecar.keys`, in
 the order the sidecar runs it: the endpoint (:data:`~cachefleet_sidecar.keys.CACHEABLE_PATHS`,
 the query string kept byte for byte), :func:`~cachefleet_sidecar.keys.keyable_body`
 (size bound and strict parsing), :func:`~cachefleet_sidecar.keys.make_key`
-(scope, canonical form, determinism, digests). Nothing here decides what a
-key is; this module only shows it and compares two of them.
+(scope, canonical form, determinism, digests), the scope built as the
+sidecar's ``SidecarCore._key_for`` builds it (tenant, ``X-Cache-Namespace``,
+model version, epochs). Nothing here decides what a key is; this module only
+shows it and compares two of them. The SHA-256 it shows is the sidecar's
+``X-Cache-Key`` header, what ``invalidate --scope key --key`` takes.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ SNIPPET_CHARS = 40
 
 @dataclass(frozen=True, slots=True)
 class KeyRequest:
-    """What the sidecar would know besides the body: endpoint, tenant, version, epochs."""
+    """What the sidecar would know besides the body: endpoint, tenant, namespace, version,
+    epochs."""
 
     path: str = DEFAULT_PATH
     tenant: str = DEFAULT_TENANT
     model_version: str = ""
-    #: (cache, tenant, model) epochs of a Redis-backed sidecar; () for one without Redis.
+    #: (cache, tenant, model[, namespace]) epochs of a Redis-backed sidecar (the
+    #: namespace's only for a namespaced request); () for one without Redis.
     epochs: tuple[int, ...] = ()
     options: keys.KeyOptions = field(default_factory=keys.KeyOptions)
+    #: The request's cache namespace (the ``X-Cache-Namespace`` header); "" for none.
+    namespace: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +98,8 @@ def explain(raw: bytes, source: str, request: KeyRequest) -> Explanation:
     body = keys.keyable_body(raw)
     if isinstance(body, str):
         return Explanation(source, request.path, kind, None, body)
-    scope = keys.Scope(request.tenant, request.model_version, request.epochs)
+    # the scope exactly as the sidecar builds it (SidecarCore._key_for)
+    scope = keys.Scope(request.tenant, request.model_version, request.epochs, request.namespace)
     try:
         key = keys.make_key(body, kind, scope, request.options, query=query)
     except keys.Uncacheable as exc:
@@ -179,6 +187,11 @@ def digest_hex(key: keys.CacheKey) -> str:
     return f"{key.digest:032x}"
 
 
+def purge_command(key: keys.CacheKey) -> str:
+    """The ``invalidate`` that purges this entry (CACHE: the InferenceCache's name)."""
+    return f"kubectl cachefleet invalidate CACHE --scope key --key {key.sha256_hex}"
+
+
 def render(explanation: Explanation, request: KeyRequest) -> str:
     """What ``explain-key FILE`` prints for one body."""
     e = explanation
@@ -187,6 +200,7 @@ def render(explanation: Explanation, request: KeyRequest) -> str:
         f"source:         {e.source}",
         f"endpoint:       {e.path}" + (f" ({e.kind})" if e.kind else ""),
         f"tenant:         {request.tenant}",
+        f"namespace:      {request.namespace or '(none: no X-Cache-Namespace header)'}",
         f"model version:  {request.model_version or '(none)'}",
         f"epochs:         {epochs}",
         f"options:        collapse-whitespace={str(request.options.collapse_whitespace).lower()}"
@@ -200,7 +214,8 @@ def render(explanation: Explanation, request: KeyRequest) -> str:
         f"model:          {e.key.model}",
         f"stream:         {str(e.key.stream).lower()}",
         f"digest:         {digest_hex(e.key)}  (xxh3-128: the L1 index)",
-        f"sha256:         {e.key.sha256_hex}  (the L2 entry in Redis)",
+        f"sha256:         {e.key.sha256_hex}  (X-Cache-Key: the L2 entry in Redis)",
+        f"purge it:       {purge_command(e.key)}",
         f"canonical form: {_text(e.key.canonical)}",
         "canonical body:",
     ]
@@ -231,14 +246,17 @@ def render_comparison(c: Comparison) -> str:
     return "\n".join(lines) + "\n"
 
 
-def document(explanations: list[Explanation], comparison: Comparison | None) -> dict[str, Any]:
-    """The same facts for ``-o json|yaml``."""
+def document(
+    explanations: list[Explanation], comparison: Comparison | None, request: KeyRequest
+) -> dict[str, Any]:
+    """The same facts for ``-o json|yaml`` (``sha256`` is the ``X-Cache-Key`` header)."""
     items = []
     for e in explanations:
         item: dict[str, Any] = {
             "source": e.source,
             "path": e.path,
             "kind": e.kind,
+            "namespace": request.namespace,
             "cacheable": e.cacheable,
         }
         if e.key is None:

@@ -27,6 +27,7 @@ from cachefleet_operator.api import (
     InvalidationPhase,
 )
 from cachefleet_operator.outcome import parse_rfc3339
+from cachefleet_sidecar import epochs
 
 #: What a missing value looks like in a table.
 NONE = "-"
@@ -133,12 +134,25 @@ class InvalidationView:
 
 
 def scope_text(spec_scope: Mapping[str, Any]) -> str:
-    """``{"type": "Tenant", "tenant": "a"}`` -> ``tenant:a`` (the epoch scope's name)."""
+    """A CacheInvalidation's ``spec.scope`` in a few words.
+
+    The epoch scope's name where it has one (``cache``, ``tenant:a``,
+    ``model:m``, ``namespace:a/kb``, named by the sidecar's own
+    :mod:`cachefleet_sidecar.epochs`); a Key purge by its digest, whole, so it
+    can be searched for or pasted (``purge of key 3fa9...``, ``in tenant a``
+    when it names one).
+    """
     kind = str(spec_scope.get("type") or "")
+    tenant = str(spec_scope.get("tenant") or "")
     if kind == "Tenant":
-        return f"tenant:{spec_scope.get('tenant')}"
+        return epochs.tenant_scope(tenant)
     if kind == "Model":
-        return f"model:{spec_scope.get('model')}"
+        return epochs.model_scope(str(spec_scope.get("model") or ""))
+    if kind == "Namespace":
+        return epochs.namespace_scope(tenant, str(spec_scope.get("namespace") or ""))
+    if kind == "Key":
+        text = f"purge of key {spec_scope.get('key') or NONE}"
+        return f"{text} in tenant {tenant}" if tenant else text
     return kind.lower() or NONE
 
 
