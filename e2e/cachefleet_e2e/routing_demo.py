@@ -426,7 +426,10 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             for a in pods
         ]
         axes[1].bar([x + i * width for x in range(len(pods))], ratios, width=width, label=p["mode"])
-    axes[1].set_xlabel("pod")
+    slots = max(len(p["per_pod"]) for p in phases)
+    centre = width * (len(phases) - 1) / 2
+    axes[1].set_xticks([x + centre for x in range(slots)], [f"pod {x}" for x in range(slots)])
+    axes[1].set_xlabel("pod (sorted by address within each run)")
     axes[1].set_ylabel("prefix-cache hit ratio (tokens)")
     axes[1].legend(fontsize=8)
     for ax in axes:
