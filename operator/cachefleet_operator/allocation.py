@@ -216,7 +216,7 @@ class Allocation:
             text += f"; held (target {t.target:.1%}: gain below threshold)"
         if t.predicted_hit_ratio is not None:
             text += f"; predicted hit ratio {t.predicted_hit_ratio:.2f}"
-        if t.cannot_meet:
+        if t.cannot_meet and not t.sla_met:  # a tenant meeting its SLA is not told it cannot
             text += f"; {t.cannot_meet}"
         return text
 

@@ -312,6 +312,27 @@ def test_an_sla_cache_cannot_meet_keeps_the_floor_and_says_why() -> None:
     assert result.by_name()["silver"].cannot_meet == ""
 
 
+def test_a_tenant_meeting_its_sla_is_not_told_the_cache_cannot_meet_it() -> None:
+    """The curve alone (one pod's first-time requests) may say "out of reach" while the
+    fleet's L2 serves the tenant within its SLA: the reason a user reads must not say both."""
+    tenants = [TenantDemand("search", PriorityClass.STANDARD, 0.0, 1.0, p95_target_s=0.15)]
+    metrics = {
+        "search": TenantMetrics(
+            p95_s=0.05,  # met: the fleet answers it from L2
+            hit_ratio=0.7,
+            rps=50.0,
+            curve=cliff(0.05, 0.29),  # on one pod, 71 % of its requests are first-time
+            miss_latency=misses(0.3),
+        )
+    }
+    result = allocate(tenants, metrics, None, L1, L2)
+    search = result.by_name()["search"]
+    assert search.sla_met
+    assert search.cannot_meet  # the allocator's curve-only finding is still kept
+    assert "cannot meet" not in result.reason(0)
+    assert "SLA met" in result.reason(0) or "within SLA" in result.reason(0)
+
+
 def test_the_smallest_share_meeting_the_sla_is_granted_in_class_order() -> None:
     tenants = [
         TenantDemand("gold", PriorityClass.GUARANTEED, 0.0, 1.0, min_hit_ratio=0.5),
