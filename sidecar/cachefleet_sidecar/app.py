@@ -1945,7 +1945,7 @@ class SidecarServer:
         dropped.add_metric([cache], self.limiter.dropped_unread)
         held = GaugeMetricFamily(
             "cachefleet_request_body_bytes",
-            "Request body bytes held now, across connections (bounded by --max-body-memory).",
+            "Request body bytes charged to --max-body-memory now (64 KiB+ bodies count twice).",
             labels=["cache"],
         )
         held.add_metric([cache], self.limiter.body_bytes)

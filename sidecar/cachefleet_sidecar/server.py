@@ -73,6 +73,18 @@ FEED_SLICE = 8192
 MAX_SWEEP_INTERVAL_S = 1.0
 
 _IDLE, _HEAD, _BODY = 0, 1, 2
+#: A body of at least this many bytes is charged to the body budget twice: besides the
+#: request's own copy, the upstream connection's send buffer holds a second one until the
+#: model server has read it (the upstream client writes such a body on its own). Smaller
+#: bodies are charged their size.
+LARGE_BODY_BYTES = 64 * 1024
+
+
+def body_cost(nbytes: int) -> int:
+    """What a body of ``nbytes`` is charged to the body memory budget."""
+    return nbytes if nbytes < LARGE_BODY_BYTES else 2 * nbytes
+
+
 BUDGET_EXHAUSTED = b"request bodies in flight exceed the sidecar's memory budget"
 UPGRADE_REFUSED = (
     b"protocol upgrades (Connection: Upgrade, CONNECT) are not supported by the cachefleet sidecar"
@@ -599,6 +611,8 @@ class Connection(asyncio.Protocol):
                 if length > self._max_body:
                     self._fail(413, b"request body larger than %d bytes" % self._max_body)
                 if length:  # reserve the whole body now (inline: this is the hit path)
+                    if length >= LARGE_BODY_BYTES:
+                        length = body_cost(length)
                     if limiter.body_bytes + length > self.limits.body_memory_bytes:
                         self._fail(503, BUDGET_EXHAUSTED)
                     limiter.body_bytes += length
@@ -617,11 +631,15 @@ class Connection(asyncio.Protocol):
         if self._body_len > self._max_body:
             self._fail(413, b"request body larger than %d bytes" % self._max_body)
         if not self._precharged:
-            self._charge(len(body))
+            n = self._body_len
+            self._charge(body_cost(n) - body_cost(n - len(body)))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
+        # The chunks are dropped now, not when the connection's next request
+        # begins: kept, an idle keep-alive connection would hold its last body twice.
+        self._body.clear()
         url = self._url[0] if len(self._url) == 1 else b"".join(self._url)
         method = self.parser.get_method()
         if url[:1] != b"/" and not (url == b"*" and method == b"OPTIONS"):

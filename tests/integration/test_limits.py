@@ -169,6 +169,51 @@ async def test_request_bodies_share_one_memory_budget(
     assert sc.server.limiter.body_bytes == 0
 
 
+async def test_a_large_body_is_charged_for_both_copies_it_holds(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    """Bodies of 64 KiB and more are charged twice (the request's copy and the upstream
+    send buffer's): two 100 kB bodies fill a 450 kB budget that three would fit raw,
+    while a small body is still charged only its size."""
+    from cachefleet_sidecar.server import LARGE_BODY_BYTES
+
+    sc = await sidecar_factory(max_body_bytes=200_000, body_memory_bytes=450_000)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\nContent-Length: %d\r\n\r\n"
+    held = []
+    for _ in range(2):  # each holds its reservation while it dawdles
+        reader, writer = await connect(sc)
+        writer.write(head % 100_000 + b"a" * 1000)
+        await writer.drain()
+        held.append((reader, writer))
+    for _ in range(1000):  # until the sidecar has read both heads
+        if sc.server.limiter.body_bytes >= 400_000:
+            break
+        await asyncio.sleep(0.01)
+    assert sc.server.limiter.body_bytes == 400_000
+    refused = await exchange(sc, head % 100_000 + b"b" * 100_000)
+    assert status(refused) == 503
+    assert b"memory budget" in refused
+    small = LARGE_BODY_BYTES // 2  # 400 kB + 32 kB fits: charged once
+    closing = head.replace(b"Host: x", b"Host: x\r\nConnection: close")
+    assert status(await exchange(sc, closing % small + b"c" * small)) == 200
+    chunked = (  # the same charge without Content-Length: refused once it grows large
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (90_000, b"d" * 90_000)
+    )
+    assert status(await exchange(sc, chunked)) == 503
+    for reader, writer in held:  # the held bodies complete and are served
+        writer.write(b"a" * 99_000)
+        await writer.drain()
+        async with asyncio.timeout(SAFETY_S):
+            assert status(await reader.readuntil(b"\r\n\r\n")) == 200
+        writer.close()
+    for _ in range(100):
+        if sc.server.limiter.body_bytes == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert sc.server.limiter.body_bytes == 0
+
+
 # --------------------------------------------------------------- pipelining
 async def test_a_pipelining_client_that_does_not_read_is_bounded(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
@@ -452,3 +497,42 @@ async def test_a_get_is_retried_once_where_a_post_is_not(
     again = await sidecar.client.get("/echo", headers=tenant)
     assert again.status_code == 200  # safe to repeat: sent again on a fresh connection
     assert upstream.calls["/echo"] == 3
+
+
+async def test_an_answered_body_is_not_held_by_its_idle_connection(
+    sidecar: RunningSidecar,
+) -> None:
+    """A large body arrives in many reads; once answered, its keep-alive connection
+    holds none of it (the budget is given back, so the memory must be too)."""
+    import gc
+    import tracemalloc
+
+    size, conns = 2_000_000, 4
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\nContent-Length: %d\r\n\r\n"
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        streams = [await connect(sidecar) for _ in range(conns)]
+        for i, (reader, writer) in enumerate(streams):
+            writer.write(head % size)
+            for _ in range(size // 100_000):  # many reads, so the chunks are joined
+                writer.write(b"%d" % i * 100_000)
+                await writer.drain()
+            async with asyncio.timeout(SAFETY_S):
+                answer = await reader.readuntil(b"\r\n\r\n")
+                assert status(answer) == 200
+                length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+        for _ in range(100):  # the budget comes back once each answer is written
+            if sidecar.server.limiter.body_bytes == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert sidecar.server.limiter.body_bytes == 0
+        gc.collect()  # what is still reachable, not garbage waiting for a collection
+        held = tracemalloc.get_traced_memory()[0] - base
+        # All four connections are still open: kept chunks would be 8 MB.
+        assert held < size * conns // 4, held
+    finally:
+        tracemalloc.stop()
+        for _, writer in streams:
+            writer.close()
