@@ -37,10 +37,10 @@ Run it: ``python -m cachefleet_e2e.modelserver_sim --listen 127.0.0.1:8000
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
+import signal
 import threading
 import time
 from bisect import bisect_left
@@ -514,11 +514,12 @@ def main(argv: list[str] | None = None) -> int:
         decode_s_per_token=args.decode_time_per_token,
         model=args.model,
     )
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     sim.start()
     print(f"model-server simulator on {sim.url}", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            time.sleep(3600)
+    stop.wait()  # until SIGTERM or SIGINT; then the server closes its socket
     sim.stop()
     return 0
 

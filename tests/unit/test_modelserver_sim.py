@@ -153,6 +153,9 @@ def test_runs_as_a_module_for_the_demo() -> None:
             m = parse_metrics(client.get("/metrics").text)
         assert m.kv_capacity_tokens == 32 * 16
         assert m.prefill_requests_total == 1
+        proc.terminate()  # SIGTERM: a clean stop, exit status 0
+        assert proc.wait(10) == 0
     finally:
-        proc.terminate()
-        proc.wait(10)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
