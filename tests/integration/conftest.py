@@ -1,4 +1,5 @@
-"""Fixtures for sidecar integration tests: a stand-in upstream and in-process sidecars."""
+"""Fixtures for sidecar integration tests: stand-in upstreams, in-process sidecars, and
+Redis standalone and clustered (``any_redis``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
 
@@ -81,3 +83,18 @@ async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactor
 @pytest.fixture
 async def sidecar(sidecar_factory: SidecarFactory) -> RunningSidecar:
     return await sidecar_factory()
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> str:
+    """A flushed standalone Redis, then a flushed 3-node cluster."""
+    if request.param == "cluster":
+        request.applymarker(pytest.mark.redis_cluster)
+        return str(request.getfixturevalue("cluster_url"))
+    return str(request.getfixturevalue("redis_url"))
+
+
+@pytest.fixture
+async def truth() -> AsyncIterator[VersionedUpstream]:
+    async with VersionedUpstream() as up:
+        yield up

@@ -48,21 +48,6 @@ ACK_TIMEOUT_S = 5.0
 POLL_S = 0.05
 
 
-@pytest.fixture
-async def truth() -> AsyncIterator[VersionedUpstream]:
-    async with VersionedUpstream() as up:
-        yield up
-
-
-@pytest.fixture(params=["standalone", "cluster"])
-def any_redis(request: pytest.FixtureRequest) -> str:
-    """A flushed standalone Redis, then a flushed 3-node cluster."""
-    if request.param == "cluster":
-        request.applymarker(pytest.mark.redis_cluster)
-        return str(request.getfixturevalue("cluster_url"))
-    return str(request.getfixturevalue("redis_url"))
-
-
 async def ask(sc: RunningSidecar, prompt: str, tenant: str = "acme") -> tuple[int, str]:
     """(truth version in the answer, X-Cache) of one request."""
     resp = await sc.chat(prompt, tenant=tenant)

@@ -41,21 +41,6 @@ POLL_S = 0.05
 SETTLE_S = 5.0
 
 
-@pytest.fixture(params=["standalone", "cluster"])
-def any_redis(request: pytest.FixtureRequest) -> str:
-    """A flushed standalone Redis, then a flushed 3-node cluster."""
-    if request.param == "cluster":
-        request.applymarker(pytest.mark.redis_cluster)
-        return str(request.getfixturevalue("cluster_url"))
-    return str(request.getfixturevalue("redis_url"))
-
-
-@pytest.fixture
-async def truth() -> AsyncIterator[VersionedUpstream]:
-    async with VersionedUpstream() as up:
-        yield up
-
-
 async def ask(
     sc: RunningSidecar, prompt: str, tenant: str = "acme", namespace: str | None = None
 ) -> tuple[int, str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -29,21 +28,6 @@ CACHE = "test/cache"
 #: Bound on waiting for acks, background writes and readiness, seconds.
 WAIT_S = 10.0
 PROMPTS = [f"popular {i}" for i in range(6)]
-
-
-@pytest.fixture(params=["standalone", "cluster"])
-def any_redis(request: pytest.FixtureRequest) -> str:
-    """A flushed standalone Redis, then a flushed 3-node cluster."""
-    if request.param == "cluster":
-        request.applymarker(pytest.mark.redis_cluster)
-        return str(request.getfixturevalue("cluster_url"))
-    return str(request.getfixturevalue("redis_url"))
-
-
-@pytest.fixture
-async def truth() -> AsyncIterator[VersionedUpstream]:
-    async with VersionedUpstream() as up:
-        yield up
 
 
 async def ready(sc: RunningSidecar) -> httpx.Response:
