@@ -90,12 +90,12 @@ def expiry_key(cache: str, tenant: str) -> str:
 
 
 def l2_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
-    """KEYS of :data:`L2_GET_LUA` / :data:`L2_PUT_LUA`, in order."""
+    """KEYS of :data:`~cachefleet_sidecar.contract.lua.L2_PUT_LUA` (and the others on one entry)."""
     return [entry_key(cache, tenant, digest_hex), *l2_meta_keys(cache, tenant)]
 
 
 def l2_meta_keys(cache: str, tenant: str) -> list[str]:
-    """KEYS of :data:`L2_USAGE_LUA`: usage, lru, sizes, exp of one tenant."""
+    """KEYS of :data:`~cachefleet_sidecar.contract.lua.L2_USAGE_LUA`: usage, lru, sizes, exp."""
     return [
         usage_key(cache, tenant),
         lru_key(cache, tenant),
