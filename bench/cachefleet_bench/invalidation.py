@@ -63,9 +63,20 @@ from cachefleet_e2e.services import RedisServer
 from cachefleet_e2e.truth import Read, VersionedUpstream
 from cachefleet_e2e.truth import stale_reads as find_stale
 from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.messages import PROTOCOL_VERSION, EpochAck, Heartbeat
+from cachefleet_sidecar.contract.names import acks_key, control_channel, member_key, members_key
+from cachefleet_sidecar.contract.ops import (
+    ack_call,
+    advance_epoch,
+    fence_tenants,
+    heartbeat_call,
+    publish_epochs,
+    read_acks,
+)
+from cachefleet_sidecar.contract.urls import parse_redis_url
 from cachefleet_sidecar.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker, tenant_scope
 
@@ -136,10 +147,10 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 async def _wait_acked(url: str, pods: set[str], processes: int = 0) -> None:
-    client = protocol.redis_from_url(url)
+    client = redis_from_url(url)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S + STARTUP_PER_PROCESS_S * processes
-        while not pods <= set(await protocol.read_acks(client, CACHE)):
+        while not pods <= set(await read_acks(client, CACHE)):
             if time.monotonic() > deadline:
                 raise RuntimeError("subscribers did not acknowledge in time")
             await asyncio.sleep(0.05)
@@ -175,7 +186,7 @@ def _minimal_subscriber(url: str, pod: str, stop: Any) -> None:
     subscribe, and answer each ``epochs`` notice with the ack script carrying
     the epochs seen so far. Plain (non-TLS, no AUTH) standalone Redis only.
     """
-    target = protocol.parse_redis_url(url)
+    target = parse_redis_url(url)
     host, port = target.nodes[0]
     reader, commands = hiredis.Reader(), socket.create_connection((host, port))
     notices, sub = hiredis.Reader(), socket.create_connection((host, port))
@@ -188,13 +199,13 @@ def _minimal_subscriber(url: str, pod: str, stop: Any) -> None:
             reader.feed(commands.recv(65536))
         return reply
 
-    beat = protocol.heartbeat_call(CACHE, protocol.Heartbeat(pod=pod), ttl_s=STOP_HOST_TIMEOUT_S)
+    beat = heartbeat_call(CACHE, Heartbeat(pod=pod), ttl_s=STOP_HOST_TIMEOUT_S)
     call("EVAL", beat.source, len(beat.keys), *beat.keys, *beat.args)
     known: dict[str, int] = {}
-    ack = protocol.ack_call(CACHE, protocol.EpochAck(pod=pod, epochs=known))
+    ack = ack_call(CACHE, EpochAck(pod=pod, epochs=known))
     sha = call("SCRIPT", "LOAD", ack.source)
     call("EVALSHA", sha, len(ack.keys), *ack.keys, *ack.args)
-    subscribe: tuple[Any, ...] = ("SUBSCRIBE", protocol.control_channel(CACHE))
+    subscribe: tuple[Any, ...] = ("SUBSCRIBE", control_channel(CACHE))
     sub.sendall(hiredis.pack_command(subscribe))
     sub.settimeout(0.2)
     try:
@@ -211,12 +222,12 @@ def _minimal_subscriber(url: str, pod: str, stop: Any) -> None:
                     continue
                 for scope, epoch in notice["epochs"].items():
                     known[scope] = max(known.get(scope, 0), epoch)
-                doc = {"protocol": protocol.PROTOCOL_VERSION, "pod": pod, "epochs": known}
+                doc = {"protocol": PROTOCOL_VERSION, "pod": pod, "epochs": known}
                 call("EVALSHA", sha, len(ack.keys), *ack.keys, pod, orjson.dumps(doc), ack.args[2])
     finally:  # leave, as a sidecar shutting down does, so later phases do not wait for it
-        call("ZREM", protocol.members_key(CACHE), pod)
-        call("DEL", protocol.member_key(CACHE, pod))
-        call("HDEL", protocol.acks_key(CACHE), pod)
+        call("ZREM", members_key(CACHE), pod)
+        call("DEL", member_key(CACHE, pod))
+        call("HDEL", acks_key(CACHE), pod)
 
 
 def _run_loop(coro: Any) -> Any:
@@ -289,9 +300,9 @@ async def _inject(
     if fault == "pubsub-killed":
         await client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
     if fault == "lost-notice":
-        epoch = await protocol.advance_epoch(client, CACHE, scope)
+        epoch = await advance_epoch(client, CACHE, scope)
         tenants = [scope.removeprefix("tenant:")] if scope.startswith("tenant:") else None
-        await protocol.fence_tenants(client, CACHE, {scope: epoch}, tenants)
+        await fence_tenants(client, CACHE, {scope: epoch}, tenants)
         result = await inv.await_acks(scope, epoch, timeout_s=ACK_TIMEOUT_S)
         return result.completed
     if fault == "redis-paused" and server is not None:
@@ -300,8 +311,8 @@ async def _inject(
         server.resume()
     result = await inv.invalidate(scope, timeout_s=ACK_TIMEOUT_S)
     if fault == "duplicate-reordered":
-        await protocol.publish_epochs(client, CACHE, {scope: result.epoch})
-        await protocol.publish_epochs(client, CACHE, {scope: max(0, result.epoch - 1)})
+        await publish_epochs(client, CACHE, {scope: result.epoch})
+        await publish_epochs(client, CACHE, {scope: max(0, result.epoch - 1)})
     return result.completed
 
 

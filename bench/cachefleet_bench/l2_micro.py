@@ -35,7 +35,7 @@ from pathlib import Path
 import uvloop
 
 from cachefleet_e2e.services import RedisServer, ServiceError, redis_command
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.names import entry_key
 from cachefleet_sidecar.epochs import EpochVector
 from cachefleet_sidecar.l2 import RedisL2
 
@@ -98,7 +98,7 @@ async def _run(url: str, port: int, reads: int, repeats: int, value_bytes: int) 
         digest = hashlib.sha256(b"the benchmarked entry").hexdigest()
         if not await l2.put(TENANT, digest, b"x" * value_bytes, VECTOR):
             raise SystemExit("cachefleet bench l2: the entry was not stored")
-        key = protocol.entry_key(CACHE, TENANT, digest)
+        key = entry_key(CACHE, TENANT, digest)
         client = l2._client  # the tier's own connection: the same path, one command
 
         async def plain() -> object:

@@ -28,7 +28,7 @@ from cachefleet_operator.allocation import (
     PriorityClass,
 )
 from cachefleet_sidecar import admission as sidecar_admission
-from cachefleet_sidecar.protocol import NAME_RE, Policy
+from cachefleet_sidecar.contract.names import NAME_RE, Policy
 from cachefleet_sidecar.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
 
 GROUP = "cachefleet.io"

@@ -4,7 +4,7 @@ One invalidation of a scope (``cache``, ``tenant:<t>``, ``model:<m>`` or
 ``namespace:<t>/<n>``, see :mod:`cachefleet_sidecar.epochs`) goes:
 
 1. **CAS** the scope's epoch in the cache's control slot
-   (:func:`~cachefleet_sidecar.protocol.advance_epoch`: read, CAS to +1, retry
+   (:func:`~cachefleet_sidecar.contract.ops.advance_epoch`: read, CAS to +1, retry
    on conflict; a ``floor`` taken from the operator's status is merged first,
    so a Redis that lost its state never hands out a used epoch again);
 2. **fence** the data slot of every registered tenant (only the tenant's own
@@ -23,9 +23,9 @@ One invalidation of a scope (``cache``, ``tenant:<t>``, ``model:<m>`` or
 
 A **key purge** (scope ``Key``: one entry, by the SHA-256 digest of its key)
 takes the same four steps on the fence-only ``purge`` scope: the CAS also logs
-the digest under the new number (:func:`~cachefleet_sidecar.protocol.log_purge`,
+the digest under the new number (:func:`~cachefleet_sidecar.contract.ops.log_purge`,
 one script), the fence step also deletes the entry in each tenant slot
-(:func:`~cachefleet_sidecar.protocol.purge_fence_lean`), and a sidecar
+(:func:`~cachefleet_sidecar.contract.ops.purge_fence`), and a sidecar
 acknowledges the number only once it has dropped the logged digests from its
 L1. A resumed run advances again only if its digest is not logged at or after
 the number it recorded (:meth:`Invalidator.purge_to`).
@@ -76,7 +76,22 @@ from cachefleet_operator.publisher import (
     REDIS_SOCKET_TIMEOUT_S,
     ControlPlaneUnavailable,
 )
-from cachefleet_sidecar import protocol, resp
+from cachefleet_sidecar import resp
+from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_sidecar.contract.messages import EpochAck, ack_epochs
+from cachefleet_sidecar.contract.names import ack_channel, cache_ref
+from cachefleet_sidecar.contract.ops import (
+    AnyClient,
+    advance_epoch,
+    fence_tenants,
+    live_acks,
+    live_members,
+    log_purge,
+    purge_fence,
+    purge_logged,
+    read_acks,
+    read_epochs,
+)
 from cachefleet_sidecar.epochs import (
     CACHE_SCOPE,
     PURGE_SCOPE,
@@ -84,7 +99,6 @@ from cachefleet_sidecar.epochs import (
     namespace_scope,
     tenant_scope,
 )
-from cachefleet_sidecar.protocol import EpochAck, RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +179,8 @@ class Invalidator:
 
     ``client`` (redis-py) runs the CAS and the reads that are not on the
     propagation path. ``lean`` (optional, the sidecar's lean RESP client)
-    runs what is: fence, announce and the level reads of the wait, pipelined.
+    runs what is: fence, announce and the level reads of the wait, pipelined
+    (without it, ``client`` runs the same operations one call after the other).
     ``waker`` (optional) is where a :class:`~cachefleet_sidecar.resp.Subscriber`
     listens to the ack channel: each announced ack is taken in as it is
     parsed (no task, no wake-up per ack) and the wait wakes once, when the
@@ -184,6 +199,8 @@ class Invalidator:
     ) -> None:
         self.client = client
         self.lean = lean
+        #: The client of the propagation path: the lean one when there is one.
+        self._fast: AnyClient = client if lean is None else lean
         self.cache = cache
         self.poll_s = poll_s
         self.clock = clock
@@ -203,8 +220,8 @@ class Invalidator:
             "socket_connect_timeout": REDIS_CONNECT_TIMEOUT_S,
             "socket_timeout": REDIS_SOCKET_TIMEOUT_S,
         }
-        client = protocol.redis_from_url(url, **timeouts)
-        lean = protocol.resp_client(
+        client = redis_from_url(url, **timeouts)
+        lean = resp_client(
             url,
             command_timeout_s=REDIS_SOCKET_TIMEOUT_S,
             connect_timeout_s=REDIS_CONNECT_TIMEOUT_S,
@@ -242,7 +259,7 @@ class Invalidator:
         subscribed = asyncio.Event()
         subscriber = resp.Subscriber(
             self._waker,
-            [protocol.ack_channel(self.cache)],
+            [ack_channel(self.cache)],
             self._ack_message,
             on_subscribed=subscribed.set,
         )
@@ -259,7 +276,7 @@ class Invalidator:
     async def advance(self, scope: str, *, floor: int = 0) -> tuple[int, float]:
         """CAS, fence and announce; returns (new epoch, clock() when the CAS answered)."""
         await self.listen()
-        epoch = await protocol.advance_epoch(self.client, self.cache, scope, floor=floor)
+        epoch = await advance_epoch(self.client, self.cache, scope, floor=floor)
         cas_at = self.clock()
         await self._fence_and_announce(scope, epoch)
         return epoch, cas_at
@@ -267,18 +284,12 @@ class Invalidator:
     async def _fence_and_announce(self, scope: str, epoch: int) -> None:
         one = scope_tenant(scope)
         tenants = None if one is None else [one]
-        if self.lean is None:
-            await protocol.fence_tenants(self.client, self.cache, {scope: epoch}, tenants)
-            await protocol.publish_epochs(self.client, self.cache, {scope: epoch})
-            return
-        # fences and announcement in one pipelined batch (the fences queued first)
-        await protocol.fence_tenants_lean(
-            self.lean, self.cache, {scope: epoch}, tenants, announce=True
-        )
+        # fences and announcement in one batch (the fences queued first)
+        await fence_tenants(self._fast, self.cache, {scope: epoch}, tenants, announce=True)
 
     async def current(self, scope: str) -> int:
         """The scope's epoch in Redis now (0 when never advanced)."""
-        return int((await protocol.read_epochs(self.client, self.cache)).get(scope, 0))
+        return int((await read_epochs(self.client, self.cache)).get(scope, 0))
 
     async def advance_to(self, scope: str, intended: int) -> tuple[int, float, bool]:
         """Make the scope's epoch at least ``intended``, advancing at most once.
@@ -292,9 +303,7 @@ class Invalidator:
         current = await self.current(scope)
         advanced = current < intended
         if advanced:
-            current = await protocol.advance_epoch(
-                self.client, self.cache, scope, floor=intended - 1
-            )
+            current = await advance_epoch(self.client, self.cache, scope, floor=intended - 1)
         at = self.clock()
         await self._fence_and_announce(scope, current)
         return current, at, advanced
@@ -308,7 +317,7 @@ class Invalidator:
         narrows the delete to that tenant's slot.
         """
         await self.listen()
-        epoch = await protocol.log_purge(self.client, self.cache, digest, floor=floor)
+        epoch = await log_purge(self.client, self.cache, digest, floor=floor)
         at = self.clock()
         await self._purge_fence(digest, epoch, tenant)
         return epoch, at
@@ -324,34 +333,27 @@ class Invalidator:
         (the purge epoch, clock() when it was known, whether this call advanced it).
         """
         await self.listen()
-        logged = await protocol.purge_logged(self.client, self.cache, digest, intended)
+        logged = await purge_logged(self.client, self.cache, digest, intended)
         advanced = logged is None
         if logged is None:
-            logged = await protocol.log_purge(self.client, self.cache, digest, floor=intended - 1)
+            logged = await log_purge(self.client, self.cache, digest, floor=intended - 1)
         at = self.clock()
         await self._purge_fence(digest, logged, tenant)
         return logged, at, advanced
 
     async def _purge_fence(self, digest: str, epoch: int, tenant: str | None) -> None:
         tenants = None if tenant is None else [tenant]
-        lean = self.lean
-        if lean is None:
-            raise RuntimeError("a key purge needs the lean client (Invalidator.from_url)")
-        await protocol.purge_fence_lean(lean, self.cache, digest, epoch, tenants, announce=True)
+        await purge_fence(self._fast, self.cache, digest, epoch, tenants, announce=True)
 
     async def progress(self, wanted: Mapping[str, int]) -> tuple[list[str], list[str]]:
         """(acked, lagging) live pods for ``wanted``, read from Redis now."""
-        members = [m.pod for m in await protocol.live_members(self.client, self.cache)]
-        acks = await protocol.read_acks(self.client, self.cache)
+        members = [m.pod for m in await live_members(self.client, self.cache)]
+        acks = await read_acks(self.client, self.cache)
         return ack_progress(members, acks, wanted)
 
     async def _lagging_now(self, scope: str, epoch: int) -> tuple[list[str], set[str]]:
         """(live pods, those whose recorded ack is below ``epoch`` of ``scope``), read now."""
-        if self.lean is None:
-            members = [m.pod for m in await protocol.live_members(self.client, self.cache)]
-            acks = await protocol.read_acks(self.client, self.cache)
-            return members, set(ack_progress(members, acks, {scope: epoch})[1])
-        live, epochs = await protocol.live_acks_lean(self.lean, self.cache)
+        live, epochs = await live_acks(self._fast, self.cache)
         return live, {p for p in live if epochs.get(p, {}).get(scope, 0) < epoch}
 
     async def await_acks(
@@ -401,7 +403,7 @@ class Invalidator:
         wanted = self._wanted
         if wanted is None:
             return
-        parsed = protocol.ack_epochs(data)
+        parsed = ack_epochs(data)
         if parsed is None:
             return
         pod, epochs = parsed
@@ -505,7 +507,7 @@ class InvalidationRunner:
         scope = scope_name(spec.scope)
         # a key purge names its digest: "purge" alone says nothing about which entry
         label = f"purge (key {spec.scope.key})" if spec.scope.type is ScopeType.KEY else scope
-        ref = protocol.cache_ref(namespace, spec.cache_ref.name)
+        ref = cache_ref(namespace, spec.cache_ref.name)
         recorded = _recorded_epoch(raw_status)
         started = str((raw_status or {}).get("startTime") or started)
         resumed = False

@@ -5,7 +5,7 @@ p95 latency, hit ratio and request rate over a window, and what allocation by
 gain needs: the reuse-distance histogram (the tenant's miss-ratio curve), the
 latency of its misses (upstream) and of its hits, and its lookup rate (the
 curve's true total, for the SHARDS-adj correction). The PromQL comes from
-:mod:`cachefleet_sidecar.protocol` (the metric names are the sidecar's).
+:mod:`cachefleet_sidecar.contract.promql` (the metric names are the sidecar's).
 prometheus-api-client is synchronous (``requests``), so queries run in a
 worker thread with a timeout; every failure becomes :class:`MetricsUnavailable`.
 """
@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
-from cachefleet_sidecar.protocol import (
+from cachefleet_sidecar.contract.promql import (
     promql_cold_bytes,
     promql_hit_buckets,
     promql_hit_ratio,
@@ -35,8 +35,8 @@ from cachefleet_sidecar.protocol import (
     promql_saved_model_seconds,
     promql_saved_tokens,
     promql_upstream_buckets,
-    redact_url,
 )
+from cachefleet_sidecar.contract.urls import redact_url
 
 #: Default timeout of one PromQL query, seconds.
 DEFAULT_QUERY_TIMEOUT_S = 5.0
@@ -118,7 +118,7 @@ def savings_from(
 
 
 def policy_switches_from(result: list[dict[str, Any]]) -> list[PolicySwitches]:
-    """The answer of :func:`~cachefleet_sidecar.protocol.promql_policy_switches`, sorted."""
+    """The answer of :func:`~cachefleet_sidecar.contract.promql.promql_policy_switches`, sorted."""
     found = [
         PolicySwitches(tenant, old, new, round(count))
         for (tenant, old, new), count in _samples(result, "tenant", "from_policy", "to_policy")

@@ -1,6 +1,6 @@
 """Publishing quotas to the sidecars and reading their membership (Redis adapter).
 
-Thin: every key, script and message comes from :mod:`cachefleet_sidecar.protocol`.
+Thin: every key, script and message comes from :mod:`cachefleet_sidecar.contract`.
 A client is opened per operation with named timeouts and closed after it, so
 a cache whose Redis is down costs nothing between attempts. Every Redis or
 network failure becomes :class:`ControlPlaneUnavailable`.
@@ -14,8 +14,10 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import protocol
-from cachefleet_sidecar.protocol import Heartbeat, QuotaAssignment, RedisClient
+from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url
+from cachefleet_sidecar.contract.messages import Heartbeat, QuotaAssignment
+from cachefleet_sidecar.contract.names import control_prefix, tenant_data_pattern, tombstone_key
+from cachefleet_sidecar.contract.ops import bury, live_members, publish_quotas
 
 #: Connect and per-command timeouts of the operator's Redis clients, seconds.
 REDIS_CONNECT_TIMEOUT_S = 2.0
@@ -56,7 +58,7 @@ class RedisControlPlane:
     @asynccontextmanager
     async def _client(self) -> AsyncIterator[RedisClient]:
         try:
-            client = protocol.redis_from_url(
+            client = redis_from_url(
                 self.url,
                 socket_connect_timeout=REDIS_CONNECT_TIMEOUT_S,
                 socket_timeout=REDIS_SOCKET_TIMEOUT_S,
@@ -76,11 +78,11 @@ class RedisControlPlane:
     async def publish(self, cache: str, assignment: QuotaAssignment) -> int:
         """Store and announce ``assignment``; returns the generation now stored."""
         async with self._client() as client:
-            return await protocol.publish_quotas(client, cache, assignment)
+            return await publish_quotas(client, cache, assignment)
 
     async def live_members(self, cache: str) -> list[Heartbeat]:
         async with self._client() as client:
-            return await protocol.live_members(client, cache)
+            return await live_members(client, cache)
 
     async def delete_cache_state(self, cache: str, uid: str = "") -> int:
         """Remove the cache's control keys and its tenants' L2 data; returns keys removed.
@@ -90,12 +92,12 @@ class RedisControlPlane:
         while (or after) it is removed.
         """
         removed = 0
-        tombstone = protocol.tombstone_key(cache)
+        tombstone = tombstone_key(cache)
         async with self._client() as client:
-            await protocol.bury(client, cache, uid)
+            await bury(client, cache, uid)
             for pattern in (
-                _glob_escape(protocol.control_prefix(cache)) + "*",
-                protocol.tenant_data_pattern(cache),
+                _glob_escape(control_prefix(cache)) + "*",
+                tenant_data_pattern(cache),
             ):
                 batch: list[str | bytes] = []
                 async for key in client.scan_iter(match=pattern, count=CLEANUP_BATCH):

@@ -93,9 +93,10 @@ from cachefleet_operator.publisher import (
     ControlPlaneUnavailable,
     redis_control_plane,
 )
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import Policy, cache_ref
+from cachefleet_sidecar.contract.ops import read_epochs, restore_epochs
 from cachefleet_sidecar.epochs import model_scope
-from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota, cache_ref
 
 #: Share moves smaller than this (fraction of capacity) are not announced as Events.
 EVENT_MIN_MOVE = 0.005
@@ -138,7 +139,7 @@ def policy_switch_events(found: list[PolicySwitches]) -> list[Event]:
     events = []
     for s in found:
         pods = f"{s.pods} pod{'' if s.pods == 1 else 's'}"
-        if s.from_policy == protocol.Policy.SITS.value:
+        if s.from_policy == Policy.SITS.value:
             events.append(
                 Event(
                     "Normal",
@@ -858,7 +859,7 @@ class Reconciler:
         invalidator = self.invalidator(url, cache)
         try:
             if known:
-                await protocol.restore_epochs(invalidator.client, cache, known)
+                await restore_epochs(invalidator.client, cache, known)
             old_version = previous.model_version
             if old_version is not None and old_version != spec.model.version:
                 # The status records the version and the epochs together, so the change
@@ -880,7 +881,7 @@ class Reconciler:
                 else:
                     message += f", still waiting for {', '.join(result.lagging)}"
                 events.append(Event("Normal", "ModelVersionChanged", message))
-            epochs = await protocol.read_epochs(invalidator.client, cache)
+            epochs = await read_epochs(invalidator.client, cache)
             acked, _lagging = await invalidator.progress(epochs)
         finally:
             await invalidator.aclose()

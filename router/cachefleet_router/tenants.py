@@ -2,13 +2,13 @@
 
 :class:`TenantClasses` is the table (pure): ``class_of(tenant)`` is the
 tenant's ``TenantQuota.priority_class`` in the newest
-:class:`~cachefleet_sidecar.protocol.QuotaAssignment` applied; for a tenant
+:class:`~cachefleet_sidecar.contract.messages.QuotaAssignment` applied; for a tenant
 the table does not name, the class of its ``default_tenant`` (the
 InferenceCache's ``tenantDefaults``), else None (Standard), as for everyone
 when the router runs without Redis.
 
 :class:`TenantSync` keeps it current the way the sidecars do (level-triggered,
-:mod:`cachefleet_sidecar.protocol`): it subscribes to the cache's
+:mod:`cachefleet_sidecar.contract`): it subscribes to the cache's
 ``control_channel`` and re-reads ``quotas_key`` on any message there, and
 every ``poll_s`` without one (a bounded poll catches a lost notice); only a
 newer ``generation`` is applied. When Redis goes away the last table stays
@@ -27,8 +27,8 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import protocol
-from cachefleet_sidecar.protocol import QuotaAssignment
+from cachefleet_sidecar.contract.messages import QuotaAssignment, newer_assignment
+from cachefleet_sidecar.contract.names import control_channel, quotas_key
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +87,13 @@ class TenantSync:
 
     async def read_once(self, client: Redis) -> bool:
         """Read the stored table; True if a newer generation was applied."""
-        key = protocol.quotas_key(self.cache)
+        key = quotas_key(self.cache)
         generation, raw = await asyncio.wait_for(
             client.hmget(key, ["generation", "assignment"]), OP_TIMEOUT_S
         )
         self.reads += 1
         try:
-            assignment = protocol.newer_assignment(generation, raw, self.table.generation)
+            assignment = newer_assignment(generation, raw, self.table.generation)
         except ValidationError as exc:
             self.errors += 1
             log.error("tenants of %s: unreadable quota assignment: %s", self.cache, exc)
@@ -113,9 +113,7 @@ class TenantSync:
         try:
             pubsub = client.pubsub()
             try:
-                await asyncio.wait_for(
-                    pubsub.subscribe(protocol.control_channel(self.cache)), OP_TIMEOUT_S
-                )
+                await asyncio.wait_for(pubsub.subscribe(control_channel(self.cache)), OP_TIMEOUT_S)
                 self.subscribed.set()
                 self._healthy = True
                 await self.read_once(client)  # notices may have been missed while away

@@ -44,8 +44,11 @@ import orjson
 import xxhash
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from . import directives, keys, mrc, protocol, savings, semantic
+from . import directives, keys, mrc, savings, semantic
 from .config import SidecarConfig, parse_args
+from .contract.messages import Heartbeat, QuotaAssignment, TenantQuota
+from .contract.names import Policy, valid_name
+from .contract.urls import redact_url
 from .entry import (
     FORWARD_DROP,
     L1_OVERHEAD_BYTES,
@@ -188,7 +191,7 @@ class Sidecar:
         )
         self.l1.on_replaced = self._tenant_replaced
         #: The operator's ``tenantDefaults`` (None: unlisted tenants are not admitted as such).
-        self.default_quota: protocol.TenantQuota | None = None
+        self.default_quota: TenantQuota | None = None
         self.l2 = l2
         self.upstream = UpstreamPool(
             config.upstream,
@@ -241,7 +244,7 @@ class Sidecar:
         )
         self._update_reserved()
         self.quota_generation = -1
-        self.quotas: dict[str, protocol.TenantQuota] = {}
+        self.quotas: dict[str, TenantQuota] = {}
         self._key_memo: dict[tuple[str, str, bytes, int], keys.CacheKey | str] = {}
         self._key_memo_bytes = 0
         self._model_version = config.model_version
@@ -470,7 +473,7 @@ class Sidecar:
         if raw is None:
             return ""
         text = raw.decode("latin-1")
-        if not protocol.valid_name(text):
+        if not valid_name(text):
             raise Refusal(
                 400,
                 f"invalid {self.config.namespace_header} {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]",
@@ -1474,7 +1477,7 @@ class Sidecar:
         self.kick_migration()
 
     # -------------------------------------------------------------- control
-    def apply_quotas(self, assignment: protocol.QuotaAssignment) -> None:
+    def apply_quotas(self, assignment: QuotaAssignment) -> None:
         """Apply the operator's quota table (idempotent; older generations ignored)."""
         if assignment.generation <= self.quota_generation:
             return
@@ -1541,7 +1544,7 @@ class Sidecar:
             len(assignment.tenants),
         )
 
-    def _apply_freshness(self, assignment: protocol.QuotaAssignment) -> None:
+    def _apply_freshness(self, assignment: QuotaAssignment) -> None:
         """Per-tenant TTLs and Cache-Control allowances from the operator's table.
 
         An L1 value keeps the expiry its TTL gave it when stored, so a tenant
@@ -1564,20 +1567,20 @@ class Sidecar:
             if self.ttl_of(tenant) < ttl:
                 self.l1.clear(tenant)
 
-    def _usable_policy(self, wanted: protocol.Policy) -> str:
+    def _usable_policy(self, wanted: Policy) -> str:
         """``wanted`` if this sidecar implements it, else LIRS (logged, counted)."""
         if wanted.value in available_policies():
             return wanted.value
         log.warning("policy %r is not available in this sidecar; using lirs", wanted.value)
         self.metrics.fault("policy_unavailable")
-        return protocol.Policy.LIRS.value
+        return Policy.LIRS.value
 
-    def heartbeat(self) -> protocol.Heartbeat:
+    def heartbeat(self) -> Heartbeat:
         stats = self.l1.stats()
-        return protocol.Heartbeat(
+        return Heartbeat(
             pod=self.config.pod,
             quota_generation=self.quota_generation,
-            policy_by_tenant={t: protocol.Policy(s.policy) for t, s in stats.items()},
+            policy_by_tenant={t: Policy(s.policy) for t, s in stats.items()},
             redis_ok=self.l2 is None or self.l2.state == "ok",
             shedding=self.gate is not None and self.gate.shedding,
         )
@@ -1643,7 +1646,7 @@ class Sidecar:
         return {
             "cache": self.config.cache,
             "pod": self.config.pod,
-            "upstream": protocol.redact_url(self.config.upstream),
+            "upstream": redact_url(self.config.upstream),
             "uptime_s": round(time.time() - self.started_at, 3),
             "quota_generation": self.quota_generation,
             "model_version": self.model_version,
@@ -1921,7 +1924,7 @@ class SidecarServer:
         log.info(
             "cachefleet sidecar on %s:%d -> %s (L1 %d bytes, policy %s, redis %s)",
             *cfg.listen,
-            protocol.redact_url(cfg.upstream),
+            redact_url(cfg.upstream),
             cfg.l1_bytes,
             cfg.policy.value,
             "on" if cfg.redis_url else "off",

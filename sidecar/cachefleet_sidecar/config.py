@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, identity, protocol, savings
+from . import admission, identity, savings
+from .contract.names import Policy, valid_name
 from .epochs import DEFAULT_STALENESS_BOUND_S
 from .l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
@@ -95,7 +96,7 @@ def _positive_float(value: str) -> float:
 
 def _cache(value: str) -> str:
     ns, sep, name = value.partition("/")
-    if not sep or not protocol.valid_name(ns) or not protocol.valid_name(name):
+    if not sep or not valid_name(ns) or not valid_name(name):
         raise argparse.ArgumentTypeError(f"expected NAMESPACE/NAME, got {value!r}")
     return value
 
@@ -116,7 +117,7 @@ def _rate(value: str) -> float:
 
 
 def _tenant(value: str) -> str:
-    if not protocol.valid_name(value):
+    if not valid_name(value):
         raise argparse.ArgumentTypeError(
             f"tenant names are 1-63 characters of [A-Za-z0-9._-], got {value!r}"
         )
@@ -162,7 +163,7 @@ class SidecarConfig:
     cache: str = DEFAULT_CACHE
     pod: str = field(default_factory=socket.gethostname)
     l1_bytes: int = DEFAULT_L1_BYTES
-    policy: protocol.Policy = protocol.Policy.LRU
+    policy: Policy = Policy.LRU
     tenant_header: str = "X-Tenant-ID"
     default_tenant: str | None = None
     tenants: tuple[str, ...] = ()
@@ -642,7 +643,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
     except ValueError as exc:
         parser.error(f"--status-peers: {exc}")
     try:
-        policy = protocol.Policy(ns.policy)
+        policy = Policy(ns.policy)
     except ValueError:
         parser.error(f"--policy: expected one of lru, lirs, sits, got {ns.policy!r}")
     admin = None if str(ns.admin_listen).lower() in {"off", "none", ""} else ns.admin_listen

@@ -9,7 +9,7 @@ Redis, level-triggered as the protocol prescribes:
   and it calls ``on_quotas`` whenever the stored generation is newer than the
   last one it applied; an older or equal generation is ignored;
 * it writes a heartbeat every ``heartbeat_ttl_s / 3`` seconds so the operator
-  sees it in :func:`cachefleet_sidecar.protocol.live_members`;
+  sees it in :func:`cachefleet_sidecar.contract.ops.live_members`;
 * with an :class:`~cachefleet_sidecar.epochs.EpochTracker` it also keeps the
   invalidation epochs: an ``epochs`` notice on the control channel is
   max-merged into the tracker at once (duplicates and late notices are
@@ -18,12 +18,12 @@ Redis, level-triggered as the protocol prescribes:
   bound) reads the whole epoch hash, which *confirms* the tracker (keeps L1
   hits allowed), catches up on lost notices and, when Redis is behind what
   the sidecar knows (it restarted), writes the known epochs back. Every
-  change is acknowledged with :func:`~cachefleet_sidecar.protocol.write_ack`
+  change is acknowledged with :func:`~cachefleet_sidecar.contract.ops.write_ack`
   (acks are serialised and always carry the newest epochs, so they never go
   backwards); ``on_epochs`` is called first, so the sidecar has stopped using
   the old epochs before the ack says so. ``poke()`` asks for a poll now (the
   L2 tier calls it when a read was refused for being behind the fence);
-* a newer ``purge`` epoch (key purges, see :mod:`cachefleet_sidecar.protocol`)
+* a newer ``purge`` epoch (key purges, see docs/redis-protocol.md)
   is never merged as it comes: the digests purged since the last one applied
   are read from the purge log and handed to ``on_purge`` (None: the log no
   longer holds them all, drop everything), and only then is the new number
@@ -54,16 +54,28 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import protocol, resp
-from cachefleet_sidecar.epochs import PURGE_SCOPE, EpochTracker, parse_epochs
-from cachefleet_sidecar.protocol import (
+from cachefleet_sidecar import resp
+from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_sidecar.contract.lua import ACK_LUA, HEARTBEAT_LUA
+from cachefleet_sidecar.contract.messages import (
     ControlMessage,
     EpochAck,
     Heartbeat,
     QuotaAssignment,
-    RedisClient,
-    RedisTarget,
+    newer_assignment,
 )
+from cachefleet_sidecar.contract.names import control_channel, epochs_key, quotas_key, valid_name
+from cachefleet_sidecar.contract.ops import (
+    DEFAULT_HEARTBEAT_TTL_S,
+    DEFAULT_RESYNC_INTERVAL_S,
+    ack_call,
+    heartbeat_call,
+    purges_since,
+    remove_member,
+    restore_epochs,
+)
+from cachefleet_sidecar.contract.urls import RedisTarget, parse_redis_url
+from cachefleet_sidecar.epochs import PURGE_SCOPE, EpochTracker, parse_epochs
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +91,8 @@ EPOCH_POLL_MIN_GAP_S = 0.01
 
 T = TypeVar("T")
 
-_ACK = resp.Script(protocol.ACK_LUA)
-_HEARTBEAT = resp.Script(protocol.HEARTBEAT_LUA)
+_ACK = resp.Script(ACK_LUA)
+_HEARTBEAT = resp.Script(HEARTBEAT_LUA)
 
 
 class ControlSync:
@@ -93,8 +105,8 @@ class ControlSync:
         pod: str,
         on_quotas: Callable[[QuotaAssignment], None],
         *,
-        resync_interval_s: float = protocol.DEFAULT_RESYNC_INTERVAL_S,
-        heartbeat_ttl_s: float = protocol.DEFAULT_HEARTBEAT_TTL_S,
+        resync_interval_s: float = DEFAULT_RESYNC_INTERVAL_S,
+        heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S,
         heartbeat: Callable[[], Heartbeat] | None = None,
         on_message: Callable[[ControlMessage], None] | None = None,
         cluster: bool | None = None,
@@ -105,7 +117,7 @@ class ControlSync:
         epoch_poll_s: float | None = None,
         on_purge: Callable[[list[str] | None], Awaitable[None]] | None = None,
     ) -> None:
-        if not protocol.valid_name(pod):
+        if not valid_name(pod):
             raise ValueError(f"invalid pod name {pod!r}")
         self.cache = cache
         self.pod = pod
@@ -115,7 +127,7 @@ class ControlSync:
         self._on_quotas = on_quotas
         self._on_message = on_message
         self._heartbeat = heartbeat
-        self._target = protocol.parse_redis_url(redis_url, cluster=cluster)
+        self._target = parse_redis_url(redis_url, cluster=cluster)
         self._url = redis_url
         self._client: RedisClient | None = None
         self._resp: resp.RespClient | None = None
@@ -133,9 +145,7 @@ class ControlSync:
         self.tracker = tracker
         self._on_epochs = on_epochs
         self._on_redis_reset = on_redis_reset
-        default_poll = (
-            protocol.DEFAULT_RESYNC_INTERVAL_S if tracker is None else tracker.bound_s / 4
-        )
+        default_poll = DEFAULT_RESYNC_INTERVAL_S if tracker is None else tracker.bound_s / 4
         self.epoch_poll_s = epoch_poll_s if epoch_poll_s is not None else default_poll
         self._acked: dict[str, int] | None = None
         self._ack_lock = asyncio.Lock()
@@ -172,13 +182,13 @@ class ControlSync:
         """Start listening and heart-beating in the background (idempotent)."""
         if self.running:
             return
-        self._client = protocol.redis_from_url(
+        self._client = redis_from_url(
             self._url,
             cluster=self._target.cluster,
             socket_connect_timeout=self.op_timeout_s,
             socket_timeout=self.op_timeout_s,
         )
-        self._resp = protocol.resp_client(
+        self._resp = resp_client(
             self._url,
             cluster=self._target.cluster,
             command_timeout_s=self.op_timeout_s,
@@ -209,7 +219,7 @@ class ControlSync:
         client, self._client = self._client, None
         if client is not None and leave:
             try:
-                await self._bounded(protocol.remove_member(client, self.cache, self.pod))
+                await self._bounded(remove_member(client, self.cache, self.pod))
             except Exception as exc:  # best effort: the heartbeat expires anyway
                 log.info("control %s: could not leave: %s", self.cache, str(exc) or type(exc))
         if client is not None:
@@ -232,13 +242,13 @@ class ControlSync:
     async def resync(self) -> bool:
         """Re-read the quotas now; True if a newer assignment was applied."""
         client = self._require_resp()
-        key = protocol.quotas_key(self.cache)
+        key = quotas_key(self.cache)
         generation, raw = await client.execute(
             "HMGET", key, "generation", "assignment", key=key, timeout_s=self.op_timeout_s
         )
         self.last_sync_at = time.time()
         try:
-            assignment = protocol.newer_assignment(generation, raw, self._applied)
+            assignment = newer_assignment(generation, raw, self._applied)
         except ValidationError as exc:
             self.errors += 1
             log.error("control %s: unreadable quota assignment: %s", self.cache, exc)
@@ -269,7 +279,7 @@ class ControlSync:
             confirmed = asyncio.Event()
             subscriber = resp.Subscriber(
                 self._subscriber_settings(attempt),
-                [protocol.control_channel(self.cache)],
+                [control_channel(self.cache)],
                 self._message,
                 on_subscribed=confirmed.set,
                 background_reconnects=0,  # this loop makes it again, on the next node
@@ -371,7 +381,7 @@ class ControlSync:
         client = self._resp
         if client is None:
             return False
-        call = protocol.ack_call(self.cache, EpochAck(pod=self.pod, epochs=known))
+        call = ack_call(self.cache, EpochAck(pod=self.pod, epochs=known))
         packed = resp.pack_script(
             _ACK, len(call.keys), call.keys[0], resp.pack_args([*call.keys[1:], *call.args])
         )
@@ -429,7 +439,7 @@ class ControlSync:
             after = tracker.epoch(PURGE_SCOPE)
             if upto <= after:
                 return False
-            digests, whole = await protocol.purges_since_lean(
+            digests, whole = await purges_since(
                 self._require_resp(), self.cache, after, upto, timeout_s=self.op_timeout_s
             )
             if not whole:
@@ -486,7 +496,7 @@ class ControlSync:
             raise RuntimeError("ControlSync has no epoch tracker")
         client = self._require_client()
         sent_at = tracker.clock()
-        key = protocol.epochs_key(self.cache)
+        key = epochs_key(self.cache)
         flat = await self._require_resp().execute(
             "HGETALL", key, key=key, timeout_s=self.op_timeout_s
         )
@@ -504,9 +514,7 @@ class ControlSync:
                 self.cache,
                 confirmation.redis_behind,
             )
-            await self._bounded(
-                protocol.restore_epochs(client, self.cache, confirmation.redis_behind)
-            )
+            await self._bounded(restore_epochs(client, self.cache, confirmation.redis_behind))
             if self._on_redis_reset is not None:
                 self._on_redis_reset()
         await self.ack()
@@ -522,7 +530,7 @@ class ControlSync:
             known = tracker.known
             if known == self._acked:
                 return False
-            call = protocol.ack_call(self.cache, EpochAck(pod=self.pod, epochs=known))
+            call = ack_call(self.cache, EpochAck(pod=self.pod, epochs=known))
             await client.run_script(_ACK, call.keys, call.args, timeout_s=self.op_timeout_s)
             self._acked = known
             self.acks_written += 1
@@ -562,7 +570,7 @@ class ControlSync:
     async def beat(self) -> None:
         """Write one heartbeat now."""
         client = self._require_resp()
-        call = protocol.heartbeat_call(self.cache, self.current_heartbeat(), self.heartbeat_ttl_s)
+        call = heartbeat_call(self.cache, self.current_heartbeat(), self.heartbeat_ttl_s)
         await client.run_script(_HEARTBEAT, call.keys, call.args, timeout_s=self.op_timeout_s)
 
     async def _heartbeat_loop(self) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from .contract.urls import redact_url
 from .semantic import Vector, hashed_ngrams, normalise
 
 #: Seconds an HTTP embedding request may take before the lookup is a miss.
@@ -118,8 +119,6 @@ class HttpEmbeddings:
             raise EmbeddingUnavailable(f"malformed embeddings answer: {exc}") from exc
 
     def describe(self) -> dict[str, Any]:
-        from .protocol import redact_url
-
         return {"source": self.name, "url": redact_url(self.base_url), "model": self.model}
 
     async def aclose(self) -> None:

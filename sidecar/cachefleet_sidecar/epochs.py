@@ -3,7 +3,7 @@
 An *epoch* is a counter per *scope* that only moves forward; advancing it
 invalidates every cache entry written under the old value. Three kinds of
 scope exist (their names are hash fields in Redis, see
-:mod:`cachefleet_sidecar.protocol`):
+docs/redis-protocol.md):
 
 * ``cache``         the whole cache;
 * ``tenant:<t>``    one tenant's entries;
@@ -12,7 +12,7 @@ scope exist (their names are hash fields in Redis, see
   ``X-Cache-Namespace`` request header partitions a tenant, e.g. one
   namespace per knowledge base);
 * ``purge``         the sequence number of key purges (one entry each, see
-  :mod:`cachefleet_sidecar.protocol`, "key purges"). It is *fence-only*: L2
+  docs/redis-protocol.md, "key purges"). It is *fence-only*: L2
   reads and writes are checked against it, but it is no part of a key nor
   of an entry's head, so a purge moves no other entry.
 

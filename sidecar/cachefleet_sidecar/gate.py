@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 
 from .admission import ADMIT, Admission, AdmissionConfig, Decision, normal_class
+from .contract.urls import redact_url
 from .modelserver import MetricsParseError, parse_metrics
-from .protocol import redact_url
 from .server import error_response
 
 log = logging.getLogger("cachefleet.admission")

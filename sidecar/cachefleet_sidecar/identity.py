@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from . import protocol
+from .contract.names import valid_name
 from .server import Refusal
 
 log = logging.getLogger("cachefleet.sidecar")
@@ -76,7 +76,7 @@ def parse_api_keys(data: bytes | Mapping[str, object]) -> dict[bytes, str]:
     for position, (key, tenant) in enumerate(loaded.items(), start=1):
         if not isinstance(key, str) or not key:
             raise KeyFileError(f"entry {position}: the key must be a non-empty string")
-        if not isinstance(tenant, str) or not protocol.valid_name(tenant):
+        if not isinstance(tenant, str) or not valid_name(tenant):
             raise KeyFileError(
                 f"entry {position}: tenant must be 1-63 characters of [A-Za-z0-9._-] "
                 "starting with a letter or digit"
@@ -311,7 +311,7 @@ class TenantRules:
         if tenant is not None:
             return tenant
         text = claimed.decode("latin-1")
-        if not protocol.valid_name(text):
+        if not valid_name(text):
             raise Refusal(400, f"invalid tenant name {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]")
         if self.known and text not in self.known:
             if self.admit_guests:

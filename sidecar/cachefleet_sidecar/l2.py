@@ -2,9 +2,9 @@
 
 Each operation is on the keys of one tenant (one cluster slot) and one round
 trip: a read is plain ``GET`` + fence ``HMGET`` commands in one write, a put
-one Lua script from :mod:`cachefleet_sidecar.protocol` that enforces the
+one Lua script from :mod:`cachefleet_sidecar.contract.lua` that enforces the
 tenant's byte quota atomically, and hits' LRU touches go later, batched (see
-the protocol docstring for the exact rules).
+docs/redis-protocol.md for the exact rules).
 
 The scripts run on the sidecar's own lean client (:mod:`cachefleet_sidecar.resp`:
 one pipelined connection per Redis node, EVALSHA, a deadline per command);
@@ -25,17 +25,17 @@ connection is still being made is a miss that does not count against the
 breaker.
 
 Choosing the deployment: :meth:`RedisL2.from_url` follows the URL convention
-of :func:`cachefleet_sidecar.protocol.parse_redis_url`: ``redis://host:port/db``
+of :func:`cachefleet_sidecar.contract.urls.parse_redis_url`: ``redis://host:port/db``
 is a standalone server, ``redis+cluster://h1:p1,h2:p2`` a Redis Cluster
 (``cluster=True/False`` overrides the scheme).
 
-Epochs (versioned invalidation, see the protocol docstring): ``get`` and
+Epochs (versioned invalidation, see docs/redis-protocol.md): ``get`` and
 ``put`` take the reader's / writer's :data:`~cachefleet_sidecar.epochs.EpochVector`
 and compare it with the tenant slot's fence in the same round trip: a reader
 behind an invalidation gets a miss (counted in ``stale_refused``, and
 ``on_behind`` is called so the sidecar re-reads its epochs at once), a writer
 behind one stores nothing. Before the first versioned write of a tenant the
-tier registers the tenant (:func:`~cachefleet_sidecar.protocol.register_tenant`)
+tier registers the tenant (:func:`~cachefleet_sidecar.contract.ops.register_tenant`)
 so invalidators fence its slot; :meth:`RedisL2.forget_registrations` makes it
 register again (after Redis lost its state).
 
@@ -60,9 +60,37 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import protocol, resp
+from cachefleet_sidecar import resp
+from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_sidecar.contract.lua import (
+    L2_FORGET_STALE_LUA,
+    L2_PUT_LUA,
+    L2_PUT_VERSIONED_LUA,
+    L2_SET_LIMIT_LUA,
+    L2_TOUCH_BATCH,
+    L2_TOUCH_INTERVAL_S,
+    L2_TOUCH_LUA,
+    L2_USAGE_LUA,
+)
+from cachefleet_sidecar.contract.names import (
+    entry_key,
+    l2_keys,
+    l2_meta_keys,
+    l2_versioned_keys,
+    lru_key,
+    tenant_epochs_key,
+)
+from cachefleet_sidecar.contract.ops import register_tenant
+from cachefleet_sidecar.contract.versioned import (
+    READ_BEHIND,
+    READ_STALE_ENTRY,
+    entry_head,
+    fence_command,
+    judge_versioned_read,
+    l1_id_line,
+    vector_args,
+)
 from cachefleet_sidecar.epochs import EpochVector, parse_epochs
-from cachefleet_sidecar.protocol import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +226,12 @@ def _ints3(reply: Any) -> tuple[int, int, int]:
     return first, second, third
 
 
-_PUT = resp.Script(protocol.L2_PUT_LUA)
-_USAGE = resp.Script(protocol.L2_USAGE_LUA)
-_PUT_V = resp.Script(protocol.L2_PUT_VERSIONED_LUA)
-_SET_LIMIT = resp.Script(protocol.L2_SET_LIMIT_LUA)
-_TOUCH = resp.Script(protocol.L2_TOUCH_LUA)
-_FORGET_STALE = resp.Script(protocol.L2_FORGET_STALE_LUA)
+_PUT = resp.Script(L2_PUT_LUA)
+_USAGE = resp.Script(L2_USAGE_LUA)
+_PUT_V = resp.Script(L2_PUT_VERSIONED_LUA)
+_SET_LIMIT = resp.Script(L2_SET_LIMIT_LUA)
+_TOUCH = resp.Script(L2_TOUCH_LUA)
+_FORGET_STALE = resp.Script(L2_FORGET_STALE_LUA)
 _SCRIPTS = (_PUT, _USAGE, _PUT_V, _SET_LIMIT, _TOUCH, _FORGET_STALE)
 
 
@@ -286,13 +314,13 @@ class RedisL2:
         breaker: CircuitBreaker | None = None,
     ) -> RedisL2:
         """Build the tier on new clients for ``url`` (see the module docstring)."""
-        client = protocol.resp_client(
+        client = resp_client(
             url,
             cluster=cluster,
             command_timeout_s=op_timeout_s,
             connect_timeout_s=DEFAULT_SETUP_TIMEOUT_S,
         )
-        setup = protocol.redis_from_url(
+        setup = redis_from_url(
             url,
             cluster=cluster,
             socket_connect_timeout=DEFAULT_REGISTER_TIMEOUT_S,
@@ -373,13 +401,13 @@ class RedisL2:
     ) -> bytes | None:
         """The cached value or None (miss, Redis down, slow or broken).
 
-        With ``vector`` the read is versioned (:func:`protocol.judge_versioned_read`):
+        With ``vector`` the read is versioned (:func:`judge_versioned_read`):
         it is refused (None) when the tenant's fence is ahead of the vector, and
         only an entry written under exactly ``vector`` is returned; a stored
         value that is not such an entry is dropped and reported as
         :data:`CORRUPT`. A hit's LRU touch is sent later, batched.
         """
-        key = protocol.entry_key(self.cache, tenant, digest_hex)
+        key = entry_key(self.cache, tenant, digest_hex)
         if vector is None:
             raw = await self._call(key, ("GET", key))
             if raw is _FAILED:
@@ -427,8 +455,8 @@ class RedisL2:
         if memo is None or (memo[0] is not vector and memo[0] != vector):
             if len(self._reads) >= MEMO_LIMIT:
                 self._reads.clear()
-            fence = protocol.fence_command(self.cache, tenant, vector)
-            memo = self._reads[tenant] = (vector, fence, protocol.entry_head(vector))
+            fence = fence_command(self.cache, tenant, vector)
+            memo = self._reads[tenant] = (vector, fence, entry_head(vector))
         return memo[1], memo[2]
 
     def begin_read(self, tenant: str, digest_hex: str, vector: EpochVector) -> L2Read | None:
@@ -440,7 +468,7 @@ class RedisL2:
         (nothing sent, nothing counted) when the node's breaker is not closed,
         on a cluster, or while no connection is open: then use :meth:`get`.
         """
-        key = protocol.entry_key(self.cache, tenant, digest_hex)
+        key = entry_key(self.cache, tenant, digest_hex)
         breaker = self.breaker_for(self._client.address_for(key))
         if breaker.state != "closed":
             return None
@@ -485,9 +513,7 @@ class RedisL2:
         fenced: bool,
     ) -> bytes | None:
         try:
-            verdict = protocol.judge_versioned_read(
-                replies[0], replies[1] if fenced else (), vector, head
-            )
+            verdict = judge_versioned_read(replies[0], replies[1] if fenced else (), vector, head)
         except (TypeError, ValueError, AttributeError):
             self.counters.errors += 1
             return None
@@ -495,14 +521,14 @@ class RedisL2:
             self.counters.hits += 1
             self._touched(tenant, key)
             return verdict
-        if verdict == protocol.READ_BEHIND:
+        if verdict == READ_BEHIND:
             self.counters.stale_refused += 1
             if self.on_behind is not None:
                 self.on_behind()
             return None
         self.counters.misses += 1
-        if verdict == protocol.READ_STALE_ENTRY:
-            keys = protocol.l2_keys(self.cache, tenant, digest_hex)
+        if verdict == READ_STALE_ENTRY:
+            keys = l2_keys(self.cache, tenant, digest_hex)
             self._spawn(self._run(_FORGET_STALE, keys, (head,)))
             return CORRUPT
         return None
@@ -510,18 +536,18 @@ class RedisL2:
     # ------------------------------------------------------------- LRU touches
 
     def _touched(self, tenant: str, key: str) -> None:
-        """Hold a hit's LRU touch; sent with the tenant's others (see the protocol docstring)."""
+        """Hold a hit's LRU touch; sent with the tenant's others (docs/redis-protocol.md)."""
         keys = self._touches.get(tenant)
         if keys is None:
             keys = self._touches[tenant] = {}
         else:
             keys.pop(key, None)
         keys[key] = None
-        if len(keys) >= protocol.L2_TOUCH_BATCH:
+        if len(keys) >= L2_TOUCH_BATCH:
             self._spawn(self._send_touches(tenant))
         elif self._touch_timer is None:
             self._touch_timer = asyncio.get_running_loop().call_later(
-                protocol.L2_TOUCH_INTERVAL_S, self._touch_timer_fired
+                L2_TOUCH_INTERVAL_S, self._touch_timer_fired
             )
 
     def _touch_timer_fired(self) -> None:
@@ -537,10 +563,10 @@ class RedisL2:
             held = self._touches.pop(tenant, None)
             batches = {tenant: held} if held else {}
         for name, held in batches.items():
-            lru = [protocol.lru_key(self.cache, name)]
+            lru = [lru_key(self.cache, name)]
             members = list(held)
-            for i in range(0, len(members), protocol.L2_TOUCH_BATCH):
-                await self._run(_TOUCH, lru, members[i : i + protocol.L2_TOUCH_BATCH])
+            for i in range(0, len(members), L2_TOUCH_BATCH):
+                await self._run(_TOUCH, lru, members[i : i + L2_TOUCH_BATCH])
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         """Run ``work`` in the background, kept referenced until done."""
@@ -549,21 +575,21 @@ class RedisL2:
         task.add_done_callback(self._tasks.discard)
 
     def _versioned_keys(self, tenant: str, digest_hex: str) -> list[str]:
-        """:func:`protocol.l2_versioned_keys`, the tenant's part computed once."""
+        """:func:`l2_versioned_keys`, the tenant's part computed once."""
         tail = self._tails.get(tenant)
         if tail is None:
             if len(self._tails) >= MEMO_LIMIT:
                 self._tails.clear()
-            tail = self._tails[tenant] = protocol.l2_versioned_keys(self.cache, tenant, "")[1:]
-        return [protocol.entry_key(self.cache, tenant, digest_hex), *tail]
+            tail = self._tails[tenant] = l2_versioned_keys(self.cache, tenant, "")[1:]
+        return [entry_key(self.cache, tenant, digest_hex), *tail]
 
     def _args_of(self, vector: EpochVector) -> list[str]:
-        """:func:`protocol.vector_args` of ``vector``, computed once per vector."""
+        """:func:`vector_args` of ``vector``, computed once per vector."""
         args = self._vector_args.get(vector)
         if args is None:
             if len(self._vector_args) >= MEMO_LIMIT:
                 self._vector_args.clear()
-            args = self._vector_args[vector] = protocol.vector_args(vector)
+            args = self._vector_args[vector] = vector_args(vector)
         return args
 
     def forget_registrations(self) -> None:
@@ -590,11 +616,11 @@ class RedisL2:
         """
         versioned = vector is not None
         if versioned and l1_id is not None:
-            value = protocol.l1_id_line(l1_id) + value
+            value = l1_id_line(l1_id) + value
         keys = (
             self._versioned_keys(tenant, digest_hex)
             if versioned
-            else protocol.l2_keys(self.cache, tenant, digest_hex)
+            else l2_keys(self.cache, tenant, digest_hex)
         )
         args: list[Any] = [
             value,
@@ -643,7 +669,7 @@ class RedisL2:
         try:
             # a few round trips to two slots, so it gets a longer bound
             async with asyncio.timeout(DEFAULT_REGISTER_TIMEOUT_S):
-                await protocol.register_tenant(setup, self.cache, tenant)
+                await register_tenant(setup, self.cache, tenant)
         except Exception as exc:  # a cache fault must never fail a request
             self.counters.errors += 1
             self._fail(breaker, f"register {tenant}: {type(exc).__name__}: {exc}")
@@ -658,7 +684,7 @@ class RedisL2:
         recently used entries go until its bytes fit (in bounded script calls,
         at most :data:`SET_LIMIT_MAX_CALLS` of :data:`SET_LIMIT_BATCH` entries).
         """
-        keys = protocol.l2_meta_keys(self.cache, tenant)
+        keys = l2_meta_keys(self.cache, tenant)
         args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH)
         if tenant in self._touches:
             await self._send_touches(tenant)
@@ -683,7 +709,7 @@ class RedisL2:
         Reclaims up to ``max_evict`` expired entries first, so the bytes of
         expired entries do not linger in the count.
         """
-        keys = protocol.l2_meta_keys(self.cache, tenant)
+        keys = l2_meta_keys(self.cache, tenant)
         reply = await self._run(_USAGE, keys, (self.default_limit_bytes, self.max_evict))
         if reply is _FAILED:
             return (0, 0)
@@ -705,8 +731,8 @@ class RedisL2:
         a read would; off the request path, so ``timeout_s`` bounds it, not the
         per-operation budget. The LRU order is as of the last batched touches.
         """
-        lru = protocol.lru_key(self.cache, tenant)
-        fence_key = protocol.tenant_epochs_key(self.cache, tenant)
+        lru = lru_key(self.cache, tenant)
+        fence_key = tenant_epochs_key(self.cache, tenant)
         breaker = self.breaker_for(self._client.address_for(lru))
         if limit <= 0 or not breaker.allow():
             return None

@@ -37,8 +37,19 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from . import protocol
 from .admission import Admission
+from .contract.promql import (
+    METRIC_POLICY_CURVE_HITS,
+    METRIC_POLICY_CURVE_REQUESTS,
+    METRIC_REQUEST_DURATION,
+    METRIC_REQUESTS,
+    METRIC_REUSE_COLD_BYTES,
+    METRIC_REUSE_DISTANCE,
+    METRIC_SAVED_COST,
+    METRIC_SAVED_MODEL_SECONDS,
+    METRIC_SAVED_TOKENS,
+    METRIC_UPSTREAM_DURATION,
+)
 from .mrc import MissRatioCurves
 from .savings import Saved
 
@@ -312,7 +323,7 @@ def _histogram_lines(name: str, labels: str, hist: Histogram) -> list[str]:
 
 def _requests_text(labels: str, tm: TenantMetrics) -> list[str]:
     return [
-        f'{protocol.METRIC_REQUESTS}{{{labels},tier="{tier}",result="{result}"}} {count}\n'
+        f'{METRIC_REQUESTS}{{{labels},tier="{tier}",result="{result}"}} {count}\n'
         for (tier, result), count in list(tm.requests.items())
     ]
 
@@ -320,14 +331,14 @@ def _requests_text(labels: str, tm: TenantMetrics) -> list[str]:
 def _latency_text(labels: str, tm: TenantMetrics) -> list[str]:
     out: list[str] = []
     for tier, hist in list(tm.latency.items()):
-        out += _histogram_lines(protocol.METRIC_REQUEST_DURATION, f'{labels},tier="{tier}"', hist)
+        out += _histogram_lines(METRIC_REQUEST_DURATION, f'{labels},tier="{tier}"', hist)
     return out
 
 
 def _upstream_text(labels: str, tm: TenantMetrics) -> list[str]:
     if not any(tm.upstream.counts):
         return []
-    return _histogram_lines(protocol.METRIC_UPSTREAM_DURATION, labels, tm.upstream)
+    return _histogram_lines(METRIC_UPSTREAM_DURATION, labels, tm.upstream)
 
 
 def _evictions_text(labels: str, tm: TenantMetrics) -> list[str]:
@@ -356,7 +367,7 @@ def _saved_text(labels: str, tm: TenantMetrics) -> list[str]:
 
 def _saved_seconds_text(labels: str, tm: TenantMetrics) -> list[str]:
     return [
-        f'{protocol.METRIC_SAVED_MODEL_SECONDS}{{{labels},model="{_esc(m)}"}} {s.model_seconds!r}\n'
+        f'{METRIC_SAVED_MODEL_SECONDS}{{{labels},model="{_esc(m)}"}} {s.model_seconds!r}\n'
         for m, s in list(tm.saved.items())
     ]
 
@@ -376,8 +387,6 @@ def _ignored_text(labels: str, tm: TenantMetrics) -> list[str]:
     ]
 
 
-METRIC_SAVED_TOKENS = protocol.METRIC_SAVED_TOKENS
-METRIC_SAVED_COST = protocol.METRIC_SAVED_COST
 METRIC_DIRECTIVES_IGNORED = "cachefleet_cache_control_ignored_total"
 HELP_SAVED_TOKENS = (
     "Tokens not sent to the model because a cache hit answered, by model and kind "
@@ -406,13 +415,13 @@ HELP_EVICTIONS = "Entries evicted to stay within a tenant's quota."
 
 #: The per-tenant families as text: (name, type, help, lines of one tenant).
 _TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str]]], ...] = (
-    (protocol.METRIC_REQUESTS, "counter", HELP_REQUESTS, _requests_text),
-    (protocol.METRIC_REQUEST_DURATION, "histogram", HELP_LATENCY, _latency_text),
-    (protocol.METRIC_UPSTREAM_DURATION, "histogram", HELP_UPSTREAM, _upstream_text),
+    (METRIC_REQUESTS, "counter", HELP_REQUESTS, _requests_text),
+    (METRIC_REQUEST_DURATION, "histogram", HELP_LATENCY, _latency_text),
+    (METRIC_UPSTREAM_DURATION, "histogram", HELP_UPSTREAM, _upstream_text),
     ("cachefleet_evictions_total", "counter", HELP_EVICTIONS, _evictions_text),
     (METRIC_L3_SHADOW, "counter", HELP_L3_SHADOW, _shadow_text),
     (METRIC_SAVED_TOKENS, "counter", HELP_SAVED_TOKENS, _saved_text),
-    (protocol.METRIC_SAVED_MODEL_SECONDS, "counter", HELP_SAVED_SECONDS, _saved_seconds_text),
+    (METRIC_SAVED_MODEL_SECONDS, "counter", HELP_SAVED_SECONDS, _saved_seconds_text),
     (METRIC_SAVED_COST, "counter", HELP_SAVED_COST, _saved_cost_text),
     (METRIC_DIRECTIVES_IGNORED, "counter", HELP_DIRECTIVES_IGNORED, _ignored_text),
 )
@@ -433,7 +442,7 @@ TenantItems = Sequence[tuple[str, TenantMetrics]]
 
 def _requests(cache: str, tenants: TenantItems) -> Metric:
     reqs = CounterMetricFamily(
-        protocol.METRIC_REQUESTS.removesuffix("_total"),
+        METRIC_REQUESTS.removesuffix("_total"),
         HELP_REQUESTS,
         labels=["cache", "tenant", "tier", "result"],
     )
@@ -445,7 +454,7 @@ def _requests(cache: str, tenants: TenantItems) -> Metric:
 
 def _latency(cache: str, tenants: TenantItems) -> Metric:
     lat = HistogramMetricFamily(
-        protocol.METRIC_REQUEST_DURATION,
+        METRIC_REQUEST_DURATION,
         HELP_LATENCY,
         labels=["cache", "tenant", "tier"],
         unit="",
@@ -458,7 +467,7 @@ def _latency(cache: str, tenants: TenantItems) -> Metric:
 
 def _upstream(cache: str, tenants: TenantItems) -> Metric:
     up = HistogramMetricFamily(
-        protocol.METRIC_UPSTREAM_DURATION,
+        METRIC_UPSTREAM_DURATION,
         HELP_UPSTREAM,
         labels=["cache", "tenant"],
     )
@@ -495,7 +504,7 @@ def _saved(cache: str, tenants: TenantItems) -> Metric:
 
 def _saved_seconds(cache: str, tenants: TenantItems) -> Metric:
     fam = CounterMetricFamily(
-        protocol.METRIC_SAVED_MODEL_SECONDS.removesuffix("_total"),
+        METRIC_SAVED_MODEL_SECONDS.removesuffix("_total"),
         HELP_SAVED_SECONDS,
         labels=["cache", "tenant", "model"],
     )
@@ -677,15 +686,15 @@ def admission_families(cache: str, state: Admission) -> Iterator[Metric]:
 
 
 def reuse_families(cache: str, curves: MissRatioCurves) -> Iterator[Metric]:
-    """The per-tenant reuse-distance histograms (:data:`protocol.METRIC_REUSE_DISTANCE`)."""
+    """The per-tenant reuse-distance histograms (:data:`METRIC_REUSE_DISTANCE`)."""
     family = HistogramMetricFamily(
-        protocol.METRIC_REUSE_DISTANCE,
+        METRIC_REUSE_DISTANCE,
         "Estimated cacheable requests by the LRU partition bytes that would have made them "
         "hits (SHARDS sample; first accesses only in +Inf).",
         labels=["cache", "tenant"],
     )
     cold = CounterMetricFamily(
-        protocol.METRIC_REUSE_COLD_BYTES.removesuffix("_total"),
+        METRIC_REUSE_COLD_BYTES.removesuffix("_total"),
         "Estimated bytes of first accesses: how much distinct data a tenant has shown.",
         labels=["cache", "tenant"],
     )
@@ -704,12 +713,12 @@ def reuse_families(cache: str, curves: MissRatioCurves) -> Iterator[Metric]:
         cold.add_metric([cache, tenant], snap.cold_bytes)
     yield from (family, cold, sampled)
     hits = CounterMetricFamily(
-        protocol.METRIC_POLICY_CURVE_HITS.removesuffix("_total"),
+        METRIC_POLICY_CURVE_HITS.removesuffix("_total"),
         "Estimated hits of the tenant's own policy simulated at size_bytes (mini-simulation).",
         labels=["cache", "tenant", "policy", "size_bytes"],
     )
     looked = CounterMetricFamily(
-        protocol.METRIC_POLICY_CURVE_REQUESTS.removesuffix("_total"),
+        METRIC_POLICY_CURVE_REQUESTS.removesuffix("_total"),
         "Estimated requests behind the mini-simulation's hits.",
         labels=["cache", "tenant", "policy"],
     )

@@ -53,8 +53,8 @@ from urllib.parse import unquote, urlsplit
 
 import httptools
 
+from .contract.urls import redact_url
 from .entry import REQUEST_DROP
-from .protocol import redact_url
 
 #: Seconds to open a connection to the upstream.
 DEFAULT_CONNECT_TIMEOUT_S = 5.0

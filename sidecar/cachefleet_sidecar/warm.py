@@ -4,7 +4,7 @@ A rollout or a scale-out starts pods with an empty L1; without a warm-up
 every one of them sends its first requests of every popular prompt to L2
 (or upstream). With ``--warm-bytes`` set, a sidecar with Redis reads, for
 each of its known tenants, the entries L2 used most recently (the tenant's
-LRU sorted set, :func:`cachefleet_sidecar.protocol.lru_key`: a fine proxy for
+LRU sorted set, :func:`cachefleet_sidecar.contract.names.lru_key`: a fine proxy for
 "most requested") and puts them in its L1, before ``/readyz`` says ready:
 
 * bounded in bytes (``--warm-bytes`` over all tenants, and each tenant's own
@@ -18,7 +18,7 @@ LRU sorted set, :func:`cachefleet_sidecar.protocol.lru_key`: a fine proxy for
   namespace, no fence field ahead of them (key purges included), a
   well-formed entry of that tenant; anything else is skipped and counted by
   reason. Entries written by sidecars older than the L1-key line
-  (:func:`cachefleet_sidecar.protocol.split_l1_id`) cannot be warmed (skipped
+  (:func:`cachefleet_sidecar.contract.versioned.split_l1_id`) cannot be warmed (skipped
   as ``no_l1_key``).
 
 :class:`WarmReport` is what ``/status`` shows under ``warmup``.
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.versioned import entry_head, split_l1_id
 from cachefleet_sidecar.entry import Entry
 from cachefleet_sidecar.epochs import EpochTracker
 
@@ -101,11 +101,11 @@ def judge(
     if model is None:
         return "corrupt"
     vector = tracker.vector(tenant, model, namespace or "")
-    if protocol.entry_head(vector) != head + newline:
+    if entry_head(vector) != head + newline:
         return "stale"
     if any(fence.get(scope, 0) > epoch for scope, epoch in vector):
         return "behind"
-    l1_id, entry = protocol.split_l1_id(rest)
+    l1_id, entry = split_l1_id(rest)
     if l1_id is None:
         return "no_l1_key"
     return l1_id, entry

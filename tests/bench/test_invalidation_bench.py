@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cachefleet_bench import invalidation
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.ops import live_members, read_acks
 
 
 @pytest.mark.bench
@@ -18,10 +19,10 @@ async def test_minimal_subscribers_acknowledge_every_invalidation_and_leave(
     assert incomplete == 0
     assert len(times) == 5
     assert all(t > 0 for t in times)
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         # gone at once (not after a heartbeat's expiry): a later phase must not wait for them
-        assert await protocol.live_members(client, invalidation.CACHE) == []
-        assert await protocol.read_acks(client, invalidation.CACHE) == {}
+        assert await live_members(client, invalidation.CACHE) == []
+        assert await read_acks(client, invalidation.CACHE) == {}
     finally:
         await client.aclose()

@@ -2,7 +2,7 @@
 
 ``promtool test rules`` runs the rendered recording rules and alerts over
 synthetic series shaped like the sidecar's, and checks that the recorded
-hit ratio and p95 equal what :mod:`cachefleet_sidecar.protocol`'s PromQL (the
+hit ratio and p95 equal what :mod:`cachefleet_sidecar.contract.promql`'s PromQL (the
 operator's own queries) gives for one cache.
 """
 
@@ -18,10 +18,16 @@ from typing import Any
 import pytest
 import yaml
 
+import cachefleet_sidecar
 from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import Sidecar
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.contract.promql import (
+    METRIC_REQUEST_DURATION,
+    METRIC_REQUESTS,
+    promql_hit_ratio,
+    promql_p95_seconds,
+)
 from cachefleet_sidecar.l2 import L2Counters
 from cachefleet_sidecar.metrics import TierUsage
 
@@ -63,8 +69,8 @@ def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
 @pytest.mark.prometheus
 def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
     t = {"cache": CACHE, "tenant": "acme", "namespace": "inference", "pod": "vllm-0"}
-    reqs = protocol.METRIC_REQUESTS
-    bucket = protocol.METRIC_REQUEST_DURATION + "_bucket"
+    reqs = METRIC_REQUESTS
+    bucket = METRIC_REQUEST_DURATION + "_bucket"
     series = [
         # 40 hits and 40 misses a minute: hit ratio 0.5; 10 bypasses do not count
         _series(reqs, {**t, "tier": "l1", "result": "hit"}, "0+40x30"),
@@ -94,7 +100,7 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
             },
             # the operator's own query gives the same number
             {
-                "expr": protocol.promql_hit_ratio(CACHE, "5m"),
+                "expr": promql_hit_ratio(CACHE, "5m"),
                 "eval_time": "10m",
                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 0.5}],
             },
@@ -109,7 +115,7 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
                 ],
             },
             {
-                "expr": protocol.promql_p95_seconds(CACHE, "5m"),
+                "expr": promql_p95_seconds(CACHE, "5m"),
                 "eval_time": "10m",
                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 2.425}],
             },
@@ -246,7 +252,7 @@ def exported_metric_names() -> set[str]:
         for s in fam.samples
     }
     # gauges that only appear with a GPU: names from their definitions
-    source = (Path(protocol.__file__).parent / "telemetry.py").read_text()
+    source = (Path(cachefleet_sidecar.__file__).parent / "telemetry.py").read_text()
     names |= set(re.findall(r'"(cachefleet_gpu_[a-z_]+)"', source))
     return names
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import entry_key
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT, answer, metric
@@ -25,12 +26,12 @@ from .test_sidecar import CHAT, answer, metric
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
-def quotas(generation: int = 1, **tenants: protocol.TenantQuota) -> protocol.QuotaAssignment:
-    return protocol.QuotaAssignment(generation=generation, tenants=tenants)
+def quotas(generation: int = 1, **tenants: TenantQuota) -> QuotaAssignment:
+    return QuotaAssignment(generation=generation, tenants=tenants)
 
 
-def quota(**fields: object) -> protocol.TenantQuota:
-    return protocol.TenantQuota(l1_bytes=4 << 20, l2_bytes=1 << 20, **fields)  # type: ignore[arg-type]
+def quota(**fields: object) -> TenantQuota:
+    return TenantQuota(l1_bytes=4 << 20, l2_bytes=1 << 20, **fields)  # type: ignore[arg-type]
 
 
 async def hit_aged(
@@ -251,7 +252,7 @@ async def test_ttl_and_age_hold_through_l2_and_the_key_names_the_redis_entry(
     key = first.headers["x-cache-key"]
     await wait_until(lambda: pod_a.sidecar.l2.counters.stores >= 1, timeout_s=20.0)
     # the digest X-Cache-Key gives is the one the entry's Redis key is named by
-    entry = protocol.entry_key("test/cache", "acme", key)
+    entry = entry_key("test/cache", "acme", key)
     async with Redis.from_url(redis_url) as r:
         assert await r.exists(entry) == 1
         assert 0 < await r.pttl(entry) <= 2000  # the write's expiry follows the TTL

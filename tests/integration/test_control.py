@@ -9,17 +9,26 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 
 from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar import protocol
-from cachefleet_sidecar.control import ControlSync
-from cachefleet_sidecar.epochs import EpochTracker
-from cachefleet_sidecar.protocol import (
+from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url
+from cachefleet_sidecar.contract.lua import PUBLISH_QUOTAS_LUA
+from cachefleet_sidecar.contract.messages import (
     ControlMessage,
+    EpochAck,
     Heartbeat,
-    Policy,
     QuotaAssignment,
-    RedisClient,
     TenantQuota,
 )
+from cachefleet_sidecar.contract.names import Policy, control_channel, quotas_key, tombstone_key
+from cachefleet_sidecar.contract.ops import (
+    advance_epoch,
+    live_members,
+    publish_epochs,
+    publish_quotas,
+    read_acks,
+)
+from cachefleet_sidecar.contract.urls import parse_redis_url
+from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.epochs import EpochTracker
 
 CACHE = "team-a/chat"
 #: Bound of every "eventually" below, seconds.
@@ -58,7 +67,7 @@ def backend_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 async def operator_client(backend_url: str) -> AsyncIterator[RedisClient]:
     """What the operator would hold: a client for the same URL."""
-    client = protocol.redis_from_url(backend_url)
+    client = redis_from_url(backend_url)
     yield client
     await client.aclose()
 
@@ -88,7 +97,7 @@ async def test_published_quotas_reach_the_sidecar_by_message(
     await eventually(lambda: sync.connected, "subscription")
 
     sent = assignment(1)
-    assert await protocol.publish_quotas(operator_client, CACHE, sent) == 1
+    assert await publish_quotas(operator_client, CACHE, sent) == 1
     took = await eventually(lambda: len(applied) == 1, "quota generation 1")
 
     assert took < 1.0  # by pub/sub, not by the 30 s resync
@@ -101,17 +110,17 @@ async def test_missed_message_is_caught_up_by_resync(
 ) -> None:
     applied: list[QuotaAssignment] = []
     # Written before the sidecar starts: nobody was listening.
-    await protocol.publish_quotas(operator_client, CACHE, assignment(3))
+    await publish_quotas(operator_client, CACHE, assignment(3))
     sync = make_sync("pod-a", applied.append, resync_interval_s=0.3)
     await sync.start()
     await eventually(lambda: [a.generation for a in applied] == [3], "initial catch-up")
 
     # Stored without any message at all (as if the message were lost).
     await operator_client.eval(
-        protocol.PUBLISH_QUOTAS_LUA,
+        PUBLISH_QUOTAS_LUA,
         2,
-        protocol.quotas_key(CACHE),
-        protocol.tombstone_key(CACHE),
+        quotas_key(CACHE),
+        tombstone_key(CACHE),
         "4",
         assignment(4, l2_bytes=2000).model_dump_json(),
     )
@@ -128,23 +137,23 @@ async def test_older_generation_is_ignored(
     sync = make_sync("pod-a", applied.append, resync_interval_s=30.0, on_message=messages.append)
     await sync.start()
     await eventually(lambda: sync.connected, "subscription")
-    await protocol.publish_quotas(operator_client, CACHE, assignment(5))
+    await publish_quotas(operator_client, CACHE, assignment(5))
     await eventually(lambda: len(applied) == 1, "generation 5")
 
     # A stale operator: the script keeps the newer generation and says so.
-    assert await protocol.publish_quotas(operator_client, CACHE, assignment(3)) == 5
+    assert await publish_quotas(operator_client, CACHE, assignment(3)) == 5
     # A writer that bypasses the script and announces an older generation.
     await operator_client.hset(
-        protocol.quotas_key(CACHE),
+        quotas_key(CACHE),
         mapping={"generation": "4", "assignment": assignment(4).model_dump_json()},
     )
     stale = ControlMessage(kind="quotas", generation=4).model_dump_json()
-    await operator_client.publish(protocol.control_channel(CACHE), stale)
+    await operator_client.publish(control_channel(CACHE), stale)
     await eventually(lambda: len(messages) == 2, "the stale notice")
     assert not await sync.resync()
     assert [a.generation for a in applied] == [5]
 
-    await protocol.publish_quotas(operator_client, CACHE, assignment(6))
+    await publish_quotas(operator_client, CACHE, assignment(6))
     await eventually(lambda: [a.generation for a in applied] == [5, 6], "generation 6")
 
 
@@ -164,7 +173,7 @@ async def test_heartbeats_are_visible_and_expire(
     members: list[Heartbeat] = []
 
     async def poll() -> list[str]:
-        members[:] = await protocol.live_members(operator_client, CACHE)
+        members[:] = await live_members(operator_client, CACHE)
         return [m.pod for m in members]
 
     deadline = time.monotonic() + WAIT_S
@@ -201,17 +210,17 @@ def own_redis() -> Iterator[RedisServer]:
 async def test_sync_survives_a_redis_restart(own_redis: RedisServer) -> None:
     applied: list[QuotaAssignment] = []
     sync = ControlSync(own_redis.url, CACHE, "pod-a", applied.append, resync_interval_s=30.0)
-    operator = protocol.redis_from_url(own_redis.url)
+    operator = redis_from_url(own_redis.url)
     try:
         await sync.start()
         await eventually(lambda: sync.connected, "subscription")
-        await protocol.publish_quotas(operator, CACHE, assignment(1))
+        await publish_quotas(operator, CACHE, assignment(1))
         await eventually(lambda: len(applied) == 1, "generation 1")
 
         own_redis.kill()
         await eventually(lambda: not sync.connected, "noticing the loss")
         own_redis.restart()  # empty: no persistence
-        await protocol.publish_quotas(operator, CACHE, assignment(2))
+        await publish_quotas(operator, CACHE, assignment(2))
 
         # Either the message or the re-read after re-subscribing delivers it,
         # long before the 30 s periodic resync.
@@ -232,10 +241,10 @@ async def test_failing_callback_is_retried_on_next_resync(redis_url: str) -> Non
         if len(calls) == 1:
             raise RuntimeError("not ready yet")
 
-    operator = protocol.redis_from_url(redis_url)
+    operator = redis_from_url(redis_url)
     sync = ControlSync(redis_url, CACHE, "pod-a", flaky, resync_interval_s=0.2)
     try:
-        await protocol.publish_quotas(operator, CACHE, assignment(1))
+        await publish_quotas(operator, CACHE, assignment(1))
         await sync.start()
         await eventually(lambda: sync.applied_generation == 1, "retry of generation 1")
         assert calls[:2] == [1, 1]
@@ -251,7 +260,7 @@ async def test_an_ack_that_fails_is_written_again_by_the_poll_it_asks_for(redis_
     what was acknowledged and pokes the epoch poll, whose ack reloads the
     script. The regular poll is an hour away, so only the poke can do it."""
     tracker = EpochTracker()
-    operator = protocol.redis_from_url(redis_url)
+    operator = redis_from_url(redis_url)
     sync = ControlSync(
         redis_url, CACHE, "pod-a", lambda _a: None, tracker=tracker, epoch_poll_s=3600.0
     )
@@ -260,12 +269,12 @@ async def test_an_ack_that_fails_is_written_again_by_the_poll_it_asks_for(redis_
         await eventually(lambda: sync.acks_written >= 1, "the first acknowledgement")
         written, errors = sync.acks_written, sync.errors
         await operator.script_flush()
-        epoch = await protocol.advance_epoch(operator, CACHE, "cache")
-        await protocol.publish_epochs(operator, CACHE, {"cache": epoch})
-        acks: dict[str, protocol.EpochAck] = {}
+        epoch = await advance_epoch(operator, CACHE, "cache")
+        await publish_epochs(operator, CACHE, {"cache": epoch})
+        acks: dict[str, EpochAck] = {}
 
         async def acked() -> bool:
-            acks.update(await protocol.read_acks(operator, CACHE))
+            acks.update(await read_acks(operator, CACHE))
             return "pod-a" in acks and acks["pod-a"].epochs.get("cache") == epoch
 
         started = time.monotonic()
@@ -281,18 +290,18 @@ async def test_an_ack_that_fails_is_written_again_by_the_poll_it_asks_for(redis_
 
 
 def test_redis_url_convention() -> None:
-    single = protocol.parse_redis_url("redis://:s3cret@127.0.0.1:7000/2")
+    single = parse_redis_url("redis://:s3cret@127.0.0.1:7000/2")
     assert (single.cluster, single.nodes, single.db, single.password) == (
         False,
         (("127.0.0.1", 7000),),
         2,
         "s3cret",
     )
-    many = protocol.parse_redis_url("rediss+cluster://u:p@10.0.0.1:7000,10.0.0.2")
+    many = parse_redis_url("rediss+cluster://u:p@10.0.0.1:7000,10.0.0.2")
     assert many.cluster
     assert many.tls
     assert many.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 6379))
     assert many.username == "u"
-    assert protocol.parse_redis_url("redis://h:1", cluster=True).cluster
+    assert parse_redis_url("redis://h:1", cluster=True).cluster
     with pytest.raises(ValueError):
-        protocol.parse_redis_url("http://h:1")
+        parse_redis_url("http://h:1")

@@ -35,7 +35,9 @@ import pytest
 from cachefleet_e2e.services import RedisServer, free_port
 from cachefleet_e2e.truth import Read, VersionedUpstream, stale_reads
 from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.names import members_key
+from cachefleet_sidecar.contract.ops import advance_epoch, publish_epochs, read_acks, read_epochs
 from cachefleet_sidecar.epochs import tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
@@ -86,16 +88,16 @@ async def fleet(factory: SidecarFactory, url: str, upstream: str, n: int) -> lis
 
 
 async def test_concurrent_invalidators_never_lose_a_step(any_redis: str) -> None:
-    clients = [protocol.redis_from_url(any_redis) for _ in range(4)]
+    clients = [redis_from_url(any_redis) for _ in range(4)]
     try:
 
         async def bump_many(client: Any) -> list[int]:
-            return [await protocol.advance_epoch(client, CACHE, "cache") for _ in range(10)]
+            return [await advance_epoch(client, CACHE, "cache") for _ in range(10)]
 
         results = await asyncio.gather(*(bump_many(c) for c in clients))
         handed_out = sorted(itertools.chain.from_iterable(results))
         assert handed_out == list(range(1, 41))  # every step once, none lost
-        assert await protocol.read_epochs(clients[0], CACHE) == {"cache": 40}
+        assert await read_epochs(clients[0], CACHE) == {"cache": 40}
     finally:
         for client in clients:
             await client.aclose()
@@ -222,10 +224,10 @@ async def test_lost_notice_and_dropped_pubsub_are_caught_up_by_the_poll(
     sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
 ) -> None:
     (a,) = await fleet(sidecar_factory, redis_url, truth.url, 1)
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         # a notice that never comes: CAS without publishing
-        epoch = await protocol.advance_epoch(client, CACHE, "cache")
+        epoch = await advance_epoch(client, CACHE, "cache")
         async with invalidator(redis_url) as inv:
             result = await inv.await_acks("cache", epoch, timeout_s=ACK_TIMEOUT_S)
             assert result.completed
@@ -252,12 +254,12 @@ async def test_duplicated_and_reordered_notices_change_nothing(
     await ask(a, "q")
     assert await ask(a, "q") == (1, "HIT-L1")
     version = a.sidecar.scope_version
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         for epochs in ({"cache": 3}, {"cache": 3}, {"cache": 1}, {"cache": 2}):
-            await protocol.publish_epochs(client, CACHE, epochs)
+            await publish_epochs(client, CACHE, epochs)
         await asyncio.sleep(0.3)
-        acks = await protocol.read_acks(client, CACHE)
+        acks = await read_acks(client, CACHE)
     finally:
         await client.aclose()
     assert a.sidecar.tracker.known == {"cache": 3}
@@ -282,13 +284,13 @@ async def test_redis_restart_never_sends_epochs_back_and_l1_stops_when_unconfirm
         assert not a.sidecar.tracker.fresh()
         assert await ask(a, "q") == (1, "MISS")
         redis.restart()  # no persistence: the epoch hash is gone
-        client = protocol.redis_from_url(redis.url)
+        client = redis_from_url(redis.url)
         try:
             deadline = time.monotonic() + ACK_TIMEOUT_S
-            while await protocol.read_epochs(client, CACHE) != {"cache": 2}:
+            while await read_epochs(client, CACHE) != {"cache": 2}:
                 assert time.monotonic() < deadline, "the sidecar did not restore the epochs"
                 await asyncio.sleep(0.05)
-            assert await protocol.advance_epoch(client, CACHE, "cache") == 3
+            assert await advance_epoch(client, CACHE, "cache") == 3
         finally:
             await client.aclose()
         assert a.server.control.restores >= 1
@@ -339,10 +341,10 @@ def sidecar_process(truth: VersionedUpstream, redis_url: str) -> Iterator[subpro
 async def test_paused_sidecar_is_reported_lagging_then_completes(
     sidecar_process: subprocess.Popen[bytes], redis_url: str
 ) -> None:
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         deadline = time.monotonic() + 10.0
-        while "paused-pod" not in await protocol.read_acks(client, CACHE):
+        while "paused-pod" not in await read_acks(client, CACHE):
             assert time.monotonic() < deadline, "the sidecar process never acknowledged"
             await asyncio.sleep(0.05)
         async with invalidator(redis_url) as inv:
@@ -363,7 +365,7 @@ async def test_paused_sidecar_is_reported_lagging_then_completes(
             paused = await inv.invalidate("cache", timeout_s=0.5)
             assert paused.lagging == ["paused-pod"]
             # gone: its heartbeat expires (made to expire now instead of in 15 s)
-            await client.zadd(protocol.members_key(CACHE), {"paused-pod": time.time() - 1})
+            await client.zadd(members_key(CACHE), {"paused-pod": time.time() - 1})
             gone = await inv.await_acks("cache", paused.epoch, timeout_s=ACK_TIMEOUT_S)
             assert gone.completed
             assert gone.expected == 0

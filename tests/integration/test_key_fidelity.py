@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.versioned import l1_id_line, split_l1_id
 from cachefleet_sidecar.entry import Entry
 
 from .conftest import RunningSidecar, SidecarFactory
@@ -210,7 +211,7 @@ async def test_a_planted_or_corrupt_l2_entry_is_a_counted_miss(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
 ) -> None:
     writer = await sidecar_factory(redis_url=redis_url, pod="pod-a")
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         for variant in VARIANTS:
             before = {k async for k in client.scan_iter(match="cf:*:e:*")}
@@ -223,9 +224,9 @@ async def test_a_planted_or_corrupt_l2_entry_is_a_counted_miss(
             (name,) = added
             stored = bytes(await client.get(name))
             epochs, _, rest = stored.partition(b"\n")
-            l1_id, envelope = protocol.split_l1_id(rest)  # the writer's L1 key, then the entry
+            l1_id, envelope = split_l1_id(rest)  # the writer's L1 key, then the entry
             assert l1_id is not None
-            line = protocol.l1_id_line(l1_id)
+            line = l1_id_line(l1_id)
             planted = _planted(Entry.loads(envelope), variant)
             await client.set(name, epochs + b"\n" + line + planted, keepttl=True)
     finally:

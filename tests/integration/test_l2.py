@@ -10,7 +10,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 
 from cachefleet_e2e.services import RedisCluster, RedisServer, free_port, redis_command
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.lua import L2_FORGET_STALE_LUA
+from cachefleet_sidecar.contract.names import entry_key, l2_keys, lru_key
+from cachefleet_sidecar.contract.versioned import entry_head
 from cachefleet_sidecar.l2 import CORRUPT, CircuitBreaker, RedisL2
 
 CACHE = "team-a/chat"
@@ -208,15 +211,15 @@ async def test_lowering_the_limit_evicts_down_to_it_at_once(make_l2: MakeL2) -> 
 
 
 async def _lru_order(url: str, tenant: str) -> list[bytes]:
-    client = protocol.redis_from_url(url)
+    client = redis_from_url(url)
     try:
-        return list(await client.zrange(protocol.lru_key(CACHE, tenant), 0, -1))
+        return list(await client.zrange(lru_key(CACHE, tenant), 0, -1))
     finally:
         await client.aclose()
 
 
 def _entry(tenant: str, name: str) -> bytes:
-    return protocol.entry_key(CACHE, tenant, digest(name)).encode()
+    return entry_key(CACHE, tenant, digest(name)).encode()
 
 
 async def test_hits_touch_the_lru_in_batches_that_every_sidecar_sees(
@@ -257,11 +260,11 @@ async def test_an_entry_of_other_epochs_is_dropped_unless_rewritten_meanwhile(
     assert await _lru_order(backend_url, "acme") == []
     # the drop is conditional: an entry of the reader's epochs written meanwhile stays
     assert await l2.put("acme", digest("q"), b"new answer", new)
-    client = protocol.redis_from_url(backend_url)
+    client = redis_from_url(backend_url)
     try:
-        keys = protocol.l2_keys(CACHE, "acme", digest("q"))
-        head = protocol.entry_head(new).decode()
-        assert await client.eval(protocol.L2_FORGET_STALE_LUA, len(keys), *keys, head) == 0
+        keys = l2_keys(CACHE, "acme", digest("q"))
+        head = entry_head(new).decode()
+        assert await client.eval(L2_FORGET_STALE_LUA, len(keys), *keys, head) == 0
     finally:
         await client.aclose()
     assert await l2.get("acme", digest("q"), new) == b"new answer"
@@ -409,10 +412,10 @@ def test_breaker_opens_probes_and_closes() -> None:
 
 
 def test_keys_of_one_tenant_share_a_slot() -> None:
-    keys = protocol.l2_keys(CACHE, "alice", digest("q"))
+    keys = l2_keys(CACHE, "alice", digest("q"))
     tags = {key[key.index("{") + 1 : key.index("}")] for key in keys}
     assert len(tags) == 1
-    other = protocol.l2_keys(CACHE, "bob", digest("q"))
+    other = l2_keys(CACHE, "bob", digest("q"))
     assert other[0] != keys[0]
 
 
@@ -464,10 +467,7 @@ async def test_breaker_is_per_node_healthy_nodes_do_not_reset_a_dead_ones() -> N
             for tenant in tenants:
                 assert await l2.put(tenant, digest("q"), b"v")
             dead = ("127.0.0.1", cluster.nodes[0].port)
-            home = {
-                t: l2._client.address_for(protocol.l2_keys(CACHE, t, digest("q"))[0])
-                for t in tenants
-            }
+            home = {t: l2._client.address_for(l2_keys(CACHE, t, digest("q"))[0]) for t in tenants}
             on_dead = [t for t in tenants if home[t] == dead]
             assert 0 < len(on_dead) < len(tenants)
             cluster.nodes[0].kill()

@@ -27,7 +27,10 @@ import pytest
 
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract import ops
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.names import entry_key
+from cachefleet_sidecar.contract.ops import log_purge, purge_fence
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope
 from cachefleet_sidecar.l2 import RedisL2
 from tests.integration.conftest import RunningSidecar, SidecarFactory
@@ -80,11 +83,11 @@ async def l2_digest(url: str, tenant: str, prompt: str) -> str:
 
     Waits (bounded) for the sidecar's background L2 write.
     """
-    client = protocol.redis_from_url(url)
+    client = redis_from_url(url)
     try:
         deadline = time.monotonic() + SETTLE_S
         while time.monotonic() < deadline:
-            async for raw in client.scan_iter(match=protocol.entry_key(CACHE, tenant, "*")):
+            async for raw in client.scan_iter(match=entry_key(CACHE, tenant, "*")):
                 key = raw.decode()
                 value = await client.get(key)
                 if value is not None and f'"{prompt}@v'.encode() in value:
@@ -200,11 +203,11 @@ async def test_a_sidecar_that_missed_trimmed_purges_empties_its_l1(
     (a,) = await fleet(sidecar_factory, redis_url, truth.url, 1)
     assert await ask(a, "kept") == (1, "MISS")
     assert await ask(a, "kept") == (1, "HIT-L1")
-    monkeypatch.setattr(protocol, "PURGE_LOG_MAX", 1)
-    client = protocol.redis_from_url(redis_url)
+    monkeypatch.setattr(ops, "PURGE_LOG_MAX", 1)
+    client = redis_from_url(redis_url)
     try:  # two purges logged, no announcement: the log keeps only the last
-        await protocol.log_purge(client, CACHE, "01" * 32)
-        await protocol.log_purge(client, CACHE, "02" * 32)
+        await log_purge(client, CACHE, "01" * 32)
+        await log_purge(client, CACHE, "02" * 32)
     finally:
         await client.aclose()
     for _ in range(250):  # the epoch poll finds the new number (bounded: 5 s)
@@ -269,13 +272,13 @@ async def test_a_lost_purge_notice_is_caught_up_by_the_poll(
     truth.bump()
     async with invalidator(redis_url) as inv:
         # CAS + log, delete + fence, and no announcement: the notice is "lost"
-        client = protocol.redis_from_url(redis_url)
+        client = redis_from_url(redis_url)
         try:
-            epoch = await protocol.log_purge(client, CACHE, digest)
+            epoch = await log_purge(client, CACHE, digest)
         finally:
             await client.aclose()
         assert inv.lean is not None
-        assert await protocol.purge_fence_lean(inv.lean, CACHE, digest, epoch) == 1
+        assert await purge_fence(inv.lean, CACHE, digest, epoch) == 1
         result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=ACK_TIMEOUT_S)
     assert result.completed
     assert await ask(a, "q") == (2, "MISS")

@@ -1,7 +1,7 @@
 """The sidecar and the operator's Redis calls under the least-privilege ACLs of docs/security.md.
 
 The users are created on the real server with exactly the rules
-:func:`protocol.sidecar_acl` / :func:`protocol.operator_acl` give; the whole
+:func:`sidecar_acl` / :func:`operator_acl` give; the whole
 data and control path then runs as those users, and ``ACL LOG`` must show no
 refusal. The same users are refused what they should not do.
 """
@@ -19,7 +19,18 @@ from redis.exceptions import NoPermissionError, ResponseError
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_operator.publisher import RedisControlPlane
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.acls import operator_acl, sidecar_acl
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import lru_key
+from cachefleet_sidecar.contract.ops import (
+    advance_epoch,
+    fence_tenants,
+    live_members,
+    publish_epochs,
+    publish_quotas,
+    read_acks,
+)
 
 from .conftest import SidecarFactory
 from .test_sidecar import CHAT, answer
@@ -45,15 +56,15 @@ async def wait_until(predicate: object, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture
 async def admin(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     assert isinstance(client, aioredis.Redis)
     await client.execute_command(
         "ACL", "SETUSER", "cf-sidecar", "reset", "on", f">{SIDECAR_PASSWORD}",
-        *protocol.sidecar_acl(CACHE),
+        *sidecar_acl(CACHE),
     )  # fmt: skip
     await client.execute_command(
         "ACL", "SETUSER", "cf-operator", "reset", "on", f">{OPERATOR_PASSWORD}",
-        *protocol.operator_acl(),
+        *operator_acl(),
     )  # fmt: skip
     await client.execute_command("ACL", "LOG", "RESET")
     yield client
@@ -84,7 +95,7 @@ async def test_sidecar_and_operator_work_under_least_privilege(
     admin: aioredis.Redis,
 ) -> None:
     sidecar_url = as_user(redis_url, "cf-sidecar", SIDECAR_PASSWORD)
-    operator = protocol.redis_from_url(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
+    operator = redis_from_url(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
     try:
         pod_a = await sidecar_factory(redis_url=sidecar_url, cache=CACHE)
         first = await pod_a.chat("under ACL")
@@ -96,25 +107,25 @@ async def test_sidecar_and_operator_work_under_least_privilege(
         assert upstream.calls[CHAT] == 1
 
         # The operator publishes quotas and runs an invalidation; the sidecars follow and ack.
-        assignment = protocol.QuotaAssignment(
+        assignment = QuotaAssignment(
             generation=3,
-            tenants={"acme": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20)},
+            tenants={"acme": TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20)},
         )
-        await protocol.publish_quotas(operator, CACHE, assignment)
+        await publish_quotas(operator, CACHE, assignment)
         await wait_until(lambda: pod_a.sidecar.quota_generation == 3)
-        epoch = await protocol.advance_epoch(operator, CACHE, "cache")
-        await protocol.fence_tenants(operator, CACHE, {"cache": epoch})
-        await protocol.publish_epochs(operator, CACHE, {"cache": epoch})
+        epoch = await advance_epoch(operator, CACHE, "cache")
+        await fence_tenants(operator, CACHE, {"cache": epoch})
+        await publish_epochs(operator, CACHE, {"cache": epoch})
         await wait_until(lambda: pod_b.sidecar.tracker.known.get("cache") == epoch)
 
         async def acked() -> bool:
-            acks = await protocol.read_acks(operator, CACHE)
+            acks = await read_acks(operator, CACHE)
             return all(
                 pod in acks and acks[pod].epochs.get("cache") == epoch for pod in ("pod-a", "pod-b")
             )
 
         await wait_until(acked)
-        members = await protocol.live_members(operator, CACHE)
+        members = await live_members(operator, CACHE)
         assert {m.pod for m in members} >= {"pod-a", "pod-b"}
         after = await pod_b.chat("under ACL")
         assert after.headers["x-cache"] == "MISS"  # the invalidation reached L2 too
@@ -125,10 +136,10 @@ async def test_sidecar_and_operator_work_under_least_privilege(
 
         # A key purge (operator) applied by both sidecars, and a warm-up, under the same users.
         async def rewritten() -> bool:  # the entry before the invalidation, and the one after
-            return int(await admin.zcard(protocol.lru_key(CACHE, "acme"))) == 2
+            return int(await admin.zcard(lru_key(CACHE, "acme"))) == 2
 
         await wait_until(rewritten)
-        newest = await admin.zrange(protocol.lru_key(CACHE, "acme"), -1, -1)
+        newest = await admin.zrange(lru_key(CACHE, "acme"), -1, -1)
         pod_c = await sidecar_factory(
             redis_url=sidecar_url, cache=CACHE, pod="pod-c", warm_bytes=1 << 20
         )
@@ -155,7 +166,7 @@ async def test_the_sidecar_user_is_refused_everything_else(
 ) -> None:
     await admin.set("other:secret", "x")
     await admin.set("cf:{cf:other/cache}:quotas", "x")
-    client = protocol.redis_from_url(as_user(redis_url, "cf-sidecar", SIDECAR_PASSWORD))
+    client = redis_from_url(as_user(redis_url, "cf-sidecar", SIDECAR_PASSWORD))
     try:
         for command in (
             ("GET", "other:secret"),

@@ -9,7 +9,8 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.ops import advance_epoch, fence_tenants, publish_epochs
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT
@@ -49,11 +50,11 @@ async def test_strict_stops_l1_hits_and_serve_stale_keeps_them_within_its_bound(
             assert (await pod.chat("warm")).headers["x-cache"] == "HIT-L1"
 
         # While Redis answers, serve-stale is no slower to honour an invalidation than strict.
-        admin = protocol.redis_from_url(redis.url)
+        admin = redis_from_url(redis.url)
         try:
-            epoch = await protocol.advance_epoch(admin, "test/cache", "cache")
-            await protocol.fence_tenants(admin, "test/cache", {"cache": epoch})
-            await protocol.publish_epochs(admin, "test/cache", {"cache": epoch})
+            epoch = await advance_epoch(admin, "test/cache", "cache")
+            await fence_tenants(admin, "test/cache", {"cache": epoch})
+            await publish_epochs(admin, "test/cache", {"cache": epoch})
         finally:
             await admin.aclose()
         for pod in (strict, lenient):

@@ -13,7 +13,7 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import RedisServer, free_port, redis_command
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.acls import sidecar_acl
 
 from .conftest import SidecarFactory
 
@@ -44,7 +44,7 @@ def tls_redis(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             "--tls-key-file", str(tmp_path / "redis.key"),
             "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no"]  # fmt: skip
     with RedisServer(extra_args=args) as server:
-        acl = protocol.sidecar_acl("test/cache")
+        acl = sidecar_acl("test/cache")
         reply = redis_command(
             server.port, "ACL", "SETUSER", "cf-sidecar", "on", f">{PASSWORD}", *acl
         )

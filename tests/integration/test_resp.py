@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from cachefleet_e2e.services import RedisCluster, RedisServer, redis_command
-from cachefleet_sidecar import protocol, resp
+from cachefleet_sidecar import resp
+from cachefleet_sidecar.contract.clients import resp_client
 
 INCR_BY_LUA = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
 
@@ -23,7 +24,7 @@ def own_redis() -> Iterator[RedisServer]:
 
 @pytest.fixture
 async def client(redis_url: str) -> AsyncIterator[resp.RespClient]:
-    c = protocol.resp_client(redis_url, command_timeout_s=5.0)
+    c = resp_client(redis_url, command_timeout_s=5.0)
     yield c
     await c.aclose()
 
@@ -116,8 +117,8 @@ async def test_acl_user_and_wrong_password(redis_url: str, redis_server: RedisSe
     )
     assert reply.startswith(b"+OK"), reply
     try:
-        ok = protocol.resp_client(redis_url.replace("redis://", "redis://resp-user:pw-1@"))
-        bad = protocol.resp_client(redis_url.replace("redis://", "redis://resp-user:wrong@"))
+        ok = resp_client(redis_url.replace("redis://", "redis://resp-user:pw-1@"))
+        bad = resp_client(redis_url.replace("redis://", "redis://resp-user:wrong@"))
         try:
             assert await ok.execute("ACL", "WHOAMI") == b"resp-user"
             with pytest.raises(resp.ConnectionLost, match="WRONGPASS"):
@@ -131,7 +132,7 @@ async def test_acl_user_and_wrong_password(redis_url: str, redis_server: RedisSe
 
 @pytest.mark.redis
 async def test_killed_server_fails_fast_and_restart_is_picked_up(own_redis: RedisServer) -> None:
-    client = protocol.resp_client(own_redis.url, command_timeout_s=5.0)
+    client = resp_client(own_redis.url, command_timeout_s=5.0)
     script = resp.Script(INCR_BY_LUA)
     try:
         assert await client.run_script(script, ["n"], [1]) == 1
@@ -156,7 +157,7 @@ async def test_killed_server_fails_fast_and_restart_is_picked_up(own_redis: Redi
 
 @pytest.mark.redis
 async def test_paused_server_times_out_then_replies_stay_matched(own_redis: RedisServer) -> None:
-    client = protocol.resp_client(own_redis.url)
+    client = resp_client(own_redis.url)
     try:
         await client.execute("SET", "a", "A")
         await client.execute("SET", "b", "B")
@@ -175,7 +176,7 @@ async def test_paused_server_times_out_then_replies_stay_matched(own_redis: Redi
 async def test_each_waiting_command_keeps_its_own_deadline(own_redis: RedisServer) -> None:
     # One timer per connection: a short deadline behind a long one still fires on time,
     # and the long one is still answered once the server is back.
-    client = protocol.resp_client(own_redis.url)
+    client = resp_client(own_redis.url)
     try:
         await client.execute("SET", "a", "A")
         own_redis.pause()
@@ -197,7 +198,7 @@ async def test_silent_connection_is_dropped_and_made_again(
     own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(resp, "STALL_S", 0.2)
-    client = protocol.resp_client(own_redis.url)
+    client = resp_client(own_redis.url)
     try:
         assert await client.execute("PING") == b"PONG"
         own_redis.pause()
@@ -220,7 +221,7 @@ async def test_silent_connection_is_dropped_and_made_again(
 async def test_subscriber_receives_and_resubscribes_after_restart(own_redis: RedisServer) -> None:
     got: list[bytes] = []
     subscribed = asyncio.Event()
-    client = protocol.resp_client(own_redis.url)
+    client = resp_client(own_redis.url)
     settings = client.settings
     sub = resp.Subscriber(
         settings, ["chan"], lambda _c, data: got.append(data), on_subscribed=subscribed.set
@@ -257,7 +258,7 @@ async def _true(value: bool) -> bool:
 
 @pytest.mark.redis_cluster
 async def test_cluster_routes_by_slot_and_follows_moved(cluster_url: str) -> None:
-    client = protocol.resp_client(cluster_url, command_timeout_s=5.0)
+    client = resp_client(cluster_url, command_timeout_s=5.0)
     try:
         await client.connect()
         assert client.refreshes == 1
@@ -295,7 +296,7 @@ async def test_cluster_routes_by_slot_and_follows_moved(cluster_url: str) -> Non
 async def test_cluster_follows_ask_during_a_slot_migration(
     cluster_url: str, redis_cluster: RedisCluster
 ) -> None:
-    client = protocol.resp_client(cluster_url, command_timeout_s=5.0)
+    client = resp_client(cluster_url, command_timeout_s=5.0)
     key = "{ask-me}:k"
     slot = resp.key_slot(key)
     try:

@@ -8,9 +8,10 @@ import logging
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import public_status
 from cachefleet_sidecar.config import parse_args
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.urls import parse_redis_url, redact_url
 from cachefleet_sidecar.server import Request
 
 from .conftest import SidecarFactory
@@ -44,25 +45,25 @@ async def test_upstream_credentials_become_basic_auth_and_are_never_shown(
 
 
 def test_redacted_urls() -> None:
-    assert protocol.redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
-    assert protocol.redact_url("rediss://:pw@h:1") == "rediss://:***@h:1"
-    assert protocol.redact_url("http://token@h") == "http://***@h"
-    assert protocol.redact_url("redis+cluster://u:p@a:1,b:2") == "redis+cluster://u:***@a:1,b:2"
-    assert protocol.redact_url("http://h:8000/v1") == "http://h:8000/v1"
+    assert redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0"
+    assert redact_url("rediss://:pw@h:1") == "rediss://:***@h:1"
+    assert redact_url("http://token@h") == "http://***@h"
+    assert redact_url("redis+cluster://u:p@a:1,b:2") == "redis+cluster://u:***@a:1,b:2"
+    assert redact_url("http://h:8000/v1") == "http://h:8000/v1"
     with pytest.raises(ValueError) as info:
-        protocol.parse_redis_url("memcached://u:hunter2@h")
+        parse_redis_url("memcached://u:hunter2@h")
     assert "hunter2" not in str(info.value)
 
 
 def test_rediss_ca_file_reaches_the_client() -> None:
-    target = protocol.parse_redis_url("rediss://cf-sidecar:pw@redis:6380/0?ssl_ca_certs=/ca.pem")
+    target = parse_redis_url("rediss://cf-sidecar:pw@redis:6380/0?ssl_ca_certs=/ca.pem")
     assert (target.tls, target.username, target.password, target.ca_file) == (
         True,
         "cf-sidecar",
         "pw",
         "/ca.pem",
     )
-    client = protocol.redis_from_url("rediss://redis:6380/0?ssl_ca_certs=/ca.pem")
+    client = redis_from_url("rediss://redis:6380/0?ssl_ca_certs=/ca.pem")
     kwargs = client.connection_pool.connection_kwargs  # type: ignore[union-attr]
     assert kwargs["ssl_ca_certs"] == "/ca.pem"
 

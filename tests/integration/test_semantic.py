@@ -22,7 +22,7 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import free_port
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 
 from .conftest import RunningSidecar, SidecarFactory
 
@@ -128,11 +128,11 @@ async def test_opt_in_per_tenant_through_the_quota_table(
 ) -> None:
     sc = await semantic_sidecar(sidecar_factory, semantic_default_on=False)
     sc.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=1,
             tenants={
-                "acme": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0, semantic=True),
-                "globex": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0),
+                "acme": TenantQuota(l1_bytes=1 << 20, l2_bytes=0, semantic=True),
+                "globex": TenantQuota(l1_bytes=1 << 20, l2_bytes=0),
             },
         )
     )
@@ -141,10 +141,10 @@ async def test_opt_in_per_tenant_through_the_quota_table(
         assert (await sc.chat(PARA, tenant=tenant)).headers["x-cache"] == expected, tenant
     # A threshold above any paraphrase's similarity turns acme's hits off.
     sc.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=2,
             tenants={
-                "acme": protocol.TenantQuota(
+                "acme": TenantQuota(
                     l1_bytes=1 << 20, l2_bytes=0, semantic=True, semantic_threshold=1.0
                 )
             },

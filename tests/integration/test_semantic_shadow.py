@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 
 from .conftest import RunningSidecar, SidecarFactory
 
@@ -90,13 +90,13 @@ async def test_shadow_per_tenant_through_the_quota_table(
 ) -> None:
     sc = await started(sidecar_factory, semantic_default_on=False)
     sc.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=1,
             tenants={
-                "acme": protocol.TenantQuota(
+                "acme": TenantQuota(
                     l1_bytes=1 << 20, l2_bytes=0, semantic=True, semantic_shadow=True
                 ),
-                "globex": protocol.TenantQuota(
+                "globex": TenantQuota(
                     l1_bytes=1 << 20, l2_bytes=0, semantic=True, semantic_shadow=False
                 ),
             },
@@ -109,9 +109,9 @@ async def test_shadow_per_tenant_through_the_quota_table(
     assert sum((await shadow_counts(sc, 1)).values()) == 1
     # Serving turned on for acme: the next would-be hit is served.
     sc.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=2,
-            tenants={"acme": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0, semantic=True)},
+            tenants={"acme": TenantQuota(l1_bytes=1 << 20, l2_bytes=0, semantic=True)},
         )
     )
     assert (await sc.chat(PARA + "?", tenant="acme")).headers["x-cache"] == "HIT-L3"

@@ -10,7 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import Policy
 
 from .conftest import RunningSidecar, SidecarFactory
 
@@ -76,13 +77,11 @@ async def test_collapse_whitespace_option_merges_inner_whitespace(
 
 async def test_whitespace_collapse_is_a_per_tenant_option(sidecar: RunningSidecar) -> None:
     sidecar.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=1,
             tenants={
-                "prose": protocol.TenantQuota(
-                    l1_bytes=1 << 20, l2_bytes=0, collapse_whitespace=True
-                ),
-                "code": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0),
+                "prose": TenantQuota(l1_bytes=1 << 20, l2_bytes=0, collapse_whitespace=True),
+                "code": TenantQuota(l1_bytes=1 << 20, l2_bytes=0),
             },
         )
     )
@@ -289,12 +288,12 @@ async def test_one_tenant_cannot_evict_another_within_its_share(
 async def test_operator_quotas_apply(sidecar_factory: SidecarFactory) -> None:
     sc = await sidecar_factory()
     sc.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=3,
-            default_policy=protocol.Policy.LIRS,
+            default_policy=Policy.LIRS,
             tenants={
-                "gold": protocol.TenantQuota(l1_bytes=4 * 1024 * 1024, l2_bytes=1 << 20),
-                "bronze": protocol.TenantQuota(l1_bytes=0, l2_bytes=0, policy=protocol.Policy.LRU),
+                "gold": TenantQuota(l1_bytes=4 * 1024 * 1024, l2_bytes=1 << 20),
+                "bronze": TenantQuota(l1_bytes=0, l2_bytes=0, policy=Policy.LRU),
             },
         )
     )
@@ -308,7 +307,7 @@ async def test_operator_quotas_apply(sidecar_factory: SidecarFactory) -> None:
     assert status["tenants"]["gold"]["policy"] == "lirs"
     assert status["tenants"]["gold"]["l1_quota_bytes"] == 4 * 1024 * 1024
     # An older generation is ignored.
-    sc.sidecar.apply_quotas(protocol.QuotaAssignment(generation=2))
+    sc.sidecar.apply_quotas(QuotaAssignment(generation=2))
     assert sc.sidecar.quota_generation == 3
 
 
@@ -372,11 +371,9 @@ async def test_admin_on_main_port_when_admin_listen_is_off(
 
 async def test_a_tenant_gets_sits_through_its_quota(sidecar: RunningSidecar) -> None:
     sidecar.sidecar.apply_quotas(
-        protocol.QuotaAssignment(
+        QuotaAssignment(
             generation=1,
-            tenants={
-                "t": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0, policy=protocol.Policy.SITS)
-            },
+            tenants={"t": TenantQuota(l1_bytes=1 << 20, l2_bytes=0, policy=Policy.SITS)},
         )
     )
     await sidecar.chat("x", tenant="t")

@@ -10,7 +10,15 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import Policy
+from cachefleet_sidecar.contract.ops import (
+    advance_epoch,
+    live_members,
+    publish_epochs,
+    publish_quotas,
+)
 
 from .conftest import SidecarFactory
 from .test_fast_miss import spy_on_handle
@@ -103,7 +111,7 @@ async def test_corrupt_l2_entry_is_a_miss_not_an_error(
     pod_a = await sidecar_factory(redis_url=redis_url)
     await pod_a.chat("fragile")
     await asyncio.sleep(0.1)
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         keys = [k async for k in client.scan_iter(match="cf:*:e:*")]
         assert len(keys) == 1
@@ -160,18 +168,16 @@ async def test_quotas_published_by_the_operator_reach_the_sidecar(
     sidecar_factory: SidecarFactory, redis_url: str
 ) -> None:
     pod = await sidecar_factory(redis_url=redis_url, cache="team/chat")
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
-        assignment = protocol.QuotaAssignment(
+        assignment = QuotaAssignment(
             generation=7,
             tenants={
-                "gold": protocol.TenantQuota(
-                    l1_bytes=2 << 20, l2_bytes=8 << 20, policy=protocol.Policy.LIRS
-                ),
-                "silver": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20),
+                "gold": TenantQuota(l1_bytes=2 << 20, l2_bytes=8 << 20, policy=Policy.LIRS),
+                "silver": TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20),
             },
         )
-        await protocol.publish_quotas(client, "team/chat", assignment)
+        await publish_quotas(client, "team/chat", assignment)
         await wait_until(lambda: pod.sidecar.quota_generation == 7)
         assert (await pod.chat("hi", tenant="stranger")).status_code == 403
         assert (await pod.chat("hi", tenant="gold")).status_code == 200
@@ -180,7 +186,7 @@ async def test_quotas_published_by_the_operator_reach_the_sidecar(
         assert stats["gold"].capacity_bytes == 2 << 20
 
         async def heartbeat_seen() -> bool:
-            members = await protocol.live_members(client, "team/chat")
+            members = await live_members(client, "team/chat")
             return any(m.pod == "pod-a" and m.quota_generation == 7 for m in members)
 
         await wait_until(heartbeat_seen, 10.0)
@@ -199,10 +205,10 @@ async def test_redis_and_epoch_state_are_metrics(
     assert metric(text, "cachefleet_redis_up") == 1
     assert metric(text, "cachefleet_redis_errors_total") == 0
     assert metric(text, "cachefleet_epochs_confirmed") == 1
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
-        epoch = await protocol.advance_epoch(client, "test/cache", "cache")
-        await protocol.publish_epochs(client, "test/cache", {"cache": epoch})
+        epoch = await advance_epoch(client, "test/cache", "cache")
+        await publish_epochs(client, "test/cache", {"cache": epoch})
     finally:
         await client.aclose()
     await wait_until(lambda: pod.sidecar.tracker.known.get("cache") == epoch)

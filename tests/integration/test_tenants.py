@@ -14,8 +14,10 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import Policy
 from cachefleet_sidecar.identity import TENANT_MEMO_MAX
 from cachefleet_sidecar.metrics import OTHER_TENANT
 from cachefleet_sidecar.server import Request
@@ -205,16 +207,14 @@ async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
     l1_bytes = 1 << 20
     sc = await sidecar_factory(l1_bytes=l1_bytes, max_tenants=8)
     app: Sidecar = sc.sidecar
-    quotas = {"alpha": protocol.TenantQuota(l1_bytes=l1_bytes * 3 // 4, l2_bytes=0)}
-    app.apply_quotas(protocol.QuotaAssignment(generation=1, tenants=quotas))
+    quotas = {"alpha": TenantQuota(l1_bytes=l1_bytes * 3 // 4, l2_bytes=0)}
+    app.apply_quotas(QuotaAssignment(generation=1, tenants=quotas))
     assert (await sc.chat("hello", tenant="customer-1")).status_code == 403  # no defaults
 
-    unlisted = protocol.TenantQuota(
-        l1_bytes=l1_bytes // 4, l2_bytes=0, policy=protocol.Policy.LIRS, priority_class="BestEffort"
+    unlisted = TenantQuota(
+        l1_bytes=l1_bytes // 4, l2_bytes=0, policy=Policy.LIRS, priority_class="BestEffort"
     )
-    app.apply_quotas(
-        protocol.QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted)
-    )
+    app.apply_quotas(QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted))
     await fill(sc, "alpha", 3)
     for i in range(20):
         tenant = f"customer-{i}"
@@ -228,7 +228,7 @@ async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
     assert {s.policy for s in guests.values()} == {"lirs"}
     assert sum(s.capacity_bytes for s in guests.values()) <= l1_bytes // 4
 
-    app.apply_quotas(protocol.QuotaAssignment(generation=3, tenants=quotas))  # defaults gone
+    app.apply_quotas(QuotaAssignment(generation=3, tenants=quotas))  # defaults gone
     assert (await sc.chat("hello", tenant="customer-99")).status_code == 403
 
 
@@ -279,7 +279,7 @@ async def test_guests_never_write_redis(sidecar_factory: SidecarFactory, redis_u
     answers = await flood(sc, 30)
     assert {r.status_code for r in answers} == {200}
     await asyncio.sleep(0.3)  # L2 writes are in the background
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
     finally:
@@ -295,13 +295,13 @@ async def test_tenants_under_defaults_stay_out_of_redis(
 ) -> None:
     # tenantDefaults with no tenant listed: every tenant is unlisted, L1 only.
     sc = await sidecar_factory(redis_url=redis_url, l1_bytes=1 << 20)
-    unlisted = protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=0)
-    sc.sidecar.apply_quotas(protocol.QuotaAssignment(generation=1, default_tenant=unlisted))
+    unlisted = TenantQuota(l1_bytes=1 << 20, l2_bytes=0)
+    sc.sidecar.apply_quotas(QuotaAssignment(generation=1, default_tenant=unlisted))
     for i in range(20):
         assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "MISS"
         assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "HIT-L1"
     await asyncio.sleep(0.3)  # L2 writes are in the background
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
         found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
     finally:

@@ -18,8 +18,12 @@ import pytest
 from cachefleet_e2e.services import free_port
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import lru_key
+from cachefleet_sidecar.contract.ops import publish_quotas
 from cachefleet_sidecar.entry import L1_OVERHEAD_BYTES
+from cachefleet_sidecar.epochs import PURGE_SCOPE
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]
@@ -41,9 +45,9 @@ async def ready(sc: RunningSidecar) -> httpx.Response:
 
 
 async def l2_entries(url: str, tenant: str) -> int:
-    client = protocol.redis_from_url(url)
+    client = redis_from_url(url)
     try:
-        return int(await client.zcard(protocol.lru_key(CACHE, tenant)))
+        return int(await client.zcard(lru_key(CACHE, tenant)))
     finally:
         await client.aclose()
 
@@ -89,16 +93,16 @@ async def test_a_new_sidecar_answers_warmed_entries_from_l1(
         assert resp.json()["version"] == 1
     assert truth.calls == calls  # nothing went upstream
     # a warmed entry is purged like any other
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
-        members = await client.zrange(protocol.lru_key(CACHE, "acme"), -1, -1)
+        members = await client.zrange(lru_key(CACHE, "acme"), -1, -1)
     finally:
         await client.aclose()
     digest = members[0].decode().rpartition(":e:")[2]
     truth.bump()
     async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
         epoch, at = await inv.purge(digest)
-        result = await inv.await_acks(protocol.PURGE_SCOPE, epoch, timeout_s=5.0, started_at=at)
+        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=5.0, started_at=at)
     assert result.completed
     answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS]
     assert answers.count("MISS") == 1
@@ -168,13 +172,13 @@ async def test_the_warm_up_keeps_to_each_tenant_l1_share(
     mine = (await a.admin.get("/status")).json()["tenants"]["acme"]
     per_entry = mine["l1_bytes"] // mine["l1_entries"]
     share = int(2.5 * per_entry)  # room for two entries
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
-        quotas = protocol.QuotaAssignment(
+        quotas = QuotaAssignment(
             generation=1,
-            tenants={"acme": protocol.TenantQuota(l1_bytes=share, l2_bytes=64 << 20)},
+            tenants={"acme": TenantQuota(l1_bytes=share, l2_bytes=64 << 20)},
         )
-        await protocol.publish_quotas(client, CACHE, quotas)
+        await publish_quotas(client, CACHE, quotas)
     finally:
         await client.aclose()
     b = await sidecar_factory(

@@ -16,9 +16,9 @@ from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.injection import SidecarSettings, cache_info, sidecar_container
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar import protocol
 from cachefleet_sidecar.config import parse_args
-from cachefleet_sidecar.protocol import Heartbeat
+from cachefleet_sidecar.contract.messages import Heartbeat
+from cachefleet_sidecar.contract.ops import write_heartbeat
 
 NS, NAME = "default", "chat"
 CACHE = f"{NS}/{NAME}"
@@ -90,8 +90,8 @@ async def test_events_when_a_pods_shedding_starts_and_stops(redis_url: str) -> N
     client = aredis.Redis.from_url(redis_url)
     raw = spec(redis_url, admission={})
     try:
-        await protocol.write_heartbeat(client, CACHE, Heartbeat(pod="p1", shedding=True))
-        await protocol.write_heartbeat(client, CACHE, Heartbeat(pod="p2"))
+        await write_heartbeat(client, CACHE, Heartbeat(pod="p1", shedding=True))
+        await write_heartbeat(client, CACHE, Heartbeat(pod="p2"))
         first = await reconciler.reconcile(NS, NAME, 1, raw, {})
         assert first.status["sidecars"]["shedding"] == ["p1"]
         started = [e for e in first.events if e.reason == "AdmissionShedding"]
@@ -102,7 +102,7 @@ async def test_events_when_a_pods_shedding_starts_and_stops(redis_url: str) -> N
         again = await reconciler.reconcile(NS, NAME, 1, raw, first.status)
         assert not [e for e in again.events if e.reason.startswith("Admission")]
 
-        await protocol.write_heartbeat(client, CACHE, Heartbeat(pod="p1"))
+        await write_heartbeat(client, CACHE, Heartbeat(pod="p1"))
         last = await reconciler.reconcile(NS, NAME, 1, raw, again.status)
         assert "shedding" not in last.status["sidecars"]
         stopped = [e for e in last.events if e.reason == "AdmissionRecovered"]

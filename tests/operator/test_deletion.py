@@ -17,8 +17,24 @@ import redis.asyncio as aredis
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar import protocol
-from cachefleet_sidecar.protocol import EpochAck, Heartbeat
+from cachefleet_sidecar.contract.lua import L2_PUT_VERSIONED_LUA
+from cachefleet_sidecar.contract.messages import EpochAck, Heartbeat
+from cachefleet_sidecar.contract.names import (
+    l2_versioned_keys,
+    members_key,
+    tenant_tombstone_key,
+    tombstone_key,
+)
+from cachefleet_sidecar.contract.ops import (
+    advance_epoch,
+    live_members,
+    read_epochs,
+    register_tenant,
+    restore_epochs,
+    write_ack,
+    write_heartbeat,
+)
+from cachefleet_sidecar.contract.versioned import vector_args
 
 pytestmark = [pytest.mark.redis]
 
@@ -57,18 +73,18 @@ async def keys(client: Any) -> list[str]:
 async def l2_put(client: Any, tenant: str, epochs: dict[str, int]) -> int:
     """A versioned L2 write as the sidecar's L2 store makes it; returns the script's status."""
     vector = tuple(sorted(epochs.items()))
-    keys = protocol.l2_versioned_keys(CACHE, tenant, "ab" * 32)
-    args = [b"value", 60_000, 2**20, 10, *protocol.vector_args(vector)]
-    reply = await client.eval(protocol.L2_PUT_VERSIONED_LUA, len(keys), *keys, *args)
+    keys = l2_versioned_keys(CACHE, tenant, "ab" * 32)
+    args = [b"value", 60_000, 2**20, 10, *vector_args(vector)]
+    reply = await client.eval(L2_PUT_VERSIONED_LUA, len(keys), *keys, *args)
     return int(reply[0])
 
 
 async def sidecar_writes(client: Any, epochs: dict[str, int], tenant: str = "gold") -> int:
     """Everything a running sidecar writes; returns the status of its L2 write."""
-    await protocol.write_heartbeat(client, CACHE, Heartbeat(pod="p1", quota_generation=1))
-    await protocol.write_ack(client, CACHE, EpochAck(pod="p1", epochs=epochs))
-    await protocol.restore_epochs(client, CACHE, epochs)
-    await protocol.register_tenant(client, CACHE, tenant)
+    await write_heartbeat(client, CACHE, Heartbeat(pod="p1", quota_generation=1))
+    await write_ack(client, CACHE, EpochAck(pod="p1", epochs=epochs))
+    await restore_epochs(client, CACHE, epochs)
+    await register_tenant(client, CACHE, tenant)
     return await l2_put(client, tenant, epochs)
 
 
@@ -84,13 +100,13 @@ async def test_delete_then_recreate_starts_clean(redis_url: str) -> None:
         pressure = registry.get_sample_value("cachefleet_operator_slo_pressure", pressure_labels)
         assert pressure == pytest.approx(0.5)
         assert await sidecar_writes(client, {"cache": 4}) == 1  # stored
-        await protocol.advance_epoch(client, CACHE, "cache")
-        assert await protocol.read_epochs(client, CACHE) == {"cache": 5}
+        await advance_epoch(client, CACHE, "cache")
+        assert await read_epochs(client, CACHE) == {"cache": 5}
 
         # delete with a spec that is invalid elsewhere: only spec.redis is needed
         removed = await reconciler.cleanup(NS, NAME, spec(redis_url, bogus=1), uid="uid-1")
         assert removed > 0
-        tombstones = [protocol.tombstone_key(CACHE), protocol.tenant_tombstone_key(CACHE, "gold")]
+        tombstones = [tombstone_key(CACHE), tenant_tombstone_key(CACHE, "gold")]
         assert await keys(client) == sorted(tombstones)
         pressure = registry.get_sample_value("cachefleet_operator_slo_pressure", pressure_labels)
         assert pressure is None
@@ -99,23 +115,23 @@ async def test_delete_then_recreate_starts_clean(redis_url: str) -> None:
         # no L2 data, for a tenant known before or one first seen now
         assert await sidecar_writes(client, {"cache": 5}) == -2
         assert await sidecar_writes(client, {"cache": 5}, tenant="newcomer") == -2
-        tombstones.append(protocol.tenant_tombstone_key(CACHE, "newcomer"))
+        tombstones.append(tenant_tombstone_key(CACHE, "newcomer"))
         assert await keys(client) == sorted(tombstones)
-        assert await protocol.live_members(client, CACHE) == []
+        assert await live_members(client, CACHE) == []
         assert min([await client.pttl(k) for k in tombstones]) > 0
 
         # the namesake: its first reconcile starts from no state at all
         again = await reconciler.reconcile(NS, NAME, 1, spec(redis_url), {})
         assert again.failure is None
         assert not [k for k in await keys(client) if k.endswith(":deleted")]
-        assert await protocol.read_epochs(client, CACHE) == {}
+        assert await read_epochs(client, CACHE) == {}
         assert again.status["quotaGeneration"] == 1
         assert again.status["sidecars"]["seen"] == 0
         # and sidecars of the new cache are heard and cache again
         assert await l2_put(client, "gold", {}) == 1
-        await protocol.write_heartbeat(client, CACHE, Heartbeat(pod="p2", quota_generation=1))
-        assert [m.pod for m in await protocol.live_members(client, CACHE)] == ["p2"]
-        assert await client.pttl(protocol.members_key(CACHE)) > 0
+        await write_heartbeat(client, CACHE, Heartbeat(pod="p2", quota_generation=1))
+        assert [m.pod for m in await live_members(client, CACHE)] == ["p2"]
+        assert await client.pttl(members_key(CACHE)) > 0
     finally:
         await client.aclose()
 

@@ -21,7 +21,9 @@ from cachefleet_operator.curves import HitCurve
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import MetricsUnavailable, PolicySwitches
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment
+from cachefleet_sidecar.contract.names import Policy, quotas_key, tombstone_key, usage_key
+from cachefleet_sidecar.contract.ops import TOMBSTONE_TTL_S
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory, wait_for
 
 pytestmark = [pytest.mark.k8s_emulator, pytest.mark.redis]
@@ -110,13 +112,13 @@ def shares(obj: dict[str, Any] | None) -> dict[str, float]:
     return {t["name"]: t["share"] for t in ((obj or {}).get("status") or {}).get("tenants") or []}
 
 
-def stored_assignment(redis_url: str, cache: str) -> protocol.QuotaAssignment | None:
+def stored_assignment(redis_url: str, cache: str) -> QuotaAssignment | None:
     client = redis.Redis.from_url(redis_url)
     try:
-        raw = client.hget(protocol.quotas_key(cache), "assignment")
+        raw = client.hget(quotas_key(cache), "assignment")
     finally:
         client.close()
-    return None if raw is None else protocol.QuotaAssignment.model_validate_json(raw)
+    return None if raw is None else QuotaAssignment.model_validate_json(raw)
 
 
 def make(fake: FakeMetrics) -> Reconciler:
@@ -174,7 +176,7 @@ def test_tenant_defaults_are_published_for_unlisted_tenants(
     unlisted = assignment.default_tenant
     assert unlisted is not None
     assert (unlisted.l1_bytes, unlisted.l2_bytes) == (int(L1 * 0.2), 0)
-    assert (unlisted.priority_class, unlisted.policy) == ("BestEffort", protocol.Policy.SITS)
+    assert (unlisted.priority_class, unlisted.policy) == ("BestEffort", Policy.SITS)
     # The listed tenants share what the pool leaves.
     assert sum(q.l1_bytes for q in assignment.tenants.values()) <= L1 - int(L1 * 0.2)
 
@@ -384,22 +386,20 @@ def test_delete_removes_redis_state_even_with_an_invalid_spec(
     cache = f"{NAMESPACE}/chat"
     client = redis.Redis.from_url(redis_url)
     try:
-        client.set(protocol.usage_key(cache, "gold"), "1")
-        client.set(protocol.usage_key(f"{NAMESPACE}/other", "gold"), "1")
+        client.set(usage_key(cache, "gold"), "1")
+        client.set(usage_key(f"{NAMESPACE}/other", "gold"), "1")
         # the spec goes bad (only spec.redis is needed to clean up)
         emulator.patch(f"{IC_PATH}/chat", {"spec": {"tenantz": []}})
         wait_condition(emulator, "chat", "Ready", "False")
         emulator.delete(f"{IC_PATH}/chat")
         wait_for(lambda: emulator.get(f"{IC_PATH}/chat") is None, ACT_TIMEOUT_S, "object gone")
         left = sorted(k.decode() for k in client.scan_iter(match="cf:*"))
-        ttl = client.ttl(protocol.tombstone_key(cache))
+        ttl = client.ttl(tombstone_key(cache))
     finally:
         client.close()
     # nothing of the cache but its tombstone, which expires on its own
-    assert left == sorted(
-        [protocol.usage_key(f"{NAMESPACE}/other", "gold"), protocol.tombstone_key(cache)]
-    )
-    assert 0 < ttl <= protocol.TOMBSTONE_TTL_S
+    assert left == sorted([usage_key(f"{NAMESPACE}/other", "gold"), tombstone_key(cache)])
+    assert 0 < ttl <= TOMBSTONE_TTL_S
 
 
 class FakeSwitchMetrics(FakeMetrics):

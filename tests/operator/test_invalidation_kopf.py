@@ -23,7 +23,9 @@ import pytest
 
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.names import entry_key
+from cachefleet_sidecar.contract.ops import read_epochs, register_tenant
 from cachefleet_sidecar.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory
@@ -159,9 +161,9 @@ async def test_invalidation_completes_fails_on_a_silent_pod_and_model_version_fl
     assert "propagationSeconds" not in failed
     reasons = {e.get("reason") for e in await asyncio.to_thread(emulator.events)}
     assert "InvalidationFailed" in reasons
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:
-        assert (await protocol.read_epochs(client, CACHE))["tenant:gold"] == 1
+        assert (await read_epochs(client, CACHE))["tenant:gold"] == 1
     finally:
         await client.aclose()
 
@@ -205,11 +207,11 @@ async def test_key_and_namespace_invalidations_complete_with_acks(
         "InferenceCache status with both sidecars in sync",
     )
     digest = "5e" * 32
-    client = protocol.redis_from_url(redis_url)
+    client = redis_from_url(redis_url)
     try:  # an L2 entry of a registered tenant, and one of the same digest elsewhere
-        await protocol.register_tenant(client, CACHE, "gold")
-        await client.set(protocol.entry_key(CACHE, "gold", digest), b"old answer")
-        await client.set(protocol.entry_key(CACHE, "gold", "6f" * 32), b"other answer")
+        await register_tenant(client, CACHE, "gold")
+        await client.set(entry_key(CACHE, "gold", digest), b"old answer")
+        await client.set(entry_key(CACHE, "gold", "6f" * 32), b"other answer")
 
         body = invalidation("purge-1", {"type": "Key", "key": digest})
         await asyncio.to_thread(emulator.create, CI_PATH, body)
@@ -221,9 +223,9 @@ async def test_key_and_namespace_invalidations_complete_with_acks(
         )
         assert (done["epoch"], done["acks"], done["expectedAcks"]) == (1, 2, 2)
         assert digest in done["message"]
-        assert await client.get(protocol.entry_key(CACHE, "gold", digest)) is None
-        assert await client.get(protocol.entry_key(CACHE, "gold", "6f" * 32)) == b"other answer"
-        assert (await protocol.read_epochs(client, CACHE))["purge"] == 1
+        assert await client.get(entry_key(CACHE, "gold", digest)) is None
+        assert await client.get(entry_key(CACHE, "gold", "6f" * 32)) == b"other answer"
+        assert (await read_epochs(client, CACHE))["purge"] == 1
     finally:
         await client.aclose()
     for sync in sidecars:

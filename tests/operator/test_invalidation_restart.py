@@ -17,7 +17,7 @@ import redis.asyncio as aredis
 from cachefleet_operator.invalidation import InvalidationRunner
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.ops import read_epochs
 
 pytestmark = [pytest.mark.redis]
 
@@ -50,12 +50,12 @@ async def test_restart_after_the_cas_does_not_advance_again(redis_url: str) -> N
         assert first.status["phase"] == "Running"
         assert first.status["epoch"] == 1
         assert (first.failure, first.delay) == ("temporary", 0.0)
-        assert await protocol.read_epochs(client, CACHE) == {}
+        assert await read_epochs(client, CACHE) == {}
 
         second = await runner.run(NS, 1, SPEC, first.status, cache_obj(redis_url))
         assert second.status["phase"] == "Completed"
         assert second.status["epoch"] == 1
-        assert await protocol.read_epochs(client, CACHE) == {"cache": 1}
+        assert await read_epochs(client, CACHE) == {"cache": 1}
 
         # the operator died after the CAS, before Completed was written: kopf
         # hands the Running status over again
@@ -63,7 +63,7 @@ async def test_restart_after_the_cas_does_not_advance_again(redis_url: str) -> N
         assert again.status["phase"] == "Completed"
         assert again.status["epoch"] == 1
         assert "resumed" in again.status["message"]
-        assert await protocol.read_epochs(client, CACHE) == {"cache": 1}
+        assert await read_epochs(client, CACHE) == {"cache": 1}
     finally:
         await client.aclose()
 
@@ -111,11 +111,11 @@ async def test_a_model_version_change_advances_once_even_when_its_status_is_lost
         assert again.status["epochs"]["model:m"] == 1
         [changed] = [e for e in again.events if e.reason == "ModelVersionChanged"]
         assert "already advanced to epoch 1" in changed.message
-        assert (await protocol.read_epochs(client, CACHE))["model:m"] == 1
+        assert (await read_epochs(client, CACHE))["model:m"] == 1
 
         # a later change is a new advance
         v3 = await reconciler.reconcile(NS, "chat", 3, with_version(obj, "v3"), v2.status)
         assert v3.status["epochs"]["model:m"] == 2
-        assert (await protocol.read_epochs(client, CACHE))["model:m"] == 2
+        assert (await read_epochs(client, CACHE))["model:m"] == 2
     finally:
         await client.aclose()

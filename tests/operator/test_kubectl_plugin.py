@@ -31,7 +31,10 @@ from cachefleet_e2e.k8s import write_kubeconfig
 from cachefleet_operator.api import InvalidationPhase
 from cachefleet_operator.kubectl_plugin import cli
 from cachefleet_operator.kubectl_plugin.cluster import Cluster, connect
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.messages import EpochAck, Heartbeat
+from cachefleet_sidecar.contract.names import Policy, cache_ref
+from cachefleet_sidecar.contract.ops import write_ack, write_heartbeat
 
 from .conftest import IC_PATH, NAMESPACE, EmulatorHandle
 
@@ -498,24 +501,24 @@ def test_top_joins_pods_and_heartbeats(
         },
     )
     _seed(emulator, redis={"secretRef": {"name": "chat-redis"}})
-    cache = protocol.cache_ref(NAMESPACE, "chat")
+    cache = cache_ref(NAMESPACE, "chat")
 
     async def heartbeats() -> None:
-        client = protocol.redis_from_url(redis_url)
+        client = redis_from_url(redis_url)
         try:
             seen = (("llm-0", 7, {"cache": 1, "tenant:search": 4}), ("llm-9", 6, {"cache": 1}))
             for pod, generation, epochs in seen:
-                await protocol.write_heartbeat(
+                await write_heartbeat(
                     client,
                     cache,
-                    protocol.Heartbeat(
+                    Heartbeat(
                         pod=pod,
                         quota_generation=generation,
-                        policy_by_tenant={"search": protocol.Policy.SITS},
+                        policy_by_tenant={"search": Policy.SITS},
                     ),
                     ttl_s=300,  # live for the whole test, however slow the machine
                 )
-                await protocol.write_ack(client, cache, protocol.EpochAck(pod=pod, epochs=epochs))
+                await write_ack(client, cache, EpochAck(pod=pod, epochs=epochs))
         finally:
             await client.aclose()
 

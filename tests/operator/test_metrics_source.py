@@ -17,7 +17,11 @@ from cachefleet_operator.metrics_source import (
     PolicySwitches,
     PrometheusMetricsSource,
 )
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.promql import (
+    METRIC_POLICY_SWITCHES,
+    METRIC_REQUEST_DURATION,
+    METRIC_REQUESTS,
+)
 
 CACHE = "default/chat"
 #: Prometheus needs target discovery plus two scrapes before rate() answers.
@@ -56,14 +60,14 @@ def exporter() -> Iterator[tuple[str, Histogram, Counter]]:
     """The sidecar's metric names, with numbers the test controls."""
     registry = CollectorRegistry()
     latency = Histogram(
-        protocol.METRIC_REQUEST_DURATION.removesuffix("_seconds") + "_seconds",
+        METRIC_REQUEST_DURATION.removesuffix("_seconds") + "_seconds",
         "request latency",
         ["cache", "tenant", "tier"],
         buckets=(0.05, 0.1, 0.2, 0.4, 0.8, 1.6),
         registry=registry,
     )
     requests = Counter(
-        protocol.METRIC_REQUESTS.removesuffix("_total"),
+        METRIC_REQUESTS.removesuffix("_total"),
         "requests",
         ["cache", "tenant", "tier", "result"],
         registry=registry,
@@ -84,7 +88,7 @@ async def test_per_tenant_p95_hit_ratio_and_rate(
     target, latency, requests = exporter
     prom = prometheus_factory({"sidecars": [target]}, scrape_interval_s=0.5)  # type: ignore[operator]
     source = PrometheusMetricsSource(prom.url, timeout_s=2.0)
-    # a tenant without hits still exports a zero hit series (protocol.promql_hit_ratio
+    # a tenant without hits still exports a zero hit series (promql_hit_ratio
     # divides per-tenant hit rate by hit+miss rate; a missing numerator means no ratio)
     requests.labels(CACHE, "slow", "l1", "hit")
     deadline = time.monotonic() + FIRST_DATA_TIMEOUT_S
@@ -135,7 +139,7 @@ async def test_policy_switches_count_pods_over_tiled_spans(prometheus_factory: o
         for _ in range(2):
             registry = CollectorRegistry()
             counter = Counter(
-                protocol.METRIC_POLICY_SWITCHES.removesuffix("_total"),
+                METRIC_POLICY_SWITCHES.removesuffix("_total"),
                 "policy switches",
                 ["cache", "tenant", "from_policy", "to_policy"],
                 registry=registry,
@@ -147,7 +151,7 @@ async def test_policy_switches_count_pods_over_tiled_spans(prometheus_factory: o
         targets = [f"127.0.0.1:{server.server_port}" for _, server, _ in pods]
         prom = prometheus_factory({"sidecars": targets}, scrape_interval_s=0.5)  # type: ignore[operator]
         source = PrometheusMetricsSource(prom.url, timeout_s=2.0)
-        selector = f'{protocol.METRIC_POLICY_SWITCHES}{{cache="{CACHE}"}}'
+        selector = f'{METRIC_POLICY_SWITCHES}{{cache="{CACHE}"}}'
         deadline = time.monotonic() + FIRST_DATA_TIMEOUT_S
         while time.monotonic() < deadline:
             if _prom_count(prom.url, selector) >= 4:

@@ -14,8 +14,9 @@ from redis.asyncio import Redis
 
 from cachefleet_router.server import RouterConfig, RouterServer
 from cachefleet_router.tenants import TenantClasses, TenantSync
-from cachefleet_sidecar import protocol
-from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import quotas_key
+from cachefleet_sidecar.contract.ops import publish_quotas
 
 from .conftest import Gateway, body_message, headers_message
 from .test_extproc import RecordingPicker
@@ -71,7 +72,7 @@ async def test_classes_follow_the_operators_notices(redis_url: str) -> None:
     sync = TenantSync(redis_url, CACHE, table, poll_s=60.0)  # only a notice can be in time
     task = asyncio.ensure_future(sync.run())
     try:
-        await protocol.publish_quotas(
+        await publish_quotas(
             operator, CACHE, assignment(1, {"gold": "Guaranteed", "bulk": "BestEffort"})
         )
         await until(lambda: table.generation == 1, "the first assignment")
@@ -79,7 +80,7 @@ async def test_classes_follow_the_operators_notices(redis_url: str) -> None:
         assert table.class_of("bulk") == "BestEffort"
 
         await until(lambda: sync.subscribed.is_set(), "the control subscription")
-        await protocol.publish_quotas(operator, CACHE, assignment(2, {"gold": None}))
+        await publish_quotas(operator, CACHE, assignment(2, {"gold": None}))
         await until(lambda: table.generation == 2, "the notice of generation 2")
         assert table.class_of("gold") is None
         assert table.class_of("bulk") is None
@@ -102,7 +103,7 @@ async def test_a_lost_notice_is_caught_by_the_poll(redis_url: str) -> None:
         # A write nobody announced (a lost notice) is found by the bounded poll.
         later = assignment(3, {"bulk": "BestEffort"})
         await operator.hset(
-            protocol.quotas_key(CACHE),
+            quotas_key(CACHE),
             mapping={"generation": "3", "assignment": later.model_dump_json()},
         )
         await until(lambda: table.generation == 3, "the poll to find generation 3")
@@ -110,7 +111,7 @@ async def test_a_lost_notice_is_caught_by_the_poll(redis_url: str) -> None:
 
         # An unreadable table is not applied; the last good one stays.
         await operator.hset(
-            protocol.quotas_key(CACHE), mapping={"generation": "4", "assignment": "{not json"}
+            quotas_key(CACHE), mapping={"generation": "4", "assignment": "{not json"}
         )
         await until(lambda: sync.errors >= 1, "the unreadable table to be seen")
         assert table.generation == 3
@@ -125,7 +126,7 @@ async def test_a_lost_notice_is_caught_by_the_poll(redis_url: str) -> None:
 @pytest.mark.redis
 async def test_the_router_hands_the_tenant_class_to_the_picker(redis_url: str) -> None:
     operator = Redis.from_url(redis_url)
-    await protocol.publish_quotas(operator, CACHE, assignment(1, {"gold": "Guaranteed"}))
+    await publish_quotas(operator, CACHE, assignment(1, {"gold": "Guaranteed"}))
     picker = RecordingPicker()
     router = RouterServer(
         RouterConfig(

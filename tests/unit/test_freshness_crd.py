@@ -25,7 +25,7 @@ from cachefleet_operator.reconcile import (
     saved_model_hours,
     savings_status,
 )
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.messages import QuotaAssignment
 
 from .crd_schema import validator_for
 
@@ -36,7 +36,7 @@ def spec() -> dict[str, Any]:
     return copy.deepcopy(yaml.safe_load(EXAMPLE.read_text())["spec"])
 
 
-def table(raw: dict[str, Any]) -> protocol.QuotaAssignment:
+def table(raw: dict[str, Any]) -> QuotaAssignment:
     parsed = parse_spec(raw)
     allocation = allocate(demands_from_spec(parsed), {}, None, 1 << 30, 1 << 34)
     return build_assignment(parsed, allocation)

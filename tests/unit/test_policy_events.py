@@ -9,7 +9,7 @@ from __future__ import annotations
 from cachefleet_operator.metrics_source import PolicySwitches, policy_switches_from
 from cachefleet_operator.outcome import parse_rfc3339
 from cachefleet_operator.reconcile import policy_switch_events
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.promql import promql_policy_switches
 
 
 def sample(tenant: str, old: str, new: str, value: str) -> dict[str, object]:
@@ -20,7 +20,7 @@ def sample(tenant: str, old: str, new: str, value: str) -> dict[str, object]:
 
 
 def test_the_query_compares_each_series_with_its_value_a_span_ago() -> None:
-    q = protocol.promql_policy_switches("ns/c", "90000ms")
+    q = promql_policy_switches("ns/c", "90000ms")
     assert q.startswith("count by (tenant, from_policy, to_policy) ")
     assert 'cachefleet_policy_switches_total{cache="ns/c"} offset 90000ms' in q
     assert "increase(" not in q  # increase() loses changes between two spans

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachefleet_sidecar.app import Sidecar
 from cachefleet_sidecar.config import SidecarConfig, parse_args
+from cachefleet_sidecar.contract.names import Policy
 from cachefleet_sidecar.host import HostPressure
 from cachefleet_sidecar.policies import SITSPolicy
-from cachefleet_sidecar.protocol import Policy
 from cachefleet_sidecar.telemetry import GpuSample, GpuTelemetry
 
 W = 10.0

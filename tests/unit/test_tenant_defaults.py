@@ -18,7 +18,8 @@ from cachefleet_operator.reconcile import (
     listed_l1_bytes,
     unlisted_l1_bytes,
 )
-from cachefleet_sidecar.protocol import Policy, QuotaAssignment
+from cachefleet_sidecar.contract.messages import QuotaAssignment
+from cachefleet_sidecar.contract.names import Policy
 
 from .crd_schema import validator_for
 

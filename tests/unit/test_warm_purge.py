@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.versioned import entry_head, judge_versioned_read, l1_id_line
 from cachefleet_sidecar.entry import Entry
 from cachefleet_sidecar.epochs import EpochTracker
 from cachefleet_sidecar.purge import PurgeIndex
@@ -14,8 +14,8 @@ ENTRY = Entry(
 
 
 def stored(tracker: EpochTracker, model: str = "m1", namespace: str = "", l1: int = 0xABC) -> bytes:
-    head = protocol.entry_head(tracker.vector("acme", model, namespace))
-    return head + protocol.l1_id_line(l1) + ENTRY
+    head = entry_head(tracker.vector("acme", model, namespace))
+    return head + l1_id_line(l1) + ENTRY
 
 
 def test_a_current_entry_is_warmed_with_its_writer_l1_key() -> None:
@@ -25,8 +25,8 @@ def test_a_current_entry_is_warmed_with_its_writer_l1_key() -> None:
     assert judge(stored(tracker, namespace="kb"), {}, tracker, "acme") == (0xABC, ENTRY)
     # what a read returns: the entry, the L1-key line stripped
     vector = tracker.vector("acme", "m1")
-    head = protocol.entry_head(vector)
-    assert protocol.judge_versioned_read(stored(tracker), (), (), head) == ENTRY
+    head = entry_head(vector)
+    assert judge_versioned_read(stored(tracker), (), (), head) == ENTRY
 
 
 def test_stale_behind_corrupt_and_old_format_values_are_skipped_with_a_reason() -> None:
@@ -39,7 +39,7 @@ def test_stale_behind_corrupt_and_old_format_values_are_skipped_with_a_reason() 
     assert judge(now, {"tenant:acme": 2}, tracker, "acme") == "behind"
     assert judge(b"garbage", {}, tracker, "acme") == "corrupt"
     assert judge(None, {}, tracker, "acme") == "gone"
-    no_key = protocol.entry_head(tracker.vector("acme", "m1")) + ENTRY
+    no_key = entry_head(tracker.vector("acme", "m1")) + ENTRY
     assert judge(no_key, {}, tracker, "acme") == "no_l1_key"
 
 

@@ -36,7 +36,9 @@ from cachefleet_operator.kubectl_plugin.cluster import (
     label_selector,
     read_sidecars,
 )
-from cachefleet_sidecar import keys, protocol
+from cachefleet_sidecar import keys
+from cachefleet_sidecar.contract.names import cache_ref, valid_name
+from cachefleet_sidecar.contract.urls import redact_url
 
 PROG = "kubectl cachefleet"
 #: Exit statuses (1 is any error talking to the cluster, as kubectl's).
@@ -363,8 +365,8 @@ def cmd_top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
         url = args.redis_url or _redis_url(cluster, ns, spec)
         epochs = {str(k): int(v) for k, v in (status.get("epochs") or {}).items()}
-        sidecars = read_sidecars(url, protocol.cache_ref(ns, name), epochs)
-        sources["sidecars"] = f"heartbeats and acknowledgements in Redis {protocol.redact_url(url)}"
+        sidecars = read_sidecars(url, cache_ref(ns, name), epochs)
+        sources["sidecars"] = f"heartbeats and acknowledgements in Redis {redact_url(url)}"
     except PluginError as exc:
         hint = ""
         if isinstance(exc, Unreachable) and not args.redis_url:
@@ -568,7 +570,7 @@ def cmd_explain_key(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: A
     if files.count("-") > 1:
         raise UsageError("stdin (-) can be read once")
     namespace = args.namespace_value
-    if namespace and not protocol.valid_name(namespace):
+    if namespace and not valid_name(namespace):
         # what the sidecar answers 400 to
         raise UsageError(f"--namespace-value {namespace!r}: {NAME_RULE}")
     epochs: tuple[int, ...] = ()

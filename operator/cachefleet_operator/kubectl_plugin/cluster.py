@@ -27,7 +27,9 @@ from cachefleet_operator.api import GROUP, VERSION
 from cachefleet_operator.invalidation import ack_progress
 from cachefleet_operator.kubectl_plugin.views import SidecarSeen
 from cachefleet_operator.login import DEFAULT_KUBECONFIG, CredentialSource, CredentialsUnavailable
-from cachefleet_sidecar import protocol
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.ops import live_members, read_acks
+from cachefleet_sidecar.contract.urls import redact_url
 
 #: Timeout of one Kubernetes API request, seconds (connect and read).
 REQUEST_TIMEOUT_S = 10.0
@@ -299,12 +301,12 @@ def label_selector(selector: Mapping[str, Any]) -> str:
 
 
 async def _read_sidecars(url: str, cache: str, epochs: Mapping[str, int]) -> list[SidecarSeen]:
-    client = protocol.redis_from_url(
+    client = redis_from_url(
         url, socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S
     )
     try:
-        members = await protocol.live_members(client, cache)
-        acks = await protocol.read_acks(client, cache)
+        members = await live_members(client, cache)
+        acks = await read_acks(client, cache)
     finally:
         await client.aclose()
     acked, _ = ack_progress([m.pod for m in members], acks, epochs)
@@ -331,6 +333,6 @@ def read_sidecars(url: str, cache: str, epochs: Mapping[str, int]) -> list[Sidec
         )
     except (RedisError, OSError, TimeoutError, ValueError) as exc:
         raise Unreachable(
-            f"cannot read the sidecars' heartbeats from Redis at {protocol.redact_url(url)}: "
+            f"cannot read the sidecars' heartbeats from Redis at {redact_url(url)}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc

@@ -1,8 +1,7 @@
 """L1 replacement policies and the factory that builds them by name.
 
-Names are the values of :class:`cachefleet_sidecar.protocol.Policy` (spelled
-here again, not imported: ``protocol`` pulls in the Redis client, and this
-package must stay free of I/O libraries; a unit test keeps the two in step).
+Names are the values of :class:`cachefleet_sidecar.contract.names.Policy` (a
+pure module: this package stays free of I/O libraries).
 A policy is a pure, byte-bounded data structure (see :mod:`.base` for the
 contract); ``make_policy`` is how the rest of the sidecar gets one.
 """
@@ -12,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cachefleet_sidecar.contract.names import Policy
 from cachefleet_sidecar.policies.base import K, ReplacementPolicy, V
 from cachefleet_sidecar.policies.lirs import LIRSPolicy, LirsSnapshot
 from cachefleet_sidecar.policies.lru import LRUPolicy
@@ -30,10 +30,10 @@ __all__ = [
     "make_policy",
 ]
 
-#: Policy names, as in ``protocol.Policy``.
-LRU = "lru"
-LIRS = "lirs"
-SITS = "sits"
+#: Policy names, the values of :class:`Policy`.
+LRU = Policy.LRU.value
+LIRS = Policy.LIRS.value
+SITS = Policy.SITS.value
 
 _FACTORIES: dict[str, Callable[[int], ReplacementPolicy[Any, Any]]] = {
     LRU: LRUPolicy,

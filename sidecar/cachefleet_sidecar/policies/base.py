@@ -45,7 +45,7 @@ class ReplacementPolicy(Protocol[K, V]):
 
     @property
     def name(self) -> str:
-        """The policy's name as in :class:`cachefleet_sidecar.protocol.Policy`."""
+        """The policy's name as in :class:`cachefleet_sidecar.contract.names.Policy`."""
         ...
 
     @property

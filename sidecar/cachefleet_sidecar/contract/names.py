@@ -1,0 +1,165 @@
+"""Names in Redis: every key and pub/sub channel of a cache, and the names allowed in them.
+
+Nobody else spells a key by hand. Keys of a cache's control state share the
+hashtag ``{cf:<cache>}`` (one cluster slot); each tenant's data shares
+``{cf:<cache>|<tenant>}``. The layout is described in docs/redis-protocol.md.
+Pure: no pydantic, no Redis client.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+
+#: Tenant and pod names that may appear in keys and metric labels.
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+class Policy(StrEnum):
+    """L1 replacement policy of a tenant partition."""
+
+    LRU = "lru"
+    LIRS = "lirs"
+    SITS = "sits"
+
+
+def valid_name(value: str) -> bool:
+    """True if ``value`` may be used as a tenant or pod name in keys and labels."""
+    return bool(NAME_RE.match(value))
+
+
+def cache_ref(namespace: str, name: str) -> str:
+    """The identity of an InferenceCache in keys: ``<namespace>/<name>``."""
+    return f"{namespace}/{name}"
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _control(cache: str) -> str:
+    return f"cf:{{cf:{cache}}}"
+
+
+def quotas_key(cache: str) -> str:
+    return f"{_control(cache)}:quotas"
+
+
+def members_key(cache: str) -> str:
+    return f"{_control(cache)}:members"
+
+
+def member_key(cache: str, pod: str) -> str:
+    return f"{_control(cache)}:member:{pod}"
+
+
+def tombstone_key(cache: str) -> str:
+    return f"{_control(cache)}:deleted"
+
+
+def control_channel(cache: str) -> str:
+    return f"{_control(cache)}:control"
+
+
+def control_prefix(cache: str) -> str:
+    """Prefix of every control key of ``cache`` (for cleanup by SCAN MATCH)."""
+    return f"{_control(cache)}:"
+
+
+def _tenant(cache: str, tenant: str) -> str:
+    return f"cf:{{cf:{cache}|{tenant}}}"
+
+
+def entry_key(cache: str, tenant: str, digest_hex: str) -> str:
+    return f"{_tenant(cache, tenant)}:e:{digest_hex}"
+
+
+def usage_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:usage"
+
+
+def lru_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:lru"
+
+
+def sizes_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:sizes"
+
+
+def expiry_key(cache: str, tenant: str) -> str:
+    return f"{_tenant(cache, tenant)}:exp"
+
+
+def l2_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
+    """KEYS of :data:`~cachefleet_sidecar.contract.lua.L2_PUT_LUA` (and the others on one entry)."""
+    return [entry_key(cache, tenant, digest_hex), *l2_meta_keys(cache, tenant)]
+
+
+def l2_meta_keys(cache: str, tenant: str) -> list[str]:
+    """KEYS of :data:`~cachefleet_sidecar.contract.lua.L2_USAGE_LUA`: usage, lru, sizes, exp."""
+    return [
+        usage_key(cache, tenant),
+        lru_key(cache, tenant),
+        sizes_key(cache, tenant),
+        expiry_key(cache, tenant),
+    ]
+
+
+def tenant_data_pattern(cache: str) -> str:
+    """SCAN MATCH pattern for every data key of every tenant of ``cache``."""
+    escaped = cache.replace("[", "\\[").replace("]", "\\]").replace("*", "\\*")
+    return f"cf:{{cf:{escaped}|*"
+
+
+def epochs_key(cache: str) -> str:
+    """The sequencer: scope -> epoch (control slot)."""
+    return f"{_control(cache)}:epochs"
+
+
+def l2_tenants_key(cache: str) -> str:
+    """Set of tenants with L2 data (control slot)."""
+    return f"{_control(cache)}:tenants"
+
+
+def acks_key(cache: str) -> str:
+    """Hash pod -> JSON :class:`EpochAck` (control slot)."""
+    return f"{_control(cache)}:acks"
+
+
+def ack_channel(cache: str) -> str:
+    """Pub/sub channel on which every acknowledgement is also announced."""
+    return f"{_control(cache)}:acked"
+
+
+def tenant_epochs_key(cache: str, tenant: str) -> str:
+    """The fence of one tenant's data slot: scope -> epoch."""
+    return f"{_tenant(cache, tenant)}:epochs"
+
+
+def tenant_tombstone_key(cache: str, tenant: str) -> str:
+    """The tombstone of one tenant's data slot (a deleted cache; see :func:`tombstone_key`)."""
+    return f"{_tenant(cache, tenant)}:deleted"
+
+
+def l2_versioned_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
+    """KEYS of the versioned L2 scripts: :func:`l2_keys`, the tenant's fence and tombstone."""
+    return [
+        *l2_keys(cache, tenant, digest_hex),
+        tenant_epochs_key(cache, tenant),
+        tenant_tombstone_key(cache, tenant),
+    ]
+
+
+#: What a purge names: the SHA-256 hex digest of an entry's key (``X-Cache-Key``).
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def purge_log_key(cache: str) -> str:
+    """The purge log: sorted set ``<seq>:<digest>`` -> seq (control slot)."""
+    return f"{_control(cache)}:purges"
+
+
+def check_digest(digest: str) -> str:
+    """``digest`` if it is a SHA-256 hex digest (64 lower-case hex digits); else ValueError."""
+    if not DIGEST_RE.match(digest):
+        raise ValueError(f"not a SHA-256 hex digest (64 of 0-9a-f): {digest[:80]!r}")
+    return digest

@@ -1,0 +1,87 @@
+"""The versioned L2 entry: its head, the optional L1-key line, and judging a read.
+
+A versioned entry is stored as its head (the encoded epoch vector and a
+newline), optionally a line ``#<L1 key hex>``, then the entry. A reader sends
+``GET`` and the fence's ``HMGET`` (:func:`fence_command`) and judges the replies
+(:func:`judge_versioned_read`). The rules are in docs/redis-protocol.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+from cachefleet_sidecar import resp
+from cachefleet_sidecar.contract.names import tenant_epochs_key
+from cachefleet_sidecar.epochs import EpochVector, encode_vector
+
+
+def vector_args(vector: EpochVector) -> list[str]:
+    """ARGV tail of the versioned L2 scripts: the encoded vector, then scope, epoch pairs."""
+    args = [encode_vector(vector)]
+    for scope, epoch in vector:
+        args += [scope, str(epoch)]
+    return args
+
+
+def fence_command(cache: str, tenant: str, vector: EpochVector) -> bytes:
+    """The packed ``HMGET`` of ``tenant``'s fence for the scopes of ``vector``, in its order."""
+    if not vector:
+        return b""
+    return resp.pack_command(("HMGET", tenant_epochs_key(cache, tenant), *(s for s, _ in vector)))
+
+
+def entry_head(vector: EpochVector) -> bytes:
+    """What a versioned entry written under ``vector`` starts with."""
+    return encode_vector(vector).encode() + b"\n"
+
+
+#: :func:`judge_versioned_read`'s verdicts besides a hit (which returns the value).
+READ_MISS: Final = 0
+READ_STALE_ENTRY: Final = 2
+READ_BEHIND: Final = -1
+
+
+def judge_versioned_read(
+    value: bytes | None, fence: Sequence[bytes | None], vector: EpochVector, head: bytes
+) -> bytes | int:
+    """The verdict on a versioned read's ``GET`` and fence ``HMGET`` replies.
+
+    The value without its head (a hit), :data:`READ_BEHIND` (a fence field is
+    ahead of ``vector``: the reader missed an invalidation and must not be
+    served), :data:`READ_MISS`, or :data:`READ_STALE_ENTRY` (a value that is
+    not an entry of ``vector``: written under other epochs, or corrupt).
+    """
+    for seen, (_, epoch) in zip(fence, vector, strict=True):
+        if seen is not None and int(seen) > epoch:
+            return READ_BEHIND
+    if value is None:
+        return READ_MISS
+    if not value.startswith(head):
+        return READ_STALE_ENTRY
+    body = value[len(head) :]
+    if body[:1] == L1_ID_MARK:
+        return split_l1_id(body)[1]
+    return body
+
+
+#: Starts the optional L1-key line between a versioned entry's head and the entry.
+L1_ID_MARK: Final = b"#"
+
+
+def l1_id_line(l1_id: int) -> bytes:
+    """The line a writer puts before its entry: ``#<L1 key hex>\n``."""
+    return b"#%x\n" % l1_id
+
+
+def split_l1_id(body: bytes) -> tuple[int | None, bytes]:
+    """(the writer's L1 key or None, the entry) of what follows a versioned entry's head."""
+    if body[:1] != L1_ID_MARK:
+        return None, body
+    end = body.find(b"\n", 1, 40)
+    if end < 0:
+        return None, body
+    try:
+        return int(body[1:end], 16), body[end + 1 :]
+    except ValueError:
+        return None, body
