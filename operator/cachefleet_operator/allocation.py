@@ -129,6 +129,9 @@ class TenantMetrics:
     miss_latency: LatencyDist | None = None
     #: Latency of a hit (L1 and L2).
     hit_latency: LatencyDist | None = None
+    #: Hit ratio by the bytes of one cache the fleet shares (the operator's replay of
+    #: the fleet samples, :mod:`cachefleet_operator.fleet`): L2 sizes and reach.
+    fleet_curve: HitCurve | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +387,11 @@ def fleet_hit_ratio(curve: HitCurve, observed: float | None, size: float) -> flo
 
 
 def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
-    """Why no cache size meets the tenant's SLA, in words."""
+    """Why no cache size meets the tenant's SLA, in words (the fleet's numbers when it
+    reuses more than one pod sees)."""
+    where = ""
+    if m.fleet_curve is not None and m.fleet_curve.max_hit_ratio > curve.max_hit_ratio:
+        curve, where = m.fleet_curve, " fleet-wide"
     goals = []
     if d.p95_target_s is not None:
         goals.append(f"p95 {d.p95_target_s:.3g} s")
@@ -395,8 +402,8 @@ def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
     if m.miss_latency is not None and d.p95_target_s is not None:
         slow = f", a miss takes {m.miss_latency.mean():.3g} s on average"
     return (
-        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time "
-        f"(at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
+        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time"
+        f"{where} (at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
         f"no cache size meets {goal}"
     )
 
@@ -505,6 +512,39 @@ def _refill(shares: FloatArray, targets: FloatArray) -> None:
     if total_gap <= EPS:
         return
     shares += gaps * min(1.0, free / total_gap)
+
+
+def _l2_bytes(
+    plans: _Plans,
+    ms: Sequence[TenantMetrics],
+    shares: FloatArray,
+    bounds: tuple[FloatArray, FloatArray],
+    classes: IntArray,
+    capacity: int,
+) -> list[int]:
+    """L2 bytes by marginal gain on the fleet curves; a tenant without one keeps its L1 share.
+
+    The fleet curves are in bytes of one cache the fleet shares, which the L2
+    is. Tenants with a fleet curve start from their floor and grow by the
+    same lookahead greedy as L1 (:func:`_greedy`, valued alike); what no
+    fleet curve gains from goes by class weight to them. With no fleet curve
+    at all, L2 follows the L1 shares.
+    """
+    fleet = [
+        None if m.fleet_curve is None or m.fleet_curve.requests <= 0 else m.fleet_curve for m in ms
+    ]
+    floors, caps = bounds
+    has = np.array([c is not None for c in fleet], dtype=bool)
+    if capacity <= 0 or not has.any():
+        return _to_bytes(shares, floors, capacity)
+    l2 = np.where(has, floors, shares)
+    l2_caps = np.where(has, caps, shares)
+    fleet_plans = _Plans(plans.values, fleet, CurveTable(fleet), plans.misses, [""] * len(fleet))
+    _greedy(fleet_plans, l2, l2_caps, capacity)
+    left = 1.0 - float(l2.sum())
+    if left > EPS:
+        _water_fill(l2, l2_caps, np.where(has, _CLASS_WEIGHTS[classes], 0.0), left)
+    return _to_bytes(l2, floors, capacity)
 
 
 def _to_bytes(shares: FloatArray, floors: FloatArray, capacity: int) -> list[int]:
@@ -822,7 +862,8 @@ def allocate(
     non-empty map is taken to have no traffic). ``previous`` maps tenant ->
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
-    read at; L2 bytes follow the same shares. Per-tenant work is done on
+    read at; L2 bytes go by the fleet curves (:func:`_l2_bytes`; the L1
+    shares for a tenant without one). Per-tenant work is done on
     arrays (numpy), so 10,000 tenants with curves take tens of milliseconds.
     """
     params = params or AllocationParams()
@@ -891,7 +932,7 @@ def allocate(
         shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _to_bytes(shares, floors, l2_capacity)
+    l2 = _l2_bytes(plans, ms, shares, (floors, caps), classes, l2_capacity)
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     notes = np.where(at_floor, "floor", np.where(at_cap, "cap", np.where(held, "held", "")))

@@ -41,6 +41,10 @@ class ControlPlane(Protocol):
 
     async def delete_cache_state(self, cache: str, uid: str = "") -> int: ...
 
+    async def fleet_batches(self, cache: str, after: str | None) -> tuple[list[bytes], str | None]:
+        """Fleet-sample batches after stream id ``after``, and the last id read."""
+        ...
+
 
 #: Builds a control plane from a Redis URL.
 ControlPlaneFactory = Callable[[str], ControlPlane]
@@ -81,6 +85,11 @@ class RedisControlPlane:
     async def live_members(self, cache: str) -> list[Heartbeat]:
         async with self._client() as client:
             return await protocol.live_members(client, cache)
+
+    async def fleet_batches(self, cache: str, after: str | None) -> tuple[list[bytes], str | None]:
+        """The fleet-sample batches the sidecars wrote after stream id ``after`` (bounded)."""
+        async with self._client() as client:
+            return await protocol.read_fleet_batches(client, cache, after)
 
     async def delete_cache_state(self, cache: str, uid: str = "") -> int:
         """Remove the cache's control keys and its tenants' L2 data; returns keys removed.

@@ -94,6 +94,11 @@ def control_prefix(cache: str) -> str:
     return f"{_control(cache)}:"
 
 
+def fleet_samples_key(cache: str) -> str:
+    """Stream of the sidecars' fleet-sampled accesses (see "fleet samples" below)."""
+    return f"{_control(cache)}:fleet-samples"
+
+
 def _tenant(cache: str, tenant: str) -> str:
     return f"cf:{{cf:{cache}|{tenant}}}"
 
@@ -761,6 +766,7 @@ SIDECAR_COMMANDS = (
     "+get", "+mget", "+hget", "+hmget", "+hgetall", "+hset", "+hdel", "+sadd", "+smembers",
     "+zrangebyscore", "+zrem", "+del",
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
+    "+xadd",
 )  # fmt: skip
 #: Commands the L2 and control Lua scripts run on the caller's behalf.
 SCRIPT_COMMANDS = (
@@ -769,8 +775,8 @@ SCRIPT_COMMANDS = (
     "+exists", "+pexpire",
 )  # fmt: skip
 #: Further commands of the operator (cleanup of a deleted cache scans its keys; the
-#: key-purge script trims the purge log).
-OPERATOR_COMMANDS = ("+scan", "+zcard", "+zremrangebyrank")
+#: key-purge script trims the purge log; the fleet curves read the fleet-sample stream).
+OPERATOR_COMMANDS = ("+scan", "+zcard", "+zremrangebyrank", "+xrange")
 
 
 def _cache_patterns(cache: str) -> list[str]:
@@ -1532,3 +1538,100 @@ async def purges_since_lean(
             continue
         digests.append(digest)
     return digests, seen >= set(range(after + 1, upto + 1))
+
+
+# ------------------------------------------------------------------- fleet samples
+# Every sidecar forwards the accesses of the keys whose sampling hash (the bits the
+# miss-ratio curves sample by, cachefleet_sidecar.mrc) is below one fleet-wide
+# threshold: every pod samples the same keys, so the operator can replay them as one
+# key stream and measure reuse the whole fleet sees (L2 answers a key's first access
+# on a pod). One stream entry is one batch of one pod, field ``b``:
+#   {"pod": P, "thr": threshold, "t0": unix ms, "s": {tenant: [key, size, dt_ms, ...]}}
+# where ``key`` is the upper 64 bits of the 128-bit key digest (its low 24 bits are the
+# sampling hash) and ``dt_ms`` the access's time after ``t0``.
+
+#: Fraction of the key space every sidecar forwards (the same on every pod).
+FLEET_SAMPLE_RATE = 1 / 16
+#: Batches the stream keeps (XADD MAXLEN ~): a bound on its memory, not a window.
+FLEET_STREAM_MAXLEN = 600
+#: Accesses one batch carries at most; more in one flush interval are dropped.
+FLEET_BATCH_MAX = 2048
+#: How often a sidecar sends its batch, seconds.
+FLEET_FLUSH_S = 1.0
+#: Batches the operator reads from one stream per rebalance at most.
+FLEET_READ_MAX = 6000
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSample:
+    """One forwarded access: ``key`` (upper 64 bits of the digest), bytes, unix seconds."""
+
+    tenant: str
+    key: int
+    size: int
+    at: float
+
+
+def encode_fleet_batch(
+    pod: str, threshold: int, samples: Iterable[tuple[str, int, int, float]]
+) -> bytes:
+    """One stream entry's payload from (tenant, digest, size, unix seconds) accesses."""
+    by_tenant: dict[str, list[int]] = {}
+    rows = list(samples)
+    t0 = int(min((s[3] for s in rows), default=time.time()) * 1000)
+    for tenant, digest, size, at in rows:
+        flat = by_tenant.get(tenant)
+        if flat is None:
+            flat = by_tenant[tenant] = []
+        flat += (digest >> 64, size, int(at * 1000) - t0)
+    return orjson.dumps({"pod": pod, "thr": threshold, "t0": t0, "s": by_tenant})
+
+
+def decode_fleet_batch(raw: bytes | str) -> tuple[int, list[FleetSample]]:
+    """(threshold, samples) of one payload; ValueError when it is not one."""
+    try:
+        body = orjson.loads(raw)
+        threshold, t0, groups = int(body["thr"]), int(body["t0"]), body["s"]
+        out: list[FleetSample] = []
+        for tenant, flat in groups.items():
+            if not valid_name(tenant) or len(flat) % 3:
+                raise ValueError(f"bad fleet sample group {tenant[:70]!r}")
+            for i in range(0, len(flat), 3):
+                key, size, dt = int(flat[i]), int(flat[i + 1]), int(flat[i + 2])
+                out.append(FleetSample(tenant, key, size, (t0 + dt) / 1000.0))
+    except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a fleet sample batch: {exc}") from exc
+    return threshold, out
+
+
+async def add_fleet_batch_lean(
+    client: resp.RespClient, cache: str, payload: bytes, *, timeout_s: float | None = None
+) -> None:
+    """Append one batch to the cache's fleet-sample stream, trimmed to about its bound."""
+    key = fleet_samples_key(cache)
+    await client.execute(
+        "XADD", key, "MAXLEN", "~", str(FLEET_STREAM_MAXLEN), "*", "b", payload,
+        key=key, timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+async def read_fleet_batches(
+    client: RedisClient, cache: str, after: str | None, limit: int = FLEET_READ_MAX
+) -> tuple[list[bytes], str | None]:
+    """(payloads of the batches after stream id ``after`` (None: all kept), the last id read)."""
+    key = fleet_samples_key(cache)
+    out: list[bytes] = []
+    last = after
+    while len(out) < limit:
+        start = "-" if last is None else f"({last}"
+        page = await client.xrange(key, min=start, max="+", count=min(500, limit - len(out)))
+        if not page:
+            break
+        for entry_id, fields in page:
+            if entry_id is None:
+                continue
+            last = _text(entry_id)
+            payload = (fields or {}).get(b"b")
+            if payload is not None:
+                out.append(payload if isinstance(payload, bytes) else str(payload).encode())
+    return out, last
