@@ -527,8 +527,8 @@ def _l2_bytes(
     The fleet curves are in bytes of one cache the fleet shares, which the L2
     is. Tenants with a fleet curve start from their floor and grow by the
     same lookahead greedy as L1 (:func:`_greedy`, valued alike); what no
-    fleet curve gains from goes by class weight to them. With no fleet curve
-    at all, L2 follows the L1 shares.
+    fleet curve gains from goes by class weight to those with fleet-wide
+    reuse. With no fleet curve at all, L2 follows the L1 shares.
     """
     fleet = [
         None if m.fleet_curve is None or m.fleet_curve.requests <= 0 else m.fleet_curve for m in ms
@@ -539,11 +539,15 @@ def _l2_bytes(
         return _to_bytes(shares, floors, capacity)
     l2 = np.where(has, floors, shares)
     l2_caps = np.where(has, caps, shares)
-    fleet_plans = _Plans(plans.values, fleet, CurveTable(fleet), plans.misses, [""] * len(fleet))
-    _greedy(fleet_plans, l2, l2_caps, capacity)
+    table = CurveTable(fleet)
+    _greedy(
+        _Plans(plans.values, fleet, table, plans.misses, [""] * len(fleet)), l2, l2_caps, capacity
+    )
     left = 1.0 - float(l2.sum())
-    if left > EPS:
-        _water_fill(l2, l2_caps, np.where(has, _CLASS_WEIGHTS[classes], 0.0), left)
+    if left > EPS:  # by class weight to those with fleet-wide reuse (else to every curve)
+        reuse = has & (table.max_hit >= NO_REUSE_HIT_RATIO)
+        weights = np.where(reuse if reuse.any() else has, _CLASS_WEIGHTS[classes], 0.0)
+        _water_fill(l2, l2_caps, weights, left)
     return _to_bytes(l2, floors, capacity)
 
 

@@ -142,6 +142,18 @@ async def test_sidecar_and_operator_work_under_least_privilege(
         assert (result.completed, result.acks) == (True, 3)
         assert (await pod_c.chat("under ACL")).headers["x-cache"] == "MISS"
         assert await refusals(admin) == []
+
+        # Fleet samples: the sidecar appends to the stream (XADD), the operator reads it (XRANGE).
+        assert pod_c.sidecar.mrc is not None
+        pod_c.sidecar.mrc.forward_fleet(1.0, protocol.FLEET_BATCH_MAX)  # every key, not 1/16
+        await pod_c.chat("under ACL")
+        plane = RedisControlPlane(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
+
+        async def sampled() -> bool:
+            return bool((await plane.fleet_batches(CACHE, None))[0])
+
+        await wait_until(sampled)
+        assert await refusals(admin) == []
     finally:
         await operator.aclose()
     # The operator's clean-up of a deleted cache (SCAN + UNLINK), under its user.
