@@ -530,25 +530,86 @@ def _l2_bytes(
     fleet curve gains from goes by class weight to those with fleet-wide
     reuse. With no fleet curve at all, L2 follows the L1 shares.
     """
-    fleet = [
-        None if m.fleet_curve is None or m.fleet_curve.requests <= 0 else m.fleet_curve for m in ms
-    ]
     floors, caps = bounds
+    fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
+    if capacity <= 0 or fleet.count(None) == len(fleet):  # the common case, at C speed
+        return _to_bytes(shares, floors, capacity)
+    fleet = [c if c is not None and c.requests > 0 else None for c in fleet]
     has = np.array([c is not None for c in fleet], dtype=bool)
-    if capacity <= 0 or not has.any():
+    if not has.any():
         return _to_bytes(shares, floors, capacity)
     l2 = np.where(has, floors, shares)
     l2_caps = np.where(has, caps, shares)
     table = CurveTable(fleet)
-    _greedy(
-        _Plans(plans.values, fleet, table, plans.misses, [""] * len(fleet)), l2, l2_caps, capacity
-    )
+    # Where L2 holds every tenant's curve up to where it stops rising (within its cap),
+    # the greedy would end there: take that at once (the common case: L2 is the big tier).
+    with np.errstate(invalid="ignore"):
+        full = np.minimum(l2_caps, table.size_for(table.max_hit) / capacity)
+    full = np.where(has & (plans.values > 0.0), np.maximum(l2, np.nan_to_num(full)), l2)
+    if float(full.sum()) <= 1.0 + EPS:
+        l2 = full
+    else:
+        grows = has & (plans.values > 0.0)
+        l2 = np.where(grows, _fill_level(table, plans.values, l2, l2_caps, capacity), l2)
+        fleet_plans = _Plans(plans.values, fleet, table, plans.misses, [""] * len(fleet))
+        _greedy(fleet_plans, l2, l2_caps, capacity)
     left = 1.0 - float(l2.sum())
     if left > EPS:  # by class weight to those with fleet-wide reuse (else to every curve)
         reuse = has & (table.max_hit >= NO_REUSE_HIT_RATIO)
         weights = np.where(reuse if reuse.any() else has, _CLASS_WEIGHTS[classes], 0.0)
         _water_fill(l2, l2_caps, weights, left)
     return _to_bytes(l2, floors, capacity)
+
+
+#: Bisection steps of :func:`_fill_level` (over a 1e12 range of levels: 2.6e-5 apart).
+FILL_LEVEL_STEPS = 20
+
+
+def _fill_level(
+    table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
+) -> FloatArray:
+    """Shares from ``lo`` (up to ``hi``) at the lowest utility level that still fits.
+
+    At a level λ (utility per share) each tenant takes the curve point (or
+    ``lo`` or ``hi``) maximising ``value · hit - λ · share``: the vertices of
+    its concave hull whose segments are steeper than λ. The greedy grants
+    hull segments steepest first, so the shares at the lowest λ whose total
+    fits (found by bisection, all tenants at once) are what it would have
+    granted before the first segment that no longer fits; :func:`_greedy`
+    finishes from there in a few steps instead of one per segment.
+    """
+    cap = float(capacity)
+    xs = table.xs / cap
+    cand = (xs > lo[:, None]) & (xs < hi[:, None])
+    xs = np.where(cand, xs, 0.0)
+    ys = np.where(cand, table.ys, -np.inf)
+    at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
+    rows = table.rows
+
+    def take(level: float) -> FloatArray:
+        score = values[:, None] * ys - level * xs
+        k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
+        inner = score[rows, k]
+        best_lo = values * at_lo - level * lo
+        best_hi = values * at_hi - level * hi
+        out = np.where(inner > best_lo, xs[rows, k], lo)
+        return np.where(best_hi > np.maximum(best_lo, inner), hi, out)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
+    top = float(np.max(slopes, initial=0.0))
+    if top <= 0.0 or not math.isfinite(top):
+        return lo
+    high, low = math.log(top * 2.0), math.log(top * 1e-12)
+    if float(take(math.exp(low)).sum()) <= 1.0:
+        return take(math.exp(low))
+    for _ in range(FILL_LEVEL_STEPS):
+        mid = (high + low) / 2.0
+        if float(take(math.exp(mid)).sum()) <= 1.0:
+            high = mid
+        else:
+            low = mid
+    return take(math.exp(high))
 
 
 def _to_bytes(shares: FloatArray, floors: FloatArray, capacity: int) -> list[int]:

@@ -8,9 +8,11 @@ curve gains with L2 bytes), the other's never do. L2 goes where it gains.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
+from cachefleet_operator import allocation
 from cachefleet_operator.allocation import (
     PriorityClass,
     TenantDemand,
@@ -19,6 +21,7 @@ from cachefleet_operator.allocation import (
     hold,
 )
 from cachefleet_operator.curves import HitCurve, LatencyDist
+from cachefleet_sidecar.mrc import BUCKETS
 
 L1 = 8 * 2**30
 L2 = 64 * 2**30
@@ -104,3 +107,70 @@ def test_the_gain_is_weighed_like_l1_by_a_tenants_value() -> None:
 def test_holding_the_shares_keeps_l2_with_them() -> None:
     held = hold(demands(), {"reuser": 0.5, "scanner": 0.5}, L1, L2)
     assert [t.l2_bytes for t in held.tenants] == [L2 // 2, L2 // 2]
+
+
+def knee_of(made: HitCurve | None) -> float:
+    """Where the curve stops rising: the first point at its best."""
+    assert made is not None
+    return made.xs[made.ys.index(made.max_hit_ratio)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_an_l2_that_holds_every_curve_gives_what_the_greedy_would(seed: int) -> None:
+    """Ample L2 takes a shortcut (each curve up to where it stops rising); just short of
+    that, the greedy runs: the two must meet at the boundary."""
+    rng = random.Random(seed)
+    tenants, ms = [], {}
+    for i in range(20):
+        name = f"t{i}"
+        tenants.append(TenantDemand(name, rng.choice(list(PriorityClass)), 0.0, 1.0))
+        knee = rng.uniform(0.5, 4.0) * 2**20
+        points = [(knee * f, rng.uniform(0.2, 0.9) * f) for f in (0.25, 0.5, 1.0)]
+        ms[name] = TenantMetrics(
+            hit_ratio=0.3,
+            rps=rng.uniform(1.0, 100.0),
+            curve=PER_POD,
+            miss_latency=misses(),
+            fleet_curve=curve(points),
+        )
+    knees = {name: knee_of(m.fleet_curve) for name, m in ms.items()}
+    total = sum(knees.values())
+    fits = allocate(tenants, ms, None, L1, int(total * 1.0001))  # the shortcut
+    for t in fits.tenants:
+        assert t.l2_bytes == pytest.approx(knees[t.name], rel=0.001)
+    short = allocate(tenants, ms, None, L1, int(total * 0.995))  # the greedy
+    assert sum(t.l2_bytes for t in short.tenants) == pytest.approx(total * 0.995, rel=1e-6)
+    for a, b in zip(fits.tenants, short.tenants, strict=True):
+        assert b.l2_bytes <= a.l2_bytes
+        assert b.l2_bytes == pytest.approx(a.l2_bytes, abs=0.01 * total)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_the_level_step_changes_nothing_the_greedy_decides(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With L2 too small for every curve, a bisection over the utility level does what the
+    greedy's first steps would, in one pass: the same L2 bytes as the greedy alone."""
+    rng = random.Random(seed)
+    tenants, ms = [], {}
+    for i in range(200):
+        name = f"t{i}"
+        cls = rng.choice(list(PriorityClass))
+        floor = 0.0 if cls is PriorityClass.BEST_EFFORT else 0.001
+        tenants.append(TenantDemand(name, cls, floor, rng.choice((0.05, 1.0))))
+        scale = rng.uniform(0.1, 3.0) * L2 / 200
+        skew, reach = rng.uniform(0.3, 1.5), rng.uniform(0.2, 0.95)
+        points = [(b, reach * (1.0 - math.exp(-((b / scale) ** skew)))) for b in BUCKETS]
+        ms[name] = TenantMetrics(
+            hit_ratio=0.3,
+            rps=rng.uniform(0.1, 500.0),
+            curve=PER_POD,
+            miss_latency=misses(),
+            fleet_curve=curve(points),
+        )
+    leveled = allocate(tenants, ms, None, L1, L2)
+    monkeypatch.setattr(allocation, "_fill_level", lambda table, values, lo, hi, cap: lo)
+    greedy = allocate(tenants, ms, None, L1, L2)
+    assert sum(t.l2_bytes for t in greedy.tenants) >= 0.999 * L2  # L2 ran out: no shortcut
+    for a, b in zip(leveled.tenants, greedy.tenants, strict=True):
+        assert a.l2_bytes == pytest.approx(b.l2_bytes, abs=1e-4 * L2)
