@@ -9,8 +9,9 @@ is by key hash, so every pod forwards the same keys. :class:`FleetCurves`
 replays them, in time order, into one
 :class:`~cachefleet_sidecar.mrc.ShardsSampler` per cache and tenant (the
 sidecars' own tracker: fixed size, so a big tenant's rate falls below the
-fleet's) and turns its histogram into a :class:`~cachefleet_operator.curves.HitCurve`
-over the curve window: hit ratio by the bytes of *one* cache the fleet shares,
+fleet's; the sizes share one budget of keys per cache) and turns its
+histogram into a :class:`~cachefleet_operator.curves.HitCurve` over the curve
+window: hit ratio by the bytes of *one* cache the fleet shares,
 which is what the L2 is and what bounds the fleet's hit ratio.
 
 The window is the difference between the histogram now and a snapshot kept
@@ -30,8 +31,12 @@ from cachefleet_operator.curves import HitCurve
 from cachefleet_sidecar.mrc import BUCKETS, HASH_MASK, ShardsSampler
 from cachefleet_sidecar.protocol import FLEET_SAMPLE_RATE, FleetSample
 
-#: Keys tracked per tenant and cache (SHARDS's s_max; ~150 bytes each).
+#: Keys tracked per tenant and cache at most (SHARDS's s_max; ~430 bytes each).
 FLEET_MAX_SAMPLES = 4096
+#: Keys tracked per cache, all tenants together (~100 MB): with many tenants each
+#: tracks fewer (``FLEET_KEY_BUDGET // tenants``, at least ``FLEET_MIN_SAMPLES``).
+FLEET_KEY_BUDGET = 250_000
+FLEET_MIN_SAMPLES = 16
 #: Tenants tracked per cache at most (the others' samples are ignored and counted).
 FLEET_MAX_TENANTS = 10_000
 
@@ -49,6 +54,8 @@ class _Cache:
     tenants: dict[str, _Tenant] = field(default_factory=dict)
     #: The stream id read last (None: nothing read yet).
     after: str | None = None
+    #: Keys each tracker may hold (0: not decided yet).
+    per_tenant: int = 0
 
 
 class FleetCurves:
@@ -59,10 +66,12 @@ class FleetCurves:
         max_samples: int = FLEET_MAX_SAMPLES,
         rate: float = FLEET_SAMPLE_RATE,
         max_tenants: int = FLEET_MAX_TENANTS,
+        key_budget: int = FLEET_KEY_BUDGET,
     ) -> None:
         self.max_samples = max_samples
         self.rate = rate
         self.max_tenants = max_tenants
+        self.key_budget = key_budget
         self._caches: dict[str, _Cache] = {}
         #: Samples not used: a tenant past ``max_tenants``, or a batch that was not one.
         self.ignored = 0
@@ -91,6 +100,10 @@ class FleetCurves:
         if wanted is not None:
             for gone in [t for t in state.tenants if t not in wanted]:
                 del state.tenants[gone]
+            state.per_tenant = self._per_tenant(len(wanted))
+            for tracked in state.tenants.values():
+                if tracked.sampler.max_samples > state.per_tenant:
+                    tracked.sampler.shrink_to(state.per_tenant)
         samples: list[FleetSample] = []
         for threshold, batch in batches:
             for sample in batch:
@@ -123,12 +136,18 @@ class FleetCurves:
             tracked.history.append((tracked.last_at, tuple(tracked.sampler.counts)))
         return used
 
+    def _per_tenant(self, tenants: int) -> int:
+        """Keys each tracker may hold with ``tenants`` tenants in the cache."""
+        share = self.key_budget // max(1, min(tenants, self.max_tenants))
+        return max(min(FLEET_MIN_SAMPLES, self.max_samples), min(self.max_samples, share))
+
     def _tenant(self, state: _Cache, tenant: str) -> _Tenant | None:
         tracked = state.tenants.get(tenant)
         if tracked is None:
             if len(state.tenants) >= self.max_tenants:
                 return None
-            tracked = state.tenants[tenant] = _Tenant(ShardsSampler(self.max_samples, self.rate))
+            per = state.per_tenant or self._per_tenant(len(state.tenants) + 1)
+            tracked = state.tenants[tenant] = _Tenant(ShardsSampler(per, self.rate))
         return tracked
 
     def curves(self, cache: str, window_s: float) -> dict[str, HitCurve]:

@@ -176,6 +176,16 @@ class ShardsSampler:
     def rate(self) -> float:
         return self.threshold / HASH_SPACE
 
+    def __len__(self) -> int:
+        """Keys tracked now."""
+        return len(self._last)
+
+    def shrink_to(self, max_samples: int) -> None:
+        """Track at most ``max_samples`` keys from now on (the largest hashes go at once)."""
+        self.max_samples = max(1, max_samples)
+        while len(self._last) > self.max_samples:
+            self.lower_threshold()
+
     def access(self, digest: int, size: int) -> None:
         """Record one access to the key with ``digest``, ``size`` bytes."""
         h = (digest >> HASH_SHIFT) & HASH_MASK

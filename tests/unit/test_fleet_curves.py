@@ -192,3 +192,19 @@ def test_the_sidecar_forwards_sampled_keys_only_within_its_bound() -> None:
     assert curves.take_fleet_samples() == []
     with pytest.raises(ValueError):
         curves.forward_fleet(1.5, 10)
+
+
+def test_many_tenants_share_one_budget_of_keys() -> None:
+    clock = Clock()
+    fleet = FleetCurves(max_samples=512, rate=1.0, key_budget=1000)
+    keys = digests(4000, seed=7)
+    one = [FleetSample("a", d >> 64, SIZE, clock.now) for d in keys]
+    fleet.ingest(CACHE, [(HASH_SPACE, one)], tenants={"a"})
+    alone = fleet.curves(CACHE, WINDOW_S)["a"]
+    assert alone.requests * WINDOW_S == pytest.approx(4000, rel=0.2)  # 512 keys: rate ~1/8
+    # four tenants now: each may keep 250 keys, "a" gives the rest up at once
+    others = [FleetSample(t, d >> 64, SIZE, clock.now) for t in "bcd" for d in keys[:300]]
+    fleet.ingest(CACHE, [(HASH_SPACE, others)], tenants={"a", "b", "c", "d"})
+    state = fleet._caches[CACHE]
+    assert [len(state.tenants[t].sampler) for t in "abcd"] == [250] * 4
+    assert state.tenants["a"].sampler.rate < 250 / 4000 * 1.3
