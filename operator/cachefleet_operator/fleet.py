@@ -101,9 +101,9 @@ class FleetCurves:
             for gone in [t for t in state.tenants if t not in wanted]:
                 del state.tenants[gone]
             state.per_tenant = self._per_tenant(len(wanted))
-            for tracked in state.tenants.values():
-                if tracked.sampler.max_samples > state.per_tenant:
-                    tracked.sampler.shrink_to(state.per_tenant)
+            for kept in state.tenants.values():
+                if kept.sampler.max_samples > state.per_tenant:
+                    kept.sampler.shrink_to(state.per_tenant)
         samples: list[FleetSample] = []
         for threshold, batch in batches:
             for sample in batch:
