@@ -219,6 +219,9 @@ class Allocation:
             text += f"; held (target {t.target:.1%}: gain below threshold)"
         if t.predicted_hit_ratio is not None:
             text += f"; predicted hit ratio {t.predicted_hit_ratio:.2f}"
+        if m is not None and m.fleet_curve is not None and m.fleet_curve.requests > 0:
+            fleet = m.fleet_curve.at(t.l2_bytes)
+            text += f"; fleet-wide with its L2 {fleet:.2f}"
         if t.cannot_meet and not t.sla_met:  # a tenant meeting its SLA is not told it cannot
             text += f"; {t.cannot_meet}"
         return text

@@ -192,6 +192,7 @@ async def test_a_tenant_the_fleet_serves_is_within_reach_and_gets_the_l2(
     assert by_name["search"]["share"] == pytest.approx(0.1)
     # ... L2 by the fleet's: search's reuse counts there as much as chat's
     assert by_name["search"]["l2Bytes"] > 3 * by_name["search"]["share"] * L2
+    assert "predicted hit ratio 0.00; fleet-wide with its L2 0.67" in by_name["search"]["reason"]
 
     # the same without the stream: one pod's view, so search is named on the 3rd rebalance
     admin = protocol.redis_from_url(redis_url)
