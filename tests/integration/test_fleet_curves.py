@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cachefleet_e2e.services import RedisServer
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
 from cachefleet_operator.fleet import FleetCurves
@@ -96,6 +97,26 @@ async def test_a_redis_fault_drops_the_batch_and_counts_it() -> None:
     assert curves.fleet_threshold == 0  # stopped: nothing more is kept for it
     with pytest.raises(resp.RespError):
         await dead.execute("PING")
+
+
+@pytest.mark.redis
+async def test_a_sidecar_whose_redis_dies_serves_on_and_counts_the_samples_lost(
+    sidecar_factory: SidecarFactory,
+) -> None:
+    with RedisServer() as redis:
+        pod = await sidecar_factory(redis_url=redis.url)
+        forward_all([pod])
+        assert (await pod.chat("before", tenant="search")).status_code == 200
+        await wait_for_samples(redis.url, 1)
+        redis.kill()
+        for n in range(5):
+            assert (await pod.chat(f"after {n}", tenant="search")).status_code == 200
+        dropped = 'cachefleet_fleet_samples_total{cache="test/cache",outcome="dropped"} 5.0'
+        deadline = time.monotonic() + 20.0
+        while dropped not in (text := (await pod.admin.get("/metrics")).text):
+            assert time.monotonic() < deadline, text
+            await asyncio.sleep(0.2)
+        assert 'cachefleet_fleet_samples_total{cache="test/cache",outcome="sent"} 1.0' in text
 
 
 class FakeMetrics:
