@@ -129,6 +129,9 @@ class TenantMetrics:
     miss_latency: LatencyDist | None = None
     #: Latency of a hit (L1 and L2).
     hit_latency: LatencyDist | None = None
+    #: Hit ratio by the bytes of one cache the fleet shares (the operator's replay of
+    #: the fleet samples, :mod:`cachefleet_operator.fleet`): L2 sizes and reach.
+    fleet_curve: HitCurve | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +219,9 @@ class Allocation:
             text += f"; held (target {t.target:.1%}: gain below threshold)"
         if t.predicted_hit_ratio is not None:
             text += f"; predicted hit ratio {t.predicted_hit_ratio:.2f}"
+        if m is not None and m.fleet_curve is not None and m.fleet_curve.requests > 0:
+            fleet = m.fleet_curve.at(t.l2_bytes)
+            text += f"; fleet-wide with its L2 {fleet:.2f}"
         if t.cannot_meet and not t.sla_met:  # a tenant meeting its SLA is not told it cannot
             text += f"; {t.cannot_meet}"
         return text
@@ -384,7 +390,11 @@ def fleet_hit_ratio(curve: HitCurve, observed: float | None, size: float) -> flo
 
 
 def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
-    """Why no cache size meets the tenant's SLA, in words."""
+    """Why no cache size meets the tenant's SLA, in words (the fleet's numbers when it
+    reuses more than one pod sees)."""
+    where = ""
+    if m.fleet_curve is not None and m.fleet_curve.max_hit_ratio > curve.max_hit_ratio:
+        curve, where = m.fleet_curve, " fleet-wide"
     goals = []
     if d.p95_target_s is not None:
         goals.append(f"p95 {d.p95_target_s:.3g} s")
@@ -395,8 +405,8 @@ def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
     if m.miss_latency is not None and d.p95_target_s is not None:
         slow = f", a miss takes {m.miss_latency.mean():.3g} s on average"
     return (
-        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time "
-        f"(at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
+        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time"
+        f"{where} (at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
         f"no cache size meets {goal}"
     )
 
@@ -505,6 +515,104 @@ def _refill(shares: FloatArray, targets: FloatArray) -> None:
     if total_gap <= EPS:
         return
     shares += gaps * min(1.0, free / total_gap)
+
+
+def _l2_bytes(
+    plans: _Plans,
+    ms: Sequence[TenantMetrics],
+    shares: FloatArray,
+    bounds: tuple[FloatArray, FloatArray],
+    classes: IntArray,
+    capacity: int,
+) -> list[int]:
+    """L2 bytes by marginal gain on the fleet curves; a tenant without one keeps its L1 share.
+
+    The fleet curves are in bytes of one cache the fleet shares, which the L2
+    is. Tenants with a fleet curve start from their floor and grow by the
+    same lookahead greedy as L1 (:func:`_greedy`, valued alike); what no
+    fleet curve gains from goes by class weight to those with fleet-wide
+    reuse. With no fleet curve at all, L2 follows the L1 shares.
+    """
+    floors, caps = bounds
+    fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
+    if capacity <= 0 or fleet.count(None) == len(fleet):  # the common case, at C speed
+        return _to_bytes(shares, floors, capacity)
+    fleet = [c if c is not None and c.requests > 0 else None for c in fleet]
+    has = np.array([c is not None for c in fleet], dtype=bool)
+    if not has.any():
+        return _to_bytes(shares, floors, capacity)
+    l2 = np.where(has, floors, shares)
+    l2_caps = np.where(has, caps, shares)
+    table = CurveTable(fleet)
+    # Where L2 holds every tenant's curve up to where it stops rising (within its cap),
+    # the greedy would end there: take that at once (the common case: L2 is the big tier).
+    with np.errstate(invalid="ignore"):
+        full = np.minimum(l2_caps, table.size_for(table.max_hit) / capacity)
+    full = np.where(has & (plans.values > 0.0), np.maximum(l2, np.nan_to_num(full)), l2)
+    if float(full.sum()) <= 1.0 + EPS:
+        l2 = full
+    else:
+        grows = has & (plans.values > 0.0)
+        l2 = np.where(grows, _fill_level(table, plans.values, l2, l2_caps, capacity), l2)
+        fleet_plans = _Plans(plans.values, fleet, table, plans.misses, [""] * len(fleet))
+        _greedy(fleet_plans, l2, l2_caps, capacity)
+    left = 1.0 - float(l2.sum())
+    if left > EPS:  # by class weight to those with fleet-wide reuse (else to every curve)
+        reuse = has & (table.max_hit >= NO_REUSE_HIT_RATIO)
+        weights = np.where(reuse if reuse.any() else has, _CLASS_WEIGHTS[classes], 0.0)
+        _water_fill(l2, l2_caps, weights, left)
+    return _to_bytes(l2, floors, capacity)
+
+
+#: Bisection steps of :func:`_fill_level` (over a 1e12 range of levels: 2.6e-5 apart).
+FILL_LEVEL_STEPS = 20
+
+
+def _fill_level(
+    table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
+) -> FloatArray:
+    """Shares from ``lo`` (up to ``hi``) at the lowest utility level that still fits.
+
+    At a level λ (utility per share) each tenant takes the curve point (or
+    ``lo`` or ``hi``) maximising ``value · hit - λ · share``: the vertices of
+    its concave hull whose segments are steeper than λ. The greedy grants
+    hull segments steepest first, so the shares at the lowest λ whose total
+    fits (found by bisection, all tenants at once) are what it would have
+    granted before the first segment that no longer fits; :func:`_greedy`
+    finishes from there in a few steps instead of one per segment.
+    """
+    cap = float(capacity)
+    xs = table.xs / cap
+    cand = (xs > lo[:, None]) & (xs < hi[:, None])
+    xs = np.where(cand, xs, 0.0)
+    ys = np.where(cand, table.ys, -np.inf)
+    at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
+    rows = table.rows
+
+    def take(level: float) -> FloatArray:
+        score = values[:, None] * ys - level * xs
+        k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
+        inner = score[rows, k]
+        best_lo = values * at_lo - level * lo
+        best_hi = values * at_hi - level * hi
+        out = np.where(inner > best_lo, xs[rows, k], lo)
+        return np.where(best_hi > np.maximum(best_lo, inner), hi, out)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
+    top = float(np.max(slopes, initial=0.0))
+    if top <= 0.0 or not math.isfinite(top):
+        return lo
+    high, low = math.log(top * 2.0), math.log(top * 1e-12)
+    if float(take(math.exp(low)).sum()) <= 1.0:
+        return take(math.exp(low))
+    for _ in range(FILL_LEVEL_STEPS):
+        mid = (high + low) / 2.0
+        if float(take(math.exp(mid)).sum()) <= 1.0:
+            high = mid
+        else:
+            low = mid
+    return take(math.exp(high))
 
 
 def _to_bytes(shares: FloatArray, floors: FloatArray, capacity: int) -> list[int]:
@@ -822,7 +930,8 @@ def allocate(
     non-empty map is taken to have no traffic). ``previous`` maps tenant ->
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
-    read at; L2 bytes follow the same shares. Per-tenant work is done on
+    read at; L2 bytes go by the fleet curves (:func:`_l2_bytes`; the L1
+    shares for a tenant without one). Per-tenant work is done on
     arrays (numpy), so 10,000 tenants with curves take tens of milliseconds.
     """
     params = params or AllocationParams()
@@ -891,7 +1000,7 @@ def allocate(
         shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _to_bytes(shares, floors, l2_capacity)
+    l2 = _l2_bytes(plans, ms, shares, (floors, caps), classes, l2_capacity)
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     notes = np.where(at_floor, "floor", np.where(at_cap, "cap", np.where(held, "held", "")))

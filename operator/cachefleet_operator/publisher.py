@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url
 from cachefleet_sidecar.contract.messages import Heartbeat, QuotaAssignment
 from cachefleet_sidecar.contract.names import control_prefix, tenant_data_pattern, tombstone_key
-from cachefleet_sidecar.contract.ops import bury, live_members, publish_quotas
+from cachefleet_sidecar.contract.ops import bury, live_members, publish_quotas, read_fleet_batches
 
 #: Connect and per-command timeouts of the operator's Redis clients, seconds.
 REDIS_CONNECT_TIMEOUT_S = 2.0
@@ -42,6 +42,10 @@ class ControlPlane(Protocol):
     async def live_members(self, cache: str) -> list[Heartbeat]: ...
 
     async def delete_cache_state(self, cache: str, uid: str = "") -> int: ...
+
+    async def fleet_batches(self, cache: str, after: str | None) -> tuple[list[bytes], str | None]:
+        """Fleet-sample batches after stream id ``after``, and the last id read."""
+        ...
 
 
 #: Builds a control plane from a Redis URL.
@@ -83,6 +87,11 @@ class RedisControlPlane:
     async def live_members(self, cache: str) -> list[Heartbeat]:
         async with self._client() as client:
             return await live_members(client, cache)
+
+    async def fleet_batches(self, cache: str, after: str | None) -> tuple[list[bytes], str | None]:
+        """The fleet-sample batches the sidecars wrote after stream id ``after`` (bounded)."""
+        async with self._client() as client:
+            return await read_fleet_batches(client, cache, after)
 
     async def delete_cache_state(self, cache: str, uid: str = "") -> int:
         """Remove the cache's control keys and its tenants' L2 data; returns keys removed.

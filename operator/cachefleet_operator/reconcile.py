@@ -27,8 +27,10 @@ field named, a Warning Event, and a permanent failure (no retry storm).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -65,6 +67,7 @@ from cachefleet_operator.api import (
     parse_redis_endpoint,
     parse_spec,
 )
+from cachefleet_operator.fleet import FleetCurves
 from cachefleet_operator.invalidation import (
     MODEL_ACK_WAIT_S,
     InvalidatorFactory,
@@ -93,10 +96,13 @@ from cachefleet_operator.publisher import (
     ControlPlaneUnavailable,
     redis_control_plane,
 )
+from cachefleet_sidecar.contract.fleet import decode_fleet_batch
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.contract.names import Policy, cache_ref
 from cachefleet_sidecar.contract.ops import read_epochs, restore_epochs
 from cachefleet_sidecar.epochs import model_scope
+
+log = logging.getLogger(__name__)
 
 #: Share moves smaller than this (fraction of capacity) are not announced as Events.
 EVENT_MIN_MOVE = 0.005
@@ -445,10 +451,12 @@ def reach_evidence(
     reach, whatever its curve says), its curve stands on at least
     ``min_requests`` estimated requests over the curve window (``window_s``),
     and, when the finding is that no cache size reaches the SLA, the fleet
-    does not reach it either: the curve's best plus the hits the fleet adds
-    beyond the curve at the share in force (:func:`fleet_hit_ratio`; a key's
-    first access on a pod that L2 answers is a hit) stays below the hit ratio
-    the SLA needs.
+    does not reach it either: neither the best of its fleet-wide curve (one
+    cache the fleet shares, where a key's first access on a pod that L2
+    answers is a hit; counted when it too stands on ``min_requests``) nor the
+    pod curve's best plus the hits the fleet adds beyond it at the share in
+    force (:func:`fleet_hit_ratio`, what the observed hit ratio shows) reaches
+    the hit ratio the SLA needs.
     """
     demands = {d.name: d for d in allocation.demands}
     out = set()
@@ -461,7 +469,11 @@ def reach_evidence(
         if t.beyond_any_size:
             need = needed_hit_ratio(demands[t.name], m)
             size = in_force.get(t.name, t.share) * allocation.l1_capacity
-            if need is not None and fleet_hit_ratio(m.curve, m.hit_ratio, size) >= need - 1e-9:
+            best = fleet_hit_ratio(m.curve, m.hit_ratio, size)
+            fleet = m.fleet_curve
+            if fleet is not None and fleet.requests * window_s >= min_requests:
+                best = max(best, fleet.max_hit_ratio)
+            if need is not None and best >= need - 1e-9:
                 continue
         out.add(t.name)
     return out
@@ -571,8 +583,11 @@ class Reconciler:
         invalidator: InvalidatorFactory | None = None,
         policy_events_min_span_s: float = POLICY_EVENTS_MIN_SPAN_S,
         reach: ReachWarnings | None = None,
+        fleet: FleetCurves | None = None,
     ) -> None:
         self.reach = reach or ReachWarnings()
+        #: Fleet-wide curves per cache, fed from the sidecars' fleet-sample stream.
+        self.fleet = fleet or FleetCurves()
         self.invalidator = invalidator or redis_invalidator
         self.metrics_source = metrics_source
         self.control_plane = control_plane
@@ -641,6 +656,8 @@ class Reconciler:
 
         capacity = spec.capacity
         l1_bytes = listed_l1_bytes(spec)
+        if metrics:
+            metrics = await self._with_fleet_curves(namespace, spec, cache, demands, metrics)
         if metrics is not None:
             params = AllocationParams(
                 spec.allocation.smoothing, spec.allocation.hysteresis, spec.allocation.min_gain
@@ -816,6 +833,40 @@ class Reconciler:
             outcome.result = "degraded"
         return outcome
 
+    async def _with_fleet_curves(
+        self,
+        namespace: str,
+        spec: InferenceCacheSpec,
+        cache: str,
+        demands: Iterable[TenantDemand],
+        metrics: dict[str, TenantMetrics],
+    ) -> dict[str, TenantMetrics]:
+        """``metrics`` with each tenant's fleet-wide curve, from the batches new since the
+        last rebalance. Redis down or a batch that is not one: the curves go on from
+        what was read before (never a fault of the reconcile; publishing reports Redis)."""
+        payloads: list[bytes] = []
+        last = None
+        try:
+            url = await self.redis_url(namespace, spec)
+            payloads, last = await self.control_plane(url).fleet_batches(
+                cache, self.fleet.after(cache)
+            )
+        except (ControlPlaneUnavailable, SecretUnavailable, RedisError, OSError) as exc:
+            log.debug("%s: fleet samples not read: %s", cache, exc)
+        batches = []
+        for raw in payloads:
+            try:
+                batches.append(decode_fleet_batch(raw))
+            except ValueError:
+                self.fleet.ignored += 1
+        names = set(metrics) | {d.name for d in demands}
+        self.fleet.ingest(cache, batches, last, names)
+        curves = self.fleet.curves(cache, window_seconds(spec.prometheus.curve_window))
+        return {
+            name: dataclasses.replace(m, fleet_curve=curves[name]) if name in curves else m
+            for name, m in metrics.items()
+        }
+
     async def _policy_switches(
         self,
         source: MetricsSource | None,
@@ -923,5 +974,6 @@ class Reconciler:
             endpoint = parse_redis_endpoint(raw_spec.get("redis"))
         self.metrics.set_slo_pressure(namespace, name, None)
         self.reach.forget(cache_ref(namespace, name))
+        self.fleet.forget(cache_ref(namespace, name))
         url = await self.redis_url(namespace, endpoint)
         return await self.control_plane(url).delete_cache_state(cache_ref(namespace, name), uid)

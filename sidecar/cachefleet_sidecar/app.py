@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from . import directives, keys, mrc, savings, semantic
 from .config import SidecarConfig, parse_args
+from .contract.clients import resp_client
 from .contract.messages import Heartbeat, QuotaAssignment, TenantQuota
 from .contract.names import Policy, valid_name
 from .contract.urls import redact_url
@@ -70,6 +71,7 @@ from .entry import (
     usage_of,
 )
 from .epochs import EpochTracker, EpochVector
+from .fleetsample import FleetShipper
 from .gate import AdmissionGate
 from .host import HostPressure
 from .identity import (
@@ -1860,6 +1862,7 @@ class SidecarServer:
         self._idle_task: asyncio.Task[None] | None = None
         self._l3_task: asyncio.Task[None] | None = None
         self._warm_task: asyncio.Task[None] | None = None
+        self._fleet: FleetShipper | None = None
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -1894,6 +1897,11 @@ class SidecarServer:
             if l2 is not None and hasattr(l2, "on_behind"):
                 l2.on_behind = self.control.poke
             await self.control.start()
+            if self.sidecar.mrc is not None:  # samples for the fleet-wide curves
+                client = resp_client(cfg.redis_url)
+                self._fleet = FleetShipper(self.sidecar.mrc, cfg.cache, cfg.pod, client)
+                self.sidecar.metrics.gauge_sources.append(self._fleet.families)
+                self._fleet.start()
             self._usage_task = loop.create_task(self._refresh_usage())
             if cfg.warm_bytes > 0 and l2 is not None:
                 control, tracker = self.control, self.sidecar.tracker
@@ -2024,6 +2032,8 @@ class SidecarServer:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self._fleet is not None:
+            await self._fleet.stop()
         if self.control is not None:
             await self.control.stop()
         await self.sidecar.aclose()

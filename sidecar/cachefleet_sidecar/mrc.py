@@ -41,6 +41,16 @@ samples in that burst halves (keys above the new threshold are dropped, as
 fixed-size SHARDS does). Hot tenants are the ones slowed; a quiet tenant
 keeps rate 1 and is measured exactly. Pure: no I/O; the clock
 is injected (a replay passes trace time).
+
+* **Fleet samples**: with :meth:`MissRatioCurves.forward_fleet`, every access
+  to a key whose sampling hash is below a fixed fleet-wide threshold is also
+  appended, as (tenant, digest, size, wall time), to a bounded buffer (full:
+  dropped and counted) that :mod:`cachefleet_sidecar.fleetsample` ships to
+  Redis. Every pod forwards the same keys, so the operator can replay them
+  into one :class:`ShardsSampler` per tenant: the fleet-wide curve, where a
+  key's first access on one pod is a reuse when another pod saw it before
+  (L2 answers it). Its threshold never adapts (it is the fleet's contract);
+  an access to a key above it costs one more comparison.
 """
 
 from __future__ import annotations
@@ -165,6 +175,16 @@ class ShardsSampler:
     @property
     def rate(self) -> float:
         return self.threshold / HASH_SPACE
+
+    def __len__(self) -> int:
+        """Keys tracked now."""
+        return len(self._last)
+
+    def shrink_to(self, max_samples: int) -> None:
+        """Track at most ``max_samples`` keys from now on (the largest hashes go at once)."""
+        self.max_samples = max(1, max_samples)
+        while len(self._last) > self.max_samples:
+            self.lower_threshold()
 
     def access(self, digest: int, size: int) -> None:
         """Record one access to the key with ``digest``, ``size`` bytes."""
@@ -303,6 +323,7 @@ class MissRatioCurves:
         "_burst",
         "_burst_by",
         "_burst_start",
+        "_fleet_wall",
         "_limit",
         "_policies",
         "_samplers",
@@ -310,6 +331,10 @@ class MissRatioCurves:
         "budget_per_s",
         "clock",
         "default_policy",
+        "fleet_buffer",
+        "fleet_capacity",
+        "fleet_dropped",
+        "fleet_threshold",
         "max_rate",
         "max_samples",
         "policy_sizes",
@@ -343,6 +368,30 @@ class MissRatioCurves:
         self._burst_by: dict[str, int] = {}
         self._burst_start = clock()
         self._limit: frozenset[str] | None = None
+        #: Keys with a sampling hash below this are forwarded fleet-wide (0: none).
+        self.fleet_threshold = 0
+        #: Forwarded accesses not yet shipped: (tenant, digest, size, unix seconds).
+        self.fleet_buffer: list[tuple[str, int, int, float]] = []
+        self.fleet_capacity = 0
+        #: Accesses not forwarded because the buffer was full.
+        self.fleet_dropped = 0
+        self._fleet_wall: Callable[[], float] = time.time
+
+    def forward_fleet(
+        self, rate: float, capacity: int, wall: Callable[[], float] = time.time
+    ) -> None:
+        """Forward the accesses of keys below the fleet ``rate`` (0: stop), ``capacity`` at most
+        between two :meth:`take_fleet_samples`; ``wall`` stamps them (unix seconds)."""
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"fleet rate must be in [0, 1], got {rate}")
+        self.fleet_threshold = int(HASH_SPACE * rate)
+        self.fleet_capacity = max(0, capacity)
+        self._fleet_wall = wall
+
+    def take_fleet_samples(self) -> list[tuple[str, int, int, float]]:
+        """The forwarded accesses since the last call (the buffer starts over)."""
+        out, self.fleet_buffer = self.fleet_buffer, []
+        return out
 
     def limit_to(self, tenants: frozenset[str] | None) -> None:
         """Measure only ``tenants`` (None: every tenant); the others' state goes.
@@ -387,6 +436,11 @@ class MissRatioCurves:
             sampler = self._samplers[tenant] = ShardsSampler(self.max_samples, self.max_rate)
             self._ensure_sim(tenant)
         h = (digest >> HASH_SHIFT) & HASH_MASK
+        if h < self.fleet_threshold:
+            if len(self.fleet_buffer) < self.fleet_capacity:
+                self.fleet_buffer.append((tenant, digest, size, self._fleet_wall()))
+            else:
+                self.fleet_dropped += 1
         if h >= sampler.threshold:
             return
         self._burst += 1

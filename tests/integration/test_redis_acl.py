@@ -21,6 +21,7 @@ from cachefleet_operator.invalidation import Invalidator
 from cachefleet_operator.publisher import RedisControlPlane
 from cachefleet_sidecar.contract.acls import operator_acl, sidecar_acl
 from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.fleet import FLEET_BATCH_MAX
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.contract.names import lru_key
 from cachefleet_sidecar.contract.ops import (
@@ -152,6 +153,18 @@ async def test_sidecar_and_operator_work_under_least_privilege(
             result = await inv.await_acks("purge", purged, timeout_s=5.0, started_at=at)
         assert (result.completed, result.acks) == (True, 3)
         assert (await pod_c.chat("under ACL")).headers["x-cache"] == "MISS"
+        assert await refusals(admin) == []
+
+        # Fleet samples: the sidecar appends to the stream (XADD), the operator reads it (XRANGE).
+        assert pod_c.sidecar.mrc is not None
+        pod_c.sidecar.mrc.forward_fleet(1.0, FLEET_BATCH_MAX)  # every key, not 1/16
+        await pod_c.chat("under ACL")
+        plane = RedisControlPlane(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
+
+        async def sampled() -> bool:
+            return bool((await plane.fleet_batches(CACHE, None))[0])
+
+        await wait_until(sampled)
         assert await refusals(admin) == []
     finally:
         await operator.aclose()

@@ -58,8 +58,18 @@ def tenants() -> list[TenantDemand]:
     ]
 
 
+def fleet_curve(best: float, rate: float) -> HitCurve:
+    """A fleet-wide curve reaching ``best`` within L2, from ``rate`` requests per second."""
+    made = HitCurve.from_histogram([(0.2 * L2, best * rate), (math.inf, rate)])
+    assert made is not None
+    return made
+
+
 def rebalance(
-    search_hit_ratio: float, rate: float = 50.0, search_best: float = 0.26
+    search_hit_ratio: float | None,
+    rate: float = 50.0,
+    search_best: float = 0.26,
+    fleet: HitCurve | None = None,
 ) -> tuple[Allocation, dict[str, float]]:
     """One rebalance: search's curve (one pod's view) tops out at ``search_best``."""
     metrics = {
@@ -68,6 +78,7 @@ def rebalance(
             rps=rate,
             curve=per_pod_curve(search_best, rate),
             miss_latency=misses(1.0),
+            fleet_curve=fleet,
         ),
         "chat": TenantMetrics(
             hit_ratio=0.6, rps=rate, curve=per_pod_curve(0.8, rate), miss_latency=misses(1.0)
@@ -152,6 +163,41 @@ def test_hits_only_the_fleet_sees_raise_the_reach() -> None:
     # without that surplus the same tenant is out of reach
     allocation, in_force = rebalance(search_hit_ratio=0.2)
     assert reach_evidence(allocation, in_force, WINDOW_S) == {"search"}
+
+
+def test_a_fleet_curve_that_reaches_the_sla_clears_the_tenant() -> None:
+    """The demo's case without the observed ratio's help: each pod sees 74 % first accesses,
+    the fleet replay sees 70 % hits for one shared cache: within reach, never named."""
+    warnings = ReachWarnings()
+    for _ in range(REACH_REBALANCES + 2):
+        allocation, in_force = rebalance(search_hit_ratio=None, fleet=fleet_curve(0.7, 50.0))
+        assert allocation.by_name()["search"].beyond_any_size  # one pod's curve says so
+        evidence = reach_evidence(allocation, in_force, WINDOW_S)
+        assert evidence == set()
+        assert warnings.observe(CACHE, evidence, set()) == set()
+
+
+def test_a_fleet_curve_on_too_few_requests_clears_nobody() -> None:
+    rate = 0.5 * REACH_MIN_REQUESTS / WINDOW_S
+    allocation, in_force = rebalance(search_hit_ratio=0.1, fleet=fleet_curve(0.7, rate))
+    assert reach_evidence(allocation, in_force, WINDOW_S) == {"search"}
+
+
+def test_a_fleet_curve_below_the_sla_confirms_it_in_the_fleets_words() -> None:
+    """Even one cache shared by the fleet stays below the SLA: out of reach, said fleet-wide."""
+    warnings = ReachWarnings()
+    for _ in range(REACH_REBALANCES):
+        allocation, in_force = rebalance(search_hit_ratio=0.1, fleet=fleet_curve(0.4, 50.0))
+        confirmed = warnings.observe(CACHE, reach_evidence(allocation, in_force, WINDOW_S), set())
+    assert confirmed == {"search"}
+    _, reason, message = _reach_condition(
+        allocation, confirmed, warnings.pending(CACHE), warnings.rebalances
+    )
+    assert reason == "SLAOutOfReach"
+    assert message.startswith(
+        "search: cache cannot meet its SLA: 60% of its requests are first-time fleet-wide "
+        "(at most 40% hits at any size)"
+    )
 
 
 def test_an_operator_restart_keeps_a_confirmed_warning_and_starts_others_over() -> None:

@@ -14,6 +14,7 @@ SIDECAR_COMMANDS = (
     "+get", "+mget", "+hget", "+hmget", "+hgetall", "+hset", "+hdel", "+sadd", "+smembers",
     "+zrangebyscore", "+zrem", "+del",
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
+    "+xadd",
 )  # fmt: skip
 #: Commands the L2 and control Lua scripts run on the caller's behalf.
 SCRIPT_COMMANDS = (
@@ -22,8 +23,8 @@ SCRIPT_COMMANDS = (
     "+exists", "+pexpire",
 )  # fmt: skip
 #: Further commands of the operator (cleanup of a deleted cache scans its keys; the
-#: key-purge script trims the purge log).
-OPERATOR_COMMANDS = ("+scan", "+zcard", "+zremrangebyrank")
+#: key-purge script trims the purge log; the fleet curves read the fleet-sample stream).
+OPERATOR_COMMANDS = ("+scan", "+zcard", "+zremrangebyrank", "+xrange")
 
 
 def _cache_patterns(cache: str) -> list[str]:

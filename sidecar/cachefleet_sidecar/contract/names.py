@@ -65,6 +65,11 @@ def control_prefix(cache: str) -> str:
     return f"{_control(cache)}:"
 
 
+def fleet_samples_key(cache: str) -> str:
+    """Stream of the sidecars' fleet-sampled accesses (contract.fleet)."""
+    return f"{_control(cache)}:fleet-samples"
+
+
 def _tenant(cache: str, tenant: str) -> str:
     return f"cf:{{cf:{cache}|{tenant}}}"
 

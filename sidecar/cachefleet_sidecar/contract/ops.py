@@ -21,6 +21,7 @@ from typing import Any
 
 from cachefleet_sidecar import resp
 from cachefleet_sidecar.contract.clients import RedisClient
+from cachefleet_sidecar.contract.fleet import FLEET_READ_MAX, FLEET_STREAM_MAXLEN
 from cachefleet_sidecar.contract.lua import (
     ACK_LUA,
     EPOCH_CAS_LUA,
@@ -45,6 +46,7 @@ from cachefleet_sidecar.contract.names import (
     check_digest,
     control_channel,
     epochs_key,
+    fleet_samples_key,
     l2_keys,
     l2_tenants_key,
     member_key,
@@ -569,3 +571,39 @@ async def purges_since(
             continue
         digests.append(digest)
     return digests, seen >= set(range(after + 1, upto + 1))
+
+
+# ------------------------------------------------------------------- fleet samples
+
+
+async def add_fleet_batch(
+    client: resp.RespClient, cache: str, payload: bytes, *, timeout_s: float | None = None
+) -> None:
+    """Append one batch (contract.fleet) to the fleet-sample stream, trimmed to its bound."""
+    key = fleet_samples_key(cache)
+    await client.execute(
+        "XADD", key, "MAXLEN", "~", str(FLEET_STREAM_MAXLEN), "*", "b", payload,
+        key=key, timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+async def read_fleet_batches(
+    client: RedisClient, cache: str, after: str | None, limit: int = FLEET_READ_MAX
+) -> tuple[list[bytes], str | None]:
+    """(payloads of the batches after stream id ``after`` (None: all kept), the last id read)."""
+    key = fleet_samples_key(cache)
+    out: list[bytes] = []
+    last = after
+    while len(out) < limit:
+        start = "-" if last is None else f"({last}"
+        page = await client.xrange(key, min=start, max="+", count=min(500, limit - len(out)))
+        if not page:
+            break
+        for entry_id, fields in page:
+            if entry_id is None:
+                continue
+            last = _text(entry_id)
+            payload = (fields or {}).get(b"b")
+            if payload is not None:
+                out.append(payload if isinstance(payload, bytes) else str(payload).encode())
+    return out, last

@@ -1,0 +1,176 @@
+"""L2 bytes by gain on the fleet-wide curves, not by the L1 shares.
+
+Two tenants alike per pod (same L1 curve, traffic and miss cost: equal L1
+shares) differ fleet-wide: one's keys come back on other pods (its fleet
+curve gains with L2 bytes), the other's never do. L2 goes where it gains.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from cachefleet_operator import allocation
+from cachefleet_operator.allocation import (
+    PriorityClass,
+    TenantDemand,
+    TenantMetrics,
+    allocate,
+    hold,
+)
+from cachefleet_operator.curves import HitCurve, LatencyDist
+from cachefleet_sidecar.mrc import BUCKETS
+
+L1 = 8 * 2**30
+L2 = 64 * 2**30
+
+
+def curve(points: list[tuple[float, float]], rate: float = 50.0) -> HitCurve:
+    """A curve from (bytes, hit ratio) points, ``rate`` requests per second behind it."""
+    made = HitCurve.from_histogram([(b, h * rate) for b, h in points] + [(math.inf, rate)])
+    assert made is not None
+    return made
+
+
+def misses() -> LatencyDist:
+    made = LatencyDist.from_buckets([(0.999, 0.0), (1.0, 100.0), (math.inf, 100.0)])
+    assert made is not None
+    return made
+
+
+PER_POD = curve([(0.25 * L1, 0.2), (0.5 * L1, 0.3)])
+#: Fleet-wide reuse that pays off up to 3/4 of L2.
+GAINS = curve([(0.25 * L2, 0.4), (0.75 * L2, 0.8)])
+#: No key ever comes back anywhere in the fleet.
+SCAN = curve([(0.25 * L2, 0.0), (0.75 * L2, 0.0)])
+
+
+def demands(min_share: float = 0.1) -> list[TenantDemand]:
+    return [
+        TenantDemand("reuser", PriorityClass.STANDARD, min_share, 1.0),
+        TenantDemand("scanner", PriorityClass.STANDARD, min_share, 1.0),
+    ]
+
+
+def metrics(reuser: HitCurve | None, scanner: HitCurve | None) -> dict[str, TenantMetrics]:
+    def one(fleet: HitCurve | None) -> TenantMetrics:
+        return TenantMetrics(
+            hit_ratio=0.3, rps=50.0, curve=PER_POD, miss_latency=misses(), fleet_curve=fleet
+        )
+
+    return {"reuser": one(reuser), "scanner": one(scanner)}
+
+
+def test_l2_goes_to_the_tenant_whose_fleet_curve_gains() -> None:
+    allocation = allocate(demands(), metrics(GAINS, SCAN), None, L1, L2)
+    reuser, scanner = allocation.tenants
+    assert reuser.share == pytest.approx(scanner.share)  # alike per pod: equal L1
+    assert reuser.l1_bytes == pytest.approx(scanner.l1_bytes, abs=1)
+    # the scanner keeps its floor (minShare holds in L2 too); the rest goes to the gain
+    assert scanner.l2_bytes == pytest.approx(0.1 * L2, abs=1)
+    assert reuser.l2_bytes == pytest.approx(0.9 * L2, abs=1)
+    assert reuser.l2_bytes + scanner.l2_bytes <= L2
+
+
+def test_l2_follows_the_l1_shares_without_fleet_curves() -> None:
+    allocation = allocate(demands(), metrics(None, None), None, L1, L2)
+    for t in allocation.tenants:
+        assert t.l2_bytes == math.floor(t.share * L2)
+
+
+def test_a_tenant_without_a_fleet_curve_yet_keeps_its_l1_share_of_l2() -> None:
+    allocation = allocate(demands(), metrics(GAINS, None), None, L1, L2)
+    reuser, scanner = allocation.tenants
+    assert scanner.l2_bytes == math.floor(scanner.share * L2)
+    assert reuser.l2_bytes == pytest.approx((1.0 - scanner.share) * L2, abs=2)
+
+
+def test_the_gain_is_weighed_like_l1_by_a_tenants_value() -> None:
+    """Both gain alike fleet-wide until 1/2 of L2, but one of them is worth twice as much."""
+    half = curve([(0.5 * L2, 0.6)])
+    ms = metrics(half, half)
+    ms["scanner"] = TenantMetrics(
+        hit_ratio=0.3, rps=100.0, curve=PER_POD, miss_latency=misses(), fleet_curve=half
+    )
+    allocation = allocate(demands(min_share=0.0), ms, None, L1, L2)
+    by = allocation.by_name()
+    assert by["scanner"].l2_bytes == pytest.approx(0.5 * L2, abs=1)
+    assert by["reuser"].l2_bytes == pytest.approx(0.5 * L2, abs=1)
+    # with L2 too small for both, the more valuable one is served first
+    small = allocate(demands(min_share=0.0), ms, None, L1, L2 // 4)
+    assert small.by_name()["scanner"].l2_bytes == pytest.approx(L2 // 4, abs=1)
+    assert small.by_name()["reuser"].l2_bytes == 0
+
+
+def test_holding_the_shares_keeps_l2_with_them() -> None:
+    held = hold(demands(), {"reuser": 0.5, "scanner": 0.5}, L1, L2)
+    assert [t.l2_bytes for t in held.tenants] == [L2 // 2, L2 // 2]
+
+
+def knee_of(made: HitCurve | None) -> float:
+    """Where the curve stops rising: the first point at its best."""
+    assert made is not None
+    return made.xs[made.ys.index(made.max_hit_ratio)]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_an_l2_that_holds_every_curve_gives_what_the_greedy_would(seed: int) -> None:
+    """Ample L2 takes a shortcut (each curve up to where it stops rising); just short of
+    that, the greedy runs: the two must meet at the boundary."""
+    rng = random.Random(seed)
+    tenants, ms = [], {}
+    for i in range(20):
+        name = f"t{i}"
+        tenants.append(TenantDemand(name, rng.choice(list(PriorityClass)), 0.0, 1.0))
+        knee = rng.uniform(0.5, 4.0) * 2**20
+        points = [(knee * f, rng.uniform(0.2, 0.9) * f) for f in (0.25, 0.5, 1.0)]
+        ms[name] = TenantMetrics(
+            hit_ratio=0.3,
+            rps=rng.uniform(1.0, 100.0),
+            curve=PER_POD,
+            miss_latency=misses(),
+            fleet_curve=curve(points),
+        )
+    knees = {name: knee_of(m.fleet_curve) for name, m in ms.items()}
+    total = sum(knees.values())
+    fits = allocate(tenants, ms, None, L1, int(total * 1.0001))  # the shortcut
+    for t in fits.tenants:
+        assert t.l2_bytes == pytest.approx(knees[t.name], rel=0.001)
+    short = allocate(tenants, ms, None, L1, int(total * 0.995))  # the greedy
+    assert sum(t.l2_bytes for t in short.tenants) == pytest.approx(total * 0.995, rel=1e-6)
+    for a, b in zip(fits.tenants, short.tenants, strict=True):
+        assert b.l2_bytes <= a.l2_bytes
+        assert b.l2_bytes == pytest.approx(a.l2_bytes, abs=0.01 * total)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_the_level_step_changes_nothing_the_greedy_decides(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With L2 too small for every curve, a bisection over the utility level does what the
+    greedy's first steps would, in one pass: the same L2 bytes as the greedy alone."""
+    rng = random.Random(seed)
+    tenants, ms = [], {}
+    for i in range(200):
+        name = f"t{i}"
+        cls = rng.choice(list(PriorityClass))
+        floor = 0.0 if cls is PriorityClass.BEST_EFFORT else 0.001
+        tenants.append(TenantDemand(name, cls, floor, rng.choice((0.05, 1.0))))
+        scale = rng.uniform(0.1, 3.0) * L2 / 200
+        skew, reach = rng.uniform(0.3, 1.5), rng.uniform(0.2, 0.95)
+        points = [(b, reach * (1.0 - math.exp(-((b / scale) ** skew)))) for b in BUCKETS]
+        ms[name] = TenantMetrics(
+            hit_ratio=0.3,
+            rps=rng.uniform(0.1, 500.0),
+            curve=PER_POD,
+            miss_latency=misses(),
+            fleet_curve=curve(points),
+        )
+    leveled = allocate(tenants, ms, None, L1, L2)
+    monkeypatch.setattr(allocation, "_fill_level", lambda table, values, lo, hi, cap: lo)
+    greedy = allocate(tenants, ms, None, L1, L2)
+    assert sum(t.l2_bytes for t in greedy.tenants) >= 0.999 * L2  # L2 ran out: no shortcut
+    for a, b in zip(leveled.tenants, greedy.tenants, strict=True):
+        assert a.l2_bytes == pytest.approx(b.l2_bytes, abs=1e-4 * L2)
