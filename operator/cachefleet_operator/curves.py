@@ -24,6 +24,8 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -285,19 +287,30 @@ def predicted_p95(
     return hits.quantile(q / h if h > 0 else 1.0)
 
 
-def _unpack(packed: Sequence[array[float] | None]) -> tuple[FloatArray, FloatArray, IntArray]:
-    """(first, second, lengths): each item's halves as rows of two (n, K) matrices.
+_EMPTY: array[float] = array("d")
+
+
+def _column(items: Sequence[object], name: str, default: object = None) -> list[Any]:
+    """Attribute ``name`` of every item, ``default`` for None (without a Python step per item)."""
+    return list(map(getattr, items, repeat(name), repeat(default)))
+
+
+def _unpack(
+    items: Sequence[HitCurve | LatencyDist | None],
+) -> tuple[FloatArray, FloatArray, IntArray]:
+    """(first, second, lengths): each item's ``packed`` halves as rows of two (n, K) matrices.
 
     Rows are padded with their last value (``first`` with +inf, so a padded
-    column never compares below a size or a latency); an empty row has
+    column never compares below a size or a latency); None is an empty row:
     length 0, ``first`` all +inf and ``second`` all 0.
     """
-    lengths = np.array([0 if p is None else len(p) // 2 for p in packed], dtype=np.int64)
-    width = max(1, int(lengths.max(initial=0)))
+    packed: list[array[float]] = _column(items, "packed", _EMPTY)
     n = len(packed)
+    lengths = np.fromiter(map(len, packed), dtype=np.int64, count=n) // 2
+    width = max(1, int(lengths.max(initial=0)))
     if not lengths.any():
         return np.full((n, width), np.inf), np.zeros((n, width)), lengths
-    flat = np.frombuffer(b"".join([p for p in packed if p is not None]), dtype=np.float64)
+    flat = np.frombuffer(b"".join(packed), dtype=np.float64)
     present = lengths > 0
     if int(lengths.min(where=present, initial=width)) == width:  # all alike: a reshape
         block = flat.reshape(-1, 2, width)
@@ -319,6 +332,31 @@ def _unpack(packed: Sequence[array[float] | None]) -> tuple[FloatArray, FloatArr
     return first, second, lengths
 
 
+def _bisect(
+    matrix: FloatArray, values: FloatArray, *, right: bool, ends: IntArray | None = None
+) -> IntArray:
+    """Per row, ``bisect_right`` (``right``) or ``bisect_left`` of its value in the row.
+
+    Rows are ascending (padding included); ``ends`` limits each row's search
+    to its first ``ends`` columns. On such rows this counts what
+    ``np.count_nonzero(matrix <= values[:, None], axis=1)`` (``<`` when not
+    ``right``) counts, in log2(width) steps over the rows rather than one
+    step over every cell.
+    """
+    n, width = matrix.shape
+    rows = np.arange(n)
+    lo = np.zeros(n, dtype=np.int64)
+    hi = np.full(n, width, dtype=np.int64) if ends is None else ends.astype(np.int64)
+    for _ in range(width.bit_length()):
+        mid = (lo + hi) >> 1
+        cell = matrix[rows, np.minimum(mid, width - 1)]
+        searching = lo < hi
+        go_right = (cell <= values if right else cell < values) & searching
+        lo = np.where(go_right, mid + 1, lo)
+        hi = np.where(searching & ~go_right, mid, hi)
+    return lo
+
+
 class CurveTable:
     """Many :class:`HitCurve` (None: no curve) as padded matrices; vectorised ``at`` and more.
 
@@ -327,24 +365,18 @@ class CurveTable:
     """
 
     def __init__(self, curves: Sequence[HitCurve | None]) -> None:
-        self.xs, self.ys, self.length = _unpack([c.packed if c else None for c in curves])
+        self.xs, self.ys, self.length = _unpack(curves)
         self.rows = np.arange(len(curves))
         self.present = self.length > 0
         last = np.maximum(self.length - 1, 0)
         #: :attr:`HitCurve.max_hit_ratio` (0 without a curve).
         self.max_hit = np.where(self.present, self.ys[self.rows, last], 0.0)
-        self.footprint = np.array(
-            [
-                np.nan if c is None or c.footprint_bytes is None else c.footprint_bytes
-                for c in curves
-            ],
-            dtype=np.float64,
-        )
+        self.footprint = np.array(_column(curves, "footprint_bytes"), dtype=np.float64)
 
     def at(self, sizes: FloatArray) -> FloatArray:
         """:meth:`HitCurve.at` of every row at its size (0 without a curve)."""
         length, rows = self.length, self.rows
-        hi = np.count_nonzero(self.xs <= sizes[:, None], axis=1)
+        hi = _bisect(self.xs, sizes, right=True)
         lo = np.where(hi == 0, length - 1, hi - 1).clip(0)  # bisect's hi - 1 wraps at 0
         up = np.minimum(hi, np.maximum(length - 1, 0))
         x0, y0 = self.xs[rows, lo], self.ys[rows, lo]
@@ -360,9 +392,7 @@ class CurveTable:
         Linear inside a bucket, as :meth:`at` reads it; 0 for ``hit <= 0``.
         """
         length, rows = self.length, self.rows
-        cols = np.arange(self.ys.shape[1])
-        below = (self.ys < (hit - 1e-12)[:, None]) & (cols[None, :] < length[:, None])
-        k = np.count_nonzero(below, axis=1)  # bisect_left: the first point reaching it
+        k = _bisect(self.ys, hit - 1e-12, right=False, ends=length)  # the first point reaching it
         kk = np.minimum(k, np.maximum(length - 1, 0))
         prev = np.maximum(kk - 1, 0)
         x, y = self.xs[rows, kk], self.ys[rows, kk]
@@ -390,8 +420,8 @@ class CurveTable:
             xs, ys, length = self.xs[rows], self.ys[rows], self.length[rows]
         values, lo, hi = values[rows], lo[rows], hi[rows]
         base = self._at_rows(rows, lo * capacity)
-        first = np.count_nonzero(xs <= (lo * capacity)[:, None], axis=1)
-        last = np.maximum(first, np.count_nonzero(xs < (hi * capacity)[:, None], axis=1))
+        first = _bisect(xs, lo * capacity, right=True)
+        last = np.maximum(first, _bisect(xs, hi * capacity, right=False))
         last = np.minimum(last, length)
         ok = hi - lo > eps
         # -inf: nothing yet (every candidate's utility is finite, so the first one wins)
@@ -399,20 +429,23 @@ class CurveTable:
         best_to = np.full(rows.size, np.nan)
         scale = 1.0 + 1e-9
 
-        def offer(cand: BoolArray, to: FloatArray, hit: FloatArray) -> None:
-            nonlocal best_per, best_to
+        def offer(at: IntArray | slice, to: FloatArray, hit: FloatArray) -> None:
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                gap = to - lo
-                per = values * (hit - base) / gap
-                better = cand & ~(gap <= eps) & (per > best_per * scale)
-            best_per = np.where(better, per, best_per)
-            best_to = np.where(better, to, best_to)
+                gap = to - lo[at]
+                per = values[at] * (hit - base[at]) / gap
+                better = ~(gap <= eps) & (per > best_per[at] * scale)
+            best_per[at] = np.where(better, per, best_per[at])
+            best_to[at] = np.where(better, to, best_to[at])
 
-        span = ok & (first < last)
-        if span.any():
-            for j in range(int(first[span].min()), int(last[span].max())):
-                offer(span & (first <= j) & (j < last), xs[:, j] / capacity, ys[:, j])
-        offer(ok, hi, self._at_rows(rows, hi * capacity))
+        # a row's k-th candidate point is its column first + k: the rows with more than k
+        # candidates take it together (fewer and fewer, as few rows span many points)
+        count = np.where(ok & (first < last), last - first, 0)
+        for k in range(int(count.max(initial=0))):
+            at = np.flatnonzero(count > k)
+            col = first[at] + k
+            offer(at, xs[at, col] / capacity, ys[at, col])
+        done = np.flatnonzero(ok)
+        offer(done, hi[done], self._at_rows(rows, hi * capacity)[done])
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
 
     def _at_rows(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
@@ -425,9 +458,9 @@ class LatencyTable:
     """Many :class:`LatencyDist` (None: unknown) as padded matrices; vectorised ``cdf``."""
 
     def __init__(self, dists: Sequence[LatencyDist | None]) -> None:
-        bounds, counts, self.length = _unpack([d.packed if d else None for d in dists])
+        bounds, counts, self.length = _unpack(dists)
         #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
-        self.mean = np.array([np.nan if d is None else d._mean for d in dists], dtype=np.float64)
+        self.mean = np.array(_column(dists, "_mean"), dtype=np.float64)
         n = len(dists)
         # one more +inf column: a histogram without +Inf ends its scan there
         self.bounds = np.hstack([bounds, np.full((n, 1), np.inf)])
