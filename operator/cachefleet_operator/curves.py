@@ -372,11 +372,28 @@ class CurveTable:
         #: :attr:`HitCurve.max_hit_ratio` (0 without a curve).
         self.max_hit = np.where(self.present, self.ys[self.rows, last], 0.0)
         self.footprint = np.array(_column(curves, "footprint_bytes"), dtype=np.float64)
+        #: The sizes of every row when all rows have the same (curves from the sidecars'
+        #: fixed buckets): searched once for all rows.
+        self.shared_xs: FloatArray | None = None
+        if self.present.all() and (self.xs == self.xs[0]).all():
+            self.shared_xs = self.xs[0].copy()
+
+    def _find(self, rows: IntArray, sizes: FloatArray, *, right: bool) -> IntArray:
+        """:func:`_bisect` of each of ``rows`` in its sizes."""
+        if self.shared_xs is None:
+            xs = self.xs if rows.size == self.rows.size else self.xs[rows]
+            return _bisect(xs, sizes, right=right)
+        found = np.searchsorted(self.shared_xs, sizes, side="right" if right else "left")
+        return np.where(np.isnan(sizes), 0, found)  # searchsorted puts NaN last
 
     def at(self, sizes: FloatArray) -> FloatArray:
         """:meth:`HitCurve.at` of every row at its size (0 without a curve)."""
-        length, rows = self.length, self.rows
-        hi = _bisect(self.xs, sizes, right=True)
+        return self._at(self.rows, sizes)
+
+    def _at(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
+        """:meth:`at` of ``rows`` (each at its size)."""
+        length = self.length if rows.size == self.rows.size else self.length[rows]
+        hi = self._find(rows, sizes, right=True)
         lo = np.where(hi == 0, length - 1, hi - 1).clip(0)  # bisect's hi - 1 wraps at 0
         up = np.minimum(hi, np.maximum(length - 1, 0))
         x0, y0 = self.xs[rows, lo], self.ys[rows, lo]
@@ -414,15 +431,11 @@ class CurveTable:
         the scalar scan in :mod:`cachefleet_operator.allocation` does.
         """
         eps = 1e-12
-        if rows.size == self.rows.size:  # all of them: views, not copies
-            xs, ys, length = self.xs, self.ys, self.length
-        else:
-            xs, ys, length = self.xs[rows], self.ys[rows], self.length[rows]
         values, lo, hi = values[rows], lo[rows], hi[rows]
-        base = self._at_rows(rows, lo * capacity)
-        first = _bisect(xs, lo * capacity, right=True)
-        last = np.maximum(first, _bisect(xs, hi * capacity, right=False))
-        last = np.minimum(last, length)
+        base = self._at(rows, lo * capacity)
+        first = self._find(rows, lo * capacity, right=True)
+        last = np.maximum(first, self._find(rows, hi * capacity, right=False))
+        last = np.minimum(last, self.length[rows])
         ok = hi - lo > eps
         # -inf: nothing yet (every candidate's utility is finite, so the first one wins)
         best_per = np.full(rows.size, -np.inf)
@@ -442,16 +455,11 @@ class CurveTable:
         count = np.where(ok & (first < last), last - first, 0)
         for k in range(int(count.max(initial=0))):
             at = np.flatnonzero(count > k)
-            col = first[at] + k
-            offer(at, xs[at, col] / capacity, ys[at, col])
+            row, col = rows[at], first[at] + k
+            offer(at, self.xs[row, col] / capacity, self.ys[row, col])
         done = np.flatnonzero(ok)
-        offer(done, hi[done], self._at_rows(rows, hi * capacity)[done])
+        offer(done, hi[done], self._at(rows[done], hi[done] * capacity))
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
-
-    def _at_rows(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
-        full = np.zeros(self.rows.size)
-        full[rows] = sizes
-        return self.at(full)[rows]
 
 
 class LatencyTable:

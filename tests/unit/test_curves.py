@@ -168,7 +168,7 @@ def test_a_curve_table_answers_what_each_curve_answers(
         else:
             assert c.at(float(size[i])) >= hit[i] - 1e-9
             k = bisect_left(c.ys, float(hit[i]) - 1e-12)  # the first point reaching it
-            assert size[i] <= c.xs[k]
+            assert size[i] <= c.xs[k] * (1 + 1e-12)  # interpolation may round up
 
 
 @settings(max_examples=200, deadline=None)
