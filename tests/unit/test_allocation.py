@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
 import numpy as np
@@ -557,3 +558,15 @@ def test_predicted_hit_ratios_are_rounded_as_python_rounds(
     keep = data.draw(st.lists(st.booleans(), min_size=len(values), max_size=len(values)))
     got = _rounded(np.array(values), np.array(keep))
     assert got == [round(v, 4) if k else None for v, k in zip(values, keep, strict=True)]
+
+
+def test_an_allocation_leaves_the_garbage_collector_as_it_found_it() -> None:
+    tenants, metrics = bench_workload(50, seed=3)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            allocate(tenants, metrics, None, L1, L2)
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
