@@ -669,18 +669,22 @@ def _protected(
     metrics: Mapping[str, TenantMetrics],
     plans: _Plans,
     previous: Mapping[str, float] | None,
+    in_force: FloatArray,
     floors: FloatArray,
     caps: FloatArray,
     capacity: int,
 ) -> FloatArray:
-    """Shares not to cut yet: min(share in force, class share) of undecided tenants."""
+    """Shares not to cut yet: min(share in force, class share) of undecided tenants.
+
+    ``in_force`` is every tenant's share in ``previous`` (NaN: none).
+    """
     names = cols.names
     if not previous:
         return np.zeros(len(names))
     class_targets = _class_shares(floors, caps, cols.classes)
     known = np.array(list(map(previous.__contains__, names)))
+    prev = np.where(known, in_force, 0.0)
     known &= np.array(list(map(metrics.__contains__, names)))
-    prev = np.array(list(map(previous.get, names, repeat(0.0))), dtype=np.float64)
     keep = known & _undecided(plans, prev, capacity)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
@@ -965,6 +969,12 @@ def _allocate(
 ) -> Allocation:
     cols = _Columns.of(tenants, metrics)
     names, classes = cols.names, cols.classes
+    # shares in force, as given (None: NaN)
+    in_force = (
+        np.array(list(map(previous.get, names)), dtype=np.float64)
+        if previous
+        else np.full(len(names), np.nan)
+    )
     pressure, met, missed = _pressures(cols)
     floors, caps = _bounds_of(cols.min_share, cols.max_share, classes)
     if not metrics:
@@ -974,7 +984,7 @@ def _allocate(
         plans = _Plans(np.zeros(n), none, CurveTable(none), LatencyTable([None] * n), [""] * n)
     else:
         plans = _plans(cols, metrics, pressure)
-        keep = _protected(cols, metrics, plans, previous, floors, caps, l1_capacity)
+        keep = _protected(cols, metrics, plans, previous, in_force, floors, caps, l1_capacity)
         targets = np.minimum(caps, np.maximum(floors, keep))
         _trim_overbooking(targets, floors, classes)
         _meet_slas(cols, plans, targets, caps, l1_capacity)
@@ -985,7 +995,7 @@ def _allocate(
     shares = targets.copy()
     held = np.zeros(len(tenants), dtype=bool)
     if previous:
-        raw_prev = _floats(list(map(previous.get, names)))
+        raw_prev = _finite(in_force)
         has_prev = ~np.isnan(raw_prev)
         prev = np.clip(np.where(has_prev, raw_prev, targets), floors, caps)
         _trim_overbooking(prev, floors, classes)
@@ -994,7 +1004,7 @@ def _allocate(
         now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
         gain = target_u - now_u
         # An SLA that the target meets and the shares in force do not is always worth a move.
-        meetable = ~np.array(list(map(bool, plans.cannot_meet)))
+        meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
         sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
         worth = (
             not metrics

@@ -304,8 +304,10 @@ def _unpack(
     column never compares below a size or a latency); None is an empty row:
     length 0, ``first`` all +inf and ``second`` all 0.
     """
+    n = len(items)
+    if not any(items):  # nothing known (e.g. no tenant's hit latency): no row to read
+        return np.full((n, 1), np.inf), np.zeros((n, 1)), np.zeros(n, dtype=np.int64)
     packed: list[array[float]] = _column(items, "packed", _EMPTY)
-    n = len(packed)
     lengths = np.fromiter(map(len, packed), dtype=np.int64, count=n) // 2
     width = max(1, int(lengths.max(initial=0)))
     if not lengths.any():
@@ -467,9 +469,13 @@ class LatencyTable:
 
     def __init__(self, dists: Sequence[LatencyDist | None]) -> None:
         bounds, counts, self.length = _unpack(dists)
-        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
-        self.mean = np.array(_column(dists, "_mean"), dtype=np.float64)
         n = len(dists)
+        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
+        self.mean = (
+            np.array(_column(dists, "_mean"), dtype=np.float64)
+            if self.length.any()
+            else np.full(n, np.nan)
+        )
         # one more +inf column: a histogram without +Inf ends its scan there
         self.bounds = np.hstack([bounds, np.full((n, 1), np.inf)])
         self.counts = np.hstack([counts, counts[:, -1:]])
