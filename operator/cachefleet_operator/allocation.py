@@ -143,8 +143,10 @@ class AllocationParams:
     min_gain: float = DEFAULT_MIN_GAIN
 
 
-#: A tenant no cache size brings to its SLA: what the words about it are made of.
-OutOfReach = tuple[TenantDemand, TenantMetrics, HitCurve]
+#: A tenant no cache size brings to its SLA: what the words about it are made of, numbers
+#: only (p95 target, minHitRatio, mean miss seconds, cold ratio, best hit ratio of the
+#: curve; None: not set or not known), so that thousands of them hold on to nothing else.
+OutOfReach = tuple[float | None, float | None, float | None, float, float]
 
 
 class TenantAllocation(NamedTuple):
@@ -447,20 +449,26 @@ def fleet_hit_ratio(curve: HitCurve, observed: float | None, size: float) -> flo
     return min(1.0, curve.max_hit_ratio + max(0.0, observed - curve.at(size)))
 
 
-def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
-    """Why no cache size meets the tenant's SLA, in words."""
+def _why_not(
+    p95_target_s: float | None,
+    min_hit_ratio: float | None,
+    miss_mean_s: float | None,
+    cold_ratio: float,
+    max_hit_ratio: float,
+) -> str:
+    """Why no cache size meets the tenant's SLA, in words (from an :data:`OutOfReach`)."""
     goals = []
-    if d.p95_target_s is not None:
-        goals.append(f"p95 {d.p95_target_s:.3g} s")
-    if d.min_hit_ratio:
-        goals.append(f"hit ratio {d.min_hit_ratio:.2f}")
+    if p95_target_s is not None:
+        goals.append(f"p95 {p95_target_s:.3g} s")
+    if min_hit_ratio:
+        goals.append(f"hit ratio {min_hit_ratio:.2f}")
     goal = " and ".join(goals) or "its SLA"
     slow = ""
-    if m.miss_latency is not None and d.p95_target_s is not None:
-        slow = f", a miss takes {m.miss_latency.mean():.3g} s on average"
+    if miss_mean_s is not None and p95_target_s is not None:
+        slow = f", a miss takes {miss_mean_s:.3g} s on average"
     return (
-        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time "
-        f"(at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
+        f"cache cannot meet its SLA: {cold_ratio:.0%} of its requests are first-time "
+        f"(at most {max_hit_ratio:.0%} hits at any size){slow}: "
         f"no cache size meets {goal}"
     )
 
@@ -728,12 +736,21 @@ def _meet_slas(
         wanted = np.full(len(shares), np.nan)
     cannot = plans.cannot_meet
     beyond = np.flatnonzero(asks & np.isnan(wanted))  # has a curve: asks
-    if beyond.size:  # (tenant, metrics, curve): worded on demand
-        rows = beyond.tolist()
-        columns = (cols.tenants, cols.ms, plans.curves)
-        whys = zip(*(map(column.__getitem__, rows) for column in columns), strict=True)
+    if beyond.size:  # worded on demand, from numbers (rows that hold no tenant objects)
+        p95_target, min_hit = cols.p95_target[beyond], cols.min_hit[beyond]
+        miss_mean = plans.misses.mean[beyond]
+        curves = map(plans.curves.__getitem__, beyond.tolist())
+        cold = np.array(_attr(curves, "cold_ratio"), dtype=np.float64)
+        whys = zip(
+            _or_none(p95_target, ~np.isnan(p95_target)),
+            _or_none(min_hit, ~np.isnan(min_hit)),
+            _or_none(miss_mean, plans.misses.present[beyond]),
+            cold.tolist(),
+            plans.table.max_hit[beyond].tolist(),
+            strict=True,
+        )
         table = np.fromiter(cannot, dtype=object, count=len(cannot))
-        table[beyond] = np.fromiter(whys, dtype=object, count=len(rows))
+        table[beyond] = np.fromiter(whys, dtype=object, count=beyond.size)
         cannot[:] = table.tolist()
     with np.errstate(invalid="ignore"):
         above_cap = asks & (wanted > caps + EPS)
