@@ -13,8 +13,9 @@
 * :class:`CurveTable` and :class:`LatencyTable`: many curves or histograms
   at once, as padded numpy matrices, with the same answers as the scalar
   methods (bit for bit), for allocating among thousands of tenants. Each
-  curve and histogram keeps its numbers packed (``packed``) so a table is one
-  buffer join away, not a Python loop over every point.
+  curve and histogram keeps its numbers as raw doubles (``xs_raw``...) so a
+  table is a buffer join away, not a Python loop over every point; curves
+  that share their sizes (the sidecars' buckets) share one row of them.
 """
 
 from __future__ import annotations
@@ -35,10 +36,8 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-def _pack(first: tuple[float, ...], second: tuple[float, ...]) -> array[float]:
-    out = array("d", first)
-    out.extend(second)
-    return out
+def _doubles(values: tuple[float, ...]) -> bytes:
+    return array("d", values).tobytes()
 
 
 def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -67,15 +66,17 @@ class HitCurve:
     #: The points' sizes and hit ratios apart (derived, for bisection).
     xs: tuple[float, ...] = field(init=False, repr=False, compare=False)
     ys: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    #: ``xs`` then ``ys`` as doubles (derived, for :class:`CurveTable`).
-    packed: array[float] = field(init=False, repr=False, compare=False)
+    #: ``xs`` and ``ys`` as raw doubles (derived, for :class:`CurveTable`).
+    xs_raw: bytes = field(init=False, repr=False, compare=False)
+    ys_raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         xs = tuple(x for x, _ in self.points)
         ys = tuple(y for _, y in self.points)
         object.__setattr__(self, "xs", xs)
         object.__setattr__(self, "ys", ys)
-        object.__setattr__(self, "packed", _pack(xs, ys))
+        object.__setattr__(self, "xs_raw", _doubles(xs))
+        object.__setattr__(self, "ys_raw", _doubles(ys))
 
     @classmethod
     def from_histogram(
@@ -182,13 +183,14 @@ class LatencyDist:
     buckets: tuple[tuple[float, float], ...]
     sum_s: float | None = None
     _mean: float = field(init=False, repr=False, compare=False)
-    #: Bounds then cumulative counts as doubles (derived, for :class:`LatencyTable`).
-    packed: array[float] = field(init=False, repr=False, compare=False)
+    #: Bounds and cumulative counts as raw doubles (derived, for :class:`LatencyTable`).
+    bounds_raw: bytes = field(init=False, repr=False, compare=False)
+    counts_raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_mean", self._compute_mean())
-        bounds = tuple(b for b, _ in self.buckets)
-        object.__setattr__(self, "packed", _pack(bounds, tuple(c for _, c in self.buckets)))
+        object.__setattr__(self, "bounds_raw", _doubles(tuple(b for b, _ in self.buckets)))
+        object.__setattr__(self, "counts_raw", _doubles(tuple(c for _, c in self.buckets)))
 
     @classmethod
     def from_buckets(
@@ -287,18 +289,16 @@ def predicted_p95(
     return hits.quantile(q / h if h > 0 else 1.0)
 
 
-_EMPTY: array[float] = array("d")
-
-
 def _column(items: Sequence[object], name: str, default: object = None) -> list[Any]:
     """Attribute ``name`` of every item, ``default`` for None (without a Python step per item)."""
     return list(map(getattr, items, repeat(name), repeat(default)))
 
 
 def _unpack(
-    items: Sequence[HitCurve | LatencyDist | None],
+    items: Sequence[HitCurve | LatencyDist | None], first: str, second: str
 ) -> tuple[FloatArray, FloatArray, IntArray]:
-    """(first, second, lengths): each item's ``packed`` halves as rows of two (n, K) matrices.
+    """(first, second, lengths): the raw doubles ``first`` and ``second`` of every item as
+    rows of two (n, K) matrices.
 
     Rows are padded with their last value (``first`` with +inf, so a padded
     column never compares below a size or a latency); None is an empty row:
@@ -307,31 +307,30 @@ def _unpack(
     n = len(items)
     if not any(items):  # nothing known (e.g. no tenant's hit latency): no row to read
         return np.full((n, 1), np.inf), np.zeros((n, 1)), np.zeros(n, dtype=np.int64)
-    packed: list[array[float]] = _column(items, "packed", _EMPTY)
-    lengths = np.fromiter(map(len, packed), dtype=np.int64, count=n) // 2
+    firsts: list[bytes] = _column(items, first, b"")
+    lengths = np.fromiter(map(len, firsts), dtype=np.int64, count=n) // 8
     width = max(1, int(lengths.max(initial=0)))
-    if not lengths.any():
-        return np.full((n, width), np.inf), np.zeros((n, width)), lengths
-    flat = np.frombuffer(b"".join(packed), dtype=np.float64)
+    flat_first = np.frombuffer(b"".join(firsts), dtype=np.float64)
+    flat_second = np.frombuffer(b"".join(_column(items, second, b"")), dtype=np.float64)
     present = lengths > 0
     if int(lengths.min(where=present, initial=width)) == width:  # all alike: a reshape
-        block = flat.reshape(-1, 2, width)
+        block_first, block_second = flat_first.reshape(-1, width), flat_second.reshape(-1, width)
         if present.all():
-            return block[:, 0, :], block[:, 1, :], lengths
+            return block_first, block_second, lengths
         rows = np.flatnonzero(present)
-        first, second = np.full((n, width), np.inf), np.zeros((n, width))
-        first[rows], second[rows] = block[:, 0, :], block[:, 1, :]
-        return first, second, lengths
-    starts = 2 * (np.cumsum(lengths) - lengths)
+        out_first, out_second = np.full((n, width), np.inf), np.zeros((n, width))
+        out_first[rows], out_second[rows] = block_first, block_second
+        return out_first, out_second, lengths
+    starts = np.cumsum(lengths) - lengths
     cols = np.arange(width)
     index = starts[:, None] + np.minimum(cols[None, :], np.maximum(lengths - 1, 0)[:, None])
     empty = lengths == 0
     index[empty] = 0
-    first = flat[index]
-    second = flat[index + lengths[:, None]]
-    first[cols[None, :] >= lengths[:, None]] = np.inf
-    second[empty] = 0.0
-    return first, second, lengths
+    out_first = flat_first[index]
+    out_second = flat_second[index]
+    out_first[cols[None, :] >= lengths[:, None]] = np.inf
+    out_second[empty] = 0.0
+    return out_first, out_second, lengths
 
 
 def _bisect(
@@ -367,18 +366,26 @@ class CurveTable:
     """
 
     def __init__(self, curves: Sequence[HitCurve | None]) -> None:
-        self.xs, self.ys, self.length = _unpack(curves)
-        self.rows = np.arange(len(curves))
+        n = len(curves)
+        sizes: list[bytes] = _column(curves, "xs_raw", b"")
+        #: The sizes of every row when all rows have the same (curves from the sidecars'
+        #: fixed buckets): one row, searched once for all rows.
+        self.shared_xs: FloatArray | None = None
+        if n and sizes[0] and all(map(sizes[0].__eq__, sizes)):
+            self.shared_xs = np.frombuffer(sizes[0], dtype=np.float64)
+            width = self.shared_xs.size
+            self.xs = np.broadcast_to(self.shared_xs, (n, width))
+            ys = b"".join(_column(curves, "ys_raw"))
+            self.ys = np.frombuffer(ys, dtype=np.float64).reshape(n, width)
+            self.length = np.full(n, width, dtype=np.int64)
+        else:
+            self.xs, self.ys, self.length = _unpack(curves, "xs_raw", "ys_raw")
+        self.rows = np.arange(n)
         self.present = self.length > 0
         last = np.maximum(self.length - 1, 0)
         #: :attr:`HitCurve.max_hit_ratio` (0 without a curve).
         self.max_hit = np.where(self.present, self.ys[self.rows, last], 0.0)
         self.footprint = np.array(_column(curves, "footprint_bytes"), dtype=np.float64)
-        #: The sizes of every row when all rows have the same (curves from the sidecars'
-        #: fixed buckets): searched once for all rows.
-        self.shared_xs: FloatArray | None = None
-        if self.present.all() and (self.xs == self.xs[0]).all():
-            self.shared_xs = self.xs[0].copy()
 
     def _find(self, rows: IntArray, sizes: FloatArray, *, right: bool) -> IntArray:
         """:func:`_bisect` of each of ``rows`` in its sizes."""
@@ -468,7 +475,7 @@ class LatencyTable:
     """Many :class:`LatencyDist` (None: unknown) as padded matrices; vectorised ``cdf``."""
 
     def __init__(self, dists: Sequence[LatencyDist | None]) -> None:
-        bounds, counts, self.length = _unpack(dists)
+        bounds, counts, self.length = _unpack(dists, "bounds_raw", "counts_raw")
         n = len(dists)
         #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
         self.mean = (
