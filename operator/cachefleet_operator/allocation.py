@@ -304,6 +304,8 @@ def _describe(
 
 
 _NO_METRICS = TenantMetrics()
+#: :attr:`TenantAllocation.note` values.
+_NOTES = ("", "floor", "cap", "held")
 
 
 def _attr(items: Iterable[object], name: str) -> list[Any]:
@@ -655,7 +657,11 @@ def _plans(cols: _Columns, metrics: Mapping[str, TenantMetrics], pressure: Float
     # that would give its cache away)
     cost = np.where(misses.present, np.maximum(misses.mean, 1e-6), fleet)
     values = _CLASS_WEIGHTS[cols.classes] * pressure * rate * cost
-    curves = [c if c is not None and c.requests > 0 else None for c in cols.curves]
+    # a curve behind no requests is no curve (read as a column: almost always none such)
+    requests = np.array(list(map(getattr, cols.curves, repeat("requests"), repeat(1.0))))
+    curves = cols.curves
+    if not (requests > 0.0).all():
+        curves = [c if c is not None and c.requests > 0 else None for c in curves]
     return _Plans(values, curves, CurveTable(curves), misses, [""] * len(curves))
 
 
@@ -1054,7 +1060,8 @@ def _allocate(
     l2 = _to_bytes(shares, floors, l2_capacity)
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
-    notes = np.where(at_floor, "floor", np.where(at_cap, "cap", np.where(held, "held", "")))
+    # the note's index in _NOTES (the same four strings for every row, not one each)
+    notes = np.where(at_floor, 1, np.where(at_cap, 2, np.where(held, 3, 0)))
     predicted = _rounded(plans.table.at(shares * l1_capacity), measured)
     # tuple.__new__ over rows: what TenantAllocation._make does, without a call per tenant
     out = tuple(
@@ -1070,7 +1077,7 @@ def _allocate(
                 l1,
                 l2,
                 met,
-                notes.tolist(),
+                list(map(_NOTES.__getitem__, notes.tolist())),
                 plans.cannot_meet,
                 predicted,
                 strict=True,
