@@ -36,10 +36,12 @@ scaling every tenant's traffic by k changes nothing.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import repeat
@@ -47,6 +49,7 @@ from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
 from cachefleet_operator.curves import (
     BoolArray,
@@ -143,8 +146,11 @@ class AllocationParams:
     min_gain: float = DEFAULT_MIN_GAIN
 
 
-#: A tenant no cache size brings to its SLA: what the words about it are made of.
-OutOfReach = tuple[TenantDemand, TenantMetrics, HitCurve]
+#: A tenant no cache size brings to its SLA: what the words about it are made of, numbers
+#: only (p95 target, minHitRatio, mean miss seconds, cold ratio, best hit ratio of the
+#: curve, whether those two are the fleet curve's; None: not set or not known), so that
+#: thousands of them hold on to nothing else.
+OutOfReach = tuple[float | None, float | None, float | None, float, float, bool]
 
 
 class TenantAllocation(NamedTuple):
@@ -305,6 +311,8 @@ def _describe(
 
 
 _NO_METRICS = TenantMetrics()
+#: :attr:`TenantAllocation.note` values.
+_NOTES = ("", "floor", "cap", "held")
 
 
 def _attr(items: Iterable[object], name: str) -> list[Any]:
@@ -324,8 +332,74 @@ def _floats(values: list[float | None]) -> FloatArray:
     return out
 
 
+def _or_none(values: npt.NDArray[Any], keep: BoolArray) -> list[Any]:
+    """The values as Python objects where ``keep``, None elsewhere."""
+    out = np.full(values.shape, None, dtype=object)
+    out[keep] = values[keep]
+    return out.tolist()  # type: ignore[no-any-return]
+
+
+def _finite(values: FloatArray) -> FloatArray:
+    """A copy with non-finite values as NaN."""
+    out = values.copy()
+    out[~np.isfinite(out)] = np.nan
+    return out
+
+
 _CLASS_INDEX = {cls: n for n, cls in enumerate(CLASS_ORDER)}
 _CLASS_WEIGHTS = np.array([CLASS_WEIGHT[cls] for cls in CLASS_ORDER])
+
+
+@dataclass(frozen=True, slots=True)
+class _Columns:
+    """The tenants' spec and metrics as columns (spec order), read once per allocation.
+
+    Numbers are arrays with ``None`` as NaN (``p95``, ``hit_ratio`` and
+    ``rps`` with every non-finite value as NaN too); objects are lists.
+    """
+
+    tenants: tuple[TenantDemand, ...]
+    names: list[str]
+    priority_classes: list[PriorityClass]
+    classes: IntArray
+    min_share: FloatArray
+    max_share: FloatArray
+    p95_target: FloatArray
+    min_hit: FloatArray
+    min_rps: FloatArray
+    ms: list[TenantMetrics]
+    p95: FloatArray
+    hit_ratio: FloatArray
+    rps: FloatArray
+    curves: list[HitCurve | None]
+    misses: list[LatencyDist | None]
+    hits: list[LatencyDist | None]
+
+    @classmethod
+    def of(
+        cls, tenants: tuple[TenantDemand, ...], metrics: Mapping[str, TenantMetrics]
+    ) -> _Columns:
+        names = _attr(tenants, "name")
+        priority = _attr(tenants, "priority_class")
+        ms = list(map(metrics.get, names, repeat(_NO_METRICS)))
+        return cls(
+            tenants,
+            names,
+            priority,
+            np.array(list(map(_CLASS_INDEX.__getitem__, priority)), dtype=np.int64),
+            _numbers(tenants, "min_share"),
+            _numbers(tenants, "max_share"),
+            _numbers(tenants, "p95_target_s"),
+            _numbers(tenants, "min_hit_ratio"),
+            _numbers(tenants, "min_rps"),
+            ms,
+            _floats(_attr(ms, "p95_s")),
+            _floats(_attr(ms, "hit_ratio")),
+            _floats(_attr(ms, "rps")),
+            _attr(ms, "curve"),
+            _attr(ms, "miss_latency"),
+            _attr(ms, "hit_latency"),
+        )
 
 
 def _pressure(ratio: FloatArray) -> FloatArray:
@@ -336,14 +410,11 @@ def _pressure(ratio: FloatArray) -> FloatArray:
     return np.where(ratio > 1.0, above, inside)
 
 
-def _pressures(
-    tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics]
-) -> tuple[FloatArray, list[bool | None], BoolArray]:
+def _pressures(cols: _Columns) -> tuple[FloatArray, list[bool | None], BoolArray]:
     """SLA pressure (continuous, 1 at target), attainment (None: unknown), and who misses."""
-    p95 = _floats(_attr(ms, "p95_s"))
-    hit = _floats(_attr(ms, "hit_ratio"))
-    p95_target = _floats(_attr(tenants, "p95_target_s"))
-    min_hit = _floats(_attr(tenants, "min_hit_ratio"))
+    p95, hit = cols.p95, cols.hit_ratio
+    p95_target = _finite(cols.p95_target)
+    min_hit = _finite(cols.min_hit)
     with np.errstate(divide="ignore", invalid="ignore"):
         lat_ratio = p95 / p95_target
         hit_ratio = np.where(min_hit > 0.0, min_hit / np.maximum(hit, 1e-6), 0.0)
@@ -352,9 +423,7 @@ def _pressures(
     pressure = np.where(np.isnan(worst), 1.0, _pressure(np.nan_to_num(worst, nan=1.0)))
     known = ~np.isnan(worst)
     within = worst <= 1.0 + 1e-9
-    met: list[bool | None] = [
-        w if k else None for w, k in zip(within.tolist(), known.tolist(), strict=True)
-    ]
+    met: list[bool | None] = _or_none(within, known)
     return pressure, met, known & ~within
 
 
@@ -389,24 +458,29 @@ def fleet_hit_ratio(curve: HitCurve, observed: float | None, size: float) -> flo
     return min(1.0, curve.max_hit_ratio + max(0.0, observed - curve.at(size)))
 
 
-def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
-    """Why no cache size meets the tenant's SLA, in words (the fleet's numbers when it
-    reuses more than one pod sees)."""
-    where = ""
-    if m.fleet_curve is not None and m.fleet_curve.max_hit_ratio > curve.max_hit_ratio:
-        curve, where = m.fleet_curve, " fleet-wide"
+def _why_not(
+    p95_target_s: float | None,
+    min_hit_ratio: float | None,
+    miss_mean_s: float | None,
+    cold_ratio: float,
+    max_hit_ratio: float,
+    fleet_wide: bool = False,
+) -> str:
+    """Why no cache size meets the tenant's SLA, in words (from an :data:`OutOfReach`; the
+    fleet's numbers when it reuses more than one pod sees)."""
+    where = " fleet-wide" if fleet_wide else ""
     goals = []
-    if d.p95_target_s is not None:
-        goals.append(f"p95 {d.p95_target_s:.3g} s")
-    if d.min_hit_ratio:
-        goals.append(f"hit ratio {d.min_hit_ratio:.2f}")
+    if p95_target_s is not None:
+        goals.append(f"p95 {p95_target_s:.3g} s")
+    if min_hit_ratio:
+        goals.append(f"hit ratio {min_hit_ratio:.2f}")
     goal = " and ".join(goals) or "its SLA"
     slow = ""
-    if m.miss_latency is not None and d.p95_target_s is not None:
-        slow = f", a miss takes {m.miss_latency.mean():.3g} s on average"
+    if miss_mean_s is not None and p95_target_s is not None:
+        slow = f", a miss takes {miss_mean_s:.3g} s on average"
     return (
-        f"cache cannot meet its SLA: {curve.cold_ratio:.0%} of its requests are first-time"
-        f"{where} (at most {curve.max_hit_ratio:.0%} hits at any size){slow}: "
+        f"cache cannot meet its SLA: {cold_ratio:.0%} of its requests are first-time"
+        f"{where} (at most {max_hit_ratio:.0%} hits at any size){slow}: "
         f"no cache size meets {goal}"
     )
 
@@ -414,13 +488,28 @@ def _why_not(d: TenantDemand, m: TenantMetrics, curve: HitCurve) -> str:
 def class_shares(
     tenants: Sequence[TenantDemand], classes: IntArray
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """Shares by priority class alone (no metrics): floors, then class weight in class order."""
-    return target_shares(tenants, _CLASS_WEIGHTS[classes].astype(np.float64), classes)
+    """Shares by priority class alone (no metrics): floors, then class weight in class order.
+
+    (targets, floors, caps).
+    """
+    floors, caps = _bounds(tenants, classes)
+    return _class_shares(floors, caps, classes), floors, caps
+
+
+def _class_shares(floors: FloatArray, caps: FloatArray, classes: IntArray) -> FloatArray:
+    return target_shares(floors, caps, _CLASS_WEIGHTS[classes].astype(np.float64), classes)
 
 
 def _bounds(tenants: Sequence[TenantDemand], classes: IntArray) -> tuple[FloatArray, FloatArray]:
     """Floors and caps, made consistent (floors fit in capacity, cap >= floor)."""
-    floors = np.clip(np.array([d.min_share for d in tenants], dtype=float), 0.0, 1.0)
+    return _bounds_of(_numbers(tenants, "min_share"), _numbers(tenants, "max_share"), classes)
+
+
+def _bounds_of(
+    min_share: FloatArray, max_share: FloatArray, classes: IntArray
+) -> tuple[FloatArray, FloatArray]:
+    """:func:`_bounds` from the columns."""
+    floors = np.clip(min_share, 0.0, 1.0)
     floors[classes == _CLASS_INDEX[PriorityClass.BEST_EFFORT]] = 0.0
     # An invalid spec is refused before allocation; this only keeps the
     # invariants if one gets here anyway: Standard floors yield first.
@@ -432,7 +521,7 @@ def _bounds(tenants: Sequence[TenantDemand], classes: IntArray) -> tuple[FloatAr
         in_cls = float(floors[mask].sum())
         if in_cls > 0.0:
             floors[mask] *= max(0.0, 1.0 - (total - in_cls)) / in_cls
-    caps = np.clip(np.array([d.max_share for d in tenants], dtype=float), 0.0, 1.0)
+    caps = np.clip(max_share, 0.0, 1.0)
     return floors, np.maximum(caps, floors)
 
 
@@ -462,10 +551,9 @@ def _water_fill(shares: FloatArray, caps: FloatArray, weights: FloatArray, amoun
 
 
 def target_shares(
-    tenants: Sequence[TenantDemand], weights: FloatArray, classes: IntArray
-) -> tuple[FloatArray, FloatArray, FloatArray]:
-    """(targets, floors, caps) before smoothing: floors, then weight in class order."""
-    floors, caps = _bounds(tenants, classes)
+    floors: FloatArray, caps: FloatArray, weights: FloatArray, classes: IntArray
+) -> FloatArray:
+    """Targets before smoothing: floors, then weight in class order."""
     shares = floors.copy()
     left = max(0.0, 1.0 - float(floors.sum()))
     total_weight = float(weights.sum())
@@ -481,7 +569,7 @@ def target_shares(
             left -= granted
         if left > EPS:
             _water_fill(shares, caps, weights, left)
-    return shares, floors, caps
+    return shares
 
 
 def _trim_overbooking(shares: FloatArray, floors: FloatArray, classes: IntArray) -> None:
@@ -615,6 +703,23 @@ def _fill_level(
     return take(math.exp(high))
 
 
+def _rounded(values: FloatArray, keep: BoolArray) -> list[float | None]:
+    """``round(value, 4)`` where ``keep``, else None, as Python rounds (without a call per value).
+
+    ``rint(v * 1e4) / 1e4`` is the double nearest the same multiple of 1e-4
+    as Python's ``round``, except where ``v * 1e4`` is within its rounding
+    of a half: those few are rounded by Python.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = values * 1e4
+        near_half = np.abs(scaled - np.floor(scaled) - 0.5) < 1e-6
+    out: list[float | None] = _or_none(np.rint(scaled) / 1e4, keep)
+    huge = ~(np.abs(scaled) < 1e15)  # or not finite
+    for i in np.flatnonzero(keep & (near_half | huge)).tolist():
+        out[i] = round(float(values[i]), 4)
+    return out
+
+
 def _to_bytes(shares: FloatArray, floors: FloatArray, capacity: int) -> list[int]:
     out: list[int] = np.floor(shares * capacity).astype(np.int64).clip(0).tolist()
     over = sum(out) - capacity
@@ -644,32 +749,28 @@ class _Plans:
     cannot_meet: list[str | OutOfReach]
 
 
-def _plans(
-    tenants: Sequence[TenantDemand],
-    ms: Sequence[TenantMetrics],
-    metrics: Mapping[str, TenantMetrics],
-    pressure: FloatArray,
-    classes: IntArray,
-) -> _Plans:
-    misses = LatencyTable(_attr(ms, "miss_latency"))
+def _plans(cols: _Columns, metrics: Mapping[str, TenantMetrics], pressure: FloatArray) -> _Plans:
+    misses = LatencyTable(cols.misses)
     # the same model server answers every tenant's misses: a tenant with none to
     # measure is valued at the others' mean miss latency (all of them, in the map's order)
-    if list(metrics) == _attr(tenants, "name"):
+    if list(metrics) == cols.names:
         known = misses.mean[misses.present].tolist()
     else:
         known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
     fleet = sum(known) / len(known) if known else DEFAULT_MISS_COST_S
     # requests per second planned for: observed, or the promised minimum
-    rps = _floats(_attr(ms, "rps"))
-    min_rps = _floats(_attr(tenants, "min_rps"))
-    rate = np.nan_to_num(np.fmax(rps, min_rps), nan=0.0)
+    rate = np.nan_to_num(np.fmax(cols.rps, _finite(cols.min_rps)), nan=0.0)
     # upstream seconds a hit saves: the tenant's mean miss latency, else the fleet's (never
     # its p95: a tenant that hits all the time has a p95 of hits, and valuing its hits at
     # that would give its cache away)
     cost = np.where(misses.present, np.maximum(misses.mean, 1e-6), fleet)
-    values = _CLASS_WEIGHTS[classes] * pressure * rate * cost
-    curves = [m.curve if m.curve is not None and m.curve.requests > 0 else None for m in ms]
-    return _Plans(values, curves, CurveTable(curves), misses, [""] * len(tenants))
+    values = _CLASS_WEIGHTS[cols.classes] * pressure * rate * cost
+    # a curve behind no requests is no curve (read as a column: almost always none such)
+    requests = np.array(list(map(getattr, cols.curves, repeat("requests"), repeat(1.0))))
+    curves = cols.curves
+    if not (requests > 0.0).all():
+        curves = [c if c is not None and c.requests > 0 else None for c in curves]
+    return _Plans(values, curves, CurveTable(curves), misses, [""] * len(curves))
 
 
 def _undecided(plans: _Plans, shares: FloatArray, capacity: int) -> BoolArray:
@@ -686,21 +787,26 @@ def _undecided(plans: _Plans, shares: FloatArray, capacity: int) -> BoolArray:
 
 
 def _protected(
-    tenants: Sequence[TenantDemand],
+    cols: _Columns,
     metrics: Mapping[str, TenantMetrics],
     plans: _Plans,
     previous: Mapping[str, float] | None,
-    classes: IntArray,
+    in_force: FloatArray,
+    floors: FloatArray,
+    caps: FloatArray,
     capacity: int,
 ) -> FloatArray:
-    """Shares not to cut yet: min(share in force, class share) of undecided tenants."""
+    """Shares not to cut yet: min(share in force, class share) of undecided tenants.
+
+    ``in_force`` is every tenant's share in ``previous`` (NaN: none).
+    """
+    names = cols.names
     if not previous:
-        return np.zeros(len(tenants))
-    class_targets, _, _ = class_shares(tenants, classes)
-    names = _attr(tenants, "name")
+        return np.zeros(len(names))
+    class_targets = _class_shares(floors, caps, cols.classes)
     known = np.array(list(map(previous.__contains__, names)))
+    prev = np.where(known, in_force, 0.0)
     known &= np.array(list(map(metrics.__contains__, names)))
-    prev = np.array(list(map(previous.get, names, repeat(0.0))), dtype=np.float64)
     keep = known & _undecided(plans, prev, capacity)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
@@ -711,13 +817,11 @@ def _utility(plans: _Plans, shares: FloatArray, capacity: int) -> float:
     return float(sum(products.tolist()))  # in spec order, one by one
 
 
-def _needed_hit_ratios(
-    tenants: Sequence[TenantDemand], ms: Sequence[TenantMetrics], misses: LatencyTable
-) -> FloatArray:
+def _needed_hit_ratios(cols: _Columns, misses: LatencyTable) -> FloatArray:
     """:func:`needed_hit_ratio` of every tenant (NaN: no hit ratio meets its SLA)."""
-    need = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)  # None: 0
-    target = _numbers(tenants, "p95_target_s")
-    hits = LatencyTable(_attr(ms, "hit_latency"))
+    need = np.nan_to_num(cols.min_hit, nan=0.0)  # None: 0
+    target = cols.p95_target
+    hits = LatencyTable(cols.hits)
     q = 0.95
     f_miss = misses.cdf(target)
     f_hit = np.where(hits.present, hits.cdf(target), 1.0)
@@ -729,36 +833,56 @@ def _needed_hit_ratios(
 
 
 def _meet_slas(
-    tenants: Sequence[TenantDemand],
-    ms: Sequence[TenantMetrics],
+    cols: _Columns,
     plans: _Plans,
     shares: FloatArray,
     caps: FloatArray,
-    classes: IntArray,
     capacity: int,
+    ms: Sequence[TenantMetrics],
 ) -> None:
     """Raise tenants to the smallest share that meets their SLA, class by class (in place)."""
-    min_hit = np.nan_to_num(_numbers(tenants, "min_hit_ratio"), nan=0.0)
-    has_sla = ~np.isnan(_numbers(tenants, "p95_target_s")) | (min_hit != 0.0)
+    min_hit = np.nan_to_num(cols.min_hit, nan=0.0)
+    has_sla = ~np.isnan(cols.p95_target) | (min_hit != 0.0)
     asks = has_sla & plans.table.present
     if not asks.any():
         return
-    need = _needed_hit_ratios(tenants, ms, plans.misses)
+    need = _needed_hit_ratios(cols, plans.misses)
     if capacity > 0:
         with np.errstate(invalid="ignore"):
             wanted = plans.table.size_for(np.nan_to_num(need, nan=2.0)) / capacity
         wanted[np.isnan(need)] = np.nan
     else:
-        wanted = np.full(len(tenants), np.nan)
+        wanted = np.full(len(shares), np.nan)
     cannot = plans.cannot_meet
-    for i in np.flatnonzero(asks & np.isnan(wanted)).tolist():
-        curve = plans.curves[i]
-        assert curve is not None
-        cannot[i] = (tenants[i], ms[i], curve)  # worded on demand
+    beyond = np.flatnonzero(asks & np.isnan(wanted))  # has a curve: asks
+    if beyond.size:  # worded on demand, from numbers (rows that hold no tenant objects)
+        p95_target, min_hit = cols.p95_target[beyond], cols.min_hit[beyond]
+        miss_mean = plans.misses.mean[beyond]
+        curves = map(plans.curves.__getitem__, beyond.tolist())
+        cold = _attr(curves, "cold_ratio")
+        best = plans.table.max_hit[beyond].tolist()
+        fleet_wide = [False] * beyond.size
+        for j, i in enumerate(beyond.tolist()):  # the fleet's numbers where it reuses more
+            fleet = ms[i].fleet_curve
+            if fleet is not None and fleet.max_hit_ratio > best[j]:
+                cold[j], best[j], fleet_wide[j] = fleet.cold_ratio, fleet.max_hit_ratio, True
+        whys = zip(
+            _or_none(p95_target, ~np.isnan(p95_target)),
+            _or_none(min_hit, ~np.isnan(min_hit)),
+            _or_none(miss_mean, plans.misses.present[beyond]),
+            cold,
+            best,
+            fleet_wide,
+            strict=True,
+        )
+        table = np.fromiter(cannot, dtype=object, count=len(cannot))
+        table[beyond] = np.fromiter(whys, dtype=object, count=beyond.size)
+        cannot[:] = table.tolist()
     with np.errstate(invalid="ignore"):
         above_cap = asks & (wanted > caps + EPS)
     for i in np.flatnonzero(above_cap).tolist():
         cannot[i] = f"its SLA needs {wanted[i]:.1%} of the cache, above maxShare {caps[i]:.1%}"
+    classes = cols.classes
     for cls in CLASS_ORDER:
         with np.errstate(invalid="ignore"):
             grows = asks & (classes == _CLASS_INDEX[cls]) & ~above_cap & (wanted > shares)
@@ -840,9 +964,12 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     the extension that achieves it, so a working set that pays off only once
     it fits whole competes with its average gain up to the cliff (the slope
     of its concave hull) and is never left half-built on the cliff's side.
-    Each tenant's best extension sits in a heap (all of them computed at
-    once to start with) and is recomputed only when the tenant grew or its
-    extension no longer fits what is left.
+    Each tenant's best extension is computed at once for all of them to
+    start with, and recomputed only when the tenant grew or its extension no
+    longer fits what is left. The first ones wait sorted, best first (few are
+    ever taken: sorting them beats making a heap of them all); the recomputed
+    ones wait in a heap; each step takes the better of the two fronts, in the
+    order one heap of them all would give.
     """
     left = 1.0 - float(shares.sum())
     if left <= EPS or capacity <= 0:
@@ -857,8 +984,15 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     per, to = plans.table.best_extensions(values, shares, hi, capacity, active)
     with np.errstate(invalid="ignore"):
         kept = per > noise  # NaN (no extension) is not
-    heap = list(zip((-per[kept]).tolist(), active[kept].tolist(), to[kept].tolist(), strict=True))
-    heapq.heapify(heap)
+    first_keys, first_ids, first_ends = -per[kept], active[kept], to[kept]
+    order = np.lexsort((first_ids, first_keys))  # as the heap orders (key, tenant)
+    first_keys, first_ids, first_ends = first_keys[order], first_ids[order], first_ends[order]
+    heap: list[tuple[float, int, float]] = []
+
+    def first_offer(k: int) -> tuple[float, int, float] | None:
+        if k >= order.size:
+            return None
+        return (float(first_keys[k]), int(first_ids[k]), float(first_ends[k]))
 
     def push(i: int) -> None:
         curve = curves[i]
@@ -870,8 +1004,17 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
         if found is not None and found[0] > noise:
             heapq.heappush(heap, (-found[0], i, found[1]))
 
-    while heap and left > EPS:
-        _, i, end = heapq.heappop(heap)
+    k = 0
+    front = first_offer(k)
+    while left > EPS:
+        if front is not None and (not heap or front < heap[0]):
+            _, i, end = front
+            k += 1
+            front = first_offer(k)
+        elif heap:
+            _, i, end = heapq.heappop(heap)
+        else:
+            break
         grow = end - float(shares[i])
         if grow > left + EPS:  # no longer fits: its best within what is left
             push(i)
@@ -938,22 +1081,57 @@ def allocate(
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
-    names = _attr(tenants, "name")
-    classes = np.array(list(map(_CLASS_INDEX.__getitem__, _attr(tenants, "priority_class"))))
-    ms = list(map(metrics.get, names, repeat(_NO_METRICS)))
-    pressure, met, missed = _pressures(tenants, ms)
+    with _collector_paused():
+        return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params)
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused for the block (as it was after).
+
+    An allocation makes tens of thousands of objects that hold no cycles
+    (rows, lists, tuples): refcounting frees them, and a collector triggered
+    by their number would only walk every object of the process again and
+    again (a fifth of the time of 10,000 tenants).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _allocate(
+    tenants: tuple[TenantDemand, ...],
+    metrics: Mapping[str, TenantMetrics],
+    previous: Mapping[str, float] | None,
+    l1_capacity: int,
+    l2_capacity: int,
+    params: AllocationParams,
+) -> Allocation:
+    cols = _Columns.of(tenants, metrics)
+    names, classes = cols.names, cols.classes
+    # shares in force, as given (None: NaN)
+    in_force = (
+        np.array(list(map(previous.get, names)), dtype=np.float64)
+        if previous
+        else np.full(len(names), np.nan)
+    )
+    pressure, met, missed = _pressures(cols)
+    floors, caps = _bounds_of(cols.min_share, cols.max_share, classes)
     if not metrics:
-        targets, floors, caps = class_shares(tenants, classes)
+        targets = _class_shares(floors, caps, classes)
         none: list[HitCurve | None] = [None] * len(tenants)
         n = len(tenants)
         plans = _Plans(np.zeros(n), none, CurveTable(none), LatencyTable([None] * n), [""] * n)
     else:
-        floors, caps = _bounds(tenants, classes)
-        plans = _plans(tenants, ms, metrics, pressure, classes)
-        keep = _protected(tenants, metrics, plans, previous, classes, l1_capacity)
+        plans = _plans(cols, metrics, pressure)
+        keep = _protected(cols, metrics, plans, previous, in_force, floors, caps, l1_capacity)
         targets = np.minimum(caps, np.maximum(floors, keep))
         _trim_overbooking(targets, floors, classes)
-        _meet_slas(tenants, ms, plans, targets, caps, classes, l1_capacity)
+        _meet_slas(cols, plans, targets, caps, l1_capacity, cols.ms)
         _greedy(plans, targets, caps, l1_capacity)
         _spread_rest(plans, targets, caps, classes)
 
@@ -961,7 +1139,7 @@ def allocate(
     shares = targets.copy()
     held = np.zeros(len(tenants), dtype=bool)
     if previous:
-        raw_prev = _floats(list(map(previous.get, names)))
+        raw_prev = _finite(in_force)
         has_prev = ~np.isnan(raw_prev)
         prev = np.clip(np.where(has_prev, raw_prev, targets), floors, caps)
         _trim_overbooking(prev, floors, classes)
@@ -970,7 +1148,7 @@ def allocate(
         now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
         gain = target_u - now_u
         # An SLA that the target meets and the shares in force do not is always worth a move.
-        meetable = ~np.array(list(map(bool, plans.cannot_meet)))
+        meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
         sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
         worth = (
             not metrics
@@ -1000,12 +1178,12 @@ def allocate(
         shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _l2_bytes(plans, ms, shares, (floors, caps), classes, l2_capacity)
+    l2 = _l2_bytes(plans, cols.ms, shares, (floors, caps), classes, l2_capacity)
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
-    notes = np.where(at_floor, "floor", np.where(at_cap, "cap", np.where(held, "held", "")))
-    hits = plans.table.at(shares * l1_capacity).tolist()
-    predicted = [round(h, 4) if c else None for h, c in zip(hits, measured.tolist(), strict=True)]
+    # the note's index in _NOTES (the same four strings for every row, not one each)
+    notes = np.where(at_floor, 1, np.where(at_cap, 2, np.where(held, 3, 0)))
+    predicted = _rounded(plans.table.at(shares * l1_capacity), measured)
     # tuple.__new__ over rows: what TenantAllocation._make does, without a call per tenant
     out = tuple(
         map(
@@ -1013,14 +1191,14 @@ def allocate(
             repeat(TenantAllocation),
             zip(
                 names,
-                _attr(tenants, "priority_class"),
+                cols.priority_classes,
                 shares.tolist(),
                 targets.tolist(),
                 plans.values.tolist(),
                 l1,
                 l2,
                 met,
-                notes.tolist(),
+                list(map(_NOTES.__getitem__, notes.tolist())),
                 plans.cannot_meet,
                 predicted,
                 strict=True,

@@ -29,6 +29,7 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_sidecar import admission as sidecar_admission
 from cachefleet_sidecar.contract.names import NAME_RE, Policy
+from cachefleet_sidecar.savings import Price
 from cachefleet_sidecar.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
 
 GROUP = "cachefleet.io"
@@ -39,6 +40,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MAX_TENANTS = 1000
 #: Fraction of each pod's L1 that all unlisted tenants share when tenantDefaults does not say.
 DEFAULT_UNLISTED_SHARE = 0.1
+#: The most models spec.savings.prices may price (the table travels in an env variable).
+MAX_PRICES = 256
 #: The most of each pod's L1 tenantDefaults may set aside (the --guest-share bound).
 MAX_UNLISTED_SHARE = 0.9
 #: Shortest rebalance interval a spec may ask for, seconds.
@@ -598,6 +601,71 @@ class RoutingSpec(_Model):
         return self.inference_pool_ref.name if self.inference_pool_ref else cache_name
 
 
+class ModelPrice(_Model):
+    """What one model's tokens cost: a row of the sidecars' price table."""
+
+    model: str = Field(
+        min_length=1,
+        max_length=253,
+        description='The model as requests name it ("model" of the body); "*": every other model.',
+    )
+    prompt_per1k: float = Field(
+        default=0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        alias="promptPer1k",
+        description="Price of 1,000 prompt tokens, in spec.savings.currency.",
+    )
+    completion_per1k: float = Field(
+        default=0.0,
+        ge=0.0,
+        allow_inf_nan=False,
+        alias="completionPer1k",
+        description="Price of 1,000 completion tokens, in spec.savings.currency.",
+    )
+
+
+class SavingsSpec(_Model):
+    """What the tokens cache hits saved are worth: the sidecars count their price."""
+
+    prices: list[ModelPrice] = Field(
+        default_factory=list,
+        max_length=MAX_PRICES,
+        description=(
+            "Prices per 1,000 tokens by model, given to every sidecar of the cache "
+            '(status.savings.cost adds them up); a model with no price and no "*" row '
+            "counts no cost. Models are unique."
+        ),
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["model"],
+        },
+    )
+    currency: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        pattern=r"^[A-Za-z][A-Za-z0-9$._-]*$",
+        description=(
+            "The one currency of all prices (e.g. USD), shown beside status.savings.cost; "
+            "empty: costs carry no currency."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> SavingsSpec:
+        seen: set[str] = set()
+        for price in self.prices:
+            if price.model in seen:
+                raise ValueError(f"prices: model {price.model!r} is priced twice")
+            seen.add(price.model)
+        return self
+
+    def price_table(self) -> dict[str, Price]:
+        """The prices as the sidecars' price table: model -> (prompt, completion) per 1,000."""
+        return {p.model: (p.prompt_per1k, p.completion_per1k) for p in self.prices}
+
+
 class InferenceCacheSpec(_Model):
     """Desired state of an InferenceCache."""
 
@@ -651,6 +719,13 @@ class InferenceCacheSpec(_Model):
     )
     warmup: WarmupSpec | None = Field(
         default=None, description="L1 warm-up of starting sidecars from L2; empty = off."
+    )
+    savings: SavingsSpec | None = Field(
+        default=None,
+        description=(
+            "Prices that turn the tokens cache hits saved into money (the sidecars' price "
+            "table); empty = tokens and model time only, or each sidecar's --price-table."
+        ),
     )
     ttl_seconds: int | None = Field(
         default=None,
@@ -734,7 +809,12 @@ class SavingsStatus(_Observed):
     )
     cost: float | None = Field(
         default=None,
-        description="Their price by the sidecars' --price-table (no currency); empty: unpriced.",
+        description=(
+            "Their price by spec.savings.prices (or the sidecars' --price-table); empty: unpriced."
+        ),
+    )
+    currency: str | None = Field(
+        default=None, description="The currency of cost (spec.savings.currency)."
     )
 
 

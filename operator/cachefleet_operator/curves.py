@@ -13,8 +13,9 @@
 * :class:`CurveTable` and :class:`LatencyTable`: many curves or histograms
   at once, as padded numpy matrices, with the same answers as the scalar
   methods (bit for bit), for allocating among thousands of tenants. Each
-  curve and histogram keeps its numbers packed (``packed``) so a table is one
-  buffer join away, not a Python loop over every point.
+  curve and histogram keeps its numbers as raw doubles (``xs_raw``...) so a
+  table is a buffer join away, not a Python loop over every point; curves
+  that share their sizes (the sidecars' buckets) share one row of them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -33,10 +36,8 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 
-def _pack(first: tuple[float, ...], second: tuple[float, ...]) -> array[float]:
-    out = array("d", first)
-    out.extend(second)
-    return out
+def _doubles(values: tuple[float, ...]) -> bytes:
+    return array("d", values).tobytes()
 
 
 def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
@@ -65,15 +66,17 @@ class HitCurve:
     #: The points' sizes and hit ratios apart (derived, for bisection).
     xs: tuple[float, ...] = field(init=False, repr=False, compare=False)
     ys: tuple[float, ...] = field(init=False, repr=False, compare=False)
-    #: ``xs`` then ``ys`` as doubles (derived, for :class:`CurveTable`).
-    packed: array[float] = field(init=False, repr=False, compare=False)
+    #: ``xs`` and ``ys`` as raw doubles (derived, for :class:`CurveTable`).
+    xs_raw: bytes = field(init=False, repr=False, compare=False)
+    ys_raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         xs = tuple(x for x, _ in self.points)
         ys = tuple(y for _, y in self.points)
         object.__setattr__(self, "xs", xs)
         object.__setattr__(self, "ys", ys)
-        object.__setattr__(self, "packed", _pack(xs, ys))
+        object.__setattr__(self, "xs_raw", _doubles(xs))
+        object.__setattr__(self, "ys_raw", _doubles(ys))
 
     @classmethod
     def from_histogram(
@@ -180,13 +183,14 @@ class LatencyDist:
     buckets: tuple[tuple[float, float], ...]
     sum_s: float | None = None
     _mean: float = field(init=False, repr=False, compare=False)
-    #: Bounds then cumulative counts as doubles (derived, for :class:`LatencyTable`).
-    packed: array[float] = field(init=False, repr=False, compare=False)
+    #: Bounds and cumulative counts as raw doubles (derived, for :class:`LatencyTable`).
+    bounds_raw: bytes = field(init=False, repr=False, compare=False)
+    counts_raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_mean", self._compute_mean())
-        bounds = tuple(b for b, _ in self.buckets)
-        object.__setattr__(self, "packed", _pack(bounds, tuple(c for _, c in self.buckets)))
+        object.__setattr__(self, "bounds_raw", _doubles(tuple(b for b, _ in self.buckets)))
+        object.__setattr__(self, "counts_raw", _doubles(tuple(c for _, c in self.buckets)))
 
     @classmethod
     def from_buckets(
@@ -285,38 +289,73 @@ def predicted_p95(
     return hits.quantile(q / h if h > 0 else 1.0)
 
 
-def _unpack(packed: Sequence[array[float] | None]) -> tuple[FloatArray, FloatArray, IntArray]:
-    """(first, second, lengths): each item's halves as rows of two (n, K) matrices.
+def _column(items: Sequence[object], name: str, default: object = None) -> list[Any]:
+    """Attribute ``name`` of every item, ``default`` for None (without a Python step per item)."""
+    return list(map(getattr, items, repeat(name), repeat(default)))
+
+
+def _unpack(
+    items: Sequence[HitCurve | LatencyDist | None], first: str, second: str
+) -> tuple[FloatArray, FloatArray, IntArray]:
+    """(first, second, lengths): the raw doubles ``first`` and ``second`` of every item as
+    rows of two (n, K) matrices.
 
     Rows are padded with their last value (``first`` with +inf, so a padded
-    column never compares below a size or a latency); an empty row has
+    column never compares below a size or a latency); None is an empty row:
     length 0, ``first`` all +inf and ``second`` all 0.
     """
-    lengths = np.array([0 if p is None else len(p) // 2 for p in packed], dtype=np.int64)
+    n = len(items)
+    if not any(items):  # nothing known (e.g. no tenant's hit latency): no row to read
+        return np.full((n, 1), np.inf), np.zeros((n, 1)), np.zeros(n, dtype=np.int64)
+    firsts: list[bytes] = _column(items, first, b"")
+    lengths = np.fromiter(map(len, firsts), dtype=np.int64, count=n) // 8
     width = max(1, int(lengths.max(initial=0)))
-    n = len(packed)
-    if not lengths.any():
-        return np.full((n, width), np.inf), np.zeros((n, width)), lengths
-    flat = np.frombuffer(b"".join([p for p in packed if p is not None]), dtype=np.float64)
+    flat_first = np.frombuffer(b"".join(firsts), dtype=np.float64)
+    flat_second = np.frombuffer(b"".join(_column(items, second, b"")), dtype=np.float64)
     present = lengths > 0
     if int(lengths.min(where=present, initial=width)) == width:  # all alike: a reshape
-        block = flat.reshape(-1, 2, width)
+        block_first, block_second = flat_first.reshape(-1, width), flat_second.reshape(-1, width)
         if present.all():
-            return block[:, 0, :], block[:, 1, :], lengths
+            return block_first, block_second, lengths
         rows = np.flatnonzero(present)
-        first, second = np.full((n, width), np.inf), np.zeros((n, width))
-        first[rows], second[rows] = block[:, 0, :], block[:, 1, :]
-        return first, second, lengths
-    starts = 2 * (np.cumsum(lengths) - lengths)
+        out_first, out_second = np.full((n, width), np.inf), np.zeros((n, width))
+        out_first[rows], out_second[rows] = block_first, block_second
+        return out_first, out_second, lengths
+    starts = np.cumsum(lengths) - lengths
     cols = np.arange(width)
     index = starts[:, None] + np.minimum(cols[None, :], np.maximum(lengths - 1, 0)[:, None])
     empty = lengths == 0
     index[empty] = 0
-    first = flat[index]
-    second = flat[index + lengths[:, None]]
-    first[cols[None, :] >= lengths[:, None]] = np.inf
-    second[empty] = 0.0
-    return first, second, lengths
+    out_first = flat_first[index]
+    out_second = flat_second[index]
+    out_first[cols[None, :] >= lengths[:, None]] = np.inf
+    out_second[empty] = 0.0
+    return out_first, out_second, lengths
+
+
+def _bisect(
+    matrix: FloatArray, values: FloatArray, *, right: bool, ends: IntArray | None = None
+) -> IntArray:
+    """Per row, ``bisect_right`` (``right``) or ``bisect_left`` of its value in the row.
+
+    Rows are ascending (padding included); ``ends`` limits each row's search
+    to its first ``ends`` columns. On such rows this counts what
+    ``np.count_nonzero(matrix <= values[:, None], axis=1)`` (``<`` when not
+    ``right``) counts, in log2(width) steps over the rows rather than one
+    step over every cell.
+    """
+    n, width = matrix.shape
+    rows = np.arange(n)
+    lo = np.zeros(n, dtype=np.int64)
+    hi = np.full(n, width, dtype=np.int64) if ends is None else ends.astype(np.int64)
+    for _ in range(width.bit_length()):
+        mid = (lo + hi) >> 1
+        cell = matrix[rows, np.minimum(mid, width - 1)]
+        searching = lo < hi
+        go_right = (cell <= values if right else cell < values) & searching
+        lo = np.where(go_right, mid + 1, lo)
+        hi = np.where(searching & ~go_right, mid, hi)
+    return lo
 
 
 class CurveTable:
@@ -327,24 +366,43 @@ class CurveTable:
     """
 
     def __init__(self, curves: Sequence[HitCurve | None]) -> None:
-        self.xs, self.ys, self.length = _unpack([c.packed if c else None for c in curves])
-        self.rows = np.arange(len(curves))
+        n = len(curves)
+        sizes: list[bytes] = _column(curves, "xs_raw", b"")
+        #: The sizes of every row when all rows have the same (curves from the sidecars'
+        #: fixed buckets): one row, searched once for all rows.
+        self.shared_xs: FloatArray | None = None
+        if n and sizes[0] and all(map(sizes[0].__eq__, sizes)):
+            self.shared_xs = np.frombuffer(sizes[0], dtype=np.float64)
+            width = self.shared_xs.size
+            self.xs = np.broadcast_to(self.shared_xs, (n, width))
+            ys = b"".join(_column(curves, "ys_raw"))
+            self.ys = np.frombuffer(ys, dtype=np.float64).reshape(n, width)
+            self.length = np.full(n, width, dtype=np.int64)
+        else:
+            self.xs, self.ys, self.length = _unpack(curves, "xs_raw", "ys_raw")
+        self.rows = np.arange(n)
         self.present = self.length > 0
         last = np.maximum(self.length - 1, 0)
         #: :attr:`HitCurve.max_hit_ratio` (0 without a curve).
         self.max_hit = np.where(self.present, self.ys[self.rows, last], 0.0)
-        self.footprint = np.array(
-            [
-                np.nan if c is None or c.footprint_bytes is None else c.footprint_bytes
-                for c in curves
-            ],
-            dtype=np.float64,
-        )
+        self.footprint = np.array(_column(curves, "footprint_bytes"), dtype=np.float64)
+
+    def _find(self, rows: IntArray, sizes: FloatArray, *, right: bool) -> IntArray:
+        """:func:`_bisect` of each of ``rows`` in its sizes."""
+        if self.shared_xs is None:
+            xs = self.xs if rows.size == self.rows.size else self.xs[rows]
+            return _bisect(xs, sizes, right=right)
+        found = np.searchsorted(self.shared_xs, sizes, side="right" if right else "left")
+        return np.where(np.isnan(sizes), 0, found)  # searchsorted puts NaN last
 
     def at(self, sizes: FloatArray) -> FloatArray:
         """:meth:`HitCurve.at` of every row at its size (0 without a curve)."""
-        length, rows = self.length, self.rows
-        hi = np.count_nonzero(self.xs <= sizes[:, None], axis=1)
+        return self._at(self.rows, sizes)
+
+    def _at(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
+        """:meth:`at` of ``rows`` (each at its size)."""
+        length = self.length if rows.size == self.rows.size else self.length[rows]
+        hi = self._find(rows, sizes, right=True)
         lo = np.where(hi == 0, length - 1, hi - 1).clip(0)  # bisect's hi - 1 wraps at 0
         up = np.minimum(hi, np.maximum(length - 1, 0))
         x0, y0 = self.xs[rows, lo], self.ys[rows, lo]
@@ -360,9 +418,7 @@ class CurveTable:
         Linear inside a bucket, as :meth:`at` reads it; 0 for ``hit <= 0``.
         """
         length, rows = self.length, self.rows
-        cols = np.arange(self.ys.shape[1])
-        below = (self.ys < (hit - 1e-12)[:, None]) & (cols[None, :] < length[:, None])
-        k = np.count_nonzero(below, axis=1)  # bisect_left: the first point reaching it
+        k = _bisect(self.ys, hit - 1e-12, right=False, ends=length)  # the first point reaching it
         kk = np.minimum(k, np.maximum(length - 1, 0))
         prev = np.maximum(kk - 1, 0)
         x, y = self.xs[rows, kk], self.ys[rows, kk]
@@ -384,51 +440,49 @@ class CurveTable:
         the scalar scan in :mod:`cachefleet_operator.allocation` does.
         """
         eps = 1e-12
-        if rows.size == self.rows.size:  # all of them: views, not copies
-            xs, ys, length = self.xs, self.ys, self.length
-        else:
-            xs, ys, length = self.xs[rows], self.ys[rows], self.length[rows]
         values, lo, hi = values[rows], lo[rows], hi[rows]
-        base = self._at_rows(rows, lo * capacity)
-        first = np.count_nonzero(xs <= (lo * capacity)[:, None], axis=1)
-        last = np.maximum(first, np.count_nonzero(xs < (hi * capacity)[:, None], axis=1))
-        last = np.minimum(last, length)
+        base = self._at(rows, lo * capacity)
+        first = self._find(rows, lo * capacity, right=True)
+        last = np.maximum(first, self._find(rows, hi * capacity, right=False))
+        last = np.minimum(last, self.length[rows])
         ok = hi - lo > eps
         # -inf: nothing yet (every candidate's utility is finite, so the first one wins)
         best_per = np.full(rows.size, -np.inf)
         best_to = np.full(rows.size, np.nan)
         scale = 1.0 + 1e-9
 
-        def offer(cand: BoolArray, to: FloatArray, hit: FloatArray) -> None:
-            nonlocal best_per, best_to
+        def offer(at: IntArray | slice, to: FloatArray, hit: FloatArray) -> None:
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                gap = to - lo
-                per = values * (hit - base) / gap
-                better = cand & ~(gap <= eps) & (per > best_per * scale)
-            best_per = np.where(better, per, best_per)
-            best_to = np.where(better, to, best_to)
+                gap = to - lo[at]
+                per = values[at] * (hit - base[at]) / gap
+                better = ~(gap <= eps) & (per > best_per[at] * scale)
+            best_per[at] = np.where(better, per, best_per[at])
+            best_to[at] = np.where(better, to, best_to[at])
 
-        span = ok & (first < last)
-        if span.any():
-            for j in range(int(first[span].min()), int(last[span].max())):
-                offer(span & (first <= j) & (j < last), xs[:, j] / capacity, ys[:, j])
-        offer(ok, hi, self._at_rows(rows, hi * capacity))
+        # a row's k-th candidate point is its column first + k: the rows with more than k
+        # candidates take it together (fewer and fewer, as few rows span many points)
+        count = np.where(ok & (first < last), last - first, 0)
+        for k in range(int(count.max(initial=0))):
+            at = np.flatnonzero(count > k)
+            row, col = rows[at], first[at] + k
+            offer(at, self.xs[row, col] / capacity, self.ys[row, col])
+        done = np.flatnonzero(ok)
+        offer(done, hi[done], self._at(rows[done], hi[done] * capacity))
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
-
-    def _at_rows(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
-        full = np.zeros(self.rows.size)
-        full[rows] = sizes
-        return self.at(full)[rows]
 
 
 class LatencyTable:
     """Many :class:`LatencyDist` (None: unknown) as padded matrices; vectorised ``cdf``."""
 
     def __init__(self, dists: Sequence[LatencyDist | None]) -> None:
-        bounds, counts, self.length = _unpack([d.packed if d else None for d in dists])
-        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
-        self.mean = np.array([np.nan if d is None else d._mean for d in dists], dtype=np.float64)
+        bounds, counts, self.length = _unpack(dists, "bounds_raw", "counts_raw")
         n = len(dists)
+        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
+        self.mean = (
+            np.array(_column(dists, "_mean"), dtype=np.float64)
+            if self.length.any()
+            else np.full(n, np.nan)
+        )
         # one more +inf column: a histogram without +Inf ends its scan there
         self.bounds = np.hstack([bounds, np.full((n, 1), np.inf)])
         self.counts = np.hstack([counts, counts[:, -1:]])

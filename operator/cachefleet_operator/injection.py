@@ -31,7 +31,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cachefleet_operator.api import SavingsSpec
+from cachefleet_sidecar.savings import format_price_table
 
 #: Label that asks for the sidecar; its value is the InferenceCache's name.
 CACHE_LABEL = "cachefleet.io/cache"
@@ -164,7 +167,7 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
 
 
 def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """Sidecar flags of ``spec.namespaceHeader`` and ``spec.warmup`` (absent: none)."""
+    """Sidecar flags of spec.namespaceHeader, spec.warmup and spec.savings (absent: none)."""
     flags: list[tuple[str, str]] = []
     if spec.get("namespaceHeader"):
         flags.append(("namespace-header", str(spec["namespaceHeader"])))
@@ -173,7 +176,25 @@ def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
         flags.append(("warm-bytes", str(int(warmup["bytes"]))))
         if warmup.get("timeoutSeconds") is not None:
             flags.append(("warm-timeout", str(warmup["timeoutSeconds"])))
+    prices = price_table(spec.get("savings"))
+    if prices is not None:
+        flags.append(("price-table", prices))
     return tuple(flags)
+
+
+def price_table(savings: Any) -> str | None:
+    """``spec.savings.prices`` as the sidecars' ``--price-table`` JSON (None: no prices).
+
+    An invalid ``spec.savings`` (the API server refuses one; the operator's
+    status names the field) gives none: the Pod still starts, counting no cost.
+    """
+    if not isinstance(savings, Mapping) or not savings.get("prices"):
+        return None
+    try:
+        parsed = SavingsSpec.model_validate(savings, by_alias=True, by_name=False)
+    except ValidationError:
+        return None
+    return format_price_table(parsed.price_table())
 
 
 #: spec.admission field -> sidecar flag

@@ -354,7 +354,9 @@ def _previous_status(raw: Mapping[str, Any] | None) -> InferenceCacheStatus:
 
 
 def _tenant_status(
-    allocation: Allocation, saved: Mapping[str, Mapping[str, float]] | None = None
+    allocation: Allocation,
+    saved: Mapping[str, Mapping[str, float]] | None = None,
+    currency: str | None = None,
 ) -> list[TenantStatus]:
     out = []
     for i, t in enumerate(allocation.tenants):
@@ -375,7 +377,9 @@ def _tenant_status(
                 reason=allocation.reason(i),
                 observed=observed,
                 sla_met=t.sla_met,
-                savings=None if saved is None else savings_status([saved.get(t.name, {})]),
+                savings=None
+                if saved is None
+                else savings_status([saved.get(t.name, {})], currency),
             )
         )
     return out
@@ -393,8 +397,13 @@ async def _savings(
         return None
 
 
-def savings_status(parts: Iterable[Mapping[str, float]]) -> SavingsStatus:
-    """``parts`` (:func:`~cachefleet_operator.metrics_source.savings_from` values) added up."""
+def savings_status(
+    parts: Iterable[Mapping[str, float]], currency: str | None = None
+) -> SavingsStatus:
+    """``parts`` (:func:`~cachefleet_operator.metrics_source.savings_from` values) added up.
+
+    ``currency`` (spec.savings.currency) goes with a cost, never without one.
+    """
     total: dict[str, float] = {}
     for part in parts:
         for name, value in part.items():
@@ -405,6 +414,7 @@ def savings_status(parts: Iterable[Mapping[str, float]]) -> SavingsStatus:
         prompt_tokens=round(total.get("prompt_tokens", 0.0)),
         completion_tokens=round(total.get("completion_tokens", 0.0)),
         cost=None if cost is None else round(cost, 6),
+        currency=None if cost is None else currency,
     )
 
 
@@ -735,6 +745,7 @@ class Reconciler:
                 )
             sla_status, sla_reason, sla_message, attainment = _sla_condition(allocation)
             saved = await _savings(source, cache, spec) if metrics is not None else None
+            currency = spec.savings.currency if spec.savings is not None else None
             state = InferenceCacheStatus(
                 quota_generation=quota_generation,
                 quota_digest=digest,
@@ -742,8 +753,8 @@ class Reconciler:
                 tenant_count=len(allocation.tenants),
                 sla_attainment=attainment,
                 saved_model_hours=saved_model_hours(saved),
-                savings=None if saved is None else savings_status(saved.values()),
-                tenants=_tenant_status(allocation, saved),
+                savings=None if saved is None else savings_status(saved.values(), currency),
+                tenants=_tenant_status(allocation, saved, currency),
                 sidecars=sidecars,
             )
             status.update(state.wire())

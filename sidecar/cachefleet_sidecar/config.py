@@ -349,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "price-table",
         'JSON file of prices per 1k tokens by model, {"<model>": {"prompt": P, '
-        '"completion": C}} ("*" = any model): cache hits count what they saved in it',
+        '"completion": C}} ("*" = any model), or that JSON itself: cache hits count what '
+        "they saved in it",
         default="",
     )
     add(
@@ -680,7 +681,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         ttl_s=float(conv("ttl", ns.ttl, _non_negative)),  # type: ignore[arg-type]
         price_table=(
-            conv("price-table", ns.price_table, savings.load_price_table)  # type: ignore[arg-type]
+            conv("price-table", ns.price_table, savings.price_table_flag)  # type: ignore[arg-type]
             if ns.price_table
             else {}
         ),

@@ -12,7 +12,9 @@ tokens, in any one currency (the metric has no currency)::
      "*": {"prompt": 0.0005, "completion": 0.0015}}
 
 ``"*"`` prices every model the table does not name; a model with no price
-adds nothing to the cost counter.
+adds nothing to the cost counter. The flag takes the file's name or, when
+it starts with ``{``, the JSON itself: that is how the operator passes an
+InferenceCache's ``spec.savings.prices`` (:func:`format_price_table`).
 """
 
 from __future__ import annotations
@@ -68,6 +70,22 @@ def load_price_table(path: str) -> dict[str, Price]:
     except OSError as exc:
         raise PriceTableError(f"cannot read {path}: {exc.strerror}") from exc
     return parse_price_table(raw)
+
+
+def price_table_flag(value: str) -> dict[str, Price]:
+    """The ``--price-table`` flag: the JSON itself when it starts with ``{``, else its file."""
+    if value.lstrip().startswith("{"):
+        return parse_price_table(value.encode())
+    return load_price_table(value)
+
+
+def format_price_table(table: Mapping[str, Price]) -> str:
+    """The JSON of ``table`` that :func:`parse_price_table` reads back."""
+    doc = {
+        model: {"prompt": prompt, "completion": completion}
+        for model, (prompt, completion) in table.items()
+    }
+    return orjson.dumps(doc, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def cost(table: Mapping[str, Price], model: str, prompt: int, completion: int) -> float | None:

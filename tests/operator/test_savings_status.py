@@ -83,3 +83,20 @@ async def test_no_savings_answer_leaves_the_column_empty_not_zero(redis_url: str
     assert "savedModelHours" not in outcome.status
     assert "savings" not in outcome.status
     assert outcome.result == "ok"  # savings are never a fault
+
+
+async def test_the_cost_is_shown_in_the_currency_of_the_spec_prices(redis_url: str) -> None:
+    source = Metrics({"gold": {"model_seconds": 60.0, "prompt_tokens": 2000.0, "cost": 0.75}})
+    raw = spec(redis_url)
+    raw["savings"] = {"currency": "EUR", "prices": [{"model": "m", "promptPer1k": 0.375}]}
+    reconciler = Reconciler(metrics_source=source.factory, metrics=OperatorMetrics())
+    status = (await reconciler.reconcile(NS, NAME, 1, raw, {})).status
+    assert (status["savings"]["cost"], status["savings"]["currency"]) == (0.75, "EUR")
+    by_name = {t["name"]: t for t in status["tenants"]}
+    assert by_name["gold"]["savings"]["currency"] == "EUR"
+    assert "currency" not in by_name["free"]["savings"]  # no cost, no currency
+    # an invalid price is refused naming the field, as the API server would
+    raw["savings"]["prices"][0]["promptPer1k"] = -1
+    outcome = await reconciler.reconcile(NS, NAME, 2, raw, {})
+    assert outcome.result != "ok"
+    assert "spec.savings.prices[0].promptPer1k" in str(outcome.status)

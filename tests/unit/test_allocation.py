@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import math
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +16,7 @@ from cachefleet_operator.allocation import (
     PriorityClass,
     TenantDemand,
     TenantMetrics,
+    _rounded,
     allocate,
     describe_moves,
     hold,
@@ -533,3 +536,37 @@ def test_the_vectorised_allocator_matches_at_fleet_scale() -> None:
         assert rows(allocate(tenants, metrics, moved, L1, L2)) == rows(
             reference.allocate(tenants, metrics, moved, L1, L2)
         )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(0.0, 1.0),
+            # halves of the fourth decimal, the ones rint and round may see differently
+            st.integers(0, 10_000).map(lambda k: (k + 0.5) / 1e4),
+            st.floats(allow_nan=False),
+        ),
+        min_size=1,
+        max_size=50,
+    ),
+    st.data(),
+)
+def test_predicted_hit_ratios_are_rounded_as_python_rounds(
+    values: list[float], data: st.DataObject
+) -> None:
+    keep = data.draw(st.lists(st.booleans(), min_size=len(values), max_size=len(values)))
+    got = _rounded(np.array(values), np.array(keep))
+    assert got == [round(v, 4) if k else None for v, k in zip(values, keep, strict=True)]
+
+
+def test_an_allocation_leaves_the_garbage_collector_as_it_found_it() -> None:
+    tenants, metrics = bench_workload(50, seed=3)
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            allocate(tenants, metrics, None, L1, L2)
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachefleet_operator.curves import (
+    CurveTable,
     HitCurve,
     LatencyDist,
+    _bisect,
     needed_hit_ratio_for,
     predicted_p95,
 )
@@ -118,3 +124,66 @@ def test_query_results_are_grouped_and_malformed_samples_skipped() -> None:
     assert _by_tenant_policy(sims, "size_bytes") == {
         "a": {"lirs": [(100.0, 2.0)], "sits": [(100.0, 1.0)]}
     }
+
+
+@st.composite
+def ragged_curves(draw: st.DrawFn) -> list[HitCurve | None]:
+    """Curves of different lengths (some with the same points), and no curve at all."""
+    out: list[HitCurve | None] = []
+    for _ in range(draw(st.integers(1, 8))):
+        if draw(st.booleans()) and out:
+            out.append(draw(st.sampled_from(out)))
+            continue
+        xs = sorted(draw(st.lists(st.floats(1.0, 1e9), min_size=1, max_size=7, unique=True)))
+        ys = sorted(draw(st.lists(st.floats(0.0, 1.0), min_size=len(xs), max_size=len(xs))))
+        buckets = [(x, y * 1e3) for x, y in zip(xs, ys, strict=True)] + [(math.inf, 1e3)]
+        out.append(None if draw(st.booleans()) else HitCurve.from_histogram(buckets))
+    return out
+
+
+sizes = st.one_of(st.floats(-1.0, 2e9), st.sampled_from([0.0, math.inf]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(ragged_curves(), st.data())
+def test_a_curve_table_answers_what_each_curve_answers(
+    curves: list[HitCurve | None], data: st.DataObject
+) -> None:
+    """``at`` and ``size_for`` of the table, row by row, bit for bit, against the scalar code."""
+    table = CurveTable(curves)
+    n = len(curves)
+    at = np.array(data.draw(st.lists(sizes, min_size=n, max_size=n)))
+    got = table.at(at)
+    for i, c in enumerate(curves):
+        want = 0.0 if c is None else c.at(float(at[i]))
+        assert got[i] == want, i
+    # the size that reaches a hit ratio is where the curve reaches it, and nowhere earlier
+    hit = np.array(data.draw(st.lists(st.floats(-0.1, 1.1), min_size=n, max_size=n)))
+    size = table.size_for(hit)
+    for i, c in enumerate(curves):
+        if c is None or hit[i] <= 0.0:
+            continue
+        if math.isnan(size[i]):
+            assert c.max_hit_ratio < hit[i] - 1e-12
+        else:
+            assert c.at(float(size[i])) >= hit[i] - 1e-9
+            k = bisect_left(c.ys, float(hit[i]) - 1e-12)  # the first point reaching it
+            assert size[i] <= c.xs[k] * (1 + 1e-12)  # interpolation may round up
+
+
+@settings(max_examples=200, deadline=None)
+@given(ragged_curves(), st.data())
+def test_bisecting_table_rows_counts_what_comparing_every_cell_counts(
+    curves: list[HitCurve | None], data: st.DataObject
+) -> None:
+    table = CurveTable(curves)
+    n = len(curves)
+    values = np.array(data.draw(st.lists(sizes | st.just(math.nan), min_size=n, max_size=n)))
+    for right in (True, False):
+        below = table.xs <= values[:, None] if right else table.xs < values[:, None]
+        assert (_bisect(table.xs, values, right=right) == np.count_nonzero(below, axis=1)).all()
+    ends = table.length
+    hits = np.array(data.draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+    inside = np.arange(table.ys.shape[1])[None, :] < ends[:, None]
+    counted = np.count_nonzero((table.ys < hits[:, None]) & inside, axis=1)
+    assert (_bisect(table.ys, hits, right=False, ends=ends) == counted).all()

@@ -142,3 +142,55 @@ def test_savings_from_prometheus_answers_to_the_status() -> None:
         "cost": 0.42,
     }
     assert "cost" not in savings_status([found["bolt"]]).wire()  # unpriced: not 0
+
+
+def test_prices_in_the_spec_are_checked_by_the_schema_and_the_operator_naming_the_field() -> None:
+    raw = spec()
+    raw["savings"] = {
+        "currency": "USD",
+        "prices": [
+            {"model": "meta-llama/Llama-3.1-8B-Instruct", "promptPer1k": 0.0002},
+            {"model": "*", "promptPer1k": 0.0005, "completionPer1k": 0.0015},
+        ],
+    }
+    assert schema_errors(raw) == []
+    parsed = parse_spec(raw)
+    assert parsed.savings is not None
+    assert parsed.savings.price_table() == {
+        "meta-llama/Llama-3.1-8B-Instruct": (0.0002, 0.0),
+        "*": (0.0005, 0.0015),
+    }
+    for prices, field, message in (
+        ([{"model": "m", "promptPer1k": -1}], "spec.savings.prices[0].promptPer1k", "0"),
+        (
+            [{"model": "m", "completionPer1k": "a lot"}],
+            "spec.savings.prices[0].completionPer1k",
+            "",
+        ),
+        ([{"model": ""}], "spec.savings.prices[0].model", "at least 1"),
+        ([{"promptPer1k": 1}], "spec.savings.prices[0].model", "required"),
+        ([{"model": "m", "prompt": 1}], "spec.savings.prices[0].prompt", "unknown field"),
+        ([{"model": "m"}, {"model": "m"}], "spec.savings", "model 'm' is priced twice"),
+    ):
+        bad = copy.deepcopy(raw)
+        bad["savings"]["prices"] = prices
+        with pytest.raises(SpecError) as err:
+            parse_spec(bad)
+        assert err.value.field == field
+        assert message in err.value.message
+        if field != "spec.savings":  # uniqueness is the list-map's, enforced by the API server
+            assert any(path.startswith("spec/savings/prices/0") for path in schema_errors(bad))
+    bad = copy.deepcopy(raw)
+    bad["savings"]["currency"] = "US dollars"
+    with pytest.raises(SpecError) as err:
+        parse_spec(bad)
+    assert err.value.field == "spec.savings.currency"
+    assert schema_errors(bad) == ["spec/savings/currency"]
+
+
+def test_the_cost_in_status_carries_the_spec_currency_and_none_without_a_cost() -> None:
+    priced = savings_status([{"model_seconds": 3.0, "cost": 0.25}], "EUR").wire()
+    assert (priced["cost"], priced["currency"]) == (0.25, "EUR")
+    unpriced = savings_status([{"model_seconds": 3.0}], "EUR").wire()
+    assert "cost" not in unpriced
+    assert "currency" not in unpriced

@@ -289,3 +289,25 @@ async def test_self_signed_certificate_serves_tls_for_the_service_names(tmp_path
         server.close()
         await server.wait_closed()
     assert oct(key.stat().st_mode & 0o777) == "0o600"
+
+
+def test_prices_flow_from_the_cache_to_the_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    obj = copy.deepcopy(CACHE_OBJ)
+    obj["spec"]["savings"] = {
+        "currency": "USD",
+        "prices": [
+            {"model": "m", "promptPer1k": 0.5, "completionPer1k": 1.5},
+            {"model": "*", "completionPer1k": 2},
+        ],
+    }
+    container = injection.sidecar_container(injection.cache_info(obj), SETTINGS)
+    for e in container["env"]:
+        if "value" in e:
+            monkeypatch.setenv(e["name"], e["value"])
+    cfg = sidecar_config.parse_args([])
+    assert cfg.price_table == {"m": (0.5, 1.5), "*": (0.0, 2.0)}
+    # no prices, or prices the API server would have refused: no flag, the sidecar's own
+    for savings in (None, {"currency": "USD"}, {"prices": [{"model": "m", "promptPer1k": -1}]}):
+        obj["spec"]["savings"] = savings
+        env = env_of(injection.sidecar_container(injection.cache_info(obj), SETTINGS))
+        assert "CACHEFLEET_PRICE_TABLE" not in env
