@@ -84,7 +84,8 @@ enough keys to rank the regimes. Every
 (counts halved each round, so the recent past weighs most; a lookup every
 shadow missed, a first reference mostly, is not counted: it tells no regime
 from another) takes over if it missed at least :data:`SELECT_MARGINS` less
-than the regime in force.
+than the regime in force (a cache that samples one key in
+SMALL_SAMPLE_RATE counts every lookup, with :data:`SMALL_SELECT_MARGINS`).
 *stable* differs from *adaptive* too little to be told apart over one
 round: it stands in for *adaptive* only while its shadow missed at least
 :data:`STABLE_MARGIN` less over the long run (counts halved every
@@ -140,10 +141,14 @@ SMALL_SAMPLE_RATE = 4
 SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
 #: force to take over, per regime: adaptive, frozen, recency. The misses
-#: counted are those of the lookups some shadow hit: a lookup every regime
-#: misses (a first reference, mostly) tells none apart (benchmarked:
+#: counted are those of the lookups some shadow hit (a lookup every regime
+#: misses, a first reference mostly, tells none apart; benchmarked:
 #: docs/sits.md).
 SELECT_MARGINS = (0.10, 0.25, 0.25)
+#: The same for a small cache (``SMALL_SAMPLE_RATE``), which counts the
+#: misses of every sampled lookup: leaving some out moved its regimes on
+#: noise (docs/sits.md).
+SMALL_SELECT_MARGINS = (0.05, 0.05, 0.10)
 #: Regime names, in the order of the shadows (the first three: SELECT_MARGINS).
 REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: How much less (relative) the ``stable`` shadow must have missed than the
@@ -274,6 +279,7 @@ class SITSPolicy(Generic[K, V]):
         "_long_samples",
         "_m",
         "_m_bytes",
+        "_margins",
         "_max_freq",
         "_mean_density",
         "_p",
@@ -344,6 +350,7 @@ class SITSPolicy(Generic[K, V]):
         self._rate = SAMPLE_RATE
         self._rate_chosen = not shadows
         self._select_every = SELECT_EVERY
+        self._margins = SELECT_MARGINS
         #: One shadow per regime (none inside a shadow).
         self._shadows: list[SITSPolicy[K, bool]] = []
         self._shadow_misses = [0.0] * len(REGIMES)
@@ -755,12 +762,14 @@ class SITSPolicy(Generic[K, V]):
                     self._probe_misses += 1
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
-        if len(missed) < len(misses):
+        if len(missed) < len(misses) or self._rate != SAMPLE_RATE:
             # A lookup every shadow missed (a first reference, mostly) is no
             # evidence for the round's choice: on Mooncake's conversation
             # trace 63 % of the accesses are first references, and a margin
             # on all misses left a regime that missed ~10 % less of the rest
-            # unchosen for rounds on end.
+            # unchosen for rounds on end. A small cache (shadows of 50-200
+            # keys, one key in SMALL_SAMPLE_RATE) counts every lookup, with
+            # its own margins: left out there, they moved its regimes on noise.
             for i in missed:
                 misses[i] += 1.0
         self._sampled += 1
@@ -784,9 +793,10 @@ class SITSPolicy(Generic[K, V]):
             # nearly everything: a margin on the misses is met late).
             current = 0 if self._stable else self._index
             best = min(range(3), key=misses.__getitem__)
-            if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
+            margins = self._margins
+            if misses[best] < misses[current] * (1.0 - margins[best]):
                 current = best
-            elif current and misses[3] < misses[current] * (1.0 - SELECT_MARGINS[0]):
+            elif current and misses[3] < misses[current] * (1.0 - margins[0]):
                 # Out of frozen or recency, stable may take over at once (as
                 # adaptive would): after a working set was replaced, recency
                 # paid for the switch and stable pays for the steady state.
@@ -862,6 +872,7 @@ class SITSPolicy(Generic[K, V]):
         if len(self) > SAMPLE_RATE * MIN_SHADOW_ENTRIES:
             return
         self._rate = SMALL_SAMPLE_RATE
+        self._margins = SMALL_SELECT_MARGINS
         self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
         self._probe_every = self._select_every // PROBES_PER_ROUND
         self._new_shadows()
