@@ -1,23 +1,30 @@
-"""Mooncake-format traces: where the shared one lives, and one reader for the benchmarks.
+"""Mooncake-format traces: where they live, and one reader for the benchmarks.
 
 One request a line: ``timestamp`` (ms), ``input_length`` (tokens),
 ``output_length``, ``hash_ids`` (the prompt as 512-token KV-block hashes;
-equal prefixes share leading ids). ``cachefleet bench routing`` and the
-admission replay read it through :func:`load_trace`; ``cachefleet bench
-policies`` needs only the ``hash_ids`` and reads them itself, with the same
-:class:`TraceError`.
+equal prefixes share leading ids); plain or gzip-compressed (``.gz``).
+:func:`read_records` opens and parses every trace; ``cachefleet bench
+routing`` and the admission replay take whole requests through
+:func:`load_trace`, ``cachefleet bench policies`` only the ``hash_ids``.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: The shared Mooncake synthetic trace: ``../shared/data/`` next to the checkout.
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 )
+#: Mooncake's real conversation trace, shipped with the bench (data/README.md).
+CONVERSATION_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+#: Traces ``--trace`` also takes by name.
+NAMED_TRACES = {"synthetic": DEFAULT_TRACE, "conversation": CONVERSATION_TRACE}
 #: Tokens per block of the Mooncake traces' ``hash_ids``.
 BLOCK_TOKENS = 512
 
@@ -35,6 +42,38 @@ class TraceRequest:
     blocks: tuple[int, ...]
 
 
+def trace_path(text: str) -> Path:
+    """A trace named in :data:`NAMED_TRACES`, else the path ``text``."""
+    return NAMED_TRACES.get(text) or Path(text)
+
+
+def read_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, object)`` for each non-blank line, plain or ``.gz``.
+
+    Raises :class:`TraceError` naming the file (and the line): a file that
+    cannot be opened or decompressed, a line that is not a JSON object.
+    """
+    try:
+        # Opened apart from the `with` below so that a failure names the flag.
+        f = gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")  # noqa: SIM115
+    except OSError as exc:
+        raise TraceError(f"--trace {path}: {exc.strerror}") from None
+    with f:
+        try:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as exc:
+                    raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
+                if not isinstance(record, dict):
+                    raise TraceError(f"{path}:{number}: not a JSON object")
+                yield number, record
+        except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError
+            raise TraceError(f"{path}: cannot be read ({exc})") from None
+
+
 def load_trace(path: Path, *, speed: float = 1.0, limit: int | None = None) -> list[TraceRequest]:
     """The trace's requests in arrival order (``limit``: the file's first ones).
 
@@ -45,37 +84,29 @@ def load_trace(path: Path, *, speed: float = 1.0, limit: int | None = None) -> l
     if speed <= 0:
         raise TraceError(f"--speed must be positive, not {speed}")
     out: list[TraceRequest] = []
-    try:
-        f = path.open("rb")
-    except OSError as exc:
-        raise TraceError(f"--trace {path}: {exc.strerror}") from None
-    with f:
-        for number, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{path}:{number}: not a JSON object")
-            ts, length, ids = (record.get(k) for k in ("timestamp", "input_length", "hash_ids"))
-            if (
-                not isinstance(ts, int | float)
-                or isinstance(ts, bool)
-                or not 0 <= ts < float("inf")
-            ):
-                raise TraceError(f"{path}:{number}: 'timestamp' must be a number of ms >= 0")
-            if not isinstance(length, int) or isinstance(length, bool) or length < 0:
-                raise TraceError(f"{path}:{number}: 'input_length' must be an integer >= 0")
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids
-            ):
-                raise TraceError(f"{path}:{number}: 'hash_ids' must be a list of integers")
-            out.append(TraceRequest(ts / 1000.0 / speed, length, tuple(ids)))
+    records = read_records(path)
+    for number, record in records:
+        if limit is not None and len(out) >= limit:
+            records.close()
+            break
+        ts, length = record.get("timestamp"), record.get("input_length")
+        if not isinstance(ts, int | float) or isinstance(ts, bool) or not 0 <= ts < float("inf"):
+            raise TraceError(f"{path}:{number}: 'timestamp' must be a number of ms >= 0")
+        if not isinstance(length, int) or isinstance(length, bool) or length < 0:
+            raise TraceError(f"{path}:{number}: 'input_length' must be an integer >= 0")
+        ids = hash_ids(path, number, record)
+        out.append(TraceRequest(ts / 1000.0 / speed, length, tuple(ids)))
     if not out:
         raise TraceError(f"{path}: no requests")
     out.sort(key=lambda r: r.arrival)
     return out
+
+
+def hash_ids(path: Path, number: int, record: dict[str, Any]) -> list[int]:
+    """The record's ``hash_ids``; raises :class:`TraceError` naming the line."""
+    ids = record.get("hash_ids")
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        raise TraceError(f"{path}:{number}: 'hash_ids' must be a list of integers")
+    return ids

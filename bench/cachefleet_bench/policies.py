@@ -15,7 +15,7 @@ prefix-hit ratio (per request, only the leading run of cached blocks counts:
 what a KV-cache reuse of a prefix can use). Hit ratios are deterministic, so
 this measures quality independent of the machine's speed.
 
-    cachefleet bench policies [--trace FILE] [--sizes 0.01,0.05,0.1,0.2]
+    cachefleet bench policies [--trace FILE|synthetic|conversation] [--sizes 0.01,0.05,0.1,0.2]
                               [--json OUT] [--plot OUT.png] [--policies a,b]
     cachefleet bench policies --workload tenants_sample.jsonl [--l1-mib 4,8,16,32]
     cachefleet bench policies --synthetic [--sizes ...] [--json OUT]
@@ -45,7 +45,14 @@ from typing import Any
 
 import xxhash
 
-from cachefleet_bench.mooncake import DEFAULT_TRACE, TraceError
+from cachefleet_bench.mooncake import (
+    DEFAULT_TRACE,
+    NAMED_TRACES,
+    TraceError,
+    hash_ids,
+    read_records,
+    trace_path,
+)
 from cachefleet_sidecar.policies import (
     ReplacementPolicy,
     SITSPolicy,
@@ -82,22 +89,11 @@ class Result:
 
 
 def load_trace(path: Path) -> list[list[int]]:
-    """The ``hash_ids`` of every request, in order; raises :class:`TraceError`."""
-    requests: list[list[int]] = []
-    with path.open("rb") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
-            ids = record.get("hash_ids") if isinstance(record, dict) else None
-            if not isinstance(ids, list) or not all(
-                isinstance(i, int) and not isinstance(i, bool) for i in ids
-            ):
-                raise TraceError(f"{path}:{number}: 'hash_ids' must be a list of integers")
-            requests.append(ids)
+    """The ``hash_ids`` of every request, in file order (plain or ``.gz``).
+
+    Only ``hash_ids`` is needed (and checked); raises :class:`TraceError`.
+    """
+    requests = [hash_ids(path, number, record) for number, record in read_records(path)]
     if not requests:
         raise TraceError(f"{path}: no requests")
     return requests
@@ -491,7 +487,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="cachefleet bench policies", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    parser.add_argument(
+        "--trace",
+        type=trace_path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSONL trace, plain or .gz, or a name: "
+        + ", ".join(f"{name} ({path.name})" for name, path in NAMED_TRACES.items())
+        + " (default: synthetic)",
+    )
     parser.add_argument("--sizes", type=_parse_sizes, default=list(DEFAULT_SIZES))
     parser.add_argument("--policies", help="comma-separated subset (default: all available)")
     parser.add_argument("--json", type=Path, help="write the results as JSON here")

@@ -7,12 +7,15 @@ libCacheSim's LRU and Belady on it is a fair check of the replay.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 import random
 from pathlib import Path
 
 import pytest
 
+from cachefleet_bench import mooncake
 from cachefleet_bench import policies as bench
 
 
@@ -191,3 +194,37 @@ def test_synthetic_traces_are_deterministic_and_shaped_as_described() -> None:
     for k in flat["zipf-1.0"]:
         counts[k] = counts.get(k, 0) + 1
     assert max(counts.values()) > 20 * (3000 / len(counts))
+
+
+def test_a_gzip_trace_reads_as_the_plain_one(tmp_path: Path) -> None:
+    plain = tmp_path / "t.jsonl"
+    requests = write_trace(plain, requests=50)
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert bench.load_trace(packed) == bench.load_trace(plain) == requests
+    assert mooncake.load_trace(packed) == mooncake.load_trace(plain)
+
+
+def test_a_broken_gzip_trace_is_refused_with_a_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl.gz"
+    trace.write_text('{"hash_ids": [1]}\n')  # named .gz, not compressed
+    assert bench.main(["--trace", str(trace), "--policies", "lru"]) == 2
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_the_shipped_conversation_trace_is_the_documented_one() -> None:
+    """``--trace conversation``: Mooncake's trace as data/README.md describes it."""
+    path = mooncake.trace_path("conversation")
+    assert path == mooncake.CONVERSATION_TRACE
+    raw = gzip.decompress(path.read_bytes())
+    readme = (path.parent / "README.md").read_text()
+    assert hashlib.sha256(raw).hexdigest() in readme
+    requests = bench.load_trace(path)
+    assert (len(requests), sum(map(len, requests)), bench.footprint(requests)) == (
+        12_031,
+        288_500,
+        182_790,
+    )
+    assert mooncake.trace_path("elsewhere.jsonl") == Path("elsewhere.jsonl")

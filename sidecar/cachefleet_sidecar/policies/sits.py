@@ -58,9 +58,11 @@ more regimes on the same structures, switching by flags (no entry moves):
   keys all start on probation, and ``P`` gives way first whatever
   ``target_p`` says, so ``M`` keeps a fixed resident set, as LIRS keeps its
   LIR set (the adaptive balance lets ``M`` cycle there, as ARC does);
-* *recency* (a working set replaced wholesale): new keys enter ``M`` at once
-  and a hit banks at most one extra round (a CLOCK, close to LRU), so the
-  old set leaves fast;
+* *recency* (a working set replaced wholesale; conversations whose turns
+  come back within about a cache): new keys enter ``M`` at once and a hit
+  banks at most one extra round (a CLOCK, close to LRU), so the old set
+  leaves fast; what ``P`` still holds gives way once its coldest entry is
+  older than ``M``'s next victim (by their stamps), as one recency order;
 * *stable* (independent draws from a fixed popularity, e.g. Zipf): as
   adaptive, but with a shorter ghost horizon (:data:`STABLE_HORIZON`, 1x the
   capacity, ARC's): a key evicted longer ago than that, counted in bytes
@@ -79,8 +81,11 @@ sampling, as SHARDS does for miss-ratio curves); a cache of fewer than
 key in :data:`SMALL_SAMPLE_RATE` instead, so that its shadows still hold
 enough keys to rank the regimes. Every
 :data:`SELECT_EVERY` sampled accesses the regime whose shadow missed least
-(counts halved each round, so the recent past weighs most) takes over if it
-missed at least :data:`SELECT_MARGINS` less than the regime in force.
+(counts halved each round, so the recent past weighs most; a lookup every
+shadow missed, a first reference mostly, is not counted: it tells no regime
+from another) takes over if it missed at least :data:`SELECT_MARGINS` less
+than the regime in force (a cache that samples one key in
+SMALL_SAMPLE_RATE counts every lookup, with :data:`SMALL_SELECT_MARGINS`).
 *stable* differs from *adaptive* too little to be told apart over one
 round: it stands in for *adaptive* only while its shadow missed at least
 :data:`STABLE_MARGIN` less over the long run (counts halved every
@@ -135,8 +140,15 @@ SMALL_SAMPLE_RATE = 4
 #: Sampled accesses between two regime choices (benchmarked: docs/sits.md).
 SELECT_EVERY = 96
 #: How much less (relative) a regime's shadow must miss than the regime in
-#: force to take over, per regime: adaptive, frozen, recency.
-SELECT_MARGINS = (0.05, 0.05, 0.10)
+#: force to take over, per regime: adaptive, frozen, recency. The misses
+#: counted are those of the lookups some shadow hit (a lookup every regime
+#: misses, a first reference mostly, tells none apart; benchmarked:
+#: docs/sits.md).
+SELECT_MARGINS = (0.10, 0.25, 0.25)
+#: The same for a small cache (``SMALL_SAMPLE_RATE``), which counts the
+#: misses of every sampled lookup: leaving some out moved its regimes on
+#: noise (docs/sits.md).
+SMALL_SELECT_MARGINS = (0.05, 0.05, 0.10)
 #: Regime names, in the order of the shadows (the first three: SELECT_MARGINS).
 REGIMES = ("adaptive", "frozen", "recency", "stable")
 #: How much less (relative) the ``stable`` shadow must have missed than the
@@ -267,6 +279,7 @@ class SITSPolicy(Generic[K, V]):
         "_long_samples",
         "_m",
         "_m_bytes",
+        "_margins",
         "_max_freq",
         "_mean_density",
         "_p",
@@ -337,6 +350,7 @@ class SITSPolicy(Generic[K, V]):
         self._rate = SAMPLE_RATE
         self._rate_chosen = not shadows
         self._select_every = SELECT_EVERY
+        self._margins = SELECT_MARGINS
         #: One shadow per regime (none inside a shadow).
         self._shadows: list[SITSPolicy[K, bool]] = []
         self._shadow_misses = [0.0] * len(REGIMES)
@@ -659,8 +673,21 @@ class SITSPolicy(Generic[K, V]):
         # frozen and stable: P gives way first (stable keeps learning target_p
         # for adaptive, but a fixed popularity rewards quick demotion).
         target = 0.0 if self._frozen or self._stable else self._target_p
+        recency = self._recency
         while self._p_bytes + self._m_bytes > capacity:
             queue = p if p and (self._p_bytes > target or not m) else m
+            # recency feeds M only: P holds what was loaded before it took
+            # over, and gives way when its coldest entry came in before M's
+            # next one did (both stamped on entry), else P's leftovers sat
+            # under target_p for good (~10 % of the cache on Mooncake's
+            # conversation trace at 20 %).
+            if (
+                recency
+                and queue is m
+                and p
+                and next(iter(p.values())).stamp < next(iter(m.values())).stamp
+            ):
+                queue = p
             key, node = queue.popitem(last=False)
             if key == protect:
                 # The entry being stored reached the front: behind it are only
@@ -721,9 +748,10 @@ class SITSPolicy(Generic[K, V]):
         # While the shadows refill after a shift, the long-run counts pause.
         long = self._long_misses if self._since_shift >= SHIFT_SETTLE else [0.0, 0.0, 0.0]
         in_force = self._index
+        missed = []
         for i, shadow in enumerate(self._shadows):
             if shadow.get(key) is None:
-                misses[i] += 1.0
+                missed.append(i)
                 if i == 0:
                     long[0] += 1.0
                 elif i == 3:
@@ -734,6 +762,16 @@ class SITSPolicy(Generic[K, V]):
                     self._probe_misses += 1
                 if node is not None:  # else the put that follows the miss loads it
                     shadow.put(key, True, node.size)
+        if len(missed) < len(misses) or self._rate != SAMPLE_RATE:
+            # A lookup every shadow missed (a first reference, mostly) is no
+            # evidence for the round's choice: on Mooncake's conversation
+            # trace 63 % of the accesses are first references, and a margin
+            # on all misses left a regime that missed ~10 % less of the rest
+            # unchosen for rounds on end. A small cache (shadows of 50-200
+            # keys, one key in SMALL_SAMPLE_RATE) counts every lookup, with
+            # its own margins: left out there, they moved its regimes on noise.
+            for i in missed:
+                misses[i] += 1.0
         self._sampled += 1
         if self._since_shift >= SHIFT_SETTLE:
             self._long_samples += 1.0
@@ -747,17 +785,18 @@ class SITSPolicy(Generic[K, V]):
         if self._sampled % self._select_every == 0:
             self._since_shift += 1
             # The first three regimes by the recent misses of their shadows
-            # (counts halved every round); "stable" stands for "adaptive" when
-            # its shadow missed less over the long run (it differs from
-            # "adaptive" by too little to be told apart over one round), and
-            # "frozen" when its shadow hit more over the long run (on a loop
-            # wider than the cache all miss nearly everything: a margin on
-            # the misses is met late).
+            # (counts halved every round, lookups every shadow missed left
+            # out); "stable" stands for "adaptive" when its shadow missed less
+            # over the long run (it differs from "adaptive" by too little to
+            # be told apart over one round), and "frozen" when its shadow hit
+            # more over the long run (on a loop wider than the cache all miss
+            # nearly everything: a margin on the misses is met late).
             current = 0 if self._stable else self._index
             best = min(range(3), key=misses.__getitem__)
-            if misses[best] < misses[current] * (1.0 - SELECT_MARGINS[best]):
+            margins = self._margins
+            if misses[best] < misses[current] * (1.0 - margins[best]):
                 current = best
-            elif current and misses[3] < misses[current] * (1.0 - SELECT_MARGINS[0]):
+            elif current and misses[3] < misses[current] * (1.0 - margins[0]):
                 # Out of frozen or recency, stable may take over at once (as
                 # adaptive would): after a working set was replaced, recency
                 # paid for the switch and stable pays for the steady state.
@@ -833,6 +872,7 @@ class SITSPolicy(Generic[K, V]):
         if len(self) > SAMPLE_RATE * MIN_SHADOW_ENTRIES:
             return
         self._rate = SMALL_SAMPLE_RATE
+        self._margins = SMALL_SELECT_MARGINS
         self._select_every = SELECT_EVERY * SAMPLE_RATE // SMALL_SAMPLE_RATE
         self._probe_every = self._select_every // PROBES_PER_ROUND
         self._new_shadows()
