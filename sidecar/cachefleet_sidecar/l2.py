@@ -52,10 +52,11 @@ import enum
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -739,6 +740,27 @@ class RedisL2:
     async def ping(self) -> bool:
         """One bounded PING that goes through the breaker (readiness probes)."""
         return bool(await self._call(None, ("PING",)) == b"PONG")
+
+    def families(self) -> Iterator[Metric]:
+        """The tier's state and counters, read at scrape time."""
+        cache, counters = self.cache, self.counters
+        up = GaugeMetricFamily(
+            "cachefleet_redis_up", "1 while the L2 Redis answers.", labels=["cache"]
+        )
+        up.add_metric([cache], 1.0 if self.state == "ok" else 0.0)
+        errors = CounterMetricFamily(
+            "cachefleet_redis_errors",
+            "Redis operations of the L2 tier that failed or timed out.",
+            labels=["cache"],
+        )
+        errors.add_metric([cache], counters.errors + counters.timeouts)
+        stale = CounterMetricFamily(
+            "cachefleet_l2_stale_refused",
+            "L2 reads and writes refused because their epochs were behind the fence.",
+            labels=["cache"],
+        )
+        stale.add_metric([cache], counters.stale_refused)
+        yield from (up, errors, stale)
 
     async def aclose(self) -> None:
         """Send the held LRU touches, then close the clients' connections (idempotent)."""

@@ -2,7 +2,7 @@
 
 Glue between :mod:`semantic` (pure: probes, guard, index) and
 :mod:`embeddings` (the source adapters). :class:`SemanticTier` is consulted
-by :mod:`app` only after an exact L1 and L2 miss of a deterministic request
+by :mod:`handler` only after an exact L1 and L2 miss of a deterministic request
 of a tenant that has L3 on, so its cost (parsing the body again, one
 embedding, one matrix-vector product) never lands on an exact hit.
 

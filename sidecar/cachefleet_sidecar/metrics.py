@@ -1,4 +1,15 @@
-"""The sidecar's Prometheus metrics, defined in one place.
+"""The sidecar's Prometheus metrics: the per-tenant request metrics, and the registry.
+
+The request metrics (requests, latency, evictions, savings, faults, policy
+switches, admission) are defined here. State that a part owns is exposed by
+that part, one collector each, read at scrape time: the L2 tier
+(:meth:`l2.RedisL2.families`), the epochs (:meth:`upkeep.Upkeep.families`), the
+L3 (:meth:`l3.SemanticTier.families`), GPU telemetry
+(:meth:`telemetry.GpuTelemetry.collect`), client limits
+(:meth:`server.Limiter.families`), the upstream pool
+(:meth:`upstream.UpstreamPool.families`), the curves and admission
+(:func:`reuse_families`, :func:`admission_families` below). All of them are
+registered in one place, :func:`compose.build`.
 
 The hit path must not pay for metrics: counters and histogram buckets are
 plain integers in per-tenant objects (an increment and a ``bisect``), and a

@@ -49,12 +49,13 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, cast
 
 import httptools
 import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .entry import reason_phrase
 
@@ -251,6 +252,33 @@ class Limiter:
 
     def give(self, nbytes: int) -> None:
         self.body_bytes -= nbytes
+
+    def families(self, cache: str) -> Iterator[Metric]:
+        """Client-side limits at scrape time (docs/limits.md)."""
+        refused = CounterMetricFamily(
+            "cachefleet_refused_requests",
+            "Requests refused by a client-side limit, by HTTP status.",
+            labels=["cache", "status"],
+        )
+        for code, count in sorted(self.refused.items()):
+            refused.add_metric([cache, str(code)], count)
+        dropped = CounterMetricFamily(
+            "cachefleet_unread_dropped_connections",
+            "Connections dropped for leaving their answers unread past --send-timeout.",
+            labels=["cache"],
+        )
+        dropped.add_metric([cache], self.dropped_unread)
+        held = GaugeMetricFamily(
+            "cachefleet_request_body_bytes",
+            "Request body bytes charged to --max-body-memory now (64 KiB+ bodies count twice).",
+            labels=["cache"],
+        )
+        held.add_metric([cache], self.body_bytes)
+        conns = GaugeMetricFamily(
+            "cachefleet_client_connections", "Open client connections.", labels=["cache"]
+        )
+        conns.add_metric([cache], len(self.connections))
+        yield from (refused, dropped, held, conns)
 
     def start(self) -> None:
         if self._timer is None:

@@ -47,11 +47,12 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import cast
 from urllib.parse import unquote, urlsplit
 
 import httptools
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from .entry import REQUEST_DROP
 from .protocol import redact_url
@@ -623,6 +624,24 @@ class UpstreamPool:
             return False
         transport.close()
         return True
+
+    def families(self, cache: str) -> Iterator[Metric]:
+        """The pool's connections and refusals at scrape time."""
+        upstream_conns = GaugeMetricFamily(
+            "cachefleet_upstream_connections",
+            "Connections open or opening to the model server (bounded by "
+            "--upstream-max-connections).",
+            labels=["cache"],
+        )
+        upstream_conns.add_metric([cache], self.open)
+        upstream_refused = CounterMetricFamily(
+            "cachefleet_upstream_refused",
+            "Requests answered 503 because no upstream connection was free and the wait "
+            "queue was full (or the wait ran out).",
+            labels=["cache"],
+        )
+        upstream_refused.add_metric([cache], self.refused)
+        yield from (upstream_conns, upstream_refused)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -20,9 +20,9 @@ import yaml
 
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.l2 import L2Counters
+from cachefleet_sidecar.l2 import RedisL2
 from cachefleet_sidecar.metrics import TierUsage
 
 from .test_chart import CHART, kinds, render
@@ -222,12 +222,10 @@ def test_pool_saturation_rules_on_model_server_series(tmp_path: Path) -> None:
 def exported_metric_names() -> set[str]:
     """Sample names the sidecar and operator expose, read from their real registries."""
 
-    class FakeL2:
-        counters = L2Counters()
-        state = "ok"
-
-    app = Sidecar(SidecarConfig(cache="ns/c", admin_listen=None), l2=FakeL2())
-    app.enable_epochs()
+    # a real L2 tier, never connected: its families are read from its counters and breakers
+    l2 = RedisL2.from_url("redis://127.0.0.1:1", "ns/c")
+    app = build(SidecarConfig(cache="ns/c", admin_listen=None), l2=l2)
+    app.keying.enable_epochs()
     app.tracker.merge({"cache": 1})
     sidecar = app.metrics
     tm = sidecar.tenant("t")

@@ -103,7 +103,7 @@ async def make_fleet(sim: ModelServerSim) -> AsyncIterator[Any]:
         )
         server = SidecarServer(dataclasses.replace(config))
         await server.start()
-        server.sidecar.apply_quotas(
+        server.sidecar.quotas.apply(
             QuotaAssignment(
                 generation=1,
                 tenants={
@@ -157,7 +157,7 @@ async def test_saturated_server_sheds_besteffort_queues_standard_passes_guarante
     answer = await silver
     assert (answer.status_code, answer.headers["x-cache"]) == (200, "MISS")
     assert not fleet.gate.shedding
-    assert fleet.server.sidecar.heartbeat().shedding is False
+    assert fleet.server.sidecar.admin.heartbeat().shedding is False
 
     metrics = (await fleet.admin.get("/metrics")).text
     assert (
@@ -172,7 +172,7 @@ async def test_saturated_server_sheds_besteffort_queues_standard_passes_guarante
 async def test_standard_queue_full_gets_429_and_a_timed_out_wait_503(make_fleet: Any) -> None:
     fleet: Fleet = await make_fleet(standard_queue=1, standard_max_wait_s=0.5)
     await fleet.saturate(2)
-    assert fleet.server.sidecar.heartbeat().shedding is True
+    assert fleet.server.sidecar.admin.heartbeat().shedding is True
     waiting = fleet.send("silver", "first in line")
     await fleet.until(lambda: fleet.gate.core.queued == 1, "the first Standard request waits")
     full = await fleet.chat("silver", "second in line")

@@ -126,7 +126,7 @@ async def test_only_if_cached_answers_504_and_sends_nothing_upstream(
 async def test_a_tenant_that_may_not_bypass_has_its_directives_ignored_and_counted(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:
-    sidecar.sidecar.apply_quotas(
+    sidecar.sidecar.quotas.apply(
         quotas(
             acme=quota(allow_bypass=False, allow_max_age=False),
             free=quota(),
@@ -150,7 +150,7 @@ async def test_a_tenant_that_may_not_bypass_has_its_directives_ignored_and_count
 
 
 async def test_ttl_per_tenant_in_l1(sidecar: RunningSidecar, upstream: FakeUpstream) -> None:
-    sidecar.sidecar.apply_quotas(quotas(acme=quota(ttl_seconds=1), slow=quota()))
+    sidecar.sidecar.quotas.apply(quotas(acme=quota(ttl_seconds=1), slow=quota()))
     first = await sidecar.chat("ttl", tenant="acme")
     await sidecar.chat("ttl", tenant="slow")
     # acme's entry is served only while younger than 1 s: then it is a miss, refilled
@@ -175,7 +175,7 @@ async def test_lowering_a_tenants_ttl_stops_its_older_entries_at_once(
 ) -> None:
     await sidecar.chat("long lived")
     await hit_aged(sidecar, "long lived", 1)
-    sidecar.sidecar.apply_quotas(quotas(acme=quota(ttl_seconds=1)))
+    sidecar.sidecar.quotas.apply(quotas(acme=quota(ttl_seconds=1)))
     assert (await sidecar.chat("long lived")).headers["x-cache"] == "MISS"
 
 

@@ -448,13 +448,13 @@ def test_flags_for_every_limit() -> None:
 
 
 async def test_the_key_memo_is_bounded_in_bytes(sidecar: RunningSidecar) -> None:
-    from cachefleet_sidecar.app import KEY_MEMO_MAX_BYTES
+    from cachefleet_sidecar.handler import KEY_MEMO_MAX_BYTES
 
-    core = sidecar.sidecar
+    core = sidecar.sidecar.keying
     filler = "x" * 200_000
     for i in range(400):  # 400 distinct 200 kB bodies: ~160 MB of keys if all were kept
         raw = json.dumps({"model": "m", "input": f"{filler}{i}"}).encode()
-        assert not isinstance(core._key_for("acme", "embeddings", b"", raw), str)
+        assert not isinstance(core.key_for("acme", "embeddings", b"", raw), str)
         assert core._key_memo_bytes <= KEY_MEMO_MAX_BYTES
     assert 0 < len(core._key_memo) < 400
 

@@ -101,7 +101,7 @@ async def test_sidecar_and_operator_work_under_least_privilege(
             tenants={"acme": protocol.TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20)},
         )
         await protocol.publish_quotas(operator, CACHE, assignment)
-        await wait_until(lambda: pod_a.sidecar.quota_generation == 3)
+        await wait_until(lambda: pod_a.sidecar.tenants.quota_generation == 3)
         epoch = await protocol.advance_epoch(operator, CACHE, "cache")
         await protocol.fence_tenants(operator, CACHE, {"cache": epoch})
         await protocol.publish_epochs(operator, CACHE, {"cache": epoch})

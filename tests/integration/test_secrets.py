@@ -9,7 +9,7 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.app import public_status
+from cachefleet_sidecar.admin import public_status
 from cachefleet_sidecar.config import parse_args
 from cachefleet_sidecar.server import Request
 
@@ -79,7 +79,7 @@ async def test_status_names_tenants_only_to_loopback_peers(sidecar_factory: Side
     for peer in ("10.1.2.3", "::ffff:10.1.2.3", None):
         sink = _Sink()
         request = Request(b"GET", b"/status", [], b"", True, 0.0, peer)
-        await sc.sidecar.admin(request, sink)  # type: ignore[arg-type]
+        await sc.sidecar.admin.handle(request, sink)  # type: ignore[arg-type]
         assert b"acme" not in sink.data
         assert b'"tenant_count": 1' in sink.data
     assert public_status(full)["redis"] == full["redis"]
