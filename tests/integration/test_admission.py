@@ -201,10 +201,10 @@ async def test_an_unlisted_tenant_is_admitted_by_the_class_of_the_tenant_default
 ) -> None:
     fleet: Fleet = await make_fleet()
     sidecar = fleet.server.sidecar
-    sidecar.apply_quotas(
+    sidecar.quotas.apply(
         QuotaAssignment(
             generation=2,
-            tenants=dict(sidecar.quotas),
+            tenants=dict(sidecar.tenants.quotas),
             default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=0, priority_class="BestEffort"),
         )
     )

@@ -251,7 +251,7 @@ async def test_duplicated_and_reordered_notices_change_nothing(
             assert (await inv.invalidate("cache", timeout_s=ACK_TIMEOUT_S)).completed
     await ask(a, "q")
     assert await ask(a, "q") == (1, "HIT-L1")
-    version = a.sidecar.scope_version
+    version = a.sidecar.keying.scope_version
     client = protocol.redis_from_url(redis_url)
     try:
         for epochs in ({"cache": 3}, {"cache": 3}, {"cache": 1}, {"cache": 2}):
@@ -261,7 +261,7 @@ async def test_duplicated_and_reordered_notices_change_nothing(
     finally:
         await client.aclose()
     assert a.sidecar.tracker.known == {"cache": 3}
-    assert a.sidecar.scope_version == version  # keys untouched
+    assert a.sidecar.keying.scope_version == version  # keys untouched
     assert acks["pod-0"].epochs == {"cache": 3}
     assert await ask(a, "q") == (1, "HIT-L1")
 
