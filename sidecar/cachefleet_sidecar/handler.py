@@ -365,6 +365,11 @@ class Handler:
         self._lookup = keying.lookup
         self._l1_put = tiers.l1_put
         self._l2_begin = tiers.l2_begin
+        self._l2_entry = tiers.l2_entry
+        self._l2_rendered = tiers.l2_rendered
+        self._upstream_headers = relay.upstream_headers
+        self._relay_head = relay.relay_head
+        self._forwarded = relay.forwarded
         self._l2_allowed = tiers.l2_allowed
         self._saved = tiers.saved
         self.ttl_of = freshness.ttl_of
@@ -488,10 +493,10 @@ class Handler:
         assert self.l2 is not None
         assert lookup.l2_read is not None
         data = self.l2.finish_read(lookup.l2_read)
-        entry = None if data is None else self.tiers.l2_entry(lookup, key, data)
+        entry = None if data is None else self._l2_entry(lookup, key, data)
         if entry is None:
             return self._upstream_begin(request, lookup, key)
-        response, promoted = self.tiers.l2_rendered(lookup.tenant, key, entry)
+        response, promoted = self._l2_rendered(lookup.tenant, key, entry)
         seconds = time.perf_counter() - request.started
         self._after_write(self._l2_hit_done, lookup.tenant, key, entry, promoted, seconds)
         return response
@@ -532,7 +537,7 @@ class Handler:
             or (self.gate is not None and self.gate.busy)  # admission decides in handle()
         ):
             return None
-        headers = self.relay.upstream_headers(request.headers, tenant, b"accept-encoding")
+        headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
         started = time.perf_counter()
         begun = self.upstream.begin(request.method, request.url, headers, request.body)
         if begun is None:
@@ -557,7 +562,7 @@ class Handler:
         if whole is None:
             return None
         status, resp_headers, body = whole
-        head = self.relay.relay_head(request, status, resp_headers, len(body), _miss_marker(key))
+        head = self._relay_head(request, status, resp_headers, len(body), _miss_marker(key))
         begun.release()
         self._after_write(self._upstream_done, request, lookup, key, status, resp_headers, body)
         return head + body
@@ -578,7 +583,7 @@ class Handler:
         try:
             now = time.perf_counter()
             cost = now - lookup.begun_at
-            self.relay.forwarded(lookup.tenant, b"MISS", cost, now - request.started)
+            self._forwarded(lookup.tenant, b"MISS", cost, now - request.started)
             captured = body if len(body) <= self.max_entry_bytes else None
             answer = self._store_answer(request, lookup, key, status, resp_headers, captured, cost)
         finally:
@@ -663,7 +668,7 @@ class Handler:
                 return
             entry = None if lookup.l2_read is not None else await self.tiers.l2_get(lookup, key)
             if entry is not None:
-                response, promoted = self.tiers.l2_rendered(tenant, key, entry)
+                response, promoted = self._l2_rendered(tenant, key, entry)
                 self._l1_put(tenant, key, entry, rendered=promoted)
                 conn.write(response)
                 tm.request("l2", "hit", time.perf_counter() - request.started)
@@ -743,7 +748,7 @@ class Handler:
             headers: list[tuple[bytes, bytes]] = []
             started = lookup.begun_at
         else:
-            headers = self.relay.upstream_headers(request.headers, tenant, b"accept-encoding")
+            headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
             started = time.perf_counter()
         captured = await self.relay.forward(
             request,

@@ -101,6 +101,7 @@ class Upkeep:
                 while not synced():  # noqa: ASYNC110
                     await asyncio.sleep(0.02)
                 tenants = self.tenants
+                assert self.l2 is not None  # the server warms only with an L2
                 await warm_l1(
                     self.l2,
                     sorted(t for t in tenants.named() if tenants.l2_allowed(t)),

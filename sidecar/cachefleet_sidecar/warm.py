@@ -29,11 +29,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.entry import Entry
 from cachefleet_sidecar.epochs import EpochTracker
+
+if TYPE_CHECKING:
+    from cachefleet_sidecar.tiers import L2
 
 #: Most entries read from L2 per tenant (one ZRANGE, one MGET).
 WARM_ENTRIES_PER_TENANT = 512
@@ -112,7 +115,7 @@ def judge(
 
 
 async def warm_l1(
-    l2: Any,
+    l2: L2,
     tenants: Iterable[str],
     tracker: EpochTracker,
     put: Callable[[str, str, int, Entry], int],
