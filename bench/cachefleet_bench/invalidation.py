@@ -5,7 +5,7 @@ starts its own ``redis-server`` on loopback (or uses ``--redis-url``) and
 runs two phases:
 
 1. **Propagation.** 32 subscribers, each a real
-   :class:`~cachefleet_sidecar.control.ControlSync` with an
+   :class:`~cachefleet_sidecar.control.control.ControlSync` with an
    :class:`~cachefleet_sidecar.epochs.EpochTracker` and its own Redis
    connections (pub/sub + commands), i.e. the control side of a sidecar
    without its HTTP proxy, all in this process. An
@@ -66,7 +66,7 @@ from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.control.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker, tenant_scope
 
 #: Propagation p99 target, seconds.

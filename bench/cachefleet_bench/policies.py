@@ -46,7 +46,7 @@ from typing import Any
 import xxhash
 
 from cachefleet_bench.mooncake import DEFAULT_TRACE, TraceError
-from cachefleet_sidecar.policies import (
+from cachefleet_sidecar.cache.policies import (
     ReplacementPolicy,
     SITSPolicy,
     available_policies,

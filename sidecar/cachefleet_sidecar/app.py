@@ -17,16 +17,16 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import protocol
-from .admin import L2_USAGE_REFRESH_S, AdminHandler
-from .compose import Sidecar, build
-from .config import SidecarConfig, parse_args
-from .identity import API_KEYS_POLL_S
-from .server import Connection
-from .tenants import IDLE_TICK_S
+from cachefleet_sidecar import protocol
+from cachefleet_sidecar.compose import Sidecar, build
+from cachefleet_sidecar.config import SidecarConfig, parse_args
+from cachefleet_sidecar.http.server import Connection
+from cachefleet_sidecar.observe.admin import L2_USAGE_REFRESH_S, AdminHandler
+from cachefleet_sidecar.tenancy.identity import API_KEYS_POLL_S
+from cachefleet_sidecar.tenancy.tenants import IDLE_TICK_S
 
 if TYPE_CHECKING:
-    from .control import ControlSync
+    from cachefleet_sidecar.control.control import ControlSync
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -56,7 +56,9 @@ class SidecarServer:
             sc.gate.start()
         l2 = sc.l2
         if cfg.redis_url:
-            from .control import ControlSync  # redis-py only for sidecars that use Redis
+            from cachefleet_sidecar.control.control import (
+                ControlSync,  # redis-py only for sidecars that use Redis
+            )
 
             if l2 is not None:
                 await l2.connect()

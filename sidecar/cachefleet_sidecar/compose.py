@@ -5,17 +5,26 @@ part reaches another through a shared object. The :class:`Sidecar` it returns
 is only the list of parts, for the server (their lifecycle) and for tests.
 Every metric collector is registered here, each by the part that owns it.
 
-The rooms:
+The rooms (packages; each ``__init__`` is empty):
 
-* request path: :class:`handler.Handler` (fast path, slow path, single-flight)
-  and :class:`handler.Keying` (keys and their scope);
-* tiers: :class:`tiers.Tiers` (L1/L2 glue), :class:`tiers.Freshness` (TTLs),
-  the :class:`tiers.L2` interface (:class:`l2.RedisL2`), L1, L3;
-* upstream: :class:`relay.Relay` over :class:`upstream.UpstreamPool`;
-* tenancy: :class:`tenants.Tenants`, :class:`tenants.QuotaApplier`;
-* adapt: :class:`switcher.PolicySwitcher`;
-* control: :class:`upkeep.Upkeep` (epochs' metrics, purges, warm-up);
-* telemetry and admin: :class:`admin.Admin`.
+* ``http/``: the client side (:mod:`http.server`), the upstream pool
+  (:mod:`http.upstream`), the relay (:class:`http.relay.Relay`), wire helpers;
+* ``cache/``: the request path (:class:`cache.handler.Handler`, with
+  :class:`cache.handler.Keying` for keys and their scope), the tier glue
+  (:class:`cache.tiers.Tiers`, :class:`cache.tiers.Freshness`, the typed
+  :class:`cache.tiers.L2` interface), entries, keys, L1 and its policies, L2
+  (Redis), L3 (semantic), the purge index;
+* ``tenancy/``: identity rules, :class:`tenancy.tenants.Tenants`,
+  :class:`tenancy.tenants.QuotaApplier`;
+* ``adapt/``: policy switching (:class:`adapt.switcher.PolicySwitcher`), curves,
+  GPU and host pressure, admission;
+* ``control/``: the control sync, :class:`control.upkeep.Upkeep` (purges,
+  warm-up, epoch metrics);
+* ``observe/``: metrics, savings, :class:`observe.admin.Admin` (status, heartbeat,
+  admin endpoints).
+
+``protocol``, ``epochs`` and ``resp`` (the contract with the operator) stay at
+the top, with ``config``, ``tasks``, this module and ``app``.
 """
 
 from __future__ import annotations
@@ -25,29 +34,29 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
-from . import mrc as mrc_module
-from .admin import Admin
-from .config import SidecarConfig
-from .entry import L1Value
-from .epochs import EpochTracker
-from .gate import AdmissionGate
-from .handler import Handler, Keying
-from .host import HostPressure
-from .l1 import TenantL1
-from .l3 import SemanticTier
-from .metrics import SidecarMetrics, admission_families, reuse_families
-from .mrc import MissRatioCurves
-from .purge import PurgeIndex
-from .relay import Relay
-from .server import Limiter, Limits, Outbox
-from .switcher import PolicySwitcher
-from .switching import SwitchingConfig, SwitchingEngine
-from .tasks import Background
-from .telemetry import GpuTelemetry
-from .tenants import QuotaApplier, Tenants
-from .tiers import L2, Freshness, Tiers
-from .upkeep import Upkeep
-from .upstream import UpstreamPool
+from cachefleet_sidecar.adapt import mrc as mrc_module
+from cachefleet_sidecar.adapt.gate import AdmissionGate
+from cachefleet_sidecar.adapt.host import HostPressure
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
+from cachefleet_sidecar.adapt.switcher import PolicySwitcher
+from cachefleet_sidecar.adapt.switching import SwitchingConfig, SwitchingEngine
+from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
+from cachefleet_sidecar.cache.entry import L1Value
+from cachefleet_sidecar.cache.handler import Handler, Keying
+from cachefleet_sidecar.cache.l1 import TenantL1
+from cachefleet_sidecar.cache.l3 import SemanticTier
+from cachefleet_sidecar.cache.purge import PurgeIndex
+from cachefleet_sidecar.cache.tiers import L2, Freshness, Tiers
+from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.control.upkeep import Upkeep
+from cachefleet_sidecar.epochs import EpochTracker
+from cachefleet_sidecar.http.relay import Relay
+from cachefleet_sidecar.http.server import Limiter, Limits, Outbox
+from cachefleet_sidecar.http.upstream import UpstreamPool
+from cachefleet_sidecar.observe.admin import Admin
+from cachefleet_sidecar.observe.metrics import SidecarMetrics, admission_families, reuse_families
+from cachefleet_sidecar.tasks import Background
+from cachefleet_sidecar.tenancy.tenants import QuotaApplier, Tenants
 
 
 @dataclass(eq=False, slots=True)
@@ -113,7 +122,9 @@ def build(
     telemetry = telemetry or GpuTelemetry()
     host = host or HostPressure()
     if l2 is None and config.redis_url:
-        from .l2 import RedisL2  # redis-py is imported only by sidecars that use Redis
+        from cachefleet_sidecar.cache.l2 import (
+            RedisL2,  # redis-py is imported only by sidecars that use Redis
+        )
 
         l2 = RedisL2.from_url(config.redis_url, cache, ttl_s=config.l2_ttl_s)
     l1: TenantL1[int, L1Value] = TenantL1(

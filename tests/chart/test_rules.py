@@ -20,10 +20,11 @@ import yaml
 
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_sidecar import protocol
+from cachefleet_sidecar.adapt import telemetry
+from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.l2 import RedisL2
-from cachefleet_sidecar.metrics import TierUsage
+from cachefleet_sidecar.observe.metrics import TierUsage
 
 from .test_chart import CHART, kinds, render
 
@@ -244,7 +245,7 @@ def exported_metric_names() -> set[str]:
         for s in fam.samples
     }
     # gauges that only appear with a GPU: names from their definitions
-    source = (Path(protocol.__file__).parent / "telemetry.py").read_text()
+    source = Path(telemetry.__file__).read_text()
     names |= set(re.findall(r'"(cachefleet_gpu_[a-z_]+)"', source))
     return names
 

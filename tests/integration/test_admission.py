@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from cachefleet_e2e.modelserver_sim import ModelServerSim
-from cachefleet_sidecar.admission import AdmissionConfig
+from cachefleet_sidecar.adapt.admission import AdmissionConfig
+from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.gate import AdmissionGate
 from cachefleet_sidecar.protocol import QuotaAssignment, TenantQuota
 
 CLASSES = {"gold": "Guaranteed", "silver": "Standard", "free": "BestEffort"}

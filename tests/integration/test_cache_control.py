@@ -184,7 +184,7 @@ async def test_savings_after_plain_and_streamed_hits(
 ) -> None:
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"m1": {"prompt": 1.0, "completion": 2.0}}))
-    from cachefleet_sidecar.savings import load_price_table
+    from cachefleet_sidecar.observe.savings import load_price_table
 
     sc = await sidecar_factory(price_table=load_price_table(str(prices)))
     upstream.default_latency_s = 0.05

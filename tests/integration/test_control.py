@@ -10,7 +10,7 @@ import pytest
 
 from cachefleet_e2e.services import RedisServer
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.control.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker
 from cachefleet_sidecar.protocol import (
     ControlMessage,

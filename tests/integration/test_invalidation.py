@@ -140,7 +140,7 @@ async def test_tenant_scope_leaves_other_tenants_cached(
 
 async def test_l2_refuses_a_reader_behind_the_fence(any_redis: str) -> None:
     """The epoch check is in the read's own round trip, whatever the reader knows."""
-    from cachefleet_sidecar.l2 import RedisL2
+    from cachefleet_sidecar.cache.l2 import RedisL2
 
     old = (("cache", 0), ("tenant:acme", 0), ("model:m1", 0))
     async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:

@@ -16,7 +16,7 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.entry import Entry
+from cachefleet_sidecar.cache.entry import Entry
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT, answer, metric

@@ -11,7 +11,7 @@ import pytest
 
 from cachefleet_e2e.services import RedisCluster, RedisServer, free_port, redis_command
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.l2 import CORRUPT, CircuitBreaker, RedisL2
+from cachefleet_sidecar.cache.l2 import CORRUPT, CircuitBreaker, RedisL2
 
 CACHE = "team-a/chat"
 

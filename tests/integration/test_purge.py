@@ -28,8 +28,8 @@ import pytest
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar import protocol
+from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope
-from cachefleet_sidecar.l2 import RedisL2
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]

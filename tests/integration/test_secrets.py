@@ -9,9 +9,9 @@ import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.admin import public_status
 from cachefleet_sidecar.config import parse_args
-from cachefleet_sidecar.server import Request
+from cachefleet_sidecar.http.server import Request
+from cachefleet_sidecar.observe.admin import public_status
 
 from .conftest import SidecarFactory
 from .test_tenants import _Sink

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cachefleet_sidecar import protocol
 from cachefleet_sidecar.compose import Sidecar
-from cachefleet_sidecar.identity import TENANT_MEMO_MAX
-from cachefleet_sidecar.metrics import OTHER_TENANT
-from cachefleet_sidecar.server import Request
+from cachefleet_sidecar.http.server import Request
+from cachefleet_sidecar.observe.metrics import OTHER_TENANT
+from cachefleet_sidecar.tenancy.identity import TENANT_MEMO_MAX
 
 from .conftest import RunningSidecar, SidecarFactory
 

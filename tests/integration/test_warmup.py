@@ -19,7 +19,7 @@ from cachefleet_e2e.services import free_port
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.entry import L1_OVERHEAD_BYTES
+from cachefleet_sidecar.cache.entry import L1_OVERHEAD_BYTES
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]

@@ -24,7 +24,7 @@ import pytest
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
 from cachefleet_sidecar import protocol
-from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.control.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory
 from tests.operator.test_inferencecache_kopf import FakeMetrics, cache_body, steady_metrics

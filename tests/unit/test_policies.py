@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.policies import (
+from cachefleet_sidecar.cache.policies import (
     LIRSPolicy,
     LirsSnapshot,
     LRUPolicy,
