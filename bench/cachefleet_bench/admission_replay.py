@@ -21,10 +21,10 @@ holds) / prefill_rate``. Deterministic: no clock, no randomness beyond the
 * **Routing.** Every request goes to the pod with the least expected TTFT
   (work queued there, parked work included, plus this prompt's uncached part).
 * **Modes.** ``fifo``: every miss enters its pod's queue. ``class-aware``: each
-  pod has its own :class:`cachefleet_sidecar.admission.Admission` (the
+  pod has its own :class:`cachefleet_sidecar.adapt.admission.Admission` (the
   sidecar's), fed a reading of that pod (waiting, running, KV use, prefill
   histogram) every ``poll_s`` seconds, as the sidecar's gate polls
-  (:data:`cachefleet_sidecar.gate.METRICS_POLL_S`; the pods' polls are spread
+  (:data:`cachefleet_sidecar.adapt.gate.METRICS_POLL_S`; the pods' polls are spread
   over the period). Parked Standard requests are released and timed out at
   readings, as the gate does; between readings the core decides from the last
   reading and what it sent since. ``poll_s=0`` reads at every arrival and
@@ -54,7 +54,7 @@ from typing import Any
 
 from cachefleet_bench import mooncake
 from cachefleet_bench.mooncake import BLOCK_TOKENS, DEFAULT_TRACE, TraceError
-from cachefleet_sidecar.admission import (
+from cachefleet_sidecar.adapt.admission import (
     BEST_EFFORT,
     CLASSES,
     GUARANTEED,
@@ -62,8 +62,8 @@ from cachefleet_sidecar.admission import (
     Admission,
     AdmissionConfig,
 )
-from cachefleet_sidecar.gate import METRICS_POLL_S
-from cachefleet_sidecar.modelserver import ModelServerMetrics
+from cachefleet_sidecar.adapt.gate import METRICS_POLL_S
+from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 #: Class shares by conversation (the rest is BestEffort).
 GUARANTEED_SHARE = 0.2

@@ -33,7 +33,7 @@ from cachefleet_operator.allocation import (
     allocate,
 )
 from cachefleet_operator.curves import HitCurve, LatencyDist
-from cachefleet_sidecar.mrc import BUCKETS
+from cachefleet_sidecar.adapt.mrc import BUCKETS
 
 SIZES = (10, 1_000, 10_000)
 #: Target for 10,000 tenants, seconds.

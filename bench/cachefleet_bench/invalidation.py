@@ -5,7 +5,7 @@ starts its own ``redis-server`` on loopback (or uses ``--redis-url``) and
 runs two phases:
 
 1. **Propagation.** 32 subscribers, each a real
-   :class:`~cachefleet_sidecar.control.ControlSync` with an
+   :class:`~cachefleet_sidecar.control.control.ControlSync` with an
    :class:`~cachefleet_sidecar.epochs.EpochTracker` and its own Redis
    connections (pub/sub + commands), i.e. the control side of a sidecar
    without its HTTP proxy, all in this process. An
@@ -77,7 +77,7 @@ from cachefleet_sidecar.contract.ops import (
     read_acks,
 )
 from cachefleet_sidecar.contract.urls import parse_redis_url
-from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.control.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker, tenant_scope
 
 #: Propagation p99 target, seconds.

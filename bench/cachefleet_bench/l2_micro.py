@@ -7,7 +7,7 @@ on uvloop, in two ways on the same client and connection:
 * ``plain GET``: one ``GET`` of the entry key through the lean RESP client
   (:meth:`~cachefleet_sidecar.resp.RespClient.execute`): the floor of any
   L2 read, one round trip and Redis's cheapest command;
-* ``versioned get``: :meth:`~cachefleet_sidecar.l2.RedisL2.get` with the
+* ``versioned get``: :meth:`~cachefleet_sidecar.cache.l2.RedisL2.get` with the
   vector, what an L2 hit costs the sidecar (fence check, head check, breaker,
   the batched LRU touch).
 
@@ -35,9 +35,9 @@ from pathlib import Path
 import uvloop
 
 from cachefleet_e2e.services import RedisServer, ServiceError, redis_command
+from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.contract.names import entry_key
 from cachefleet_sidecar.epochs import EpochVector
-from cachefleet_sidecar.l2 import RedisL2
 
 DEFAULT_READS = 20_000
 DEFAULT_REPEATS = 3

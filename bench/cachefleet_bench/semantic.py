@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from cachefleet_sidecar import semantic
-from cachefleet_sidecar.keys import Scope
+from cachefleet_sidecar.cache import semantic
+from cachefleet_sidecar.cache.keys import Scope
 
 DEFAULT_THRESHOLDS = (0.7, 0.75, 0.8, 0.82, 0.85, 0.88, 0.9, 0.92, 0.95)
 DEFAULT_SIZES = (10_000, 100_000)
@@ -79,7 +79,7 @@ def embedder(source: str) -> Any:
     """``texts -> unit rows`` for ``local`` (all-MiniLM-L6-v2) or ``hashed``."""
     if source == "hashed":
         return lambda texts: np.stack([semantic.hashed_ngrams(t) for t in texts])
-    from cachefleet_sidecar.embeddings import EmbeddingUnavailable, LocalEmbeddings
+    from cachefleet_sidecar.cache.embeddings import EmbeddingUnavailable, LocalEmbeddings
 
     model = LocalEmbeddings("cpu")
     try:

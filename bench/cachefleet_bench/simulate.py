@@ -2,11 +2,11 @@
 
 A workload (one request a line: ``{"ts", "tenant", "key", "bytes",
 "upstream_s"}``, in time order) is replayed through the sidecar's real
-:class:`~cachefleet_sidecar.l1.TenantL1` and policies, one pod of
+:class:`~cachefleet_sidecar.cache.l1.TenantL1` and policies, one pod of
 ``--capacity-bytes``. Every ``--interval`` seconds of trace time the
 allocator reads exactly what the sidecars would export over the
 InferenceCache's metrics window (hit and miss counts, latency histograms,
-the SHARDS reuse-distance histograms of :mod:`cachefleet_sidecar.mrc`)
+the SHARDS reuse-distance histograms of :mod:`cachefleet_sidecar.adapt.mrc`)
 and its quotas are applied. No wall clock, no sockets: the same input gives
 the same output.
 
@@ -49,19 +49,19 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.curves import HitCurve, LatencyDist
-from cachefleet_sidecar.l1 import TenantL1
-from cachefleet_sidecar.metrics import Histogram
-from cachefleet_sidecar.mrc import (
+from cachefleet_sidecar.adapt.mrc import (
     BUCKETS as REUSE_BUCKETS,
 )
-from cachefleet_sidecar.mrc import (
+from cachefleet_sidecar.adapt.mrc import (
     DEFAULT_MAX_RATE,
     DEFAULT_MAX_SAMPLES,
     MINI_SIM_FRACTIONS,
     MissRatioCurves,
     ShardsSampler,
 )
-from cachefleet_sidecar.policies import available_policies
+from cachefleet_sidecar.cache.l1 import TenantL1
+from cachefleet_sidecar.cache.policies import available_policies
+from cachefleet_sidecar.observe.metrics import Histogram
 
 ALLOCATORS = ("cachefleet", "class-only", "equal", "oracle")
 DEFAULT_INTERVAL_S = 10.0

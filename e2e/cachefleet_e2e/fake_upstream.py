@@ -46,7 +46,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from cachefleet_sidecar.semantic import hashed_ngrams
+from cachefleet_sidecar.cache.semantic import hashed_ngrams
 
 #: Characters of an input the stand-in embeds (a real model truncates at its sequence length).
 EMBED_MAX_CHARS = 8192

@@ -27,10 +27,10 @@ from cachefleet_operator.allocation import (
     DEFAULT_SMOOTHING,
     PriorityClass,
 )
-from cachefleet_sidecar import admission as sidecar_admission
+from cachefleet_sidecar.adapt import admission as sidecar_admission
 from cachefleet_sidecar.contract.names import NAME_RE, Policy
-from cachefleet_sidecar.savings import Price
-from cachefleet_sidecar.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
+from cachefleet_sidecar.http.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
+from cachefleet_sidecar.observe.savings import Price
 
 GROUP = "cachefleet.io"
 VERSION = "v1alpha1"

@@ -2,7 +2,7 @@
 
 * :class:`HitCurve`: a tenant's predicted hit ratio as a function of the
   bytes it is given, from the reuse-distance histogram the sidecars export
-  (:mod:`cachefleet_sidecar.mrc`), summed over pods. ``at(bytes)``
+  (:mod:`cachefleet_sidecar.adapt.mrc`), summed over pods. ``at(bytes)``
   interpolates; ``hull(lo, hi)`` is the concave majorant on a grid, the form
   a greedy allocator can use without being fooled by cliffs (a working set
   that pays off only once it fits whole: Talus, Beckmann & Sanchez HPCA'15).

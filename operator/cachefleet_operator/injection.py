@@ -34,7 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachefleet_operator.api import SavingsSpec
-from cachefleet_sidecar.savings import format_price_table
+from cachefleet_sidecar.observe.savings import format_price_table
 
 #: Label that asks for the sidecar; its value is the InferenceCache's name.
 CACHE_LABEL = "cachefleet.io/cache"

@@ -7,7 +7,7 @@
   the next good one. With scraping off, members are ready as they arrive.
 * :class:`MetricsScraper` reads every member's ``/metrics`` on its own
   address each period (httpx, concurrently, each read bounded) and parses it
-  with :func:`cachefleet_sidecar.modelserver.parse_metrics`; an answer that is
+  with :func:`cachefleet_sidecar.adapt.modelserver.parse_metrics`; an answer that is
   not a model server's metrics is a failure (an endpoint that says nothing
   about its load must not look idle).
 * :class:`KubeDiscovery` lists and watches, on the event loop, the pods of a
@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import orjson
 
-from cachefleet_sidecar.modelserver import MetricsParseError, parse_metrics
+from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
 
 from .endpoints import Endpoint
 from .metrics import RouterMetrics

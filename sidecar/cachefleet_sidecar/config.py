@@ -15,17 +15,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, identity, savings
-from .contract.names import Policy, valid_name
-from .epochs import DEFAULT_STALENESS_BOUND_S
-from .l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
-from .mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
-from .semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
-from .semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
-from .server import Limits
-from .upstream import DEFAULT_MAX_CONNECTIONS as DEFAULT_UPSTREAM_MAX_CONNECTIONS
-from .upstream import DEFAULT_MAX_WAITING as DEFAULT_UPSTREAM_MAX_QUEUED
-from .warm import DEFAULT_WARM_TIMEOUT_S
+from cachefleet_sidecar.adapt import admission
+from cachefleet_sidecar.adapt.mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
+from cachefleet_sidecar.cache.l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
+from cachefleet_sidecar.cache.semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
+from cachefleet_sidecar.cache.semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
+from cachefleet_sidecar.contract.names import Policy, valid_name
+from cachefleet_sidecar.control.warm import DEFAULT_WARM_TIMEOUT_S
+from cachefleet_sidecar.epochs import DEFAULT_STALENESS_BOUND_S
+from cachefleet_sidecar.http.server import Limits
+from cachefleet_sidecar.http.upstream import (
+    DEFAULT_MAX_CONNECTIONS as DEFAULT_UPSTREAM_MAX_CONNECTIONS,
+)
+from cachefleet_sidecar.http.upstream import DEFAULT_MAX_WAITING as DEFAULT_UPSTREAM_MAX_QUEUED
+from cachefleet_sidecar.observe import savings
+from cachefleet_sidecar.tenancy import identity
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 #: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
@@ -614,7 +618,7 @@ def _threshold(value: str) -> float:
 
 
 def _semantic_source(value: str) -> str:
-    from .embeddings import check_source
+    from cachefleet_sidecar.cache.embeddings import check_source
 
     return check_source(value)
 

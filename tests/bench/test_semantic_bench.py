@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cachefleet_bench import semantic as bench
-from cachefleet_sidecar.semantic import DEFAULT_THRESHOLD
+from cachefleet_sidecar.cache.semantic import DEFAULT_THRESHOLD
 
 
 def run(tmp_path: Path, *args: str) -> dict:

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 import yaml
 
-import cachefleet_sidecar
 from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.adapt import telemetry
+from cachefleet_sidecar.cache.l2 import RedisL2
+from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.promql import (
     METRIC_REQUEST_DURATION,
@@ -28,8 +29,7 @@ from cachefleet_sidecar.contract.promql import (
     promql_hit_ratio,
     promql_p95_seconds,
 )
-from cachefleet_sidecar.l2 import L2Counters
-from cachefleet_sidecar.metrics import TierUsage
+from cachefleet_sidecar.observe.metrics import TierUsage
 
 from .test_chart import CHART, kinds, render
 
@@ -228,12 +228,10 @@ def test_pool_saturation_rules_on_model_server_series(tmp_path: Path) -> None:
 def exported_metric_names() -> set[str]:
     """Sample names the sidecar and operator expose, read from their real registries."""
 
-    class FakeL2:
-        counters = L2Counters()
-        state = "ok"
-
-    app = Sidecar(SidecarConfig(cache="ns/c", admin_listen=None), l2=FakeL2())
-    app.enable_epochs()
+    # a real L2 tier, never connected: its families are read from its counters and breakers
+    l2 = RedisL2.from_url("redis://127.0.0.1:1", "ns/c")
+    app = build(SidecarConfig(cache="ns/c", admin_listen=None), l2=l2)
+    app.keying.enable_epochs()
     app.tracker.merge({"cache": 1})
     sidecar = app.metrics
     tm = sidecar.tenant("t")
@@ -252,7 +250,7 @@ def exported_metric_names() -> set[str]:
         for s in fam.samples
     }
     # gauges that only appear with a GPU: names from their definitions
-    source = (Path(cachefleet_sidecar.__file__).parent / "telemetry.py").read_text()
+    source = Path(telemetry.__file__).read_text()
     names |= set(re.findall(r'"(cachefleet_gpu_[a-z_]+)"', source))
     return names
 

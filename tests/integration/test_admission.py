@@ -16,11 +16,11 @@ import httpx
 import pytest
 
 from cachefleet_e2e.modelserver_sim import ModelServerSim
-from cachefleet_sidecar.admission import AdmissionConfig
+from cachefleet_sidecar.adapt.admission import AdmissionConfig
+from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.gate import AdmissionGate
 
 CLASSES = {"gold": "Guaranteed", "silver": "Standard", "free": "BestEffort"}
 
@@ -103,7 +103,7 @@ async def make_fleet(sim: ModelServerSim) -> AsyncIterator[Any]:
         )
         server = SidecarServer(dataclasses.replace(config))
         await server.start()
-        server.sidecar.apply_quotas(
+        server.sidecar.quotas.apply(
             QuotaAssignment(
                 generation=1,
                 tenants={
@@ -157,7 +157,7 @@ async def test_saturated_server_sheds_besteffort_queues_standard_passes_guarante
     answer = await silver
     assert (answer.status_code, answer.headers["x-cache"]) == (200, "MISS")
     assert not fleet.gate.shedding
-    assert fleet.server.sidecar.heartbeat().shedding is False
+    assert fleet.server.sidecar.admin.heartbeat().shedding is False
 
     metrics = (await fleet.admin.get("/metrics")).text
     assert (
@@ -172,7 +172,7 @@ async def test_saturated_server_sheds_besteffort_queues_standard_passes_guarante
 async def test_standard_queue_full_gets_429_and_a_timed_out_wait_503(make_fleet: Any) -> None:
     fleet: Fleet = await make_fleet(standard_queue=1, standard_max_wait_s=0.5)
     await fleet.saturate(2)
-    assert fleet.server.sidecar.heartbeat().shedding is True
+    assert fleet.server.sidecar.admin.heartbeat().shedding is True
     waiting = fleet.send("silver", "first in line")
     await fleet.until(lambda: fleet.gate.core.queued == 1, "the first Standard request waits")
     full = await fleet.chat("silver", "second in line")
@@ -201,10 +201,10 @@ async def test_an_unlisted_tenant_is_admitted_by_the_class_of_the_tenant_default
 ) -> None:
     fleet: Fleet = await make_fleet()
     sidecar = fleet.server.sidecar
-    sidecar.apply_quotas(
+    sidecar.quotas.apply(
         QuotaAssignment(
             generation=2,
-            tenants=dict(sidecar.quotas),
+            tenants=dict(sidecar.tenants.quotas),
             default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=0, priority_class="BestEffort"),
         )
     )

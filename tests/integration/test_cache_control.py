@@ -127,7 +127,7 @@ async def test_only_if_cached_answers_504_and_sends_nothing_upstream(
 async def test_a_tenant_that_may_not_bypass_has_its_directives_ignored_and_counted(
     sidecar: RunningSidecar, upstream: FakeUpstream
 ) -> None:
-    sidecar.sidecar.apply_quotas(
+    sidecar.sidecar.quotas.apply(
         quotas(
             acme=quota(allow_bypass=False, allow_max_age=False),
             free=quota(),
@@ -151,7 +151,7 @@ async def test_a_tenant_that_may_not_bypass_has_its_directives_ignored_and_count
 
 
 async def test_ttl_per_tenant_in_l1(sidecar: RunningSidecar, upstream: FakeUpstream) -> None:
-    sidecar.sidecar.apply_quotas(quotas(acme=quota(ttl_seconds=1), slow=quota()))
+    sidecar.sidecar.quotas.apply(quotas(acme=quota(ttl_seconds=1), slow=quota()))
     first = await sidecar.chat("ttl", tenant="acme")
     await sidecar.chat("ttl", tenant="slow")
     # acme's entry is served only while younger than 1 s: then it is a miss, refilled
@@ -176,7 +176,7 @@ async def test_lowering_a_tenants_ttl_stops_its_older_entries_at_once(
 ) -> None:
     await sidecar.chat("long lived")
     await hit_aged(sidecar, "long lived", 1)
-    sidecar.sidecar.apply_quotas(quotas(acme=quota(ttl_seconds=1)))
+    sidecar.sidecar.quotas.apply(quotas(acme=quota(ttl_seconds=1)))
     assert (await sidecar.chat("long lived")).headers["x-cache"] == "MISS"
 
 
@@ -185,7 +185,7 @@ async def test_savings_after_plain_and_streamed_hits(
 ) -> None:
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"m1": {"prompt": 1.0, "completion": 2.0}}))
-    from cachefleet_sidecar.savings import load_price_table
+    from cachefleet_sidecar.observe.savings import load_price_table
 
     sc = await sidecar_factory(price_table=load_price_table(str(prices)))
     upstream.default_latency_s = 0.05

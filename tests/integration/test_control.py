@@ -27,7 +27,7 @@ from cachefleet_sidecar.contract.ops import (
     read_acks,
 )
 from cachefleet_sidecar.contract.urls import parse_redis_url
-from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.control.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker
 
 CACHE = "team-a/chat"

@@ -23,13 +23,13 @@ CHAT = "/v1/chat/completions"
 def spy_on_handle(sc: RunningSidecar, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """Record every request that reaches the slow path (a task)."""
     slow: list[bytes] = []
-    handle = sc.sidecar.handle
+    handle = sc.sidecar.handler.handle
 
     async def recorded(request: Any, conn: Any) -> None:
         slow.append(request.url)
         await handle(request, conn)
 
-    monkeypatch.setattr(sc.sidecar, "handle", recorded)
+    monkeypatch.setattr(sc.sidecar.handler, "handle", recorded)
     return slow
 
 
@@ -57,7 +57,7 @@ async def test_a_miss_on_a_warm_connection_is_answered_without_a_task(
     assert answer(again) == answer(first)
     assert slow == []
     assert upstream.calls[CHAT] == 2
-    assert sidecar.sidecar._inflight == {}
+    assert sidecar.sidecar.handler.inflight == {}
     # The upstream saw the tenant the sidecar decided, as on the slow path.
     assert upstream.seen_headers[-1]["x-tenant-id"] == "acme"
     metrics = (await sidecar.admin.get("/metrics")).text
@@ -108,7 +108,7 @@ async def test_an_upstream_that_drops_a_begun_miss_gets_a_502_and_frees_the_key(
     dropped = await sidecar.chat("dropped")
     assert dropped.status_code == 502
     assert "upstream" in dropped.json()["error"]["message"]
-    assert sidecar.sidecar._inflight == {}
+    assert sidecar.sidecar.handler.inflight == {}
     retried = await sidecar.chat("dropped")  # not stuck behind a flight that never ends
     assert retried.status_code == 200
     assert retried.headers["x-cache"] == "MISS"
@@ -125,7 +125,7 @@ async def test_joiners_of_a_begun_miss_share_its_answer(
     assert {answer(r) for r in results} == {answer(results[0])}
     metrics = (await sidecar.admin.get("/metrics")).text
     assert metric(metrics, "cachefleet_single_flight_joins_total") == 3
-    assert sidecar.sidecar._inflight == {}
+    assert sidecar.sidecar.handler.inflight == {}
 
 
 async def test_a_client_gone_during_a_begun_miss_still_gets_it_stored(
@@ -144,7 +144,7 @@ async def test_a_client_gone_during_a_begun_miss_still_gets_it_stored(
     )
     await until(lambda: upstream.calls[CHAT] == 2)  # the call is out
     writer.close()
-    await until(lambda: not sidecar.sidecar._inflight)  # answered into the void, stored
+    await until(lambda: not sidecar.sidecar.handler.inflight)  # answered into the void, stored
     upstream.default_latency_s = 0.0
     again = await sidecar.chat("left")
     assert again.headers["x-cache"] == "HIT-L1"
@@ -174,6 +174,6 @@ async def test_a_silent_upstream_times_out_a_begun_miss_with_504(
     resp = await sc.chat("slow")
     assert resp.status_code == 504
     assert "silent" in resp.json()["error"]["message"]
-    assert sc.sidecar._inflight == {}
+    assert sc.sidecar.handler.inflight == {}
     upstream.default_latency_s = 0
     assert (await sc.chat("slow")).status_code == 200

@@ -24,11 +24,11 @@ from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.publisher import RedisControlPlane
 from cachefleet_operator.reconcile import REACH_REBALANCES, ReachWarnings, Reconciler
 from cachefleet_sidecar import resp
+from cachefleet_sidecar.adapt.fleetsample import FleetShipper
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves, ReuseHistogram
 from cachefleet_sidecar.contract import fleet
 from cachefleet_sidecar.contract.clients import redis_from_url, resp_client
 from cachefleet_sidecar.contract.names import fleet_samples_key
-from cachefleet_sidecar.fleetsample import FleetShipper
-from cachefleet_sidecar.mrc import MissRatioCurves, ReuseHistogram
 
 from .conftest import RunningSidecar, SidecarFactory
 

@@ -226,7 +226,7 @@ async def test_keys_file_takes_digests_and_is_reloaded_without_logging_keys(
     # A broken file keeps the keys in force and says why (without any key).
     path.write_text('{"sk-secret-in-broken-file": "not a valid tenant!"}')
     deadline = time.monotonic() + 15.0
-    while sc.sidecar.api_keys is not None and sc.sidecar.api_keys.error is None:
+    while sc.sidecar.tenants.api_keys is not None and sc.sidecar.tenants.api_keys.error is None:
         assert time.monotonic() < deadline, "the broken keys file was never noticed"
         await asyncio.sleep(0.2)
     assert (await sc.chat("q", tenant=None, headers=new)).status_code == 200

@@ -142,7 +142,7 @@ async def test_tenant_scope_leaves_other_tenants_cached(
 
 async def test_l2_refuses_a_reader_behind_the_fence(any_redis: str) -> None:
     """The epoch check is in the read's own round trip, whatever the reader knows."""
-    from cachefleet_sidecar.l2 import RedisL2
+    from cachefleet_sidecar.cache.l2 import RedisL2
 
     old = (("cache", 0), ("tenant:acme", 0), ("model:m1", 0))
     async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
@@ -253,7 +253,7 @@ async def test_duplicated_and_reordered_notices_change_nothing(
             assert (await inv.invalidate("cache", timeout_s=ACK_TIMEOUT_S)).completed
     await ask(a, "q")
     assert await ask(a, "q") == (1, "HIT-L1")
-    version = a.sidecar.scope_version
+    version = a.sidecar.keying.scope_version
     client = redis_from_url(redis_url)
     try:
         for epochs in ({"cache": 3}, {"cache": 3}, {"cache": 1}, {"cache": 2}):
@@ -263,7 +263,7 @@ async def test_duplicated_and_reordered_notices_change_nothing(
     finally:
         await client.aclose()
     assert a.sidecar.tracker.known == {"cache": 3}
-    assert a.sidecar.scope_version == version  # keys untouched
+    assert a.sidecar.keying.scope_version == version  # keys untouched
     assert acks["pod-0"].epochs == {"cache": 3}
     assert await ask(a, "q") == (1, "HIT-L1")
 

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_sidecar.cache.entry import Entry
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.versioned import l1_id_line, split_l1_id
-from cachefleet_sidecar.entry import Entry
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT, answer, metric

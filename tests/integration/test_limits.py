@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar.server import FEED_SLICE
+from cachefleet_sidecar.http.server import FEED_SLICE
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT, metric
@@ -175,7 +175,7 @@ async def test_a_large_body_is_charged_for_both_copies_it_holds(
     """Bodies of 64 KiB and more are charged twice (the request's copy and the upstream
     send buffer's): two 100 kB bodies fill a 450 kB budget that three would fit raw,
     while a small body is still charged only its size."""
-    from cachefleet_sidecar.server import LARGE_BODY_BYTES
+    from cachefleet_sidecar.http.server import LARGE_BODY_BYTES
 
     sc = await sidecar_factory(max_body_bytes=200_000, body_memory_bytes=450_000)
     head = b"POST /echo HTTP/1.1\r\nHost: x\r\nX-Tenant-ID: acme\r\nContent-Length: %d\r\n\r\n"
@@ -448,13 +448,13 @@ def test_flags_for_every_limit() -> None:
 
 
 async def test_the_key_memo_is_bounded_in_bytes(sidecar: RunningSidecar) -> None:
-    from cachefleet_sidecar.app import KEY_MEMO_MAX_BYTES
+    from cachefleet_sidecar.cache.handler import KEY_MEMO_MAX_BYTES
 
-    core = sidecar.sidecar
+    core = sidecar.sidecar.keying
     filler = "x" * 200_000
     for i in range(400):  # 400 distinct 200 kB bodies: ~160 MB of keys if all were kept
         raw = json.dumps({"model": "m", "input": f"{filler}{i}"}).encode()
-        assert not isinstance(core._key_for("acme", "embeddings", b"", raw), str)
+        assert not isinstance(core.key_for("acme", "embeddings", b"", raw), str)
         assert core._key_memo_bytes <= KEY_MEMO_MAX_BYTES
     assert 0 < len(core._key_memo) < 400
 

@@ -27,12 +27,12 @@ import pytest
 
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
+from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.contract import ops
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.names import entry_key
 from cachefleet_sidecar.contract.ops import log_purge, purge_fence
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope
-from cachefleet_sidecar.l2 import RedisL2
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]

@@ -113,7 +113,7 @@ async def test_sidecar_and_operator_work_under_least_privilege(
             tenants={"acme": TenantQuota(l1_bytes=1 << 20, l2_bytes=4 << 20)},
         )
         await publish_quotas(operator, CACHE, assignment)
-        await wait_until(lambda: pod_a.sidecar.quota_generation == 3)
+        await wait_until(lambda: pod_a.sidecar.tenants.quota_generation == 3)
         epoch = await advance_epoch(operator, CACHE, "cache")
         await fence_tenants(operator, CACHE, {"cache": epoch})
         await publish_epochs(operator, CACHE, {"cache": epoch})
@@ -144,8 +144,8 @@ async def test_sidecar_and_operator_work_under_least_privilege(
         pod_c = await sidecar_factory(
             redis_url=sidecar_url, cache=CACHE, pod="pod-c", warm_bytes=1 << 20
         )
-        await wait_until(lambda: pod_c.sidecar.warm.state == "done")
-        assert pod_c.sidecar.warm.entries == 1
+        await wait_until(lambda: pod_c.sidecar.upkeep.warm.state == "done")
+        assert pod_c.sidecar.upkeep.warm.entries == 1
         digest = newest[0].decode().rpartition(":e:")[2]
         operator_url = as_user(redis_url, "cf-operator", OPERATOR_PASSWORD)
         async with Invalidator.from_url(operator_url, CACHE, poll_s=0.05) as inv:

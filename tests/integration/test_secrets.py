@@ -8,11 +8,11 @@ import logging
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar.app import public_status
 from cachefleet_sidecar.config import parse_args
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.urls import parse_redis_url, redact_url
-from cachefleet_sidecar.server import Request
+from cachefleet_sidecar.http.server import Request
+from cachefleet_sidecar.observe.admin import public_status
 
 from .conftest import SidecarFactory
 from .test_tenants import _Sink
@@ -80,7 +80,7 @@ async def test_status_names_tenants_only_to_loopback_peers(sidecar_factory: Side
     for peer in ("10.1.2.3", "::ffff:10.1.2.3", None):
         sink = _Sink()
         request = Request(b"GET", b"/status", [], b"", True, 0.0, peer)
-        await sc.sidecar.admin(request, sink)  # type: ignore[arg-type]
+        await sc.sidecar.admin.handle(request, sink)  # type: ignore[arg-type]
         assert b"acme" not in sink.data
         assert b'"tenant_count": 1' in sink.data
     assert public_status(full)["redis"] == full["redis"]

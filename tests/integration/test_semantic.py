@@ -127,7 +127,7 @@ async def test_opt_in_per_tenant_through_the_quota_table(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await semantic_sidecar(sidecar_factory, semantic_default_on=False)
-    sc.sidecar.apply_quotas(
+    sc.sidecar.quotas.apply(
         QuotaAssignment(
             generation=1,
             tenants={
@@ -140,7 +140,7 @@ async def test_opt_in_per_tenant_through_the_quota_table(
         assert (await sc.chat(Q, tenant=tenant)).headers["x-cache"] == "MISS"
         assert (await sc.chat(PARA, tenant=tenant)).headers["x-cache"] == expected, tenant
     # A threshold above any paraphrase's similarity turns acme's hits off.
-    sc.sidecar.apply_quotas(
+    sc.sidecar.quotas.apply(
         QuotaAssignment(
             generation=2,
             tenants={
@@ -159,7 +159,7 @@ async def test_a_new_model_version_drops_l3(
     sc = await semantic_sidecar(sidecar_factory)
     await sc.chat(Q)
     assert len(sc.sidecar.l3.index) == 1
-    sc.sidecar.model_version = "v2"
+    sc.sidecar.keying.model_version = "v2"
     assert len(sc.sidecar.l3.index) == 0
     assert (await sc.chat(PARA)).headers["x-cache"] == "MISS"
 

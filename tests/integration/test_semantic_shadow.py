@@ -89,7 +89,7 @@ async def test_shadow_per_tenant_through_the_quota_table(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await started(sidecar_factory, semantic_default_on=False)
-    sc.sidecar.apply_quotas(
+    sc.sidecar.quotas.apply(
         QuotaAssignment(
             generation=1,
             tenants={
@@ -108,7 +108,7 @@ async def test_shadow_per_tenant_through_the_quota_table(
     assert upstream.calls[CHAT] == 3
     assert sum((await shadow_counts(sc, 1)).values()) == 1
     # Serving turned on for acme: the next would-be hit is served.
-    sc.sidecar.apply_quotas(
+    sc.sidecar.quotas.apply(
         QuotaAssignment(
             generation=2,
             tenants={"acme": TenantQuota(l1_bytes=1 << 20, l2_bytes=0, semantic=True)},

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cachefleet_sidecar.server import Connection, Limiter, Request, simple_response
+from cachefleet_sidecar.http.server import Connection, Limiter, Request, simple_response
 
 #: Safety net of every wait below, seconds (outcomes are asserted, not timing).
 SAFETY_S = 10.0

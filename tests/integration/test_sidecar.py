@@ -76,7 +76,7 @@ async def test_collapse_whitespace_option_merges_inner_whitespace(
 
 
 async def test_whitespace_collapse_is_a_per_tenant_option(sidecar: RunningSidecar) -> None:
-    sidecar.sidecar.apply_quotas(
+    sidecar.sidecar.quotas.apply(
         QuotaAssignment(
             generation=1,
             tenants={
@@ -110,7 +110,7 @@ async def test_model_version_scopes_the_key(
     v1 = await sidecar_factory(model_version="v1")
     await v1.chat("q")
     assert (await v1.chat("q")).headers["x-cache"] == "HIT-L1"
-    v1.sidecar.model_version = "v2"
+    v1.sidecar.keying.model_version = "v2"
     assert (await v1.chat("q")).headers["x-cache"] == "MISS"
 
 
@@ -287,7 +287,7 @@ async def test_one_tenant_cannot_evict_another_within_its_share(
 
 async def test_operator_quotas_apply(sidecar_factory: SidecarFactory) -> None:
     sc = await sidecar_factory()
-    sc.sidecar.apply_quotas(
+    sc.sidecar.quotas.apply(
         QuotaAssignment(
             generation=3,
             default_policy=Policy.LIRS,
@@ -307,8 +307,8 @@ async def test_operator_quotas_apply(sidecar_factory: SidecarFactory) -> None:
     assert status["tenants"]["gold"]["policy"] == "lirs"
     assert status["tenants"]["gold"]["l1_quota_bytes"] == 4 * 1024 * 1024
     # An older generation is ignored.
-    sc.sidecar.apply_quotas(QuotaAssignment(generation=2))
-    assert sc.sidecar.quota_generation == 3
+    sc.sidecar.quotas.apply(QuotaAssignment(generation=2))
+    assert sc.sidecar.tenants.quota_generation == 3
 
 
 async def test_admin_endpoints(sidecar: RunningSidecar, upstream: FakeUpstream) -> None:
@@ -370,7 +370,7 @@ async def test_admin_on_main_port_when_admin_listen_is_off(
 
 
 async def test_a_tenant_gets_sits_through_its_quota(sidecar: RunningSidecar) -> None:
-    sidecar.sidecar.apply_quotas(
+    sidecar.sidecar.quotas.apply(
         QuotaAssignment(
             generation=1,
             tenants={"t": TenantQuota(l1_bytes=1 << 20, l2_bytes=0, policy=Policy.SITS)},

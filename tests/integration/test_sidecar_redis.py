@@ -178,7 +178,7 @@ async def test_quotas_published_by_the_operator_reach_the_sidecar(
             },
         )
         await publish_quotas(client, "team/chat", assignment)
-        await wait_until(lambda: pod.sidecar.quota_generation == 7)
+        await wait_until(lambda: pod.sidecar.tenants.quota_generation == 7)
         assert (await pod.chat("hi", tenant="stranger")).status_code == 403
         assert (await pod.chat("hi", tenant="gold")).status_code == 200
         stats = pod.sidecar.l1.stats()
@@ -200,7 +200,7 @@ async def test_redis_and_epoch_state_are_metrics(
     pod = await sidecar_factory(redis_url=redis_url)
     await pod.chat("counted")
     await asyncio.sleep(0.1)
-    await pod.sidecar.refresh_l2_usage()
+    await pod.sidecar.admin.refresh_l2_usage()
     text = (await pod.admin.get("/metrics")).text
     assert metric(text, "cachefleet_redis_up") == 1
     assert metric(text, "cachefleet_redis_errors_total") == 0

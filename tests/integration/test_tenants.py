@@ -14,13 +14,13 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.compose import Sidecar
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.contract.names import Policy
-from cachefleet_sidecar.identity import TENANT_MEMO_MAX
-from cachefleet_sidecar.metrics import OTHER_TENANT
-from cachefleet_sidecar.server import Request
+from cachefleet_sidecar.http.server import Request
+from cachefleet_sidecar.observe.metrics import OTHER_TENANT
+from cachefleet_sidecar.tenancy.identity import TENANT_MEMO_MAX
 
 from .conftest import RunningSidecar, SidecarFactory
 
@@ -111,7 +111,7 @@ async def test_a_newcomer_takes_the_least_recent_slot_and_idle_ones_expire(
     # Three ticks pass; "early-0" keeps asking, the rest are idle for more than two ticks.
     for _ in range(3):
         await sc.chat("junk 0", tenant="early-0")
-        sc.sidecar.expire_idle(2)
+        sc.sidecar.tenants.expire_idle(2)
     stats = sc.sidecar.l1.stats()
     assert set(stats) == {"early-0"}
     labels = tenant_labels((await sc.admin.get("/metrics")).text)
@@ -198,7 +198,7 @@ async def test_five_thousand_tenants_through_sixty_four_slots(
     assert len(app.metrics.tenants) <= slots + 2 + 1
     status = (await sc.admin.get("/status")).json()
     assert len(status["tenants"]) <= slots
-    assert len(app.tenancy.memo) <= TENANT_MEMO_MAX
+    assert len(app.tenants.rules.memo) <= TENANT_MEMO_MAX
 
 
 async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
@@ -208,12 +208,13 @@ async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
     sc = await sidecar_factory(l1_bytes=l1_bytes, max_tenants=8)
     app: Sidecar = sc.sidecar
     quotas = {"alpha": TenantQuota(l1_bytes=l1_bytes * 3 // 4, l2_bytes=0)}
-    app.apply_quotas(QuotaAssignment(generation=1, tenants=quotas))
+    app.quotas.apply(QuotaAssignment(generation=1, tenants=quotas))
     assert (await sc.chat("hello", tenant="customer-1")).status_code == 403  # no defaults
 
     unlisted = TenantQuota(
         l1_bytes=l1_bytes // 4, l2_bytes=0, policy=Policy.LIRS, priority_class="BestEffort"
     )
+    app.quotas.apply(QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted))
     app.apply_quotas(QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted))
     await fill(sc, "alpha", 3)
     for i in range(20):
@@ -228,7 +229,7 @@ async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
     assert {s.policy for s in guests.values()} == {"lirs"}
     assert sum(s.capacity_bytes for s in guests.values()) <= l1_bytes // 4
 
-    app.apply_quotas(QuotaAssignment(generation=3, tenants=quotas))  # defaults gone
+    app.quotas.apply(QuotaAssignment(generation=3, tenants=quotas))  # defaults gone
     assert (await sc.chat("hello", tenant="customer-99")).status_code == 403
 
 
@@ -263,7 +264,7 @@ async def test_a_scrape_gives_the_loop_back_between_pieces(
     turns = 0
     sink = _Sink()
     request = Request(b"GET", b"/metrics", [], b"", True, 0.0)
-    await app.admin(request, sink)  # type: ignore[arg-type]
+    await app.admin.handle(request, sink)  # type: ignore[arg-type]
     scraping = False
     await worker
     # Other work ran between the pieces (at least between the per-tenant families and the
@@ -296,7 +297,7 @@ async def test_tenants_under_defaults_stay_out_of_redis(
     # tenantDefaults with no tenant listed: every tenant is unlisted, L1 only.
     sc = await sidecar_factory(redis_url=redis_url, l1_bytes=1 << 20)
     unlisted = TenantQuota(l1_bytes=1 << 20, l2_bytes=0)
-    sc.sidecar.apply_quotas(QuotaAssignment(generation=1, default_tenant=unlisted))
+    sc.sidecar.quotas.apply(QuotaAssignment(generation=1, default_tenant=unlisted))
     for i in range(20):
         assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "MISS"
         assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "HIT-L1"

@@ -400,7 +400,7 @@ async def test_the_pool_hands_connections_over_and_never_leaks_a_slot(
 ) -> None:
     """The pool alone: first come first served, a waiter that gives up (cancelled even as
     it is handed a connection) passes it on, and a full queue refuses at once."""
-    from cachefleet_sidecar.upstream import UpstreamError, UpstreamPool
+    from cachefleet_sidecar.http.upstream import UpstreamError, UpstreamPool
 
     pool = UpstreamPool(raw_upstream.url, max_connections=1, max_waiting=2)
     raw_upstream.release.clear()
@@ -433,7 +433,7 @@ async def test_the_pool_hands_connections_over_and_never_leaks_a_slot(
 async def test_a_request_that_waits_out_its_deadline_gets_a_busy_error(
     raw_upstream: RawUpstream,
 ) -> None:
-    from cachefleet_sidecar.upstream import UpstreamError, UpstreamPool
+    from cachefleet_sidecar.http.upstream import UpstreamError, UpstreamPool
 
     pool = UpstreamPool(raw_upstream.url, max_connections=1, max_waiting=1)
     raw_upstream.release.clear()

@@ -18,11 +18,11 @@ import pytest
 from cachefleet_e2e.services import free_port
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
+from cachefleet_sidecar.cache.entry import L1_OVERHEAD_BYTES
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.contract.names import lru_key
 from cachefleet_sidecar.contract.ops import publish_quotas
-from cachefleet_sidecar.entry import L1_OVERHEAD_BYTES
 from cachefleet_sidecar.epochs import PURGE_SCOPE
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 

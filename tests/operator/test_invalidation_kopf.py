@@ -26,7 +26,7 @@ from cachefleet_operator.reconcile import Reconciler
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.names import entry_key
 from cachefleet_sidecar.contract.ops import read_epochs, register_tenant
-from cachefleet_sidecar.control import ControlSync
+from cachefleet_sidecar.control.control import ControlSync
 from cachefleet_sidecar.epochs import EpochTracker
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory
 from tests.operator.test_inferencecache_kopf import FakeMetrics, cache_body, steady_metrics

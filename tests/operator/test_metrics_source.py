@@ -190,7 +190,7 @@ async def test_policy_switches_count_pods_over_tiled_spans(prometheus_factory: o
 @pytest.mark.slow
 async def test_savings_from_a_sidecars_own_metrics(prometheus_factory: object) -> None:
     """The sidecar's real savings families, scraped; the operator's queries add them up."""
-    from cachefleet_sidecar.metrics import SidecarMetrics
+    from cachefleet_sidecar.observe.metrics import SidecarMetrics
 
     metrics = SidecarMetrics(CACHE)
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.registry)

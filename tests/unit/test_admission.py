@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.admission import (
+from cachefleet_sidecar.adapt.admission import (
     BEST_EFFORT,
     GUARANTEED,
     MAX_RETRY_AFTER_S,
@@ -12,7 +12,7 @@ from cachefleet_sidecar.admission import (
     Admission,
     AdmissionConfig,
 )
-from cachefleet_sidecar.modelserver import ModelServerMetrics
+from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 
 def reading(

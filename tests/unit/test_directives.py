@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.directives import Allowed, Directives, parse
-from cachefleet_sidecar.savings import PriceTableError, cost, parse_price_table
+from cachefleet_sidecar.cache.directives import Allowed, Directives, parse
+from cachefleet_sidecar.observe.savings import PriceTableError, cost, parse_price_table
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cachefleet_operator.kubectl_plugin import cli, explain
-from cachefleet_sidecar import keys
+from cachefleet_sidecar.cache import keys
 
 CHAT = {
     "model": "llama-3-8b",

@@ -14,13 +14,13 @@ import pytest
 
 from cachefleet_operator.curves import HitCurve
 from cachefleet_operator.fleet import FleetCurves
+from cachefleet_sidecar.adapt.mrc import HASH_SHIFT, HASH_SPACE, MissRatioCurves, ReuseHistogram
 from cachefleet_sidecar.contract.fleet import (
     FLEET_SAMPLE_RATE,
     FleetSample,
     decode_fleet_batch,
     encode_fleet_batch,
 )
-from cachefleet_sidecar.mrc import HASH_SHIFT, HASH_SPACE, MissRatioCurves, ReuseHistogram
 
 CACHE = "ns/chat"
 WINDOW_S = 3600.0

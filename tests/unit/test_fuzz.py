@@ -15,8 +15,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
-from cachefleet_sidecar.server import Connection, Limiter, Limits, Request
+from cachefleet_sidecar.cache.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
+from cachefleet_sidecar.http.server import Connection, Limiter, Limits, Request
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LIMITS = Limits(max_url_bytes=64, max_header_bytes=256, max_body_bytes=128, max_pipelined=4)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefleet_sidecar.host import HostPressure, parse_cpu_stat, parse_psi_some_avg10
+from cachefleet_sidecar.adapt.host import HostPressure, parse_cpu_stat, parse_psi_some_avg10
 
 PSI = "some avg10=29.55 avg60=22.86 avg300=20.75 total=214143323\nfull avg10=0.00 avg60=0.00\n"
 

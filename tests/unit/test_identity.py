@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachefleet_sidecar.identity import (
+from cachefleet_sidecar.tenancy.identity import (
     ApiKeys,
     KeyFileError,
     TrustedNetworks,

@@ -7,7 +7,7 @@ import pytest
 
 from cachefleet_operator import api, injection
 from cachefleet_sidecar import config as sidecar_config
-from cachefleet_sidecar import upstream
+from cachefleet_sidecar.http import upstream
 
 
 def test_the_pool_bounds_flow_from_the_crd_to_the_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:

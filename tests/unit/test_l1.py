@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.l1 import TenantL1, TenantLimitError, TenantStats
+from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError, TenantStats
 
 
 def capacities(l1: TenantL1[int, str]) -> dict[str, int]:
@@ -265,7 +265,7 @@ def test_counted_bytes_are_what_an_entry_really_holds(policy: str, body_bytes: i
 
     import xxhash
 
-    from cachefleet_sidecar.entry import Entry, L1Value
+    from cachefleet_sidecar.cache.entry import Entry, L1Value
 
     n = 12000
     l1: TenantL1[int, L1Value] = TenantL1(1 << 40, default_policy=policy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.l1 import TenantL1, TenantLimitError
+from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 
 
 def test_guests_share_only_the_guest_pool() -> None:

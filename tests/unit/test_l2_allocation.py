@@ -21,7 +21,7 @@ from cachefleet_operator.allocation import (
     hold,
 )
 from cachefleet_operator.curves import HitCurve, LatencyDist
-from cachefleet_sidecar.mrc import BUCKETS
+from cachefleet_sidecar.adapt.mrc import BUCKETS
 
 L1 = 8 * 2**30
 L2 = 64 * 2**30

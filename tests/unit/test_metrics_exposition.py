@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefleet_sidecar.metrics import MAX_MODEL_SERIES, OTHER_TENANT, SidecarMetrics
+from cachefleet_sidecar.observe.metrics import MAX_MODEL_SERIES, OTHER_TENANT, SidecarMetrics
 
 
 def samples(text: str) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:

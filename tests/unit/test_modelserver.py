@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.modelserver import MetricsParseError, parse_metrics
+from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
 
 VLLM = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.

@@ -8,14 +8,14 @@ import random
 import pytest
 import xxhash
 
-from cachefleet_sidecar.metrics import reuse_families
-from cachefleet_sidecar.mrc import (
+from cachefleet_sidecar.adapt.mrc import (
     BUCKETS,
     MissRatioCurves,
     ShardsSampler,
     hit_ratio_at,
 )
-from cachefleet_sidecar.policies import make_policy
+from cachefleet_sidecar.cache.policies import make_policy
+from cachefleet_sidecar.observe.metrics import reuse_families
 
 SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 

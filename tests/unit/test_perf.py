@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cachefleet_sidecar.host import HostPressure
-from cachefleet_sidecar.perf import (
+from cachefleet_sidecar.adapt.host import HostPressure
+from cachefleet_sidecar.adapt.perf import (
     ATTR_SIZE,
     EVENTS,
     SYSCALL_NUMBERS,

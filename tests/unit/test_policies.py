@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.contract.names import Policy
-from cachefleet_sidecar.policies import (
+from cachefleet_sidecar.cache.policies import (
     LIRSPolicy,
     LirsSnapshot,
     LRUPolicy,
@@ -19,6 +18,7 @@ from cachefleet_sidecar.policies import (
     available_policies,
     make_policy,
 )
+from cachefleet_sidecar.contract.names import Policy
 
 POLICY_NAMES = ["lru", "lirs", "sits"]
 

@@ -9,17 +9,23 @@ import httpx
 import numpy as np
 import pytest
 
-from cachefleet_sidecar import l3, semantic
-from cachefleet_sidecar.embeddings import (
+from cachefleet_sidecar.cache import l3, semantic
+from cachefleet_sidecar.cache.embeddings import (
     EmbeddingUnavailable,
     HashedEmbeddings,
     HttpEmbeddings,
     LocalEmbeddings,
     make_source,
 )
-from cachefleet_sidecar.keys import KeyOptions, Scope
-from cachefleet_sidecar.l3 import Ref, SemanticTier, with_similarity
-from cachefleet_sidecar.semantic import Guard, SemanticIndex, hashed_ngrams, lexical, probe_for
+from cachefleet_sidecar.cache.keys import KeyOptions, Scope
+from cachefleet_sidecar.cache.l3 import Ref, SemanticTier, with_similarity
+from cachefleet_sidecar.cache.semantic import (
+    Guard,
+    SemanticIndex,
+    hashed_ngrams,
+    lexical,
+    probe_for,
+)
 
 
 def chat(text: str, *, system: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from cachefleet_sidecar import semantic
-from cachefleet_sidecar.embeddings import HashedEmbeddings
-from cachefleet_sidecar.keys import KeyOptions, Scope
-from cachefleet_sidecar.l3 import Pending, Ref, SemanticTier, answer_text
-from cachefleet_sidecar.metrics import SidecarMetrics
+from cachefleet_sidecar.cache import semantic
+from cachefleet_sidecar.cache.embeddings import HashedEmbeddings
+from cachefleet_sidecar.cache.keys import KeyOptions, Scope
+from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, answer_text
+from cachefleet_sidecar.observe.metrics import SidecarMetrics
 
 Q = "How do I reset my password on the web portal?"
 PARA = "how do I reset my password on the web portal"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from cachefleet_sidecar.switching import (
+from cachefleet_sidecar.adapt.switching import (
     Decision,
     SwitchingConfig,
     SwitchingEngine,
@@ -18,7 +18,7 @@ from cachefleet_sidecar.switching import (
     gpu_pressure,
     p99,
 )
-from cachefleet_sidecar.telemetry import GpuSample
+from cachefleet_sidecar.adapt.telemetry import GpuSample
 
 W = 10.0  # window seconds
 HISTORY = 90  # 15 minutes of windows

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachefleet_sidecar.app import Sidecar
+from cachefleet_sidecar.adapt.host import HostPressure
+from cachefleet_sidecar.adapt.telemetry import GpuSample, GpuTelemetry
+from cachefleet_sidecar.cache.policies import SITSPolicy
+from cachefleet_sidecar.compose import Sidecar, build
 from cachefleet_sidecar.config import SidecarConfig, parse_args
 from cachefleet_sidecar.contract.names import Policy
-from cachefleet_sidecar.host import HostPressure
-from cachefleet_sidecar.policies import SITSPolicy
-from cachefleet_sidecar.telemetry import GpuSample, GpuTelemetry
 
 W = 10.0
 
@@ -45,7 +45,7 @@ def make(
     The real host's PSI moves with the machine's load: tests must not read it.
     """
     config = SidecarConfig(cache="ns/c", admin_listen=None, policy=Policy.LIRS, **kw)  # type: ignore[arg-type]
-    return Sidecar(
+    return build(
         config, telemetry=GpuTelemetry(FakeNvml(sm, bandwidth)), host=HostPressure(host_root)
     )
 
@@ -68,7 +68,7 @@ def drive(app: Sidecar, now: float, windows: int, level: float) -> float:
         for _ in range(100):
             engine.observe("t", level + rng.random() * 0.005, rng.randrange(10_000))
         now += W
-        app.switch_tick(now)
+        app.switcher.switch_tick(now)
     return now
 
 
@@ -95,7 +95,7 @@ def test_switch_and_rollback_migrate_every_entry_and_are_counted(
     logged = json.loads(line.split(" ", 2)[2])
     assert logged["tenant"] == "t"
     assert logged["to_policy"] == "sits"
-    status = app.status()["policy_switching"]
+    status = app.admin.status()["policy_switching"]
     assert status["enabled"] is True
     assert status["tenants"]["t"]["state"] == "trial"
     assert status["decisions"][-1]["action"] == "switch"
@@ -105,7 +105,7 @@ def test_switch_and_rollback_migrate_every_entry_and_are_counted(
     assert stats.policy == "lirs"
     assert stats.entries == entries
     assert switches(app) == {("lirs", "sits"): 1.0, ("sits", "lirs"): 1.0}
-    assert app.status()["tenants"]["t"]["policy"] == "lirs"
+    assert app.admin.status()["tenants"]["t"]["policy"] == "lirs"
 
 
 def test_gpu_saturation_reaches_the_engine_and_sits_partitions() -> None:
@@ -113,12 +113,12 @@ def test_gpu_saturation_reaches_the_engine_and_sits_partitions() -> None:
     assert app.switching is not None
     app.l1.set_policy("t", "sits")
     app.l1.put("t", 1, ("t", b"x"), 10)
-    app.switch_tick(app.switching.next_window_at)
+    app.switcher.switch_tick(app.switching.next_window_at)
     assert app.switching.pressure == pytest.approx(0.9)
     part = app.l1._parts["t"]
     assert isinstance(part, SITSPolicy)
     assert part.pressure == pytest.approx(0.9)
-    assert app.status()["policy_switching"]["pressure"] == pytest.approx(0.9)
+    assert app.admin.status()["policy_switching"]["pressure"] == pytest.approx(0.9)
 
 
 def test_without_a_gpu_pressure_stays_zero() -> None:
@@ -129,17 +129,17 @@ def test_without_a_gpu_pressure_stays_zero() -> None:
         def sample(self) -> list[GpuSample]:
             raise AssertionError("never sampled")
 
-    app = Sidecar(SidecarConfig(cache="ns/c", admin_listen=None), telemetry=GpuTelemetry(NoGpu()))
+    app = build(SidecarConfig(cache="ns/c", admin_listen=None), telemetry=GpuTelemetry(NoGpu()))
     assert app.switching is not None
-    app.switch_tick(app.switching.next_window_at)
+    app.switcher.switch_tick(app.switching.next_window_at)
     assert app.switching.pressure == 0.0
 
 
 def test_switching_can_be_turned_off() -> None:
     app = make(switch_window_s=0)
     assert app.switching is None
-    assert app.status()["policy_switching"] == {"enabled": False}
-    app.switch_tick(1e9)  # a no-op
+    assert app.admin.status()["policy_switching"] == {"enabled": False}
+    app.switcher.switch_tick(1e9)  # a no-op
 
 
 def test_switch_window_flag() -> None:
@@ -156,9 +156,9 @@ def test_host_cpu_pressure_reaches_the_engine_and_status(tmp_path: Path) -> None
     (cgroup / "cpu.pressure").write_text("some avg10=72.00 avg60=50.00 avg300=10.00 total=1\n")
     app = make(host_root=tmp_path)
     assert app.switching is not None
-    app.switch_tick(app.switching.next_window_at)
+    app.switcher.switch_tick(app.switching.next_window_at)
     assert app.switching.host_pressure == pytest.approx(0.72)
-    status = app.status()["policy_switching"]
+    status = app.admin.status()["policy_switching"]
     assert status["host_pressure"] == pytest.approx(0.72)
     assert status["host"]["psi"]["scope"] == "pod"
 
@@ -170,10 +170,10 @@ def test_a_switching_fault_is_counted_never_raised(caplog: pytest.LogCaptureFixt
     def broken(now: float) -> None:
         raise RuntimeError("boom")
 
-    app.switch_tick = broken  # type: ignore[method-assign]
+    app.switcher.switch_tick = broken  # type: ignore[method-assign]
     app.switching._window_end = 0.0  # a window is due on the next request
     with caplog.at_level(logging.ERROR, logger="cachefleet"):
-        app._observe("t", 0.01, 1)
+        app.switcher.observe("t", 0.01, 1)
     assert app.metrics.cache_faults["policy_switching"] == 1
     assert "policy switching failed" in caplog.text
 
@@ -183,8 +183,8 @@ async def test_a_switch_drains_in_the_background_while_the_loop_keeps_serving() 
     for key in range(3_000):
         app.l1.put("t", key, ("t", b"x"), 100)
     app.l1.set_policy("t", "sits")
-    app.kick_migration()
-    assert app.status()["tenants"]["t"]["l1_migrating_entries"] == 3_000
+    app.switcher.kick_migration()
+    assert app.admin.status()["tenants"]["t"]["l1_migrating_entries"] == 3_000
     # The loop stays free: this coroutine runs between the batches, and the
     # partition answers (from either structure) throughout.
     seen_pending = []
@@ -209,7 +209,7 @@ def test_an_expired_tenants_switch_series_go_with_it() -> None:
     app.l1.put("t", 1, ("t", b"x"), 100)
     drive(app, app.switching.next_window_at, 1, 0.020)
     assert switches(app) == {("lirs", "sits"): 0.0, ("sits", "lirs"): 0.0}
-    assert app.expire_idle(1) == []  # used within the last tick: kept
-    assert app.expire_idle(0) == ["t"]
+    assert app.tenants.expire_idle(1) == []  # used within the last tick: kept
+    assert app.tenants.expire_idle(0) == ["t"]
     assert "t" not in app.l1.stats()
     assert switches(app) == {}

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from cachefleet_sidecar import telemetry
-from cachefleet_sidecar.switching import gpu_pressure
-from cachefleet_sidecar.telemetry import GpuSample, GpuTelemetry, NvmlBackend
+from cachefleet_sidecar.adapt import telemetry
+from cachefleet_sidecar.adapt.switching import gpu_pressure
+from cachefleet_sidecar.adapt.telemetry import GpuSample, GpuTelemetry, NvmlBackend
 
 
 class Exposed(Collector):

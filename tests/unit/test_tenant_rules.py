@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_sidecar.identity import (
+from cachefleet_sidecar.http.server import Refusal
+from cachefleet_sidecar.tenancy.identity import (
     TENANT_MEMO_MAX,
     ApiKeys,
     TenantRules,
@@ -13,7 +14,6 @@ from cachefleet_sidecar.identity import (
     parse_api_keys,
     parse_networks,
 )
-from cachefleet_sidecar.server import Refusal
 
 PROXY = "10.0.0.7"
 OUTSIDER = "192.0.2.9"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from cachefleet_sidecar.cache.entry import Entry
+from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.contract.versioned import entry_head, judge_versioned_read, l1_id_line
-from cachefleet_sidecar.entry import Entry
+from cachefleet_sidecar.control.warm import judge
 from cachefleet_sidecar.epochs import EpochTracker
-from cachefleet_sidecar.purge import PurgeIndex
-from cachefleet_sidecar.warm import judge
 
 ENTRY = Entry(
     200, b"content-type: application/json\r\n", b'{"ok": 1}', stream=False, tenant="acme"

@@ -36,7 +36,7 @@ from cachefleet_operator.kubectl_plugin.cluster import (
     label_selector,
     read_sidecars,
 )
-from cachefleet_sidecar import keys
+from cachefleet_sidecar.cache import keys
 from cachefleet_sidecar.contract.names import cache_ref, valid_name
 from cachefleet_sidecar.contract.urls import redact_url
 
@@ -241,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the canonical form and digest of a request body; whether two bodies share an entry",
         description=_para(
             "Keys a request body (FILE, or - for stdin) with the sidecar's own code "
-            "(cachefleet_sidecar.keys) and prints its canonical form, its xxh3-128 digest (the L1 "
-            "index) and SHA-256 (the L2 entry: the X-Cache-Key response header, what invalidate "
+            "(cachefleet_sidecar.cache.keys) and prints its canonical form, its xxh3-128 "
+            "digest (the L1 index) and SHA-256 (the L2 entry: the X-Cache-Key response header, "
+            "what invalidate "
             "--scope key --key takes; -o key prints only it), or why the sidecar would not cache "
             "it. With two files, says whether they share one entry and, if not, where their "
             "canonical forms first differ. The digest also depends on the tenant, the cache "

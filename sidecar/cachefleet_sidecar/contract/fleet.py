@@ -1,7 +1,7 @@
 """The fleet-sample stream's format: what a sidecar forwards for the fleet-wide curves.
 
 Every sidecar forwards the accesses of the keys whose sampling hash (the bits the
-miss-ratio curves sample by, :mod:`cachefleet_sidecar.mrc`) is below one fleet-wide
+miss-ratio curves sample by, :mod:`cachefleet_sidecar.adapt.mrc`) is below one fleet-wide
 threshold: every pod samples the same keys, so the operator can replay them as one
 key stream and measure the reuse the whole fleet sees (L2 answers a key's first
 access on a pod). One stream entry (:func:`~cachefleet_sidecar.contract.names.fleet_samples_key`)

@@ -15,7 +15,7 @@ METRIC_UPSTREAM_DURATION = "cachefleet_upstream_duration_seconds"
 
 #: Histogram (bytes of cache), labels cache, tenant: estimated requests by the
 #: LRU partition size that would have made them hits (SHARDS-sampled reuse
-#: distances, :mod:`cachefleet_sidecar.mrc`); first accesses only in ``+Inf``.
+#: distances, :mod:`cachefleet_sidecar.adapt.mrc`); first accesses only in ``+Inf``.
 METRIC_REUSE_DISTANCE = "cachefleet_reuse_distance_bytes"
 
 

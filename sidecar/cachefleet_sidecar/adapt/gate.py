@@ -1,0 +1,187 @@
+"""The admission gate's I/O: reads the model server's ``/metrics``, parks waiting misses.
+
+The decisions are :mod:`cachefleet_sidecar.adapt.admission`'s (pure); this adapter
+feeds it a reading every :data:`METRICS_POLL_S` (parsed by
+:func:`modelserver.parse_metrics`; a reading that fails, times out or names no
+model server counts as "not saturated" and is counted), turns parked Standard
+requests into futures the request waits on, and renders refusals (429 / 503
+with ``Retry-After`` and a JSON body that gives the reason). The sidecar asks
+it for every request about to go upstream (it counts them until a reading can
+show them): a cache hit never meets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from cachefleet_sidecar.adapt.admission import (
+    ADMIT,
+    Admission,
+    AdmissionConfig,
+    Decision,
+    normal_class,
+)
+from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
+from cachefleet_sidecar.contract.urls import redact_url
+from cachefleet_sidecar.http.server import error_response
+
+log = logging.getLogger("cachefleet.admission")
+
+#: How often the model server's /metrics is read, seconds.
+METRICS_POLL_S = 0.5
+#: How long one read may take before it counts as a fault, seconds.
+METRICS_TIMEOUT_S = 1.0
+#: Largest /metrics answer read (a model server's is tens of kB).
+MAX_METRICS_BYTES = 4 * 1024 * 1024
+
+#: Called with (tenant, class, reason) for every refusal.
+RefusalCounter = Callable[[str, str, str], None]
+
+
+def refusal_response(decision: Decision) -> bytes:
+    """The answer of a refused request: its status, ``Retry-After`` and a JSON error."""
+    return error_response(
+        decision.status,
+        decision.message,
+        "cachefleet_admission",
+        extra=b"retry-after: %d\r\nx-cache: BYPASS\r\n" % decision.retry_after_s,
+        reason=decision.reason,
+        retry_after_s=decision.retry_after_s,
+    )
+
+
+class AdmissionGate:
+    """One sidecar's admission: the core, its metrics poller and its parked requests."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        metrics_url: str,
+        *,
+        on_refusal: RefusalCounter | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        poll_s: float = METRICS_POLL_S,
+    ) -> None:
+        self.core = Admission(config)
+        self.metrics_url = metrics_url
+        self.poll_s = poll_s
+        self._on_refusal = on_refusal
+        self._on_wait = on_wait
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def shedding(self) -> bool:
+        return self.core.shedding_since is not None
+
+    @property
+    def busy(self) -> bool:
+        """True: every request about to go upstream must ask :meth:`admit` (the fast path
+        steps aside), because the core counts what was sent since its last reading."""
+        return True
+
+    # ---------------------------------------------------------------- poller
+    def start(self) -> None:
+        """Start polling (needs a running loop)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_s)
+
+    async def read_metrics(self) -> Any:
+        """One reading of the model server (None when it failed)."""
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                timeout=METRICS_TIMEOUT_S, transport=self._transport, follow_redirects=False
+            )
+        try:
+            resp = await self._client.get(self.metrics_url)
+            resp.raise_for_status()
+            if len(resp.content) > MAX_METRICS_BYTES:
+                raise MetricsParseError("answer too large")
+            return parse_metrics(resp.text)
+        except (httpx.HTTPError, MetricsParseError, UnicodeDecodeError) as exc:
+            log.debug("model server metrics unreadable: %s", exc)
+            return None
+
+    async def poll_once(self) -> None:
+        """Read once, update the core, let parked requests go or time them out."""
+        reading = await self.read_metrics()
+        now = time.monotonic()
+        core = self.core
+        if core.observe(reading, now):
+            if self.shedding:
+                log.warning(
+                    "shedding started: model server saturated (%s; waiting %g, KV %.0f%%)",
+                    core.cause,
+                    core.waiting,
+                    core.kv_usage * 100,
+                )
+            else:
+                log.info("shedding stopped: the model server has room again")
+        for ticket in core.release():
+            self._settle(ticket, ADMIT)
+        expired = core.expire(now)
+        if expired:
+            decision = core.timeout_decision()
+            for ticket in expired:
+                self._settle(ticket, decision)
+
+    @staticmethod
+    def _settle(ticket: object, decision: Decision) -> None:
+        if isinstance(ticket, asyncio.Future) and not ticket.done():
+            ticket.set_result(decision)
+
+    # ---------------------------------------------------------------- requests
+    async def admit(self, tenant: str, priority_class: str | None) -> bytes | None:
+        """None when the request may go upstream; else the refusal to answer with."""
+        core = self.core
+        ticket: asyncio.Future[Decision] | None = None
+        if core.saturated or core.queued:
+            ticket = asyncio.get_running_loop().create_future()
+        decision = core.decide(priority_class, time.monotonic(), ticket)
+        if decision.action == "wait":
+            assert ticket is not None
+            if self._on_wait is not None:
+                self._on_wait(tenant)
+            try:
+                decision = await ticket
+            except asyncio.CancelledError:
+                core.abandon(ticket)
+                raise
+        if decision.action == "admit":
+            return None
+        if self._on_refusal is not None:
+            self._on_refusal(tenant, normal_class(priority_class), decision.reason)
+        return refusal_response(decision)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "metrics_url": redact_url(self.metrics_url),
+            **self.core.describe(),
+        }
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for ticket in self.core.release_all():
+            self._settle(ticket, ADMIT)
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

@@ -1,0 +1,283 @@
+"""Tier glue: what the request path reads from and writes to L1 and L2, and freshness.
+
+:class:`L2` is the interface of the second tier as the sidecar uses it (the
+two-phase versioned read of the fast path, the read and write of the slow
+path, quotas and usage); :class:`l2.RedisL2` implements it, and a sidecar
+without Redis has no L2 at all (``None``, checked once where it matters).
+:class:`Freshness` holds each tenant's TTL and Cache-Control allowances;
+:class:`Tiers` stores answers in L1 and L2 and judges what L2 returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from prometheus_client.core import Metric
+
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
+from cachefleet_sidecar.cache import directives, keys
+from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, L1Value, OldEntry
+from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
+from cachefleet_sidecar.cache.purge import PurgeIndex
+from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.contract.messages import QuotaAssignment
+from cachefleet_sidecar.epochs import EpochVector
+from cachefleet_sidecar.observe import savings
+from cachefleet_sidecar.observe.metrics import SidecarMetrics
+from cachefleet_sidecar.tasks import Background
+
+if TYPE_CHECKING:
+    from cachefleet_sidecar.cache.handler import Keying, Lookup
+    from cachefleet_sidecar.cache.l2 import L2Counters, L2Read
+
+log = logging.getLogger("cachefleet.sidecar")
+
+
+class L2(Protocol):
+    """The second tier (Redis) as the sidecar uses it; :class:`l2.RedisL2` is the one."""
+
+    counters: L2Counters
+    #: Called (synchronously) when a read was refused for being behind the fence.
+    on_behind: Callable[[], None] | None
+
+    @property
+    def state(self) -> str:
+        """``ok``, ``degraded`` or ``down``."""
+        ...
+
+    def begin_read(self, tenant: str, digest_hex: str, vector: EpochVector) -> L2Read | None:
+        """Send a versioned read now (the fast path); None when it cannot be sent."""
+        ...
+
+    def finish_read(self, read: L2Read) -> bytes | None:
+        """The value a begun read found, once its last reply is in (None: a miss)."""
+        ...
+
+    async def get(
+        self, tenant: str, digest_hex: str, vector: EpochVector | None = None
+    ) -> bytes | None: ...
+
+    async def put(
+        self,
+        tenant: str,
+        digest_hex: str,
+        value: bytes,
+        vector: EpochVector | None = None,
+        *,
+        l1_id: int | None = None,
+        ttl_s: float | None = None,
+    ) -> bool: ...
+
+    async def set_limit(self, tenant: str, l2_bytes: int) -> bool: ...
+
+    async def usage(self, tenant: str) -> tuple[int, int]: ...
+
+    async def recent(
+        self, tenant: str, limit: int, timeout_s: float
+    ) -> tuple[list[tuple[str, bytes | None]], dict[str, int]] | None: ...
+
+    def forget_registrations(self) -> None: ...
+
+    async def connect(self) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+    def families(self) -> Iterator[Metric]:
+        """The tier's metric families, read at scrape time."""
+        ...
+
+
+class Freshness:
+    """Entry TTLs by tenant (the operator's ttlSeconds) and the Cache-Control directives
+    each tenant may use."""
+
+    def __init__(self, config: SidecarConfig) -> None:
+        self.config = config
+        self._ttl: dict[str, float] = {}
+        self._default_ttl = config.ttl_s or math.inf
+        #: Cache-Control directives each tenant may use (absent: all); changed in place.
+        self.allowed: dict[str, directives.Allowed] = {}
+
+    def ttl_of(self, tenant: str) -> float:
+        """Seconds after its fill an entry of ``tenant`` stops being served (inf: no limit)."""
+        return self._ttl.get(tenant, self._default_ttl)
+
+    def apply(self, assignment: QuotaAssignment, l1: TenantL1[int, L1Value]) -> None:
+        """Per-tenant TTLs and Cache-Control allowances from the operator's table.
+
+        An L1 value keeps the expiry its TTL gave it when stored, so a tenant
+        whose TTL shrinks has its L1 partition emptied (L2 and L3 judge each
+        entry's age at read time, under the TTL in force).
+        """
+        before = {t: self.ttl_of(t) for t in l1.tenants}
+        self._default_ttl = assignment.ttl_seconds or self.config.ttl_s or math.inf
+        self._ttl = {
+            t: float(q.ttl_seconds) for t, q in assignment.tenants.items() if q.ttl_seconds
+        }
+        self.allowed.clear()
+        self.allowed.update(
+            {
+                t: directives.Allowed(
+                    bypass=q.allow_bypass is not False, max_age=q.allow_max_age is not False
+                )
+                for t, q in assignment.tenants.items()
+                if q.allow_bypass is False or q.allow_max_age is False
+            }
+        )
+        for tenant, ttl in before.items():
+            if self.ttl_of(tenant) < ttl:
+                l1.clear(tenant)
+
+
+class Tiers:
+    """Stores answers in L1 and L2 and judges what L2 returns, for the request path."""
+
+    def __init__(
+        self,
+        config: SidecarConfig,
+        *,
+        l1: TenantL1[int, L1Value],
+        l2: L2 | None,
+        mrc: MissRatioCurves | None,
+        metrics: SidecarMetrics,
+        keying: Keying,
+        freshness: Freshness,
+        purge_index: PurgeIndex,
+        l2_allowed: Callable[[str], bool],
+        background: Background,
+    ) -> None:
+        self.l1 = l1
+        self.l2 = l2
+        self.mrc = mrc
+        self.metrics = metrics
+        self.keying = keying
+        self.ttl_of = freshness.ttl_of
+        self.purge_index = purge_index
+        #: Whether a tenant may use L2 (guests stay in L1).
+        self.l2_allowed = l2_allowed
+        self.background = background
+        #: Largest answer stored in L2 (larger ones stay in L1 only).
+        self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
+        #: Prices per 1k tokens by model (--price-table): hits count their cost too.
+        self.prices = config.price_table
+
+    def saved(
+        self, tenant: str, model: str, prompt: int, completion: int, upstream_s: float
+    ) -> None:
+        """Count what one hit saved the model (and its price, with a price table)."""
+        price = savings.cost(self.prices, model, prompt, completion) if self.prices else None
+        self.metrics.tenant(tenant).saving(model).add(prompt, completion, upstream_s, price)
+
+    def l1_put(
+        self,
+        tenant: str,
+        key: keys.CacheKey,
+        entry: Entry,
+        cost: float | None = None,
+        *,
+        rendered: tuple[L1Value, int] | None = None,
+    ) -> None:
+        """Store an answer from L2 or upstream in L1 (and count the access for the curves).
+
+        ``rendered`` is ``entry.l1_value()`` when the caller has rendered it already.
+        """
+        if rendered is None:
+            rendered = entry.l1_value(
+                key.sha256_hex, time.time(), time.monotonic(), self.ttl_of(tenant)
+            )
+        value, size = rendered
+        if self.mrc is not None:
+            self.mrc.access(tenant, key.digest, size)
+        try:
+            evicted = self.l1.put(tenant, key.digest, value, size, cost)
+        except TenantLimitError:
+            self.metrics.fault("tenant_limit")
+            return
+        self.metrics.tenant(tenant).evicted("l1", evicted)
+        if self.keying.versioned:  # a key purge can arrive: remember which L1 key it would name
+            self.purge_index.add(key.sha256_hex, tenant, key.digest, self.l1.contains)
+
+    def l2_begin(self, lookup: Lookup, key: keys.CacheKey) -> asyncio.Future[Any] | None:
+        """Send the versioned L2 read of an L1 miss now; its last reply's future, or None."""
+        assert self.l2 is not None
+        vector = self.keying.vector(lookup, key)
+        if vector is None or vector is False:
+            return None
+        read = self.l2.begin_read(lookup.tenant, key.sha256_hex, vector)
+        if read is None:
+            return None
+        lookup.l2_read = read
+        future: asyncio.Future[Any] = read.futures[-1]
+        return future
+
+    def l2_rendered(
+        self, tenant: str, key: keys.CacheKey, entry: Entry
+    ) -> tuple[bytes, tuple[L1Value, int]]:
+        """An L2 hit's response and its promotion to L1 (:meth:`Entry.l2_hit`), now."""
+        ttl = self.ttl_of(tenant)
+        return entry.l2_hit(key.sha256_hex, time.time(), time.monotonic(), ttl)
+
+    async def l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:
+        if self.l2 is None or not self.l2_allowed(lookup.tenant):
+            return None
+        vector = self.keying.vector(lookup, key)
+        if vector is False:
+            return None
+        data = await self.l2.get(lookup.tenant, key.sha256_hex, vector)
+        if data is None:
+            return None
+        return self.l2_entry(lookup, key, data)
+
+    def l2_entry(self, lookup: Lookup, key: keys.CacheKey, data: bytes) -> Entry | None:
+        """The entry an L2 read returned, if this request may be answered with it."""
+        tenant = lookup.tenant
+        if not self.keying.current(lookup):
+            return None  # the epochs moved while the read was out: do not serve it
+        try:
+            if len(data) > self.l2_max_entry_bytes + 64 * 1024:  # body + envelope and headers
+                raise CorruptEntry("larger than any entry this sidecar stores")
+            entry = Entry.loads(data)
+        except OldEntry:
+            self.metrics.fault("old_entry_format")  # a miss: the fill writes the new format
+            return None
+        except ValueError as exc:
+            self.metrics.fault("corrupt_entry")
+            log.debug("L2 entry of %s refused: %s", tenant, exc)
+            return None
+        if entry.stream != key.stream:
+            self.metrics.fault("corrupt_entry")
+            return None
+        if entry.tenant != tenant:
+            self.metrics.cross_tenant_hits += 1
+            return None
+        elapsed = entry.elapsed(time.time())
+        if elapsed >= self.ttl_of(tenant):
+            return None  # older than the tenant's TTL: a miss, the fill replaces it
+        if lookup.max_age is not None and elapsed > lookup.max_age:
+            return None
+        return entry
+
+    def l2_store(self, lookup: Lookup, key: keys.CacheKey, entry: Entry) -> None:
+        """Write a stored answer to L2 in the background, if the tenant uses L2 and it fits."""
+        if self.l2 is None or not self.l2_allowed(lookup.tenant):
+            return
+        if len(entry.body) <= self.l2_max_entry_bytes:
+            self.background.spawn(self._l2_put(self.l2, lookup, key, entry))
+        else:
+            self.metrics.fault("entry_too_large")
+
+    async def _l2_put(self, l2: L2, lookup: Lookup, key: keys.CacheKey, entry: Entry) -> None:
+        vector = self.keying.vector(lookup, key)
+        if vector is False:
+            return  # keyed under epochs that have moved on: nobody can read it
+        ttl = self.ttl_of(lookup.tenant) - entry.elapsed(time.time())
+        if ttl <= 0:
+            return
+        await l2.put(
+            lookup.tenant, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest, ttl_s=ttl
+        )
