@@ -1,0 +1,243 @@
+"""In-process cost of an L1 hit, from the bytes of the request to the bytes of the answer.
+
+The ``l1`` row of ``cachefleet bench proxy`` measures the hit path through
+sockets and wrk, which share the machine's cores; this measures the same
+path in one process, without sockets, so that it does not move with the
+load of the machine. A sidecar is built from the flags the proxy benchmark
+gives it, filled with the benchmark's hit request by one real request to an
+in-process responder, and then one connection (whose transport only counts
+what it is given) is fed the request wrk sends, over and over: httptools
+parses it, :meth:`Sidecar.fast` answers it, the outbox writes the answer and
+runs the hit's bookkeeping (without a running loop it does so at once).
+
+Rows, measured in interleaved turns (each figure is the best turn):
+
+``floor``
+    the same connection in front of a handler that answers every request with
+    a ready-made response: the parsing and the write, nothing of the cache.
+``l1``
+    the sidecar's L1 hit, miss-ratio curves on (the default).
+``l1-nocurves``
+    the same with ``--mrc-samples 0``.
+
+    python -m cachefleet_bench.hit_micro [--requests N] [--repeats R] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cachefleet_bench.proxy import HOST, REQUEST_PATH, SIDECAR_L1_BYTES, TENANT, TENANT_HEADER
+from cachefleet_bench.proxy import hit_body
+from cachefleet_bench.responder import RESPONSE, ResponderProtocol
+from cachefleet_sidecar.app import Sidecar, SidecarServer
+from cachefleet_sidecar.config import parse_args
+from cachefleet_sidecar.server import Connection, Limiter, Request
+
+DEFAULT_REQUESTS = 50_000
+DEFAULT_REPEATS = 5
+#: The peer address the connection reports (a trusted proxy: the tenant header counts).
+PEER = ("127.0.0.1", 40000)
+
+Row = dict[str, Any]
+
+
+def wire_request() -> bytes:
+    """The hit request as wrk sends it (its script in :mod:`cachefleet_bench.proxy`)."""
+    body = hit_body()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: %s:8080\r\nContent-Type: application/json\r\n"
+        b"%s: %s\r\nContent-Length: %d\r\n\r\n%s"
+        % (
+            REQUEST_PATH.encode(),
+            HOST.encode(),
+            TENANT_HEADER.encode(),
+            TENANT.encode(),
+            len(body),
+            body,
+        )
+    )
+
+
+class _Sink:
+    """A transport that keeps the last answer and counts the writes."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.last = b""
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self.last = data
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return PEER if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        raise RuntimeError("the benchmark connection was closed: the request was refused")
+
+
+class _Constant:
+    """The floor's handler: every request gets the responder's ready-made answer."""
+
+    def fast(self, request: Request) -> bytes:
+        return RESPONSE
+
+    def resume(self, request: Request) -> None:
+        return None
+
+    async def handle(self, request: Request, conn: Connection) -> None:
+        raise RuntimeError("the floor answers every request on the fast path")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _filled(extra: Sequence[str]) -> Sidecar:
+    """A sidecar as the proxy benchmark starts it, holding the hit request's answer in L1."""
+    loop = asyncio.get_running_loop()
+    responder = await loop.create_server(ResponderProtocol, HOST, 0)
+    upstream = responder.sockets[0].getsockname()[1]
+    port = _free_port()
+    config = parse_args(
+        [
+            "--listen",
+            f"{HOST}:{port}",
+            "--upstream",
+            f"http://{HOST}:{upstream}",
+            "--trusted-proxies",
+            f"{HOST}/32",
+            "--l1-bytes",
+            str(SIDECAR_L1_BYTES),
+            *extra,
+        ]
+    )
+    server = SidecarServer(config)
+    await server.start()
+    try:
+        for want in (b"x-cache: miss", b"x-cache: hit"):
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(wire_request().replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1))
+            answer = (await reader.read()).lower()
+            writer.close()
+            if want not in answer:
+                raise RuntimeError(f"expected {want!r} from the sidecar, got {answer[:300]!r}")
+    finally:
+        await server.stop()
+        responder.close()
+    return server.sidecar
+
+
+def _connection(handler: Any) -> tuple[Connection, _Sink]:
+    sink = _Sink()
+    conn = Connection(handler, Limiter())
+    conn.connection_made(sink)  # type: ignore[arg-type]
+    return conn, sink
+
+
+def _turn(conn: Connection, sink: _Sink, n: int) -> int:
+    """ns to answer ``n`` requests on ``conn`` (checked: every one answered)."""
+    data = wire_request()
+    feed = conn.data_received
+    before = sink.writes
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        feed(data)
+    took = time.perf_counter_ns() - start
+    if sink.writes - before != n:
+        raise RuntimeError(f"{n} requests got {sink.writes - before} answers")
+    return took
+
+
+def run(n: int = DEFAULT_REQUESTS, repeats: int = DEFAULT_REPEATS) -> list[Row]:
+    """One row per series: µs per request and the ratio to the floor."""
+    if n < 1 or repeats < 1:
+        raise ValueError("requests and repeats must be >= 1")
+    sidecars = {
+        "l1": asyncio.run(_filled(())),
+        "l1-nocurves": asyncio.run(_filled(("--mrc-samples", "0"))),
+    }
+    handlers: dict[str, Any] = {"floor": _Constant(), **sidecars}
+    conns = {name: _connection(handler) for name, handler in handlers.items()}
+    for name, (conn, sink) in conns.items():
+        _turn(conn, sink, 100)  # warm up (and check the answer is the hit)
+        if name != "floor" and b"x-cache: hit" not in sink.last.lower():
+            raise RuntimeError(f"{name}: not an L1 hit: {sink.last[:300]!r}")
+    best = dict.fromkeys(handlers, float("inf"))
+    for _ in range(repeats):
+        for name, (conn, sink) in conns.items():
+            best[name] = min(best[name], _turn(conn, sink, n))
+    return [
+        {
+            "series": name,
+            "us_per_request": best[name] / n / 1000,
+            "requests_per_s": n * 1e9 / best[name],
+            "vs_floor": best[name] / best["floor"],
+            "vs_l1": best[name] / best["l1"],
+        }
+        for name in handlers
+    ]
+
+
+def profile(n: int, top: int = 25) -> str:
+    """cProfile of ``n`` L1 hits (curves on): the ``top`` functions by own time."""
+    conn, sink = _connection(asyncio.run(_filled(())))
+    _turn(conn, sink, 100)
+    profiler = cProfile.Profile()
+    profiler.runcall(_turn, conn, sink, n)
+    out = _Writer()
+    stats = pstats.Stats(profiler, stream=out)  # type: ignore[arg-type]
+    stats.sort_stats("tottime").print_stats(top)
+    return out.text
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = f"{'series':<14}{'µs/request':>12}{'req/s':>12}{'vs floor':>10}{'vs l1':>8}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['series']:<14}{row['us_per_request']:>12.2f}{row['requests_per_s']:>12,.0f}"
+            f"{row['vs_floor']:>10.2f}{row['vs_l1']:>8.2f}"
+        )
+    lines.append("(one process, no sockets; best of the interleaved turns)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cachefleet_bench.hit_micro", description=__doc__)
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument("--profile", action="store_true", help="cProfile the L1 hit instead")
+    args = parser.parse_args(argv)
+    if args.profile:
+        out(profile(args.requests))
+    else:
+        out(format_table(run(args.requests, args.repeats)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
