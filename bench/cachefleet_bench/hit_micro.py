@@ -6,9 +6,10 @@ path in one process, without sockets, so that it does not move with the
 load of the machine. A sidecar is built from the flags the proxy benchmark
 gives it, filled with the benchmark's hit request by one real request to an
 in-process responder, and then one connection (whose transport only counts
-what it is given) is fed the request wrk sends, over and over: httptools
-parses it, :meth:`Sidecar.fast` answers it, the outbox writes the answer and
-runs the hit's bookkeeping (without a running loop it does so at once).
+what it is given) is fed the request wrk sends, over and over, one request
+per turn of a uvloop event loop: httptools parses it, :meth:`Sidecar.fast`
+answers it, the outbox writes the answer, and at the turn's end runs the
+hit's bookkeeping, as in the server.
 
 Rows, measured in interleaved turns (each figure is the best turn):
 
@@ -32,8 +33,8 @@ import pstats
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from cachefleet_bench.proxy import HOST, REQUEST_PATH, SIDECAR_L1_BYTES, TENANT, TENANT_HEADER
 from cachefleet_bench.proxy import hit_body
@@ -48,6 +49,7 @@ DEFAULT_REPEATS = 5
 PEER = ("127.0.0.1", 40000)
 
 Row = dict[str, Any]
+T = TypeVar("T")
 
 
 def wire_request() -> bytes:
@@ -145,23 +147,35 @@ async def _filled(extra: Sequence[str]) -> Sidecar:
 
 def _connection(handler: Any) -> tuple[Connection, _Sink]:
     sink = _Sink()
-    conn = Connection(handler, Limiter())
+    # The sidecar's bookkeeping goes to its own outbox, which the server shares with its limiter.
+    conn = Connection(handler, Limiter(outbox=getattr(handler, "outbox", None)))
     conn.connection_made(sink)  # type: ignore[arg-type]
     return conn, sink
 
 
-def _turn(conn: Connection, sink: _Sink, n: int) -> int:
-    """ns to answer ``n`` requests on ``conn`` (checked: every one answered)."""
+async def _turns(conn: Connection, sink: _Sink, n: int) -> int:
+    """ns to answer ``n`` requests on ``conn``, one per loop turn (checked: every one answered)."""
     data = wire_request()
     feed = conn.data_received
     before = sink.writes
+    pause = asyncio.sleep
     start = time.perf_counter_ns()
     for _ in range(n):
         feed(data)
+        await pause(0)  # the turn ends: the outbox runs the bookkeeping
     took = time.perf_counter_ns() - start
     if sink.writes - before != n:
         raise RuntimeError(f"{n} requests got {sink.writes - before} answers")
     return took
+
+
+def _run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop, as the sidecar runs (asyncio's loop without it)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def run(n: int = DEFAULT_REQUESTS, repeats: int = DEFAULT_REPEATS) -> list[Row]:
@@ -169,19 +183,23 @@ def run(n: int = DEFAULT_REQUESTS, repeats: int = DEFAULT_REPEATS) -> list[Row]:
     if n < 1 or repeats < 1:
         raise ValueError("requests and repeats must be >= 1")
     sidecars = {
-        "l1": asyncio.run(_filled(())),
-        "l1-nocurves": asyncio.run(_filled(("--mrc-samples", "0"))),
+        "l1": _run(_filled(())),
+        "l1-nocurves": _run(_filled(("--mrc-samples", "0"))),
     }
+    return _run(_measure(sidecars, n, repeats))
+
+
+async def _measure(sidecars: dict[str, Sidecar], n: int, repeats: int) -> list[Row]:
     handlers: dict[str, Any] = {"floor": _Constant(), **sidecars}
     conns = {name: _connection(handler) for name, handler in handlers.items()}
     for name, (conn, sink) in conns.items():
-        _turn(conn, sink, 100)  # warm up (and check the answer is the hit)
+        await _turns(conn, sink, 100)  # warm up (and check the answer is the hit)
         if name != "floor" and b"x-cache: hit" not in sink.last.lower():
             raise RuntimeError(f"{name}: not an L1 hit: {sink.last[:300]!r}")
     best = dict.fromkeys(handlers, float("inf"))
     for _ in range(repeats):
         for name, (conn, sink) in conns.items():
-            best[name] = min(best[name], _turn(conn, sink, n))
+            best[name] = min(best[name], await _turns(conn, sink, n))
     return [
         {
             "series": name,
@@ -196,10 +214,16 @@ def run(n: int = DEFAULT_REQUESTS, repeats: int = DEFAULT_REPEATS) -> list[Row]:
 
 def profile(n: int, top: int = 25) -> str:
     """cProfile of ``n`` L1 hits (curves on): the ``top`` functions by own time."""
-    conn, sink = _connection(asyncio.run(_filled(())))
-    _turn(conn, sink, 100)
+    conn, sink = _connection(_run(_filled(())))
+
+    async def measured() -> None:
+        await _turns(conn, sink, 100)
+        profiler.enable()
+        await _turns(conn, sink, n)
+        profiler.disable()
+
     profiler = cProfile.Profile()
-    profiler.runcall(_turn, conn, sink, n)
+    _run(measured())
     out = _Writer()
     stats = pstats.Stats(profiler, stream=out)  # type: ignore[arg-type]
     stats.sort_stats("tottime").print_stats(top)

@@ -150,12 +150,27 @@ def entropy_bits(counts: Mapping[int, int]) -> float:
 
 
 class _Window:
-    __slots__ = ("buckets", "count", "samples")
+    __slots__ = ("buckets", "count", "replace_at", "samples", "weight")
 
     def __init__(self) -> None:
         self.samples: list[float] = []
         self.buckets: dict[int, int] = {}
         self.count = 0
+        #: The reservoir's next replacement: the request count that takes a slot
+        #: (Li's algorithm L: the requests skipped in between cost no random draw).
+        self.replace_at = 0
+        #: Algorithm L's running weight (the largest of the reservoir's random keys).
+        self.weight = 1.0
+
+    def skip(self, rng: random.Random) -> None:
+        """Draw the count of the next request that replaces a sample (after this one)."""
+        self.weight *= math.exp(math.log(_unit(rng)) / MAX_SAMPLES)
+        self.replace_at = self.count + 1 + int(math.log(_unit(rng)) / math.log1p(-self.weight))
+
+
+def _unit(rng: random.Random) -> float:
+    """A uniform draw in (0, 1) (never 0: its log is taken)."""
+    return rng.random() or 0.5
 
 
 @dataclass(slots=True)
@@ -219,12 +234,13 @@ class SwitchingEngine:
             )
         w = state.window
         w.count += 1
-        if len(w.samples) < MAX_SAMPLES:
+        if w.count <= MAX_SAMPLES:
             w.samples.append(latency_s)
-        else:
-            slot = self._rng.randrange(w.count)
-            if slot < MAX_SAMPLES:
-                w.samples[slot] = latency_s
+            if w.count == MAX_SAMPLES:
+                w.skip(self._rng)
+        elif w.count == w.replace_at:  # a uniform reservoir: most requests skip past
+            w.samples[self._rng.randrange(MAX_SAMPLES)] = latency_s
+            w.skip(self._rng)
         bucket = key_hash % ENTROPY_BUCKETS
         w.buckets[bucket] = w.buckets.get(bucket, 0) + 1
 
