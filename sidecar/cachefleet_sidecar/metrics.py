@@ -121,10 +121,19 @@ class TenantMetrics:
     def request(self, tier: str, result: str, seconds: float) -> None:
         key = (tier, result)
         self.requests[key] = self.requests.get(key, 0) + 1
+        self.histogram(tier).observe(seconds)
+
+    def requests_done(self, tier: str, result: str, count: int) -> None:
+        """Count ``count`` requests at once (their latencies go to :meth:`histogram`)."""
+        key = (tier, result)
+        self.requests[key] = self.requests.get(key, 0) + count
+
+    def histogram(self, tier: str) -> Histogram:
+        """The latency histogram of ``tier``'s requests."""
         hist = self.latency.get(tier)
         if hist is None:
             hist = self.latency[tier] = Histogram()
-        hist.observe(seconds)
+        return hist
 
     def evicted(self, tier: str, count: int) -> None:
         if count:
@@ -183,8 +192,16 @@ class SidecarMetrics:
         self.admission_waits: dict[str, int] = {}
         self.usage_source: Callable[[], Iterable[TierUsage]] = list
         self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
+        #: Called before the counters are read (:meth:`flush`): whoever counts in batches
+        #: (the L1 hits' book) applies what it holds, so a scrape is exact.
+        self.flushers: list[Callable[[], None]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+
+    def flush(self) -> None:
+        """Apply every batch of counts not applied yet (before the counters are read)."""
+        for flush in self.flushers:
+            flush()
 
     def tenant(self, tenant: str) -> TenantMetrics:
         tm = self.tenants.get(tenant)
@@ -547,6 +564,7 @@ class _Collector(Collector):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
+        self.m.flush()
         tenants = list(self.m.tenants.items())
         for build in _TENANT_FAMILIES:
             yield build(self.m.cache, tenants)

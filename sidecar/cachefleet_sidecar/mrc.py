@@ -78,6 +78,11 @@ MINI_SIM_FRACTIONS: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 
 BUCKETS: tuple[float, ...] = tuple(float(round(2 ** (12 + i / 2))) for i in range(45))
 
 
+def sample_of(digest: int) -> int:
+    """The sampling hash of a key digest (compared with a tenant's threshold)."""
+    return (digest >> HASH_SHIFT) & HASH_MASK
+
+
 class _Fenwick:
     """Prefix sums of bytes over access slots (1-based)."""
 
@@ -379,6 +384,18 @@ class MissRatioCurves:
             policy, self.policy_sizes, lambda capacity: make_policy(policy, capacity), sampler.rate
         )
 
+    def threshold(self, tenant: str) -> int:
+        """The sampling hash below which an access of ``tenant`` counts (:func:`sample_of`).
+
+        A caller that checks ``sample_of(digest) < threshold(tenant)`` itself
+        calls :meth:`access` only for sampled keys; the threshold moves only
+        in :meth:`access` (and :meth:`forget`, :meth:`limit_to`), so it may be kept
+        until the next of those. A tenant not measured yet has the whole hash
+        space: its first access starts its sampler.
+        """
+        sampler = self._samplers.get(tenant)
+        return HASH_SPACE if sampler is None else sampler.threshold
+
     def access(self, tenant: str, digest: int, size: int) -> None:
         sampler = self._samplers.get(tenant)
         if sampler is None:
@@ -386,7 +403,7 @@ class MissRatioCurves:
                 return
             sampler = self._samplers[tenant] = ShardsSampler(self.max_samples, self.max_rate)
             self._ensure_sim(tenant)
-        h = (digest >> HASH_SHIFT) & HASH_MASK
+        h = sample_of(digest)
         if h >= sampler.threshold:
             return
         self._burst += 1
