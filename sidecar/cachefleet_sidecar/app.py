@@ -68,6 +68,7 @@ from .entry import (
 )
 from .epochs import EpochTracker, EpochVector
 from .gate import AdmissionGate
+from .hits import HitBook
 from .host import HostPressure
 from .identity import (
     API_KEYS_POLL_S,
@@ -286,6 +287,15 @@ class Sidecar:
             SwitchingEngine(SwitchingConfig(window_s=config.switch_window_s), now=time.monotonic())
             if config.switch_window_s > 0
             else None
+        )
+        #: The L1 hits' bookkeeping, applied once per loop turn for the turn's hits.
+        self.hits = HitBook(
+            self.metrics,
+            self.outbox.later,
+            mrc=self.mrc,
+            switching=self.switching,
+            prices=self.prices,
+            on_observed=self._switch_due,
         )
         #: Class-aware admission of upstream-bound requests (None when off; docs/admission.md).
         self.gate: AdmissionGate | None = None
@@ -650,8 +660,7 @@ class Sidecar:
         if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
-        seconds = time.perf_counter() - request.started
-        self._after_write(self._l1_hit_done, lookup.tenant, lookup.key, hit, seconds)
+        self.hits.add(lookup.tenant, lookup.key, hit, time.perf_counter() - request.started)
         return hit[1]
 
     def _after_write(self, fn: Callable[..., None], *args: Any) -> None:
@@ -662,15 +671,10 @@ class Sidecar:
     def _l1_hit_done(
         self, tenant: str, key: keys.CacheKey, hit: L1Value, seconds: float, observe: bool = True
     ) -> None:
-        """What follows an L1 hit: the curves' access, the metrics, savings and (unless
-        the caller observes the request itself) switching."""
-        digest = key.digest
-        if self.mrc is not None:
-            self.mrc.access(tenant, digest, len(hit[V_RESPONSE]))
-        self.metrics.tenant(tenant).request("l1", "hit", seconds)
-        self._saved(tenant, key.model, hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
-        if observe and self.switching is not None:
-            self._observe(tenant, seconds, digest)
+        """What follows an L1 hit, counted now: the curves' access, the metrics, savings
+        and (unless the caller observes the request itself) switching (:class:`HitBook`)."""
+        self.hits.add(tenant, key, hit, seconds, observe)
+        self.hits.flush()
 
     def _l1_aged(
         self, tenant: str, key: keys.CacheKey, hit: L1Value, mono: float
@@ -1442,6 +1446,12 @@ class Sidecar:
         engine = self.switching
         assert engine is not None
         engine.observe(tenant, seconds, digest)
+        self._switch_due()
+
+    def _switch_due(self) -> None:
+        """Close the switching engine's windows when one has ended."""
+        engine = self.switching
+        assert engine is not None
         now = time.monotonic()
         if now >= engine.next_window_at:
             try:
@@ -1639,6 +1649,7 @@ class Sidecar:
                 self.l2_usage[tenant] = (used, limit)
 
     def status(self) -> dict[str, Any]:
+        self.metrics.flush()  # the hits' batched bookkeeping counts before it is shown
         stats = self.l1.stats()
         return {
             "cache": self.config.cache,
