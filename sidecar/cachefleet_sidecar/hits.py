@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 from . import savings
 from .entry import V_COMPLETION, V_PROMPT, V_RESPONSE, V_UPSTREAM_S, L1Value
+from .keys import CacheKey
 from .metrics import BUCKETS, SidecarMetrics
-from .mrc import MissRatioCurves, sample_of
+from .mrc import HASH_MASK, HASH_SHIFT, MissRatioCurves
 
 if TYPE_CHECKING:
-    from .keys import CacheKey
     from .switching import SwitchingEngine
 
 #: One L1 hit: tenant, key, the L1 value served, seconds to answer, whether switching observes it.
-Hit = tuple[str, "CacheKey", L1Value, float, bool]
+Hit = tuple[str, CacheKey, L1Value, float, bool]
 
 
 class HitBook:
@@ -81,29 +81,38 @@ class HitBook:
         self.pending = []
         metrics, mrc, engine, prices = self._metrics, self._mrc, self._switching, self._prices
         # Per tenant of this batch: [requests, its metrics, latency histogram, latency sum,
-        # the curves' sampling threshold (-1: no curves)].
+        # the curves' sampling threshold (-1: no curves), latencies and key hashes observed].
         tenants: dict[str, list[Any]] = {}
-        # Per (tenant, model): [hits, prompt tokens, completion tokens, model seconds, cost].
+        # Per (tenant, key model): [hits, prompt tokens, completion tokens, model seconds, cost].
         saved: dict[tuple[str, str], list[Any]] = {}
-        observed = False
+        last_tenant: str | None = None
+        last_key: CacheKey | None = None
+        row: list[Any] = []
+        sums: list[Any] = []
         for tenant, key, value, seconds, observe in hits:
-            row = tenants.get(tenant)
-            if row is None:
-                tm = metrics.tenant(tenant)
-                threshold = -1 if mrc is None else mrc.threshold(tenant)
-                row = tenants[tenant] = [0, tm, tm.histogram("l1"), 0.0, threshold]
+            if tenant != last_tenant:
+                found = tenants.get(tenant)
+                if found is None:
+                    tm = metrics.tenant(tenant)
+                    threshold = -1 if mrc is None else mrc.threshold(tenant)
+                    found = [0, tm, tm.histogram("l1"), 0.0, threshold, [], []]
+                    tenants[tenant] = found
+                row, last_tenant, last_key = found, tenant, None
             row[0] += 1
             row[2].counts[bisect_left(BUCKETS, seconds)] += 1
             row[3] += seconds
             digest = key.digest
-            if sample_of(digest) < row[4]:
+            if (digest >> HASH_SHIFT) & HASH_MASK < row[4]:  # a sampled key: the curves count it
                 assert mrc is not None
                 mrc.access(tenant, digest, len(value[V_RESPONSE]))
                 row[4] = mrc.threshold(tenant)
+            if key is not last_key:  # a hot key's hits come in runs: their sums are shared
+                last_key = key
+                group = saved.get((tenant, key.model))
+                if group is None:
+                    group = saved[(tenant, key.model)] = [0, 0, 0, 0.0, 0.0]
+                sums = group
             prompt, completion = value[V_PROMPT], value[V_COMPLETION]
-            sums = saved.get((tenant, key.model))
-            if sums is None:
-                sums = saved[(tenant, key.model)] = [0, 0, 0, 0.0, 0.0]
             sums[0] += 1
             sums[1] += prompt
             sums[2] += completion
@@ -113,11 +122,15 @@ class HitBook:
                 if price is not None:
                     sums[4] += price
             if observe and engine is not None:
-                engine.observe(tenant, seconds, digest)
-                observed = True
-        for count, tm, hist, total, _ in tenants.values():
+                row[5].append(seconds)
+                row[6].append(digest)
+        observed = False
+        for tenant, (count, tm, hist, total, _, latencies, key_hashes) in tenants.items():
             tm.requests_done("l1", "hit", count)
             hist.sum += total
+            if latencies and engine is not None:
+                engine.observe_many(tenant, latencies, key_hashes)
+                observed = True
         for (tenant, model), (count, prompt, completion, upstream_s, cost) in saved.items():
             tenants[tenant][1].saving(model).add_many(count, prompt, completion, upstream_s, cost)
         if observed and self._on_observed is not None:

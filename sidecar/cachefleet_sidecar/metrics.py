@@ -292,6 +292,7 @@ class SidecarMetrics:
         each family keeps one HELP/TYPE header. Everything else comes last,
         in one piece from ``prometheus_client``.
         """
+        self.flush()
         tenants = list(self.tenants.items())
         clock = time.perf_counter
         for name, kind, help_text, lines_of in _TENANT_TEXT:

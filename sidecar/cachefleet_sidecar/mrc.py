@@ -78,11 +78,6 @@ MINI_SIM_FRACTIONS: tuple[float, ...] = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 
 BUCKETS: tuple[float, ...] = tuple(float(round(2 ** (12 + i / 2))) for i in range(45))
 
 
-def sample_of(digest: int) -> int:
-    """The sampling hash of a key digest (compared with a tenant's threshold)."""
-    return (digest >> HASH_SHIFT) & HASH_MASK
-
-
 class _Fenwick:
     """Prefix sums of bytes over access slots (1-based)."""
 
@@ -385,9 +380,9 @@ class MissRatioCurves:
         )
 
     def threshold(self, tenant: str) -> int:
-        """The sampling hash below which an access of ``tenant`` counts (:func:`sample_of`).
+        """The sampling hash below which an access of ``tenant`` counts.
 
-        A caller that checks ``sample_of(digest) < threshold(tenant)`` itself
+        A caller that checks ``(digest >> HASH_SHIFT) & HASH_MASK < threshold(tenant)`` itself
         calls :meth:`access` only for sampled keys; the threshold moves only
         in :meth:`access` (and :meth:`forget`, :meth:`limit_to`), so it may be kept
         until the next of those. A tenant not measured yet has the whole hash
@@ -403,7 +398,7 @@ class MissRatioCurves:
                 return
             sampler = self._samplers[tenant] = ShardsSampler(self.max_samples, self.max_rate)
             self._ensure_sim(tenant)
-        h = sample_of(digest)
+        h = (digest >> HASH_SHIFT) & HASH_MASK
         if h >= sampler.threshold:
             return
         self._burst += 1

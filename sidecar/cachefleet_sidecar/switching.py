@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -225,6 +225,12 @@ class SwitchingEngine:
 
     def observe(self, tenant: str, latency_s: float, key_hash: int) -> None:
         """One request of ``tenant``: its latency and its cache key's hash."""
+        self.observe_many(tenant, (latency_s,), (key_hash,))
+
+    def observe_many(
+        self, tenant: str, latencies: Sequence[float], key_hashes: Sequence[int]
+    ) -> None:
+        """Requests of ``tenant``, in order: their latencies and their cache keys' hashes."""
         state = self._tenants.get(tenant)
         if state is None:
             if len(self._tenants) >= MAX_TENANTS:
@@ -233,16 +239,22 @@ class SwitchingEngine:
                 history=deque(maxlen=self.config.history_windows)
             )
         w = state.window
-        w.count += 1
-        if w.count <= MAX_SAMPLES:
-            w.samples.append(latency_s)
-            if w.count == MAX_SAMPLES:
-                w.skip(self._rng)
-        elif w.count == w.replace_at:  # a uniform reservoir: most requests skip past
-            w.samples[self._rng.randrange(MAX_SAMPLES)] = latency_s
-            w.skip(self._rng)
-        bucket = key_hash % ENTROPY_BUCKETS
-        w.buckets[bucket] = w.buckets.get(bucket, 0) + 1
+        samples, buckets, rng = w.samples, w.buckets, self._rng
+        count = w.count
+        for latency_s, key_hash in zip(latencies, key_hashes, strict=True):
+            count += 1
+            if count <= MAX_SAMPLES:
+                samples.append(latency_s)
+                if count == MAX_SAMPLES:
+                    w.count = count
+                    w.skip(rng)
+            elif count == w.replace_at:  # a uniform reservoir: most requests skip past
+                samples[rng.randrange(MAX_SAMPLES)] = latency_s
+                w.count = count
+                w.skip(rng)
+            bucket = key_hash % ENTROPY_BUCKETS
+            buckets[bucket] = buckets.get(bucket, 0) + 1
+        w.count = count
 
     def tick(self, now: float, policies: Mapping[str, str]) -> list[Decision]:
         """Close every window that ended by ``now``; the decisions to apply.
