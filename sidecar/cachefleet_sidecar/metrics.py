@@ -123,11 +123,6 @@ class TenantMetrics:
         self.requests[key] = self.requests.get(key, 0) + 1
         self.histogram(tier).observe(seconds)
 
-    def requests_done(self, tier: str, result: str, count: int) -> None:
-        """Count ``count`` requests at once (their latencies go to :meth:`histogram`)."""
-        key = (tier, result)
-        self.requests[key] = self.requests.get(key, 0) + count
-
     def histogram(self, tier: str) -> Histogram:
         """The latency histogram of ``tier``'s requests."""
         hist = self.latency.get(tier)

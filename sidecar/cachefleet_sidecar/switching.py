@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -225,12 +225,10 @@ class SwitchingEngine:
 
     def observe(self, tenant: str, latency_s: float, key_hash: int) -> None:
         """One request of ``tenant``: its latency and its cache key's hash."""
-        self.observe_many(tenant, (latency_s,), (key_hash,))
+        self.observe_many(tenant, ((latency_s, key_hash),))
 
-    def observe_many(
-        self, tenant: str, latencies: Sequence[float], key_hashes: Sequence[int]
-    ) -> None:
-        """Requests of ``tenant``, in order: their latencies and their cache keys' hashes."""
+    def observe_many(self, tenant: str, requests: Iterable[tuple[float, int]]) -> None:
+        """Requests of ``tenant``, in order: (latency, cache key hash) of each."""
         state = self._tenants.get(tenant)
         if state is None:
             if len(self._tenants) >= MAX_TENANTS:
@@ -241,7 +239,7 @@ class SwitchingEngine:
         w = state.window
         samples, buckets, rng = w.samples, w.buckets, self._rng
         count = w.count
-        for latency_s, key_hash in zip(latencies, key_hashes, strict=True):
+        for latency_s, key_hash in requests:
             count += 1
             if count <= MAX_SAMPLES:
                 samples.append(latency_s)
