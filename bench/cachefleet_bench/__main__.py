@@ -28,6 +28,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "L1 lookup micro-benchmark: lru / lirs / sits vs cachetools",
         (),
     ),
+    "hit": (
+        "cachefleet_bench.hit_micro",
+        "L1 hit in one process: CPU per hit (parse, fast path, write, bookkeeping) vs a floor",
+        ("--requests", "2000", "--repeats", "1"),
+    ),
     "l2": (
         "cachefleet_bench.l2_micro",
         "L2 read micro-benchmark: a versioned RedisL2.get vs one plain GET (own redis-server)",

@@ -57,6 +57,7 @@ from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Limiter, Limits, Outbox
 from cachefleet_sidecar.http.upstream import UpstreamPool
 from cachefleet_sidecar.observe.admin import Admin
+from cachefleet_sidecar.observe.hits import HitBook
 from cachefleet_sidecar.observe.metrics import SidecarMetrics, admission_families, reuse_families
 from cachefleet_sidecar.tasks import Background
 from cachefleet_sidecar.tenancy.tenants import QuotaApplier, Tenants
@@ -274,6 +275,14 @@ def build(
         upstream=upstream,
         gate=gate,
         switcher=None if switching is None else switcher,
+        hits=HitBook(
+            metrics,
+            outbox.later,
+            mrc=mrc,
+            switching=switching,
+            prices=config.price_table,
+            on_observed=None if switching is None else switcher.switch_due,
+        ),
         outbox=outbox,
         background=background,
         admin=admin.handle,

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from cachefleet_sidecar.adapt.switching import (
+    MAX_SAMPLES,
     Decision,
     SwitchingConfig,
     SwitchingEngine,
@@ -247,3 +248,20 @@ def test_a_pod_starving_for_cpu_holds_the_switch() -> None:
     assert engine.status()["host_pressure"] == 0.8
     engine.set_host_pressure(0.1)
     assert [x.action for x in d.run(3, spike(0.060))] == ["switch"]
+
+
+def test_the_latency_reservoir_is_a_uniform_sample_of_the_whole_window() -> None:
+    engine = SwitchingEngine()
+    requests = 20 * MAX_SAMPLES
+    for i in range(requests):
+        engine.observe("t", float(i), i)
+    window = engine._tenants["t"].window
+    assert window.count == requests
+    assert len(window.samples) == MAX_SAMPLES
+    assert len(set(window.samples)) == MAX_SAMPLES  # each request is kept at most once
+    # Each quarter of the window holds about a quarter of the samples (a reservoir that
+    # stopped replacing would hold only the first quarter's).
+    quarters = [0, 0, 0, 0]
+    for latency in window.samples:
+        quarters[int(4 * latency / requests)] += 1
+    assert all(abs(q - MAX_SAMPLES / 4) < MAX_SAMPLES / 16 for q in quarters), quarters

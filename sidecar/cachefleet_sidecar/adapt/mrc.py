@@ -428,6 +428,23 @@ class MissRatioCurves:
             policy, self.policy_sizes, lambda capacity: make_policy(policy, capacity), sampler.rate
         )
 
+    def threshold(self, tenant: str) -> int:
+        """The sampling hash below which an access of ``tenant`` counts (for its curve,
+        or as a fleet sample: :meth:`forward_fleet`).
+
+        A caller that checks ``(digest >> HASH_SHIFT) & HASH_MASK < threshold(tenant)`` itself
+        calls :meth:`access` only for sampled keys; the threshold moves only
+        in :meth:`access` (and :meth:`forget`, :meth:`limit_to`,
+        :meth:`forward_fleet`), so it may be kept until the next of those. A
+        tenant not measured yet has the whole hash space: its first access
+        starts its sampler.
+        """
+        sampler = self._samplers.get(tenant)
+        if sampler is None:
+            return HASH_SPACE
+        # the fleet-sampled keys go through access() too (they are forwarded there)
+        return max(sampler.threshold, self.fleet_threshold)
+
     def access(self, tenant: str, digest: int, size: int) -> None:
         sampler = self._samplers.get(tenant)
         if sampler is None:

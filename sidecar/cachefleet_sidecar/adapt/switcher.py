@@ -63,6 +63,12 @@ class PolicySwitcher:
         engine = self.engine
         assert engine is not None
         engine.observe(tenant, seconds, digest)
+        self.switch_due()
+
+    def switch_due(self) -> None:
+        """Close the switching engine's windows when one has ended (after observations)."""
+        engine = self.engine
+        assert engine is not None
         now = time.monotonic()
         if now >= engine.next_window_at:
             try:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -150,12 +150,27 @@ def entropy_bits(counts: Mapping[int, int]) -> float:
 
 
 class _Window:
-    __slots__ = ("buckets", "count", "samples")
+    __slots__ = ("buckets", "count", "replace_at", "samples", "weight")
 
     def __init__(self) -> None:
         self.samples: list[float] = []
         self.buckets: dict[int, int] = {}
         self.count = 0
+        #: The reservoir's next replacement: the request count that takes a slot
+        #: (Li's algorithm L: the requests skipped in between cost no random draw).
+        self.replace_at = 0
+        #: Algorithm L's running weight (the largest of the reservoir's random keys).
+        self.weight = 1.0
+
+    def skip(self, rng: random.Random) -> None:
+        """Draw the count of the next request that replaces a sample (after this one)."""
+        self.weight *= math.exp(math.log(_unit(rng)) / MAX_SAMPLES)
+        self.replace_at = self.count + 1 + int(math.log(_unit(rng)) / math.log1p(-self.weight))
+
+
+def _unit(rng: random.Random) -> float:
+    """A uniform draw in (0, 1) (never 0: its log is taken)."""
+    return rng.random() or 0.5
 
 
 @dataclass(slots=True)
@@ -210,6 +225,10 @@ class SwitchingEngine:
 
     def observe(self, tenant: str, latency_s: float, key_hash: int) -> None:
         """One request of ``tenant``: its latency and its cache key's hash."""
+        self.observe_many(tenant, ((latency_s, key_hash),))
+
+    def observe_many(self, tenant: str, requests: Iterable[tuple[float, int]]) -> None:
+        """Requests of ``tenant``, in order: (latency, cache key hash) of each."""
         state = self._tenants.get(tenant)
         if state is None:
             if len(self._tenants) >= MAX_TENANTS:
@@ -218,15 +237,22 @@ class SwitchingEngine:
                 history=deque(maxlen=self.config.history_windows)
             )
         w = state.window
-        w.count += 1
-        if len(w.samples) < MAX_SAMPLES:
-            w.samples.append(latency_s)
-        else:
-            slot = self._rng.randrange(w.count)
-            if slot < MAX_SAMPLES:
-                w.samples[slot] = latency_s
-        bucket = key_hash % ENTROPY_BUCKETS
-        w.buckets[bucket] = w.buckets.get(bucket, 0) + 1
+        samples, buckets, rng = w.samples, w.buckets, self._rng
+        count = w.count
+        for latency_s, key_hash in requests:
+            count += 1
+            if count <= MAX_SAMPLES:
+                samples.append(latency_s)
+                if count == MAX_SAMPLES:
+                    w.count = count
+                    w.skip(rng)
+            elif count == w.replace_at:  # a uniform reservoir: most requests skip past
+                samples[rng.randrange(MAX_SAMPLES)] = latency_s
+                w.count = count
+                w.skip(rng)
+            bucket = key_hash % ENTROPY_BUCKETS
+            buckets[bucket] = buckets.get(bucket, 0) + 1
+        w.count = count
 
     def tick(self, now: float, policies: Mapping[str, str]) -> list[Decision]:
         """Close every window that ended by ``now``; the decisions to apply.

@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from cachefleet_sidecar.adapt.switcher import PolicySwitcher
     from cachefleet_sidecar.cache.l2 import L2Read
     from cachefleet_sidecar.cache.tiers import L2, Freshness, Tiers
+    from cachefleet_sidecar.observe.hits import HitBook
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -338,6 +339,7 @@ class Handler:
         upstream: UpstreamPool,
         gate: AdmissionGate | None,
         switcher: PolicySwitcher | None,
+        hits: HitBook,
         outbox: Outbox,
         background: Background,
         admin: Callable[[Request, Connection], Awaitable[None]],
@@ -355,6 +357,8 @@ class Handler:
         self.upstream = upstream
         self.gate = gate
         self.outbox = outbox
+        #: The L1 hits' bookkeeping, applied once per loop turn for the turn's hits.
+        self.hits = hits
         self.background = background
         self.admin = admin
         #: Largest answer stored in L1 (larger ones are passed through).
@@ -373,6 +377,7 @@ class Handler:
         self._forwarded = relay.forwarded
         self._l2_allowed = tiers.l2_allowed
         self._saved = tiers.saved
+        self._hit = hits.add
         self.ttl_of = freshness.ttl_of
         #: Feeds the switching engine (None when switching is off).
         self._observe = None if switcher is None else switcher.observe
@@ -416,8 +421,7 @@ class Handler:
         if hit[0] != lookup.tenant:
             self.metrics.cross_tenant_hits += 1
             return None
-        seconds = time.perf_counter() - request.started
-        self._after_write(self._l1_hit_done, lookup.tenant, lookup.key, hit, seconds)
+        self._hit(lookup.tenant, lookup.key, hit, time.perf_counter() - request.started)
         return hit[1]
 
     def _after_write(self, fn: Callable[..., None], *args: Any) -> None:
@@ -428,15 +432,10 @@ class Handler:
     def _l1_hit_done(
         self, tenant: str, key: keys.CacheKey, hit: L1Value, seconds: float, observe: bool = True
     ) -> None:
-        """What follows an L1 hit: the curves' access, the metrics, savings and (unless
-        the caller observes the request itself) switching."""
-        digest = key.digest
-        if self.mrc is not None:
-            self.mrc.access(tenant, digest, len(hit[V_RESPONSE]))
-        self.metrics.tenant(tenant).request("l1", "hit", seconds)
-        self._saved(tenant, key.model, hit[V_PROMPT], hit[V_COMPLETION], hit[V_UPSTREAM_S])
-        if observe and self._observe is not None:
-            self._observe(tenant, seconds, digest)
+        """What follows an L1 hit, counted now: the curves' access, the metrics, savings
+        and (unless the caller observes the request itself) switching (:class:`HitBook`)."""
+        self.hits.add(tenant, key, hit, seconds, observe)
+        self.hits.flush()
 
     def _l1_aged(
         self, tenant: str, key: keys.CacheKey, hit: L1Value, mono: float

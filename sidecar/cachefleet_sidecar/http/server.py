@@ -176,14 +176,16 @@ class Outbox:
 
     def answer(self, conn: Connection, data: bytes) -> None:
         """Write ``data`` to ``conn`` now, or at the end of this turn (after its other answers)."""
-        if self._current():
+        turn = self._turn
+        # _current() inline for an open turn (the common case): a call less per answer
+        if turn is not None and turn.is_running():
             if self._answered:
                 if not conn._held:
                     self._held.append(conn)
                 conn._held.append(data)
                 return
             self._answered = True
-        elif self._open():
+        elif not self._current() and self._open():
             self._answered = True
         transport = conn.transport
         if transport is not None:

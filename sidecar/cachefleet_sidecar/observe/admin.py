@@ -110,6 +110,7 @@ class Admin:
                 self.l2_usage[tenant] = (used, limit)
 
     def status(self) -> dict[str, Any]:
+        self.metrics.flush()  # the hits' batched bookkeeping counts before it is shown
         stats = self.l1.stats()
         quotas = self.tenants.quotas
         return {

@@ -143,10 +143,14 @@ class TenantMetrics:
     def request(self, tier: str, result: str, seconds: float) -> None:
         key = (tier, result)
         self.requests[key] = self.requests.get(key, 0) + 1
+        self.histogram(tier).observe(seconds)
+
+    def histogram(self, tier: str) -> Histogram:
+        """The latency histogram of ``tier``'s requests."""
         hist = self.latency.get(tier)
         if hist is None:
             hist = self.latency[tier] = Histogram()
-        hist.observe(seconds)
+        return hist
 
     def evicted(self, tier: str, count: int) -> None:
         if count:
@@ -205,8 +209,16 @@ class SidecarMetrics:
         self.admission_waits: dict[str, int] = {}
         self.usage_source: Callable[[], Iterable[TierUsage]] = list
         self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
+        #: Called before the counters are read (:meth:`flush`): whoever counts in batches
+        #: (the L1 hits' book) applies what it holds, so a scrape is exact.
+        self.flushers: list[Callable[[], None]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
+
+    def flush(self) -> None:
+        """Apply every batch of counts not applied yet (before the counters are read)."""
+        for flush in self.flushers:
+            flush()
 
     def tenant(self, tenant: str) -> TenantMetrics:
         tm = self.tenants.get(tenant)
@@ -297,6 +309,7 @@ class SidecarMetrics:
         each family keeps one HELP/TYPE header. Everything else comes last,
         in one piece from ``prometheus_client``.
         """
+        self.flush()
         tenants = list(self.tenants.items())
         clock = time.perf_counter
         for name, kind, help_text, lines_of in _TENANT_TEXT:
@@ -567,6 +580,7 @@ class _Collector(Collector):
         self.m = metrics
 
     def collect(self) -> Iterator[Metric]:
+        self.m.flush()
         tenants = list(self.m.tenants.items())
         for build in _TENANT_FAMILIES:
             yield build(self.m.cache, tenants)

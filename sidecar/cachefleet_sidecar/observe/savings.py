@@ -114,6 +114,16 @@ class Saved:
         if price is not None:
             self.cost += price
 
+    def add_many(
+        self, hits: int, prompt: int, completion: int, seconds: float, cost: float
+    ) -> None:
+        """Count ``hits`` hits at once: the sums of what they saved (and cost)."""
+        self.hits += hits
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        self.model_seconds += seconds
+        self.cost += cost
+
     def as_dict(self) -> dict[str, float | int]:
         return {
             "hits": self.hits,

@@ -1,0 +1,320 @@
+"""In-process cost of an L1 hit, from the bytes of the request to the bytes of the answer.
+
+The ``l1`` row of ``cachefleet bench proxy`` measures the hit path through
+sockets and wrk, which share the machine's cores; this measures the same
+path in one process, without sockets, so that it does not move with the
+load of the machine. A sidecar is built from the flags the proxy benchmark
+gives it, filled with the benchmark's hit request by one real request to an
+in-process responder, and then one connection (whose transport only counts
+what it is given) is fed the request wrk sends, over and over, one request
+per turn of a uvloop event loop: httptools parses it, :meth:`Handler.fast`
+answers it, the outbox writes the answer, and at the turn's end runs the
+hit's bookkeeping, as in the server.
+
+Each series is measured with one request per loop turn (a lone client) and
+with ``--per-turn`` connections each giving one request per turn (a busy
+server: the hits of one poll share a turn, and its bookkeeping); figures are
+CPU time per request, so that a busy machine disturbs them little. Series,
+measured in interleaved turns (each figure is the best turn):
+
+``floor``
+    the same connection in front of a handler that answers every request with
+    a ready-made response: the parsing and the write, nothing of the cache.
+``l1``
+    the sidecar's L1 hit, miss-ratio curves on (the default).
+``l1-nocurves``
+    the same with ``--mrc-samples 0``.
+
+    python -m cachefleet_bench.hit_micro [--requests N] [--repeats R] [--per-turn K] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import pstats
+import socket
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from cachefleet_bench.proxy import (
+    HOST,
+    REQUEST_PATH,
+    SIDECAR_L1_BYTES,
+    TENANT,
+    TENANT_HEADER,
+    hit_body,
+)
+from cachefleet_bench.responder import RESPONSE, ResponderProtocol
+from cachefleet_sidecar.app import SidecarServer
+from cachefleet_sidecar.compose import Sidecar
+from cachefleet_sidecar.config import parse_args
+from cachefleet_sidecar.http.server import Connection, Limiter, Request
+
+DEFAULT_REQUESTS = 50_000
+DEFAULT_REPEATS = 5
+#: Connections with a request in each loop turn for the wide rows (a busy server's poll).
+DEFAULT_PER_TURN = 16
+#: The peer address the connection reports (a trusted proxy: the tenant header counts).
+PEER = ("127.0.0.1", 40000)
+
+Row = dict[str, Any]
+T = TypeVar("T")
+
+
+def wire_request() -> bytes:
+    """The hit request as wrk sends it (its script in :mod:`cachefleet_bench.proxy`)."""
+    body = hit_body()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: %s:8080\r\nContent-Type: application/json\r\n"
+        b"%s: %s\r\nContent-Length: %d\r\n\r\n%s"
+        % (
+            REQUEST_PATH.encode(),
+            HOST.encode(),
+            TENANT_HEADER.encode(),
+            TENANT.encode(),
+            len(body),
+            body,
+        )
+    )
+
+
+class _Sink:
+    """A transport that keeps the last answer and counts the writes."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.last = b""
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        self.last = data
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return PEER if name == "peername" else default
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        raise RuntimeError("the benchmark connection was closed: the request was refused")
+
+
+class _Constant:
+    """The floor's handler: every request gets the responder's ready-made answer."""
+
+    def fast(self, request: Request) -> bytes:
+        return RESPONSE
+
+    def resume(self, request: Request) -> None:
+        return None
+
+    async def handle(self, request: Request, conn: Connection) -> None:
+        raise RuntimeError("the floor answers every request on the fast path")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def _filled(extra: Sequence[str]) -> Sidecar:
+    """A sidecar as the proxy benchmark starts it, holding the hit request's answer in L1."""
+    loop = asyncio.get_running_loop()
+    responder = await loop.create_server(ResponderProtocol, HOST, 0)
+    upstream = responder.sockets[0].getsockname()[1]
+    port = _free_port()
+    config = parse_args(
+        [
+            "--listen",
+            f"{HOST}:{port}",
+            "--upstream",
+            f"http://{HOST}:{upstream}",
+            "--trusted-proxies",
+            f"{HOST}/32",
+            "--l1-bytes",
+            str(SIDECAR_L1_BYTES),
+            *extra,
+        ]
+    )
+    server = SidecarServer(config)
+    await server.start()
+    try:
+        for want in (b"x-cache: miss", b"x-cache: hit"):
+            reader, writer = await asyncio.open_connection(HOST, port)
+            writer.write(
+                wire_request().replace(b"HTTP/1.1\r\n", b"HTTP/1.1\r\nConnection: close\r\n", 1)
+            )
+            answer = (await reader.read()).lower()
+            writer.close()
+            if want not in answer:
+                raise RuntimeError(f"expected {want!r} from the sidecar, got {answer[:300]!r}")
+    finally:
+        await server.stop()
+        responder.close()
+    return server.sidecar
+
+
+def _connections(handler: Any, count: int) -> list[tuple[Connection, _Sink]]:
+    """``count`` connections to ``handler`` sharing one limiter, as a server's do."""
+    # The sidecar's bookkeeping goes to its own outbox, which the server shares with its limiter.
+    limiter = Limiter(outbox=getattr(handler, "outbox", None))
+    out = []
+    for _ in range(count):
+        sink = _Sink()
+        conn = Connection(handler, limiter)
+        conn.connection_made(sink)  # type: ignore[arg-type]
+        out.append((conn, sink))
+    return out
+
+
+async def _turns(conns: list[tuple[Connection, _Sink]], n: int) -> int:
+    """CPU ns to answer ``n`` requests on each of ``conns``: one request on every
+    connection per loop turn, as when that many clients' requests arrive
+    within one poll (checked: every request answered)."""
+    data = wire_request()
+    feeds = [conn.data_received for conn, _ in conns]
+    before = sum(sink.writes for _, sink in conns)
+    pause = asyncio.sleep
+    clock = time.process_time_ns  # CPU time: what a neighbour on the machine disturbs least
+    start = clock()
+    for _ in range(n):
+        for feed in feeds:
+            feed(data)
+        await pause(0)  # the turn ends: the outbox writes and runs the bookkeeping
+    took = clock() - start
+    answered = sum(sink.writes for _, sink in conns) - before
+    if answered != n * len(conns):
+        raise RuntimeError(f"{n * len(conns)} requests got {answered} answers")
+    return took
+
+
+def _run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop, as the sidecar runs (asyncio's loop without it)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def run(
+    n: int = DEFAULT_REQUESTS, repeats: int = DEFAULT_REPEATS, per_turn: int = DEFAULT_PER_TURN
+) -> list[Row]:
+    """One row per series and requests per turn (1 and ``per_turn``): µs of CPU per
+    request and the ratio to the floor with as many per turn."""
+    if n < 1 or repeats < 1 or per_turn < 1:
+        raise ValueError("requests, repeats and per_turn must be >= 1")
+    sidecars = {
+        "l1": _run(_filled(())),
+        "l1-nocurves": _run(_filled(("--mrc-samples", "0"))),
+    }
+    return _run(_measure(sidecars, n, repeats, per_turn))
+
+
+async def _measure(sidecars: dict[str, Sidecar], n: int, repeats: int, per_turn: int) -> list[Row]:
+    handlers: dict[str, Any] = {"floor": _Constant()}
+    handlers.update((name, sc.handler) for name, sc in sidecars.items())
+    widths = sorted({1, per_turn})
+    groups = {
+        (name, width): _connections(handler, width)
+        for width in widths
+        for name, handler in handlers.items()
+    }
+    for (name, _), conns in groups.items():
+        await _turns(conns, 100)  # warm up (and check the answer is the hit)
+        last = conns[-1][1].last.lower()
+        if name != "floor" and b"x-cache: hit" not in last:
+            raise RuntimeError(f"{name}: not an L1 hit: {last[:300]!r}")
+    best = dict.fromkeys(groups, float("inf"))
+    for _ in range(repeats):
+        for (name, width), conns in groups.items():
+            turns = max(1, n // width)
+            took = await _turns(conns, turns) / turns / width
+            best[(name, width)] = min(best[(name, width)], took)
+    return [
+        {
+            "series": name,
+            "per_turn": width,
+            "us_per_request": best[(name, width)] / 1000,
+            "requests_per_cpu_s": 1e9 / best[(name, width)],
+            "vs_floor": best[(name, width)] / best[("floor", width)],
+            "vs_l1": best[(name, width)] / best[("l1", width)],
+        }
+        for (name, width) in groups
+    ]
+
+
+def profile(n: int, per_turn: int = 1, top: int = 25) -> str:
+    """cProfile of ``n`` L1 hits (curves on), ``per_turn`` a turn: the ``top`` functions
+    by own time."""
+    conns = _connections(_run(_filled(())), per_turn)
+
+    async def measured() -> None:
+        await _turns(conns, 100)
+        profiler.enable()
+        await _turns(conns, max(1, n // per_turn))
+        profiler.disable()
+
+    profiler = cProfile.Profile()
+    _run(measured())
+    out = _Writer()
+    stats = pstats.Stats(profiler, stream=out)  # type: ignore[arg-type]
+    stats.sort_stats("tottime").print_stats(top)
+    return out.text
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = (
+        f"{'series':<14}{'per turn':>9}{'CPU µs/req':>12}{'req/CPU-s':>12}{'vs floor':>10}"
+        f"{'vs l1':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        lines.append(
+            f"{row['series']:<14}{row['per_turn']:>9}{row['us_per_request']:>12.2f}"
+            f"{row['requests_per_cpu_s']:>12,.0f}{row['vs_floor']:>10.2f}{row['vs_l1']:>8.2f}"
+        )
+    lines.append(
+        "(one process, no sockets; CPU time, best of the interleaved turns; "
+        "'vs' at the same requests per turn)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, out: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cachefleet_bench.hit_micro", description=__doc__
+    )
+    parser.add_argument("--requests", type=int, default=DEFAULT_REQUESTS)
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument(
+        "--per-turn",
+        type=int,
+        default=DEFAULT_PER_TURN,
+        help="connections with a request in each loop turn, for the wide rows",
+    )
+    parser.add_argument("--profile", action="store_true", help="cProfile the L1 hit instead")
+    args = parser.parse_args(argv)
+    if args.profile:
+        out(profile(args.requests, args.per_turn))
+    else:
+        out(format_table(run(args.requests, args.repeats, args.per_turn)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
