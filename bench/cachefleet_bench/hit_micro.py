@@ -253,7 +253,7 @@ async def _measure(sidecars: dict[str, Sidecar], n: int, repeats: int, per_turn:
 def profile(n: int, per_turn: int = 1, top: int = 25) -> str:
     """cProfile of ``n`` L1 hits (curves on), ``per_turn`` a turn: the ``top`` functions
     by own time."""
-    conns = _connections(_run(_filled(())), per_turn)
+    conns = _connections(_run(_filled(())).handler, per_turn)
 
     async def measured() -> None:
         await _turns(conns, 100)
