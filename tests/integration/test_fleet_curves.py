@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_e2e.services import RedisServer
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
@@ -120,19 +121,6 @@ async def test_a_sidecar_whose_redis_dies_serves_on_and_counts_the_samples_lost(
             assert time.monotonic() < deadline, text
             await asyncio.sleep(0.2)
         assert 'cachefleet_fleet_samples_total{cache="test/cache",outcome="sent"} 1.0' in text
-
-
-class FakeMetrics:
-    def __init__(self, data: dict[str, TenantMetrics]) -> None:
-        self.data = data
-
-    def factory(self, url: str, timeout_s: float) -> FakeMetrics:
-        return self
-
-    async def fetch(
-        self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
-        return dict(self.data)
 
 
 def spec(redis_url: str) -> dict[str, Any]:

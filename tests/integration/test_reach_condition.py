@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
 from cachefleet_operator.metrics import OperatorMetrics
@@ -22,21 +23,6 @@ pytestmark = pytest.mark.redis
 NAMESPACE = "team-a"
 L1 = 8 * 2**30
 L2 = 64 * 2**30
-
-
-class FakeMetrics:
-    """A metrics source whose answers the test sets."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, TenantMetrics] = {}
-
-    def factory(self, url: str, timeout_s: float) -> FakeMetrics:
-        return self
-
-    async def fetch(
-        self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
-        return dict(self.data)
 
 
 def spec(redis_url: str) -> dict[str, Any]:

@@ -215,7 +215,6 @@ async def test_unlisted_tenants_follow_the_operators_tenant_defaults(
         l1_bytes=l1_bytes // 4, l2_bytes=0, policy=Policy.LIRS, priority_class="BestEffort"
     )
     app.quotas.apply(QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted))
-    app.apply_quotas(QuotaAssignment(generation=2, tenants=quotas, default_tenant=unlisted))
     await fill(sc, "alpha", 3)
     for i in range(20):
         tenant = f"customer-{i}"

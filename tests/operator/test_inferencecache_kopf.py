@@ -8,7 +8,6 @@ Redis state removed on delete.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 
+from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve
 from cachefleet_operator.metrics import OperatorMetrics
@@ -32,27 +32,6 @@ pytestmark = [pytest.mark.k8s_emulator, pytest.mark.redis]
 ACT_TIMEOUT_S = 15.0
 L1 = 100 * 2**20
 L2 = 1000 * 2**20
-
-
-class FakeMetrics:
-    """A metrics source whose answers (or failure) the test sets."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, TenantMetrics] = {}
-        self.error: MetricsUnavailable | None = None
-        self.calls = 0
-
-    def factory(self, url: str, timeout_s: float) -> FakeMetrics:
-        return self
-
-    async def fetch(
-        self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
-        self.calls += 1
-        await asyncio.sleep(0)
-        if self.error is not None:
-            raise self.error
-        return dict(self.data)
 
 
 def cache_body(name: str, redis_url: str, **spec_overrides: Any) -> dict[str, Any]:
