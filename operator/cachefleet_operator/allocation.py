@@ -673,18 +673,46 @@ def _fill_level(
     xs = table.xs / cap
     cand = (xs > lo[:, None]) & (xs < hi[:, None])
     xs = np.where(cand, xs, 0.0)
-    ys = np.where(cand, table.ys, -np.inf)
+    # values x hit ratio of every candidate, the part of each score no level changes
+    gains = values[:, None] * np.where(cand, table.ys, -np.inf)
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
-    rows = table.rows
+    gain_lo, gain_hi = values * at_lo, values * at_hi
 
-    def take(level: float) -> FloatArray:
-        score = values[:, None] * ys - level * xs
+    width = xs.shape[1]
+
+    def take(
+        level: float, rows: IntArray, first: IntArray, last: IntArray, span: int
+    ) -> tuple[FloatArray, IntArray]:
+        """(shares, choices) of ``rows`` at ``level``: -1 for ``lo``, a column, or ``width``
+        for ``hi``, scoring each row's columns ``first`` to ``last`` only (``span`` at
+        most: those past ``last`` repeat it, so the first best stays the first)."""
+        if rows.size == len(lo) and span == width:  # every row, every column: no copies
+            cols = np.broadcast_to(np.arange(width), xs.shape)
+            score = gains - level * xs
+        else:
+            cols = np.minimum(first[:, None] + np.arange(span), last[:, None])
+            score = gains[rows[:, None], cols] - level * xs[rows[:, None], cols]
         k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
-        inner = score[rows, k]
-        best_lo = values * at_lo - level * lo
-        best_hi = values * at_hi - level * hi
-        out = np.where(inner > best_lo, xs[rows, k], lo)
-        return np.where(best_hi > np.maximum(best_lo, inner), hi, out)
+        at = np.arange(k.size)
+        inner = score[at, k]
+        best_lo = gain_lo[rows] - level * lo[rows]
+        best_hi = gain_hi[rows] - level * hi[rows]
+        to_lo = ~(inner > best_lo)
+        to_hi = best_hi > np.maximum(best_lo, inner)
+        shares = np.where(to_hi, hi[rows], np.where(to_lo, lo[rows], xs[rows, cols[at, k]]))
+        return shares, np.where(to_hi, width, np.where(to_lo, -1, cols[at, k]))
+
+    def take_all(level: float, rows: IntArray, first: IntArray, last: IntArray) -> FloatArray:
+        """:func:`take` of ``rows``, those with about as many columns together (most
+        rows' choices are known within a few columns once the bracket narrows)."""
+        spans = last - first + 1
+        group = np.ceil(np.log2(spans)).astype(np.int64)
+        for bits in np.unique(group).tolist():
+            of = np.flatnonzero(group == bits)
+            shares[rows[of]], picks[rows[of]] = take(
+                level, rows[of], first[of], last[of], int(spans[of].max())
+            )
+        return shares
 
     with np.errstate(invalid="ignore", divide="ignore"):
         slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
@@ -692,15 +720,29 @@ def _fill_level(
     if top <= 0.0 or not math.isfinite(top):
         return lo
     high, low = math.log(top * 2.0), math.log(top * 1e-12)
-    if float(take(math.exp(low)).sum()) <= 1.0:
-        return take(math.exp(low))
+    everyone = table.rows
+    no_column, last_column = np.zeros_like(everyone), np.full_like(everyone, width - 1)
+    shares, picks = np.empty(len(lo)), np.empty(len(lo), dtype=np.int64)
+    at_low = take_all(math.exp(low), everyone, no_column, last_column).copy()
+    if float(at_low.sum()) <= 1.0:
+        return at_low
+    pick_low = picks.copy()
+    # A tenant's choice only moves to smaller shares as the level rises: one that takes
+    # the same at both ends of the bracket takes it in between, and the others take a
+    # column between their two ends' (-1 and width: lo and hi, which are always weighed).
+    at_high = take_all(math.exp(high), everyone, no_column, last_column).copy()
+    pick_high = picks.copy()
     for _ in range(FILL_LEVEL_STEPS):
         mid = (high + low) / 2.0
-        if float(take(math.exp(mid)).sum()) <= 1.0:
-            high = mid
+        moving = np.flatnonzero(pick_low != pick_high)
+        shares[:], picks[:] = at_high, pick_high
+        first = np.maximum(pick_high[moving], 0)
+        take_all(math.exp(mid), moving, first, np.minimum(pick_low[moving], width - 1))
+        if float(shares.sum()) <= 1.0:
+            high, at_high, pick_high = mid, shares.copy(), picks.copy()
         else:
-            low = mid
-    return take(math.exp(high))
+            low, at_low, pick_low = mid, shares.copy(), picks.copy()
+    return at_high
 
 
 def _rounded(values: FloatArray, keep: BoolArray) -> list[float | None]:
