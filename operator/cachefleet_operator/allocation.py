@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -623,7 +623,7 @@ def _l2_bytes(
     """
     floors, caps = bounds
     fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
-    if capacity <= 0 or fleet.count(None) == len(fleet):  # the common case, at C speed
+    if capacity <= 0 or not any(fleet):  # the common case, at C speed
         return _to_bytes(shares, floors, capacity)
     fleet = [c if c is not None and c.requests > 0 else None for c in fleet]
     has = np.array([c is not None for c in fleet], dtype=bool)
@@ -901,20 +901,26 @@ def _meet_slas(
         p95_target, min_hit = cols.p95_target[beyond], cols.min_hit[beyond]
         miss_mean = plans.misses.mean[beyond]
         curves = map(plans.curves.__getitem__, beyond.tolist())
-        cold = _attr(curves, "cold_ratio")
-        best = plans.table.max_hit[beyond].tolist()
-        fleet_wide = [False] * beyond.size
-        for j, i in enumerate(beyond.tolist()):  # the fleet's numbers where it reuses more
-            fleet = ms[i].fleet_curve
-            if fleet is not None and fleet.max_hit_ratio > best[j]:
-                cold[j], best[j], fleet_wide[j] = fleet.cold_ratio, fleet.max_hit_ratio, True
+        cold = np.array(_attr(curves, "cold_ratio"), dtype=np.float64)
+        best = plans.table.max_hit[beyond]
+        fleet_wide = np.zeros(beyond.size, dtype=bool)
+        # the fleet's numbers where it reuses more (a curve's best is its last point)
+        fleets: list[HitCurve | None] = _attr(map(ms.__getitem__, beyond.tolist()), "fleet_curve")
+        if any(fleets):
+            has = np.flatnonzero(np.fromiter(map(bool, fleets), dtype=bool, count=len(fleets)))
+            known = list(map(fleets.__getitem__, has.tolist()))
+            fleet_best = np.array(_attr(known, "max_hit_ratio"), dtype=np.float64)
+            more = fleet_best > best[has]
+            at = has[more]
+            best[at], cold[at] = fleet_best[more], _attr(compress(known, more), "cold_ratio")
+            fleet_wide[at] = True
         whys = zip(
             _or_none(p95_target, ~np.isnan(p95_target)),
             _or_none(min_hit, ~np.isnan(min_hit)),
             _or_none(miss_mean, plans.misses.present[beyond]),
-            cold,
-            best,
-            fleet_wide,
+            cold.tolist(),
+            best.tolist(),
+            fleet_wide.tolist(),
             strict=True,
         )
         table = np.fromiter(cannot, dtype=object, count=len(cannot))
