@@ -679,40 +679,47 @@ def _fill_level(
     gain_lo, gain_hi = values * at_lo, values * at_hi
 
     width = xs.shape[1]
+    flat_gains, flat_xs = gains.ravel(), xs.ravel()
 
-    def take(
-        level: float, rows: IntArray, first: IntArray, last: IntArray, span: int
+    def choose(
+        level: float, rows: IntArray, inner: FloatArray, col: IntArray
     ) -> tuple[FloatArray, IntArray]:
-        """(shares, choices) of ``rows`` at ``level``: -1 for ``lo``, a column, or ``width``
-        for ``hi``, scoring each row's columns ``first`` to ``last`` only (``span`` at
-        most: those past ``last`` repeat it, so the first best stays the first)."""
-        if rows.size == len(lo) and span == width:  # every row, every column: no copies
-            cols = np.broadcast_to(np.arange(width), xs.shape)
-            score = gains - level * xs
-        else:
-            cols = np.minimum(first[:, None] + np.arange(span), last[:, None])
-            score = gains[rows[:, None], cols] - level * xs[rows[:, None], cols]
-        k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
-        at = np.arange(k.size)
-        inner = score[at, k]
+        """(shares, choices) of ``rows`` from their best column's score and index: -1 for
+        ``lo``, the column, or ``width`` for ``hi``, whichever scores best (first on ties)."""
         best_lo = gain_lo[rows] - level * lo[rows]
         best_hi = gain_hi[rows] - level * hi[rows]
         to_lo = ~(inner > best_lo)
         to_hi = best_hi > np.maximum(best_lo, inner)
-        shares = np.where(to_hi, hi[rows], np.where(to_lo, lo[rows], xs[rows, cols[at, k]]))
-        return shares, np.where(to_hi, width, np.where(to_lo, -1, cols[at, k]))
+        got = np.where(to_hi, hi[rows], np.where(to_lo, lo[rows], flat_xs[rows * width + col]))
+        return got, np.where(to_hi, width, np.where(to_lo, -1, col))
 
-    def take_all(level: float, rows: IntArray, first: IntArray, last: IntArray) -> FloatArray:
-        """:func:`take` of ``rows``, those with about as many columns together (most
-        rows' choices are known within a few columns once the bracket narrows)."""
+    def take_every(level: float) -> tuple[FloatArray, IntArray]:
+        """Every row's (share, choice) at ``level``, scoring every column."""
+        score = gains - level * xs
+        k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
+        return choose(level, table.rows, score[table.rows, k], k)
+
+    def take(level: float, rows: IntArray, first: IntArray, last: IntArray) -> None:
+        """``rows``' shares and choices at ``level`` into ``shares`` and ``picks``, scoring
+        each row's columns ``first`` to ``last`` only (all rows' cells in one flat array),
+        or every cell while most rows still move (gathering would cost more)."""
         spans = last - first + 1
-        group = np.ceil(np.log2(spans)).astype(np.int64)
-        for bits in np.unique(group).tolist():
-            of = np.flatnonzero(group == bits)
-            shares[rows[of]], picks[rows[of]] = take(
-                level, rows[of], first[of], last[of], int(spans[of].max())
-            )
-        return shares
+        total = int(spans.sum())
+        if total == 0:
+            return
+        if 2 * total > gains.size:
+            every, their = take_every(level)
+            shares[rows], picks[rows] = every[rows], their[rows]
+            return
+        starts = np.cumsum(spans) - spans
+        cols = np.repeat(first - starts, spans) + np.arange(total)
+        cells = np.repeat(rows * width, spans) + cols
+        score = flat_gains[cells] - level * flat_xs[cells]
+        best = np.maximum.reduceat(score, starts)
+        # the first best of each row (as argmax: the smallest share on a tie)
+        at = np.flatnonzero(score == np.repeat(best, spans))
+        col = cols[at[np.searchsorted(at, starts)]]
+        shares[rows], picks[rows] = choose(level, rows, best, col)
 
     with np.errstate(invalid="ignore", divide="ignore"):
         slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
@@ -720,28 +727,24 @@ def _fill_level(
     if top <= 0.0 or not math.isfinite(top):
         return lo
     high, low = math.log(top * 2.0), math.log(top * 1e-12)
-    everyone = table.rows
-    no_column, last_column = np.zeros_like(everyone), np.full_like(everyone, width - 1)
-    shares, picks = np.empty(len(lo)), np.empty(len(lo), dtype=np.int64)
-    at_low = take_all(math.exp(low), everyone, no_column, last_column).copy()
-    if float(at_low.sum()) <= 1.0:
-        return at_low
-    pick_low = picks.copy()
+    shares, picks = take_every(math.exp(low))
+    if float(shares.sum()) <= 1.0:
+        return shares
+    pick_low = picks
     # A tenant's choice only moves to smaller shares as the level rises: one that takes
     # the same at both ends of the bracket takes it in between, and the others take a
     # column between their two ends' (-1 and width: lo and hi, which are always weighed).
-    at_high = take_all(math.exp(high), everyone, no_column, last_column).copy()
-    pick_high = picks.copy()
+    at_high, pick_high = take_every(math.exp(high))
     for _ in range(FILL_LEVEL_STEPS):
         mid = (high + low) / 2.0
         moving = np.flatnonzero(pick_low != pick_high)
-        shares[:], picks[:] = at_high, pick_high
+        shares, picks = at_high.copy(), pick_high.copy()
         first = np.maximum(pick_high[moving], 0)
-        take_all(math.exp(mid), moving, first, np.minimum(pick_low[moving], width - 1))
+        take(math.exp(mid), moving, first, np.minimum(pick_low[moving], width - 1))
         if float(shares.sum()) <= 1.0:
-            high, at_high, pick_high = mid, shares.copy(), picks.copy()
+            high, at_high, pick_high = mid, shares, picks
         else:
-            low, at_low, pick_low = mid, shares.copy(), picks.copy()
+            low, pick_low = mid, picks
     return at_high
 
 

@@ -69,12 +69,16 @@ class HitCurve:
     #: ``xs`` and ``ys`` as raw doubles (derived, for :class:`CurveTable`).
     xs_raw: bytes = field(init=False, repr=False, compare=False)
     ys_raw: bytes = field(init=False, repr=False, compare=False)
+    #: The best hit ratio at any size: the last point's (0 without points). A field, not
+    #: a property, so thousands of curves are read as a column at C speed.
+    max_hit_ratio: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         xs = tuple(x for x, _ in self.points)
         ys = tuple(y for _, y in self.points)
         object.__setattr__(self, "xs", xs)
         object.__setattr__(self, "ys", ys)
+        object.__setattr__(self, "max_hit_ratio", ys[-1] if ys else 0.0)
         object.__setattr__(self, "xs_raw", _doubles(xs))
         object.__setattr__(self, "ys_raw", _doubles(ys))
 
@@ -155,10 +159,6 @@ class HitCurve:
             return ys[-1]
         x0, y0 = xs[hi - 1], ys[hi - 1]
         return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
-
-    @property
-    def max_hit_ratio(self) -> float:
-        return self.points[-1][1] if self.points else 0.0
 
     def hull(self, grid: Sequence[float]) -> list[tuple[float, float]]:
         """Concave majorant of (x, at(x)) over ascending ``grid`` (upper hull)."""
