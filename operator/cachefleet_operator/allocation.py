@@ -625,8 +625,11 @@ def _l2_bytes(
     fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
     if capacity <= 0 or not any(fleet):  # the common case, at C speed
         return _to_bytes(shares, floors, capacity)
-    fleet = [c if c is not None and c.requests > 0 else None for c in fleet]
-    has = np.array([c is not None for c in fleet], dtype=bool)
+    # a curve behind no requests is no curve (read as a column: almost always none such)
+    requests = np.array(list(map(getattr, fleet, repeat("requests"), repeat(0.0))))
+    has = requests > 0.0
+    if not has.all():
+        fleet = [c if ok else None for c, ok in zip(fleet, has.tolist(), strict=True)]
     if not has.any():
         return _to_bytes(shares, floors, capacity)
     l2 = np.where(has, floors, shares)
@@ -674,7 +677,8 @@ def _fill_level(
     cand = (xs > lo[:, None]) & (xs < hi[:, None])
     xs = np.where(cand, xs, 0.0)
     # values x hit ratio of every candidate, the part of each score no level changes
-    gains = values[:, None] * np.where(cand, table.ys, -np.inf)
+    with np.errstate(invalid="ignore"):  # 0 x -inf: a tenant of no value, never chosen
+        gains = values[:, None] * np.where(cand, table.ys, -np.inf)
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
     gain_lo, gain_hi = values * at_lo, values * at_hi
 
