@@ -40,6 +40,22 @@ def _doubles(values: tuple[float, ...]) -> bytes:
     return array("d", values).tobytes()
 
 
+#: Curves' sizes seen so far, each kept once (the sidecars' buckets: a handful): curves with
+#: the same sizes share one bytes object, so a :class:`CurveTable` finds them alike by
+#: identity rather than by comparing every byte. Bounded: sizes past it are kept apart.
+_SIZES: dict[bytes, bytes] = {}
+_SIZES_KEPT = 64
+
+
+def _shared_sizes(raw: bytes) -> bytes:
+    kept = _SIZES.get(raw)
+    if kept is not None:
+        return kept
+    if len(_SIZES) < _SIZES_KEPT:
+        _SIZES[raw] = raw
+    return raw
+
+
 def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """Sorted (bound, cumulative count) pairs, made monotone (rate() noise can dent them)."""
     out: list[tuple[float, float]] = []
@@ -79,7 +95,7 @@ class HitCurve:
         object.__setattr__(self, "xs", xs)
         object.__setattr__(self, "ys", ys)
         object.__setattr__(self, "max_hit_ratio", ys[-1] if ys else 0.0)
-        object.__setattr__(self, "xs_raw", _doubles(xs))
+        object.__setattr__(self, "xs_raw", _shared_sizes(_doubles(xs)))
         object.__setattr__(self, "ys_raw", _doubles(ys))
 
     @classmethod
