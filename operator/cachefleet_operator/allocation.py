@@ -739,6 +739,14 @@ def _fill_level(
     # the same at both ends of the bracket takes it in between, and the others take a
     # column between their two ends' (-1 and width: lo and hi, which are always weighed).
     at_high, pick_high = take_every(math.exp(high))
+    if float(at_high.sum()) > 1.0:
+        # a curve steeper near ``lo`` than its chord to its best: the top of the bracket
+        # is where every tenant keeps ``lo`` (twice the steepest step from it)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            steps = (gains - gain_lo[:, None]) / np.where(xs > 0.0, xs - lo[:, None], np.nan)
+            steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
+        high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
+        at_high, pick_high = take_every(math.exp(high))
     for _ in range(FILL_LEVEL_STEPS):
         mid = (high + low) / 2.0
         moving = np.flatnonzero(pick_low != pick_high)

@@ -13,6 +13,7 @@ import random
 import numpy as np
 import pytest
 
+from cachefleet_bench.allocation import workload as bench_workload
 from cachefleet_operator import allocation
 from cachefleet_operator.allocation import (
     PriorityClass,
@@ -208,6 +209,12 @@ def full_scan_fill_level(
     high, low = math.log(top * 2.0), math.log(top * 1e-12)
     if float(take(math.exp(low)).sum()) <= 1.0:
         return take(math.exp(low))
+    if float(take(math.exp(high)).sum()) > 1.0:  # where every tenant keeps lo
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            gains = values[:, None] * ys
+            steps = (gains - (values * at_lo)[:, None]) / np.where(xs > 0, xs - lo[:, None], np.nan)
+            steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
+        high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
     for _ in range(allocation.FILL_LEVEL_STEPS):
         mid = (high + low) / 2.0
         if float(take(math.exp(mid)).sum()) <= 1.0:
@@ -247,3 +254,16 @@ def test_the_level_bisection_rescoring_only_moving_tenants_answers_as_a_full_sca
     want = full_scan_fill_level(table, values, lo, hi, cap)
     assert got.tobytes() == want.tobytes()
     assert float(got.sum()) <= 1.0
+
+
+@pytest.mark.parametrize("n", [1_000, 3_000])
+def test_l2_bytes_never_exceed_l2_when_curves_are_steepest_near_their_floor(n: int) -> None:
+    """Curves that rise steeply just above a tenant's floor and keep rising past its cap
+    (the bench's fleet workload): the level bisection's bracket starts where every tenant
+    keeps its floor, so L2 is handed out in full and never more (it was 1.5-3x over)."""
+    tenants, ms = bench_workload(n, fleet=True)
+    for l2 in (L2, 4 * L2):
+        got = allocate(tenants, ms, None, L1, l2)
+        total = sum(t.l2_bytes for t in got.tenants)
+        assert l2 * 0.999 <= total <= l2
+        assert sum(t.l1_bytes for t in got.tenants) <= L1
