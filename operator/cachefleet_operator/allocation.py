@@ -44,7 +44,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -623,10 +623,13 @@ def _l2_bytes(
     """
     floors, caps = bounds
     fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
-    if capacity <= 0 or fleet.count(None) == len(fleet):  # the common case, at C speed
+    if capacity <= 0 or not any(fleet):  # the common case, at C speed
         return _to_bytes(shares, floors, capacity)
-    fleet = [c if c is not None and c.requests > 0 else None for c in fleet]
-    has = np.array([c is not None for c in fleet], dtype=bool)
+    # a curve behind no requests is no curve (read as a column: almost always none such)
+    requests = np.array(list(map(getattr, fleet, repeat("requests"), repeat(0.0))))
+    has = requests > 0.0
+    if not has.all():
+        fleet = [c if ok else None for c, ok in zip(fleet, has.tolist(), strict=True)]
     if not has.any():
         return _to_bytes(shares, floors, capacity)
     l2 = np.where(has, floors, shares)
@@ -673,18 +676,54 @@ def _fill_level(
     xs = table.xs / cap
     cand = (xs > lo[:, None]) & (xs < hi[:, None])
     xs = np.where(cand, xs, 0.0)
-    ys = np.where(cand, table.ys, -np.inf)
+    # values x hit ratio of every candidate, the part of each score no level changes
+    with np.errstate(invalid="ignore"):  # 0 x -inf: a tenant of no value, never chosen
+        gains = values[:, None] * np.where(cand, table.ys, -np.inf)
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
-    rows = table.rows
+    gain_lo, gain_hi = values * at_lo, values * at_hi
 
-    def take(level: float) -> FloatArray:
-        score = values[:, None] * ys - level * xs
+    width = xs.shape[1]
+    flat_gains, flat_xs = gains.ravel(), xs.ravel()
+
+    def choose(
+        level: float, rows: IntArray, inner: FloatArray, col: IntArray
+    ) -> tuple[FloatArray, IntArray]:
+        """(shares, choices) of ``rows`` from their best column's score and index: -1 for
+        ``lo``, the column, or ``width`` for ``hi``, whichever scores best (first on ties)."""
+        best_lo = gain_lo[rows] - level * lo[rows]
+        best_hi = gain_hi[rows] - level * hi[rows]
+        to_lo = ~(inner > best_lo)
+        to_hi = best_hi > np.maximum(best_lo, inner)
+        got = np.where(to_hi, hi[rows], np.where(to_lo, lo[rows], flat_xs[rows * width + col]))
+        return got, np.where(to_hi, width, np.where(to_lo, -1, col))
+
+    def take_every(level: float) -> tuple[FloatArray, IntArray]:
+        """Every row's (share, choice) at ``level``, scoring every column."""
+        score = gains - level * xs
         k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
-        inner = score[rows, k]
-        best_lo = values * at_lo - level * lo
-        best_hi = values * at_hi - level * hi
-        out = np.where(inner > best_lo, xs[rows, k], lo)
-        return np.where(best_hi > np.maximum(best_lo, inner), hi, out)
+        return choose(level, table.rows, score[table.rows, k], k)
+
+    def take(level: float, rows: IntArray, first: IntArray, last: IntArray) -> None:
+        """``rows``' shares and choices at ``level`` into ``shares`` and ``picks``, scoring
+        each row's columns ``first`` to ``last`` only (all rows' cells in one flat array),
+        or every cell while most rows still move (gathering would cost more)."""
+        spans = last - first + 1
+        total = int(spans.sum())
+        if total == 0:
+            return
+        if 2 * total > gains.size:
+            every, their = take_every(level)
+            shares[rows], picks[rows] = every[rows], their[rows]
+            return
+        starts = np.cumsum(spans) - spans
+        cols = np.repeat(first - starts, spans) + np.arange(total)
+        cells = np.repeat(rows * width, spans) + cols
+        score = flat_gains[cells] - level * flat_xs[cells]
+        best = np.maximum.reduceat(score, starts)
+        # the first best of each row (as argmax: the smallest share on a tie)
+        at = np.flatnonzero(score == np.repeat(best, spans))
+        col = cols[at[np.searchsorted(at, starts)]]
+        shares[rows], picks[rows] = choose(level, rows, best, col)
 
     with np.errstate(invalid="ignore", divide="ignore"):
         slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
@@ -692,15 +731,33 @@ def _fill_level(
     if top <= 0.0 or not math.isfinite(top):
         return lo
     high, low = math.log(top * 2.0), math.log(top * 1e-12)
-    if float(take(math.exp(low)).sum()) <= 1.0:
-        return take(math.exp(low))
+    shares, picks = take_every(math.exp(low))
+    if float(shares.sum()) <= 1.0:
+        return shares
+    pick_low = picks
+    # A tenant's choice only moves to smaller shares as the level rises: one that takes
+    # the same at both ends of the bracket takes it in between, and the others take a
+    # column between their two ends' (-1 and width: lo and hi, which are always weighed).
+    at_high, pick_high = take_every(math.exp(high))
+    if float(at_high.sum()) > 1.0:
+        # a curve steeper near ``lo`` than its chord to its best: the top of the bracket
+        # is where every tenant keeps ``lo`` (twice the steepest step from it)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            steps = (gains - gain_lo[:, None]) / np.where(xs > 0.0, xs - lo[:, None], np.nan)
+            steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
+        high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
+        at_high, pick_high = take_every(math.exp(high))
     for _ in range(FILL_LEVEL_STEPS):
         mid = (high + low) / 2.0
-        if float(take(math.exp(mid)).sum()) <= 1.0:
-            high = mid
+        moving = np.flatnonzero(pick_low != pick_high)
+        shares, picks = at_high.copy(), pick_high.copy()
+        first = np.maximum(pick_high[moving], 0)
+        take(math.exp(mid), moving, first, np.minimum(pick_low[moving], width - 1))
+        if float(shares.sum()) <= 1.0:
+            high, at_high, pick_high = mid, shares, picks
         else:
-            low = mid
-    return take(math.exp(high))
+            low, pick_low = mid, picks
+    return at_high
 
 
 def _rounded(values: FloatArray, keep: BoolArray) -> list[float | None]:
@@ -859,20 +916,26 @@ def _meet_slas(
         p95_target, min_hit = cols.p95_target[beyond], cols.min_hit[beyond]
         miss_mean = plans.misses.mean[beyond]
         curves = map(plans.curves.__getitem__, beyond.tolist())
-        cold = _attr(curves, "cold_ratio")
-        best = plans.table.max_hit[beyond].tolist()
-        fleet_wide = [False] * beyond.size
-        for j, i in enumerate(beyond.tolist()):  # the fleet's numbers where it reuses more
-            fleet = ms[i].fleet_curve
-            if fleet is not None and fleet.max_hit_ratio > best[j]:
-                cold[j], best[j], fleet_wide[j] = fleet.cold_ratio, fleet.max_hit_ratio, True
+        cold = np.array(_attr(curves, "cold_ratio"), dtype=np.float64)
+        best = plans.table.max_hit[beyond]
+        fleet_wide = np.zeros(beyond.size, dtype=bool)
+        # the fleet's numbers where it reuses more (a curve's best is its last point)
+        fleets: list[HitCurve | None] = _attr(map(ms.__getitem__, beyond.tolist()), "fleet_curve")
+        if any(fleets):
+            has = np.flatnonzero(np.fromiter(map(bool, fleets), dtype=bool, count=len(fleets)))
+            known = list(map(fleets.__getitem__, has.tolist()))
+            fleet_best = np.array(_attr(known, "max_hit_ratio"), dtype=np.float64)
+            more = fleet_best > best[has]
+            at = has[more]
+            best[at], cold[at] = fleet_best[more], _attr(compress(known, more), "cold_ratio")
+            fleet_wide[at] = True
         whys = zip(
             _or_none(p95_target, ~np.isnan(p95_target)),
             _or_none(min_hit, ~np.isnan(min_hit)),
             _or_none(miss_mean, plans.misses.present[beyond]),
-            cold,
-            best,
-            fleet_wide,
+            cold.tolist(),
+            best.tolist(),
+            fleet_wide.tolist(),
             strict=True,
         )
         table = np.fromiter(cannot, dtype=object, count=len(cannot))

@@ -40,6 +40,22 @@ def _doubles(values: tuple[float, ...]) -> bytes:
     return array("d", values).tobytes()
 
 
+#: Curves' sizes seen so far, each kept once (the sidecars' buckets: a handful): curves with
+#: the same sizes share one bytes object, so a :class:`CurveTable` finds them alike by
+#: identity rather than by comparing every byte. Bounded: sizes past it are kept apart.
+_SIZES: dict[bytes, bytes] = {}
+_SIZES_KEPT = 64
+
+
+def _shared_sizes(raw: bytes) -> bytes:
+    kept = _SIZES.get(raw)
+    if kept is not None:
+        return kept
+    if len(_SIZES) < _SIZES_KEPT:
+        _SIZES[raw] = raw
+    return raw
+
+
 def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """Sorted (bound, cumulative count) pairs, made monotone (rate() noise can dent them)."""
     out: list[tuple[float, float]] = []
@@ -69,13 +85,17 @@ class HitCurve:
     #: ``xs`` and ``ys`` as raw doubles (derived, for :class:`CurveTable`).
     xs_raw: bytes = field(init=False, repr=False, compare=False)
     ys_raw: bytes = field(init=False, repr=False, compare=False)
+    #: The best hit ratio at any size: the last point's (0 without points). A field, not
+    #: a property, so thousands of curves are read as a column at C speed.
+    max_hit_ratio: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         xs = tuple(x for x, _ in self.points)
         ys = tuple(y for _, y in self.points)
         object.__setattr__(self, "xs", xs)
         object.__setattr__(self, "ys", ys)
-        object.__setattr__(self, "xs_raw", _doubles(xs))
+        object.__setattr__(self, "max_hit_ratio", ys[-1] if ys else 0.0)
+        object.__setattr__(self, "xs_raw", _shared_sizes(_doubles(xs)))
         object.__setattr__(self, "ys_raw", _doubles(ys))
 
     @classmethod
@@ -156,10 +176,6 @@ class HitCurve:
         x0, y0 = xs[hi - 1], ys[hi - 1]
         return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
 
-    @property
-    def max_hit_ratio(self) -> float:
-        return self.points[-1][1] if self.points else 0.0
-
     def hull(self, grid: Sequence[float]) -> list[tuple[float, float]]:
         """Concave majorant of (x, at(x)) over ascending ``grid`` (upper hull)."""
         hull: list[tuple[float, float]] = []
@@ -183,14 +199,16 @@ class LatencyDist:
     buckets: tuple[tuple[float, float], ...]
     sum_s: float | None = None
     _mean: float = field(init=False, repr=False, compare=False)
-    #: Bounds and cumulative counts as raw doubles (derived, for :class:`LatencyTable`).
-    bounds_raw: bytes = field(init=False, repr=False, compare=False)
-    counts_raw: bytes = field(init=False, repr=False, compare=False)
+    #: The bounds, the cumulative counts and the mean, as one run of raw doubles
+    #: (derived, for :class:`LatencyTable`: one read per histogram).
+    raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_mean", self._compute_mean())
-        object.__setattr__(self, "bounds_raw", _doubles(tuple(b for b, _ in self.buckets)))
-        object.__setattr__(self, "counts_raw", _doubles(tuple(c for _, c in self.buckets)))
+        mean = self._compute_mean()
+        object.__setattr__(self, "_mean", mean)
+        bounds = tuple(b for b, _ in self.buckets)
+        counts = tuple(c for _, c in self.buckets)
+        object.__setattr__(self, "raw", _doubles((*bounds, *counts, mean)))
 
     @classmethod
     def from_buckets(
@@ -308,7 +326,7 @@ def _unpack(
     if not any(items):  # nothing known (e.g. no tenant's hit latency): no row to read
         return np.full((n, 1), np.inf), np.zeros((n, 1)), np.zeros(n, dtype=np.int64)
     firsts: list[bytes] = _column(items, first, b"")
-    lengths = np.fromiter(map(len, firsts), dtype=np.int64, count=n) // 8
+    lengths = np.array(list(map(len, firsts)), dtype=np.int64) // 8
     width = max(1, int(lengths.max(initial=0)))
     flat_first = np.frombuffer(b"".join(firsts), dtype=np.float64)
     flat_second = np.frombuffer(b"".join(_column(items, second, b"")), dtype=np.float64)
@@ -475,19 +493,37 @@ class LatencyTable:
     """Many :class:`LatencyDist` (None: unknown) as padded matrices; vectorised ``cdf``."""
 
     def __init__(self, dists: Sequence[LatencyDist | None]) -> None:
-        bounds, counts, self.length = _unpack(dists, "bounds_raw", "counts_raw")
         n = len(dists)
-        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
-        self.mean = (
-            np.array(_column(dists, "_mean"), dtype=np.float64)
-            if self.length.any()
-            else np.full(n, np.nan)
-        )
-        # one more +inf column: a histogram without +Inf ends its scan there
-        self.bounds = np.hstack([bounds, np.full((n, 1), np.inf)])
-        self.counts = np.hstack([counts, counts[:, -1:]])
+        raws: list[bytes] = _column(dists, "raw", b"")
+        doubles = np.array(list(map(len, raws)), dtype=np.int64) // 8  # 2 x buckets + 1
+        self.length = np.maximum(doubles - 1, 0) // 2
         self.present = self.length > 0
         self.rows = np.arange(n)
+        width = max(1, int(self.length.max(initial=0)))
+        # one more +inf column: a histogram without +Inf ends its scan there
+        self.bounds = np.full((n, width + 1), np.inf)
+        self.counts = np.zeros((n, width + 1))
+        #: :meth:`LatencyDist.mean` of every row (NaN where unknown).
+        self.mean = np.full(n, np.nan)
+        if not self.present.any():  # nothing known (e.g. no tenant's hit latency)
+            return
+        flat = np.frombuffer(b"".join(raws), dtype=np.float64)
+        rows = np.flatnonzero(self.present)
+        if int(self.length.min(where=self.present, initial=width)) == width:  # all alike
+            block = flat.reshape(-1, 2 * width + 1)
+            self.bounds[rows, :width] = block[:, :width]
+            self.counts[rows, :width] = block[:, width : 2 * width]
+            self.mean[rows] = block[:, 2 * width]
+        else:
+            length = self.length[rows]
+            start = (np.cumsum(doubles) - doubles)[rows]
+            cols = np.minimum(np.arange(width)[None, :], (length - 1)[:, None])
+            bounds = flat[start[:, None] + cols]
+            bounds[np.arange(width)[None, :] >= length[:, None]] = np.inf  # padding
+            self.bounds[rows, :width] = bounds
+            self.counts[rows, :width] = flat[(start + length)[:, None] + cols]
+            self.mean[rows] = flat[start + 2 * length]
+        self.counts[:, width] = self.counts[:, width - 1]
 
     def cdf(self, seconds: FloatArray) -> FloatArray:
         """:meth:`LatencyDist.cdf` of every row at its ``seconds`` (NaN where unknown)."""

@@ -10,8 +10,10 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
+from cachefleet_bench.allocation import workload as bench_workload
 from cachefleet_operator import allocation
 from cachefleet_operator.allocation import (
     PriorityClass,
@@ -20,7 +22,7 @@ from cachefleet_operator.allocation import (
     allocate,
     hold,
 )
-from cachefleet_operator.curves import HitCurve, LatencyDist
+from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist
 from cachefleet_sidecar.adapt.mrc import BUCKETS
 
 L1 = 8 * 2**30
@@ -174,3 +176,94 @@ def test_the_level_step_changes_nothing_the_greedy_decides(
     assert sum(t.l2_bytes for t in greedy.tenants) >= 0.999 * L2  # L2 ran out: no shortcut
     for a, b in zip(leveled.tenants, greedy.tenants, strict=True):
         assert a.l2_bytes == pytest.approx(b.l2_bytes, abs=1e-4 * L2)
+
+
+def full_scan_fill_level(
+    table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
+) -> FloatArray:
+    """:func:`allocation._fill_level` as first written: every tenant, every column, at
+    every level of the bisection (the windowed one must answer the same, bit for bit)."""
+    cap = float(capacity)
+    xs = table.xs / cap
+    cand = (xs > lo[:, None]) & (xs < hi[:, None])
+    xs = np.where(cand, xs, 0.0)
+    ys = np.where(cand, table.ys, -np.inf)
+    at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
+    rows = table.rows
+
+    def take(level: float) -> FloatArray:
+        with np.errstate(invalid="ignore"):
+            score = values[:, None] * ys - level * xs
+        k = np.argmax(score, axis=1)
+        inner = score[rows, k]
+        best_lo = values * at_lo - level * lo
+        best_hi = values * at_hi - level * hi
+        out = np.where(inner > best_lo, xs[rows, k], lo)
+        return np.where(best_hi > np.maximum(best_lo, inner), hi, out)
+
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, 1e-12)
+    top = float(np.max(slopes, initial=0.0))
+    if top <= 0.0 or not math.isfinite(top):
+        return lo
+    high, low = math.log(top * 2.0), math.log(top * 1e-12)
+    if float(take(math.exp(low)).sum()) <= 1.0:
+        return take(math.exp(low))
+    if float(take(math.exp(high)).sum()) > 1.0:  # where every tenant keeps lo
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            gains = values[:, None] * ys
+            steps = (gains - (values * at_lo)[:, None]) / np.where(xs > 0, xs - lo[:, None], np.nan)
+            steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
+        high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
+    for _ in range(allocation.FILL_LEVEL_STEPS):
+        mid = (high + low) / 2.0
+        if float(take(math.exp(mid)).sum()) <= 1.0:
+            high = mid
+        else:
+            low = mid
+    return take(math.exp(high))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_level_bisection_rescoring_only_moving_tenants_answers_as_a_full_scan(
+    seed: int,
+) -> None:
+    """Tenants whose choice is the same at both ends of the bracket are not scored again,
+    the others only between their two ends' columns: the shares are the full scan's."""
+    rng = random.Random(seed)
+    n = rng.choice((1, 7, 300, 2_000))
+    cap = rng.choice((L2 // 100, L2, 4 * L2))
+    curves: list[HitCurve | None] = []
+    for _ in range(n):
+        if rng.random() < 0.1:
+            curves.append(None)
+            continue
+        scale = rng.uniform(0.05, 5.0) * cap / n
+        skew, reach = rng.uniform(0.3, 1.5), rng.uniform(0.0, 0.95)
+        flat = rng.random() < 0.2  # plateaus: ties between columns
+        points = [
+            (b, reach * (1.0 if flat and b > scale else 1.0 - math.exp(-((b / scale) ** skew))))
+            for b in BUCKETS
+        ]
+        curves.append(curve(points))
+    table = CurveTable(curves)
+    values = np.array([rng.choice((0.0, rng.uniform(0.01, 1e4))) for _ in range(n)])
+    lo = np.array([rng.choice((0.0, 0.2 / n)) for _ in range(n)])
+    hi = np.maximum(lo, np.array([rng.choice((0.01, 0.2, 1.0)) for _ in range(n)]))
+    got = allocation._fill_level(table, values, lo, hi, cap)
+    want = full_scan_fill_level(table, values, lo, hi, cap)
+    assert got.tobytes() == want.tobytes()
+    assert float(got.sum()) <= 1.0
+
+
+@pytest.mark.parametrize("n", [1_000, 3_000])
+def test_l2_bytes_never_exceed_l2_when_curves_are_steepest_near_their_floor(n: int) -> None:
+    """Curves that rise steeply just above a tenant's floor and keep rising past its cap
+    (the bench's fleet workload): the level bisection's bracket starts where every tenant
+    keeps its floor, so L2 is handed out in full and never more (it was 1.5-3x over)."""
+    tenants, ms = bench_workload(n, fleet=True)
+    for l2 in (L2, 4 * L2):
+        got = allocate(tenants, ms, None, L1, l2)
+        total = sum(t.l2_bytes for t in got.tenants)
+        assert l2 * 0.999 <= total <= l2
+        assert sum(t.l1_bytes for t in got.tenants) <= L1
