@@ -137,3 +137,58 @@ def test_keys_under_the_fleet_threshold_reach_the_fleet_samples_by_the_book() ->
         book.add("t", key((i * spread) << HASH_SHIFT), value("t"), 0.001)
     later.run()
     assert len(curves.take_fleet_samples()) == 32  # the keys under 1/2 of the hash space
+
+
+def test_one_hit_per_turn_counts_what_a_turn_of_the_same_hits_counts() -> None:
+    """A lone hit in its turn is counted by a shorter path (:meth:`HitBook._one`):
+    the counters, savings, curves and switching observations match a whole turn's."""
+    hits = [
+        ("t1", key(1 << HASH_SHIFT), value("t1"), 0.001, True),
+        ("t1", key(1 << HASH_SHIFT), value("t1", prompt=7), 0.02, True),
+        ("t2", key(2 << HASH_SHIFT, model="other"), value("t2", prompt=100), 0.5, True),
+        ("t1", key(3 << HASH_SHIFT, model="m"), value("t1", completion=9), 0.003, False),
+    ]
+
+    def counted(per_turn: bool) -> tuple[object, ...]:
+        metrics, later, curves, engine = (
+            SidecarMetrics("ns/c"),
+            Later(),
+            CountingCurves(),
+            SwitchingEngine(),
+        )
+        observed = []
+        book = HitBook(
+            metrics,
+            later,
+            mrc=curves,
+            switching=engine,
+            prices={"m": (1.0, 2.0)},
+            on_observed=lambda: observed.append(1),
+        )
+        for hit in hits:
+            book.add(*hit)
+            if per_turn:
+                later.run()
+        later.run()
+        tenants = {
+            name: (
+                tm.requests,
+                tm.latency["l1"].counts,
+                round(tm.latency["l1"].sum, 12),
+                {
+                    m: (s.hits, s.prompt_tokens, s.completion_tokens, s.model_seconds, s.cost)
+                    for m, s in tm.saved.items()
+                },
+            )
+            for name, tm in metrics.tenants.items()
+        }
+        windows = {
+            t: (s.window.count, sorted(s.window.samples), s.window.buckets)
+            for t, s in engine._tenants.items()
+        }
+        return tenants, windows, curves.accesses, bool(observed)
+
+    one_by_one = counted(per_turn=True)
+    assert one_by_one == counted(per_turn=False)
+    assert one_by_one[2] == len(hits)  # every key sampled (a fresh sampler's whole hash space)
+    assert one_by_one[1]["t1"][0] == 2  # the unobserved hit is not observed
