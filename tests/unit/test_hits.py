@@ -5,7 +5,6 @@ asked only about sampled keys. No sockets, no loop: ``later`` is a list."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import generate_latest
 
@@ -26,17 +25,25 @@ def value(tenant: str, prompt: int = 10, completion: int = 5, upstream_s: float 
 
 
 class Later:
-    """Records what the book asks to run at the end of the turn."""
+    """The loop turns (:class:`Turns`): counts the turns the book opens; :meth:`run` ends one."""
 
     def __init__(self) -> None:
-        self.calls: list[Callable[[], None]] = []
+        self.every: list[Callable[[], None]] = []
+        self.opened = 0
+        self.open = False
 
-    def __call__(self, fn: Callable[..., None], *args: Any) -> None:
-        self.calls.append(fn)
+    def turn(self) -> bool:
+        if not self.open:
+            self.open = True
+            self.opened += 1
+        return True
+
+    def every_turn(self, fn: Callable[[], None]) -> None:
+        self.every.append(fn)
 
     def run(self) -> None:
-        calls, self.calls = self.calls, []
-        for fn in calls:
+        self.open = False
+        for fn in self.every:
             fn()
 
 
@@ -62,7 +69,7 @@ def test_a_turn_of_hits_counts_what_each_hit_would() -> None:
     book.add("t1", a, value("t1"), 0.002)
     book.add("t2", b, value("t2", prompt=100), 0.5)
     book.add("t1", b, value("t1"), 0.003, observe=False)
-    assert len(later.calls) == 1  # one flush for the turn
+    assert later.opened == 1  # the turn opened once, flushed once at its end
     assert metrics.tenants == {}  # nothing counted before the turn ends
     later.run()
 
