@@ -25,7 +25,7 @@ rest is a task per request. Anything the sidecar cannot parse goes upstream
 untouched (``X-Cache: BYPASS``); any cache fault is counted and the request
 is served from upstream; the upstream's answer is never changed.
 
-The L1-hit code (:meth:`Handler.fast`, :meth:`Keying.lookup`,
+The L1-hit code (:meth:`Handler.fast`, :meth:`Keying.plain`, :meth:`Keying.lookup`,
 :meth:`Keying.key_for`, :meth:`Handler._l1_fresh`, :meth:`Handler._l1_hit_done`,
 :meth:`Handler._after_write`) stays together in this module. The connection
 calls the :class:`Handler` directly; what a hit needs is bound once, at
