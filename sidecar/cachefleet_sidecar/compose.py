@@ -277,7 +277,7 @@ def build(
         switcher=None if switching is None else switcher,
         hits=HitBook(
             metrics,
-            outbox.later,
+            outbox,
             mrc=mrc,
             switching=switching,
             prices=config.price_table,

@@ -5,7 +5,6 @@ asked only about sampled keys. No sockets, no loop: ``later`` is a list."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import generate_latest
 
@@ -26,17 +25,25 @@ def value(tenant: str, prompt: int = 10, completion: int = 5, upstream_s: float 
 
 
 class Later:
-    """Records what the book asks to run at the end of the turn."""
+    """The loop turns (:class:`Turns`): counts the turns the book opens; :meth:`run` ends one."""
 
     def __init__(self) -> None:
-        self.calls: list[Callable[[], None]] = []
+        self.every: list[Callable[[], None]] = []
+        self.opened = 0
+        self.open = False
 
-    def __call__(self, fn: Callable[..., None], *args: Any) -> None:
-        self.calls.append(fn)
+    def turn(self) -> bool:
+        if not self.open:
+            self.open = True
+            self.opened += 1
+        return True
+
+    def every_turn(self, fn: Callable[[], None]) -> None:
+        self.every.append(fn)
 
     def run(self) -> None:
-        calls, self.calls = self.calls, []
-        for fn in calls:
+        self.open = False
+        for fn in self.every:
             fn()
 
 
@@ -62,7 +69,7 @@ def test_a_turn_of_hits_counts_what_each_hit_would() -> None:
     book.add("t1", a, value("t1"), 0.002)
     book.add("t2", b, value("t2", prompt=100), 0.5)
     book.add("t1", b, value("t1"), 0.003, observe=False)
-    assert len(later.calls) == 1  # one flush for the turn
+    assert later.opened == 1  # the turn opened once, flushed once at its end
     assert metrics.tenants == {}  # nothing counted before the turn ends
     later.run()
 
@@ -137,3 +144,58 @@ def test_keys_under_the_fleet_threshold_reach_the_fleet_samples_by_the_book() ->
         book.add("t", key((i * spread) << HASH_SHIFT), value("t"), 0.001)
     later.run()
     assert len(curves.take_fleet_samples()) == 32  # the keys under 1/2 of the hash space
+
+
+def test_one_hit_per_turn_counts_what_a_turn_of_the_same_hits_counts() -> None:
+    """A lone hit in its turn is counted by a shorter path (:meth:`HitBook._one`):
+    the counters, savings, curves and switching observations match a whole turn's."""
+    hits = [
+        ("t1", key(1 << HASH_SHIFT), value("t1"), 0.001, True),
+        ("t1", key(1 << HASH_SHIFT), value("t1", prompt=7), 0.02, True),
+        ("t2", key(2 << HASH_SHIFT, model="other"), value("t2", prompt=100), 0.5, True),
+        ("t1", key(3 << HASH_SHIFT, model="m"), value("t1", completion=9), 0.003, False),
+    ]
+
+    def counted(per_turn: bool) -> tuple[object, ...]:
+        metrics, later, curves, engine = (
+            SidecarMetrics("ns/c"),
+            Later(),
+            CountingCurves(),
+            SwitchingEngine(),
+        )
+        observed = []
+        book = HitBook(
+            metrics,
+            later,
+            mrc=curves,
+            switching=engine,
+            prices={"m": (1.0, 2.0)},
+            on_observed=lambda: observed.append(1),
+        )
+        for hit in hits:
+            book.add(*hit)
+            if per_turn:
+                later.run()
+        later.run()
+        tenants = {
+            name: (
+                tm.requests,
+                tm.latency["l1"].counts,
+                round(tm.latency["l1"].sum, 12),
+                {
+                    m: (s.hits, s.prompt_tokens, s.completion_tokens, s.model_seconds, s.cost)
+                    for m, s in tm.saved.items()
+                },
+            )
+            for name, tm in metrics.tenants.items()
+        }
+        windows = {
+            t: (s.window.count, sorted(s.window.samples), s.window.buckets)
+            for t, s in engine._tenants.items()
+        }
+        return tenants, windows, curves.accesses, bool(observed)
+
+    one_by_one = counted(per_turn=True)
+    assert one_by_one == counted(per_turn=False)
+    assert one_by_one[2] == len(hits)  # every key sampled (a fresh sampler's whole hash space)
+    assert one_by_one[1]["t1"][0] == 2  # the unobserved hit is not observed

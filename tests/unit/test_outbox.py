@@ -200,3 +200,32 @@ def test_a_turn_its_loop_never_ended_does_not_hold_answers_on_the_next_loop() ->
     asyncio.run(later_loop(ran))
     assert [data for _, data in log] == [b"one", b"three"]
     assert ran == [True]
+
+
+async def test_every_turn_runs_at_each_turn_end_after_the_answers_and_a_failure_is_logged() -> None:
+    log: list[tuple[str, bytes]] = []
+    limiter = Limiter()
+    outbox = limiter.outbox
+    a, b = connect(limiter, "a", log), connect(limiter, "b", log)
+
+    def boom() -> None:
+        raise RuntimeError("bookkeeping bug")
+
+    outbox.every_turn(boom)
+    outbox.every_turn(lambda: log.append(("every", b"")))
+    # The book opens the turn before the hit's answer is handed back: it still goes at once.
+    assert outbox.turn()
+    assert outbox.turn()  # already open: nothing more scheduled
+    a.data_received(get(b"/fast/a"))
+    b.data_received(get(b"/fast/b"))
+    outbox.later(log.append, ("later", b""))
+    assert [name for name, _ in log] == ["a"]
+    await asyncio.sleep(0)
+    assert [name for name, _ in log] == ["a", "b", "every", "later"]
+    a.data_received(get(b"/fast/a2"))  # the next turn, opened by its answer
+    await asyncio.sleep(0)
+    assert [name for name, _ in log] == ["a", "b", "every", "later", "a", "every"]
+
+
+def test_without_a_running_loop_no_turn_opens() -> None:
+    assert not Outbox().turn()

@@ -25,7 +25,7 @@ rest is a task per request. Anything the sidecar cannot parse goes upstream
 untouched (``X-Cache: BYPASS``); any cache fault is counted and the request
 is served from upstream; the upstream's answer is never changed.
 
-The L1-hit code (:meth:`Handler.fast`, :meth:`Keying.lookup`,
+The L1-hit code (:meth:`Handler.fast`, :meth:`Keying.plain`, :meth:`Keying.lookup`,
 :meth:`Keying.key_for`, :meth:`Handler._l1_fresh`, :meth:`Handler._l1_hit_done`,
 :meth:`Handler._after_write`) stays together in this module. The connection
 calls the :class:`Handler` directly; what a hit needs is bound once, at
@@ -129,6 +129,11 @@ class Lookup:
     slow: bool = False
 
 
+#: What :meth:`Keying.plain` gives a request an L1 hit may answer: tenant, key,
+#: namespace and :attr:`Keying.scope_version` (made into a :class:`Lookup` only on a miss).
+Plain = tuple[str, keys.CacheKey, str, int]
+
+
 class Keying:
     """Keys and their scope: tenant, model version, epochs, namespace; the key memo.
 
@@ -221,9 +226,46 @@ class Keying:
         if tenant is None:
             tenant = self._resolve(request.headers, request.peer)
         version = self._scope_version
-        namespace = self._namespace(request)
+        raw_ns, cc = self._scan(request.headers)
+        namespace = "" if raw_ns is None else self._namespace(raw_ns)
         key = self.key_for(tenant, kind, query, request.body, namespace)
-        cc = request.header(b"cache-control")
+        return self._lookup_of(tenant, key, cc, version, namespace, first)
+
+    def plain(self, request: Request, kind: str, query: bytes) -> Plain | Lookup:
+        """:meth:`lookup` without the :class:`Lookup` for the common request an L1 hit
+        may answer at once (a cacheable body, no ``Cache-Control``): its tenant, key,
+        namespace and scope version. Any other request gets its :class:`Lookup`."""
+        tenant = self._resolve(request.headers, request.peer)
+        version = self._scope_version
+        raw_ns, cc = self._scan(request.headers)
+        namespace = "" if raw_ns is None else self._namespace(raw_ns)
+        key = self.key_for(tenant, kind, query, request.body, namespace)
+        if cc is None and not isinstance(key, str):
+            return tenant, key, namespace, version
+        return self._lookup_of(tenant, key, cc, version, namespace, True)
+
+    def _scan(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+        """The first namespace and ``Cache-Control`` header values (None when absent),
+        in one pass over the (lowercased) headers."""
+        ns_name = self.namespace_header
+        ns: bytes | None = None
+        cc: bytes | None = None
+        for name, value in headers:
+            if name == ns_name and ns is None:
+                ns = value
+            if name == b"cache-control" and cc is None:
+                cc = value
+        return ns, cc
+
+    def _lookup_of(
+        self,
+        tenant: str,
+        key: keys.CacheKey | str,
+        cc: bytes | None,
+        version: int,
+        namespace: str,
+        first: bool,
+    ) -> Lookup:
         if cc is None:
             if isinstance(key, str):
                 return Lookup(tenant, None, key, False, False, version, namespace=namespace)
@@ -246,11 +288,8 @@ class Keying:
         found.slow = asked.no_cache or asked.only_if_cached or asked.max_age is not None
         return found
 
-    def _namespace(self, request: Request) -> str:
-        """The request's cache namespace ("" for none); :class:`Refusal` for a bad one."""
-        raw = request.header(self.namespace_header)
-        if raw is None:
-            return ""
+    def _namespace(self, raw: bytes) -> str:
+        """The cache namespace a namespace header names; :class:`Refusal` for a bad one."""
         text = raw.decode("latin-1")
         if not valid_name(text):
             raise Refusal(
@@ -368,6 +407,8 @@ class Handler:
         # Bound once: the request path calls these for every request.
         self._resolve = resolve
         self._lookup = keying.lookup
+        self._plain = keying.plain
+        self._l1_get = l1.get
         self._l1_put = tiers.l1_put
         self._l2_begin = tiers.l2_begin
         self._l2_entry = tiers.l2_entry
@@ -398,31 +439,49 @@ class Handler:
             if kind is None:
                 return None
         try:
-            lookup = self._lookup(request, kind, query)
+            found = self._plain(request, kind, query)
         except Refusal as exc:
             request.memo = exc
             return None
-        request.memo = lookup
-        if lookup.key is None or lookup.slow:
-            return None
+        # A hit needs no Lookup: it is made (and kept for the slow path) on any other outcome.
+        if isinstance(found, Lookup):
+            request.memo = found
+            if found.key is None or found.slow:
+                return None
+            tenant, key = found.tenant, found.key
+        else:
+            tenant, key, _, _ = found
         now = time.monotonic()
         if self.tracker.valid_until <= now:
-            return None  # epochs not confirmed within the bound: no L1 hits
+            # epochs not confirmed within the bound: no L1 hits
+            request.memo = self._unplain(found)
+            return None
         try:
-            hit = self.l1.get(lookup.tenant, lookup.key.digest)
+            hit = self._l1_get(tenant, key.digest)
         except TenantLimitError:
+            request.memo = self._unplain(found)
             return None
         if hit is not None and hit[2] <= now:  # V_CHECK_AT: Age out of date, or expired
-            hit = self._l1_aged(lookup.tenant, lookup.key, hit, now)
+            hit = self._l1_aged(tenant, key, hit, now)
         if hit is None:
-            if self.l2 is not None and self._l2_allowed(lookup.tenant):
-                return self._l2_begin(lookup, lookup.key)
-            return self._upstream_begin(request, lookup, lookup.key)
-        if hit[0] != lookup.tenant:
+            lookup = request.memo = self._unplain(found)
+            if self.l2 is not None and self._l2_allowed(tenant):
+                return self._l2_begin(lookup, key)
+            return self._upstream_begin(request, lookup, key)
+        if hit[0] != tenant:
+            request.memo = self._unplain(found)
             self.metrics.cross_tenant_hits += 1
             return None
-        self._hit(lookup.tenant, lookup.key, hit, time.perf_counter() - request.started)
+        self._hit(tenant, key, hit, time.perf_counter() - request.started)
         return hit[1]
+
+    @staticmethod
+    def _unplain(found: Plain | Lookup) -> Lookup:
+        """The :class:`Lookup` of what :meth:`Keying.plain` found."""
+        if isinstance(found, Lookup):
+            return found
+        tenant, key, namespace, version = found
+        return Lookup(tenant, key, None, False, False, version, namespace=namespace)
 
     def _after_write(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn(*args)`` once this turn's answers are written (:meth:`Outbox.later`):

@@ -134,12 +134,15 @@ class Outbox:
     :meth:`later` queues bookkeeping (metrics, stores, promotions): it runs
     at the turn's end too, in the same callback, once the turn's answers are
     written. A failure is logged, never raised: the answer is already given.
+    What batches a turn's work itself (the L1 hits' book) registers once with
+    :meth:`every_turn` instead, and opens the turn with :meth:`turn`: nothing
+    queued per turn.
 
     Without a running loop (synchronous callers) answers are written and
     bookkeeping runs at once.
     """
 
-    __slots__ = ("_answered", "_held", "_later", "_turn")
+    __slots__ = ("_answered", "_every", "_held", "_later", "_turn")
 
     def __init__(self) -> None:
         #: The loop the open turn's end is scheduled on (None: no turn is open).
@@ -148,6 +151,7 @@ class Outbox:
         self._answered = False
         self._held: list[Connection] = []
         self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+        self._every: list[Callable[[], None]] = []
 
     def _current(self) -> bool:
         """Whether a turn is open."""
@@ -197,6 +201,19 @@ class Outbox:
         if not self._current() and not self._open():
             self._run(self._take_later())
 
+    def every_turn(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at the end of every turn, once its answers are written (before
+        what :meth:`later` queued)."""
+        self._every.append(fn)
+
+    def turn(self) -> bool:
+        """Open a turn unless one is open (its end runs :meth:`every_turn`'s callables);
+        False without a running loop."""
+        turn = self._turn
+        if turn is not None and turn.is_running():
+            return True
+        return self._current() or self._open()
+
     def _take_later(self) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
         later, self._later = self._later, []
         return later
@@ -207,6 +224,11 @@ class Outbox:
         held, self._held = self._held, []
         for conn in held:
             conn.flush_held()
+        for fn in self._every:
+            try:
+                fn()
+            except Exception:  # bookkeeping never fails an answer already given
+                log.exception("bookkeeping after an answer failed")
         if self._later:
             self._run(self._take_later())
 

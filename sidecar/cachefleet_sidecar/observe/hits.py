@@ -2,9 +2,10 @@
 
 An L1 hit is answered inside ``data_received``. What it must count does not
 delay its answer, and most of it need not be counted one hit at a time: the
-hit path appends one tuple to the book (:meth:`HitBook.add`), and the first
-hit of a loop turn asks the outbox to apply the book once the turn's answers
-are written (:meth:`Outbox.later`). :meth:`HitBook.flush` then counts them
+hit path appends one tuple to the book (:meth:`HitBook.add`), the first hit
+of a loop turn makes sure the turn is open (:meth:`Outbox.turn`), and the
+outbox applies the book at every turn's end, once the turn's answers are
+written (:meth:`Outbox.every_turn`). :meth:`HitBook.flush` then counts them
 a run of one tenant's hits at a time (the tenant's metrics looked up once
 per run):
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cachefleet_sidecar.adapt.mrc import HASH_MASK, HASH_SHIFT, MissRatioCurves
 from cachefleet_sidecar.cache.entry import V_COMPLETION, V_PROMPT, V_RESPONSE, V_UPSTREAM_S, L1Value
@@ -42,15 +43,27 @@ L1_HIT = ("l1", "hit")
 Hit = tuple[str, CacheKey, L1Value, float, bool]
 
 
+class Turns(Protocol):
+    """The loop turns the hits' answers are written in (:class:`Outbox`)."""
+
+    def turn(self) -> bool:
+        """Open a turn unless one is open; False without a running loop."""
+        ...
+
+    def every_turn(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at the end of every turn, once its answers are written."""
+        ...
+
+
 class HitBook:
     """The L1 hits of a loop turn, waiting for their bookkeeping."""
 
-    __slots__ = ("_later", "_metrics", "_mrc", "_on_observed", "_prices", "_switching", "pending")
+    __slots__ = ("_metrics", "_mrc", "_on_observed", "_prices", "_switching", "_turn", "pending")
 
     def __init__(
         self,
         metrics: SidecarMetrics,
-        later: Callable[..., None],
+        turns: Turns,
         *,
         mrc: MissRatioCurves | None = None,
         switching: SwitchingEngine | None = None,
@@ -58,14 +71,15 @@ class HitBook:
         on_observed: Callable[[], None] | None = None,
     ) -> None:
         self._metrics = metrics
-        #: Runs a callable once the loop turn's answers are written (:meth:`Outbox.later`).
-        self._later = later
+        #: Opens the loop turn whose end flushes the book (:meth:`Outbox.turn`).
+        self._turn = turns.turn
         self._mrc = mrc
         self._switching = switching
         self._prices = prices
         self._on_observed = on_observed
         self.pending: list[Hit] = []
         metrics.flushers.append(self.flush)
+        turns.every_turn(self.flush)
 
     def add(
         self, tenant: str, key: CacheKey, value: L1Value, seconds: float, observe: bool = True
@@ -73,8 +87,8 @@ class HitBook:
         """Count one L1 hit once this loop turn's answers are written."""
         pending = self.pending
         pending.append((tenant, key, value, seconds, observe))
-        if len(pending) == 1:
-            self._later(self.flush)
+        if len(pending) == 1 and not self._turn():
+            self.flush()  # no running loop: counted at once
 
     def flush(self) -> None:
         """Count the hits waiting (nothing when none wait), a run of one tenant's hits at a time."""
@@ -82,6 +96,10 @@ class HitBook:
         if not hits:
             return
         self.pending = []
+        if len(hits) == 1:  # a lone hit in its turn (a quiet server): counted directly
+            if self._one(*hits[0]) and self._on_observed is not None:
+                self._on_observed()
+            return
         observed = False
         start, end = 0, len(hits)
         while start < end:
@@ -93,6 +111,33 @@ class HitBook:
             start = stop
         if observed and self._on_observed is not None:
             self._on_observed()
+
+    def _one(
+        self, tenant: str, key: CacheKey, value: L1Value, seconds: float, observe: bool
+    ) -> bool:
+        """Count one hit (what :meth:`_count` does for a run of one, without its loops);
+        whether switching observed it."""
+        tm = self._metrics.tenant(tenant)
+        hist = tm.latency.get("l1") or tm.histogram("l1")
+        hist.counts[bisect_left(BUCKETS, seconds)] += 1
+        hist.sum += seconds
+        digest = key.digest
+        mrc = self._mrc
+        if mrc is not None and (digest >> HASH_SHIFT) & HASH_MASK < mrc.threshold(tenant):
+            mrc.access(tenant, digest, len(value[V_RESPONSE]))
+        prompt, completion = value[V_PROMPT], value[V_COMPLETION]
+        cost = 0.0
+        prices = self._prices
+        if prices:
+            cost = savings.cost(prices, key.model, prompt, completion) or 0.0
+        tm.saving(key.model).add_many(1, prompt, completion, value[V_UPSTREAM_S], cost)
+        requests = tm.requests
+        requests[L1_HIT] = requests.get(L1_HIT, 0) + 1
+        engine = self._switching
+        if engine is None or not observe:
+            return False
+        engine.observe_many(tenant, ((seconds, digest),))
+        return True
 
     def _count(self, tenant: str, run: list[Hit]) -> bool:
         """Count a run of ``tenant``'s hits; whether switching observed some."""
