@@ -404,6 +404,64 @@ class CurveTable:
         #: :attr:`HitCurve.max_hit_ratio` (0 without a curve).
         self.max_hit = np.where(self.present, self.ys[self.rows, last], 0.0)
         self.footprint = np.array(_column(curves, "footprint_bytes"), dtype=np.float64)
+        #: :attr:`HitCurve.cold_ratio` (NaN without a curve) and :attr:`HitCurve.requests`
+        #: (0 without a curve).
+        self.cold = np.array(_column(curves, "cold_ratio"), dtype=np.float64)
+        self.requests = np.array(_column(curves, "requests", 0.0), dtype=np.float64)
+        self._views: dict[int, HitCurve] = {}
+
+    def take(self, index: IntArray) -> CurveTable:
+        """A table whose row ``k`` is this table's row ``index[k]`` (-1: no curve).
+
+        Rows are copied as they are (padding included), so every method
+        answers on the new table what it answered on the old one's rows.
+        """
+        n = index.size
+        out = object.__new__(CurveTable)
+        source = self if self.rows.size else CurveTable([None])
+        if not self.rows.size:
+            index = np.full(n, -1, dtype=np.int64)
+        src = np.maximum(index, 0)
+        empty = (index < 0) | ~source.present[src]
+        out.length = np.where(empty, 0, source.length[src])
+        out.ys = source.ys[src]
+        out.ys[empty] = 0.0
+        if source.shared_xs is not None and not empty.any():
+            out.shared_xs = source.shared_xs
+            out.xs = np.broadcast_to(source.shared_xs, (n, source.shared_xs.size))
+        else:
+            out.shared_xs = None
+            out.xs = source.xs[src]  # a copy, also of a broadcast row
+            out.xs[empty] = np.inf
+        out.rows = np.arange(n)
+        out.present = out.length > 0
+        out.max_hit = np.where(empty, 0.0, source.max_hit[src])
+        out.footprint = np.where(empty, np.nan, source.footprint[src])
+        out.cold = np.where(empty, np.nan, source.cold[src])
+        out.requests = np.where(empty, 0.0, source.requests[src])
+        out._views = {}
+        return out
+
+    def only(self, keep: BoolArray) -> CurveTable:
+        """This table with the rows not in ``keep`` as no curve."""
+        return self.take(np.where(keep, self.rows, -1))
+
+    def curve(self, row: int) -> HitCurve | None:
+        """Row ``row`` as a :class:`HitCurve` (None: no curve); the same numbers, bit for bit."""
+        if not self.present[row]:
+            return None
+        view = self._views.get(row)
+        if view is None:
+            length = int(self.length[row])
+            xs, ys = self.xs[row, :length].tolist(), self.ys[row, :length].tolist()
+            footprint = float(self.footprint[row])
+            view = self._views[row] = HitCurve(
+                tuple(zip(xs, ys, strict=True)),
+                float(self.cold[row]),
+                float(self.requests[row]),
+                None if math.isnan(footprint) else footprint,
+            )
+        return view
 
     def _find(self, rows: IntArray, sizes: FloatArray, *, right: bool) -> IntArray:
         """:func:`_bisect` of each of ``rows`` in its sizes."""
@@ -524,6 +582,24 @@ class LatencyTable:
             self.counts[rows, :width] = flat[(start + length)[:, None] + cols]
             self.mean[rows] = flat[start + 2 * length]
         self.counts[:, width] = self.counts[:, width - 1]
+
+    def take(self, index: IntArray) -> LatencyTable:
+        """A table whose row ``k`` is this table's row ``index[k]`` (-1: unknown)."""
+        out = object.__new__(LatencyTable)
+        source = self if self.rows.size else LatencyTable([None])
+        if not self.rows.size:
+            index = np.full(index.size, -1, dtype=np.int64)
+        src = np.maximum(index, 0)
+        empty = (index < 0) | ~source.present[src]
+        out.length = np.where(empty, 0, source.length[src])
+        out.present = out.length > 0
+        out.rows = np.arange(index.size)
+        out.bounds = source.bounds[src]
+        out.bounds[empty] = np.inf
+        out.counts = source.counts[src]
+        out.counts[empty] = 0.0
+        out.mean = np.where(empty, np.nan, source.mean[src])
+        return out
 
     def cdf(self, seconds: FloatArray) -> FloatArray:
         """:meth:`LatencyDist.cdf` of every row at its ``seconds`` (NaN where unknown)."""

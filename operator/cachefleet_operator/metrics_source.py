@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from cachefleet_operator.allocation import TenantMetrics
+from cachefleet_operator.allocation import MetricsTable, TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
 from cachefleet_sidecar.contract.promql import (
     promql_cold_bytes,
@@ -56,8 +56,10 @@ class MetricsSource(Protocol):
 
     async def fetch(
         self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
-        """Tenant -> metrics (curves over ``curve_window``, default ``window``).
+    ) -> Mapping[str, TenantMetrics]:
+        """Tenant -> metrics (curves over ``curve_window``, default ``window``): a
+        :class:`~cachefleet_operator.allocation.MetricsTable` from Prometheus, so that
+        allocation reads its columns.
 
         Raises :class:`MetricsUnavailable`.
         """
@@ -192,12 +194,13 @@ def tenant_metrics(
     cold_bytes: dict[str, float] | None = None,
     policy_hits: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
     policy_requests: dict[str, dict[str, float]] | None = None,
-) -> dict[str, TenantMetrics]:
+) -> MetricsTable:
     """Assemble per-tenant metrics from the query results (pure; tested without Prometheus).
 
     A tenant's curve is its own policy's (mini-simulation) where the sidecars
     measure one — the policy with the most requests, i.e. the one most pods
-    run — and the LRU curve of the reuse histogram otherwise.
+    run — and the LRU curve of the reuse histogram otherwise. The result is
+    a table (the columns allocation reads, built once here) and a mapping.
     """
     tenants = set(p95) | set(hit) | set(rps)
     out = {}
@@ -222,7 +225,7 @@ def tenant_metrics(
             miss_latency=LatencyDist.from_buckets(upstream[t]) if t in upstream else None,
             hit_latency=LatencyDist.from_buckets(hits[t]) if t in hits else None,
         )
-    return out
+    return MetricsTable(out)
 
 
 class PrometheusMetricsSource:
@@ -262,9 +265,7 @@ class PrometheusMetricsSource:
                 "PrometheusUnavailable", f"Prometheus at {self.where}: {_describe(exc)}"
             ) from exc
 
-    async def fetch(
-        self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
+    async def fetch(self, cache: str, window: str, curve_window: str | None = None) -> MetricsTable:
         curve_window = curve_window or window
         results = await asyncio.gather(
             self._run(promql_p95_seconds(cache, window)),

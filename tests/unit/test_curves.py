@@ -14,6 +14,7 @@ from cachefleet_operator.curves import (
     CurveTable,
     HitCurve,
     LatencyDist,
+    LatencyTable,
     _bisect,
     needed_hit_ratio_for,
     predicted_p95,
@@ -188,3 +189,38 @@ def test_bisecting_table_rows_counts_what_comparing_every_cell_counts(
     inside = np.arange(table.ys.shape[1])[None, :] < ends[:, None]
     counted = np.count_nonzero((table.ys < hits[:, None]) & inside, axis=1)
     assert (_bisect(table.ys, hits, right=False, ends=ends) == counted).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ragged_curves(), st.data())
+def test_rows_taken_from_a_curve_table_are_the_table_of_those_curves(
+    curves: list[HitCurve | None], data: st.DataObject
+) -> None:
+    """``take`` (some rows, in any order, -1 for none) answers what a table of the taken
+    curves answers, and each row read back as a curve is the curve it was made from."""
+    table = CurveTable(curves)
+    index = data.draw(st.lists(st.integers(-1, len(curves) - 1), min_size=1, max_size=10))
+    chosen = [None if i < 0 else curves[i] for i in index]
+    taken, fresh = table.take(np.array(index, dtype=np.int64)), CurveTable(chosen)
+    at = np.array(data.draw(st.lists(sizes, min_size=len(index), max_size=len(index))))
+    assert taken.at(at).tolist() == fresh.at(at).tolist()
+    hit = np.array(
+        data.draw(st.lists(st.floats(0.0, 1.0), min_size=len(index), max_size=len(index)))
+    )
+    np.testing.assert_array_equal(taken.size_for(hit), fresh.size_for(hit))
+    for column in ("present", "length", "max_hit", "footprint", "cold", "requests"):
+        np.testing.assert_array_equal(getattr(taken, column), getattr(fresh, column))
+    assert [taken.curve(k) for k in range(len(index))] == chosen
+
+
+def test_rows_taken_from_a_latency_table_answer_as_a_table_of_those_histograms() -> None:
+    fast = LatencyDist.from_buckets([(0.1, 5.0), (0.2, 10.0), (INF, 10.0)])
+    slow = LatencyDist.from_buckets([(1.0, 1.0), (2.0, 3.0), (4.0, 8.0), (INF, 9.0)])
+    dists = [fast, None, slow]
+    index = np.array([2, -1, 0, 1, 2])
+    seconds = np.array([1.5, 0.1, 0.15, 3.0, 5.0])
+    taken = LatencyTable(dists).take(index)
+    fresh = LatencyTable([None if i < 0 else dists[i] for i in index])
+    np.testing.assert_array_equal(taken.cdf(seconds), fresh.cdf(seconds))
+    np.testing.assert_array_equal(taken.mean, fresh.mean)
+    assert taken.present.tolist() == [True, False, True, False, True]
