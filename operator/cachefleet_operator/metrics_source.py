@@ -202,7 +202,7 @@ def tenant_metrics(
     run — and the LRU curve of the reuse histogram otherwise. The result is
     a table (the columns allocation reads, built once here) and a mapping.
     """
-    tenants = set(p95) | set(hit) | set(rps)
+    tenants = dict.fromkeys([*p95, *hit, *rps])  # in the answers' order: the same every time
     out = {}
     for t in tenants:
         footprint = (cold_bytes or {}).get(t)
