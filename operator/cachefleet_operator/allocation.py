@@ -60,6 +60,7 @@ from cachefleet_operator.curves import (
     IntArray,
     LatencyDist,
     LatencyTable,
+    interpolate,
     needed_hit_ratio_for,
 )
 
@@ -188,7 +189,8 @@ class MetricsTable(Mapping[str, TenantMetrics]):
 
     def rows_of(self, names: Sequence[str]) -> IntArray:
         """Each name's row (-1: no metrics)."""
-        return np.array(list(map(self._row.get, names, repeat(-1))), dtype=np.int64)
+        found = map(self._row.get, names, repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(names))
 
     def __getitem__(self, name: str) -> TenantMetrics:
         return self._metrics[name]
@@ -384,9 +386,13 @@ _NO_METRICS = TenantMetrics()
 _NOTES = ("", "floor", "cap", "held")
 
 
-def _attr(items: Iterable[object], name: str) -> list[Any]:
+def _attr(items: Iterable[object], name: str | attrgetter[Any]) -> list[Any]:
     """``[item.<name> for item in items]``, without a Python step per item."""
-    return list(map(attrgetter(name), items))
+    return list(map(attrgetter(name) if isinstance(name, str) else name, items))
+
+
+#: What :class:`_Columns` reads of every :class:`TenantDemand` as numbers, in its order.
+_SPEC_NUMBERS = attrgetter("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
 
 
 def _numbers(items: Iterable[object], name: str) -> FloatArray:
@@ -455,18 +461,20 @@ class _Columns:
     ) -> _Columns:
         names = _attr(tenants, "name")
         priority = _attr(tenants, "priority_class")
+        # the spec's numbers in one pass: one row per tenant, None as NaN
+        numbers = np.array(_attr(tenants, _SPEC_NUMBERS), dtype=np.float64).reshape(-1, 5).T
         table = MetricsTable.of(metrics)
         rows = table.rows_of(names)
         return cls(
             tenants,
             names,
             priority,
-            np.array(list(map(_CLASS_INDEX.__getitem__, priority)), dtype=np.int64),
-            _numbers(tenants, "min_share"),
-            _numbers(tenants, "max_share"),
-            _numbers(tenants, "p95_target_s"),
-            _numbers(tenants, "min_hit_ratio"),
-            _numbers(tenants, "min_rps"),
+            np.fromiter(map(_CLASS_INDEX.__getitem__, priority), dtype=np.int64, count=len(names)),
+            numbers[0],
+            numbers[1],
+            numbers[2],
+            numbers[3],
+            numbers[4],
             rows,
             table,
             table.p95[rows],
@@ -1054,18 +1062,19 @@ def _grant(
 
 
 def _best_extension(
-    curve: HitCurve, value: float, lo: float, hi: float, capacity: int
+    points: tuple[list[float], list[float]], value: float, lo: float, hi: float, capacity: int
 ) -> tuple[float, float] | None:
     """(utility per share, new share) of the best extension of ``lo`` up to ``hi``.
 
     One tenant's :meth:`~cachefleet_operator.curves.CurveTable.best_extensions`
-    (the same scan, for the steps of :func:`_greedy` after the first).
+    (the same scan, for the steps of :func:`_greedy` after the first), on its
+    curve's ``points`` (sizes, hit ratios).
     """
     if hi - lo <= EPS:
         return None
-    base = curve.at(lo * capacity)
+    xs, ys = points
+    base = interpolate(xs, ys, lo * capacity)
     best: tuple[float, float] | None = None
-    xs, ys = curve.xs, curve.ys
     # the candidate ends: every curve point strictly inside (lo, hi), then hi itself
     first = bisect_right(xs, lo * capacity)
     last = bisect_left(xs, hi * capacity, first)
@@ -1073,7 +1082,7 @@ def _best_extension(
         if k < last:
             to, hit = xs[k] / capacity, ys[k]
         else:
-            to, hit = hi, curve.at(hi * capacity)
+            to, hit = hi, interpolate(xs, ys, hi * capacity)
         if to - lo <= EPS:
             continue
         per = value * (hit - base) / (to - lo)
@@ -1121,11 +1130,9 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
         return (float(first_keys[k]), int(first_ids[k]), float(first_ends[k]))
 
     def push(i: int) -> None:
-        curve = table.curve(i)
-        assert curve is not None
         lo = float(shares[i])
         found = _best_extension(
-            curve, float(values[i]), lo, min(float(caps[i]), lo + left), capacity
+            table.points(i), float(values[i]), lo, min(float(caps[i]), lo + left), capacity
         )
         if found is not None and found[0] > noise:
             heapq.heappush(heap, (-found[0], i, found[1]))

@@ -68,6 +68,17 @@ def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, fl
     return tuple(out)
 
 
+def interpolate(xs: Sequence[float], ys: Sequence[float], size: float) -> float:
+    """The hit ratio at ``size`` of a curve through ``xs`` and ``ys`` (:meth:`HitCurve.at`)."""
+    if size <= 0.0 or len(xs) < 2:
+        return 0.0
+    hi = bisect_right(xs, size)
+    if hi >= len(xs):
+        return ys[-1]
+    x0, y0 = xs[hi - 1], ys[hi - 1]
+    return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
+
+
 @dataclass(frozen=True, slots=True)
 class HitCurve:
     """Hit ratio by cache bytes: ``points`` are (bytes, hit ratio), both ascending, from (0, 0)."""
@@ -167,14 +178,7 @@ class HitCurve:
 
     def at(self, size: float) -> float:
         """Predicted hit ratio with ``size`` bytes (linear inside a bucket)."""
-        xs, ys = self.xs, self.ys
-        if size <= 0.0 or len(xs) < 2:
-            return 0.0
-        hi = bisect_right(xs, size)
-        if hi >= len(xs):
-            return ys[-1]
-        x0, y0 = xs[hi - 1], ys[hi - 1]
-        return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
+        return interpolate(self.xs, self.ys, size)
 
     def hull(self, grid: Sequence[float]) -> list[tuple[float, float]]:
         """Concave majorant of (x, at(x)) over ascending ``grid`` (upper hull)."""
@@ -409,6 +413,7 @@ class CurveTable:
         self.cold = np.array(_column(curves, "cold_ratio"), dtype=np.float64)
         self.requests = np.array(_column(curves, "requests", 0.0), dtype=np.float64)
         self._views: dict[int, HitCurve] = {}
+        self._points: dict[int, tuple[list[float], list[float]]] = {}
 
     def take(self, index: IntArray) -> CurveTable:
         """A table whose row ``k`` is this table's row ``index[k]`` (-1: no curve).
@@ -439,12 +444,23 @@ class CurveTable:
         out.footprint = np.where(empty, np.nan, source.footprint[src])
         out.cold = np.where(empty, np.nan, source.cold[src])
         out.requests = np.where(empty, 0.0, source.requests[src])
-        out._views = {}
+        out._views, out._points = {}, {}
         return out
 
     def only(self, keep: BoolArray) -> CurveTable:
         """This table with the rows not in ``keep`` as no curve."""
         return self.take(np.where(keep, self.rows, -1))
+
+    def points(self, row: int) -> tuple[list[float], list[float]]:
+        """Row ``row``'s sizes and hit ratios (as :attr:`HitCurve.xs` and ``ys``; none: empty)."""
+        found = self._points.get(row)
+        if found is None:
+            length = int(self.length[row])
+            found = self._points[row] = (
+                self.xs[row, :length].tolist(),
+                self.ys[row, :length].tolist(),
+            )
+        return found
 
     def curve(self, row: int) -> HitCurve | None:
         """Row ``row`` as a :class:`HitCurve` (None: no curve); the same numbers, bit for bit."""
@@ -452,8 +468,7 @@ class CurveTable:
             return None
         view = self._views.get(row)
         if view is None:
-            length = int(self.length[row])
-            xs, ys = self.xs[row, :length].tolist(), self.ys[row, :length].tolist()
+            xs, ys = self.points(row)
             footprint = float(self.footprint[row])
             view = self._views[row] = HitCurve(
                 tuple(zip(xs, ys, strict=True)),
