@@ -152,10 +152,10 @@ class MetricsTable(Mapping[str, TenantMetrics]):
     """
 
     def __init__(self, metrics: Mapping[str, TenantMetrics]) -> None:
-        self._metrics = dict(metrics)
-        ms = list(self._metrics.values())
-        self.names: list[str] = list(self._metrics)
-        self._row = dict(zip(self.names, range(len(ms)), strict=True))
+        #: The objects given (None: built from columns, each tenant's made on demand).
+        self._given: dict[str, TenantMetrics] | None = dict(metrics)
+        ms = list(self._given.values())
+        self._set_names(list(self._given))
         # one NaN more at the end: the row of a tenant without metrics (index -1)
         self.p95 = _floats([*_attr(ms, "p95_s"), None])
         self.hit_ratio = _floats([*_attr(ms, "hit_ratio"), None])
@@ -167,6 +167,29 @@ class MetricsTable(Mapping[str, TenantMetrics]):
         #: None when no tenant has a fleet curve (the common case).
         self.fleet = CurveTable(fleet) if any(fleet) else None
 
+    def _set_names(self, names: list[str]) -> None:
+        self.names = names
+        self._row = dict(zip(names, range(len(names)), strict=True))
+        self._views: dict[str, TenantMetrics] = {}
+
+    @classmethod
+    def from_columns(
+        cls,
+        names: list[str],
+        numbers: tuple[FloatArray, FloatArray, FloatArray],
+        curves: CurveTable,
+        misses: LatencyTable,
+        hits: LatencyTable,
+    ) -> MetricsTable:
+        """From columns, rows in ``names``' order: (p95, hit ratio, rate) with NaN where
+        unknown, the curves, and the miss and hit latency histograms."""
+        out = object.__new__(cls)
+        out._given = None
+        out._set_names(names)
+        out.p95, out.hit_ratio, out.rps = (_finite(np.append(c, np.nan)) for c in numbers)
+        out.curves, out.misses, out.hits, out.fleet = curves, misses, hits, None
+        return out
+
     @classmethod
     def of(cls, metrics: Mapping[str, TenantMetrics]) -> MetricsTable:
         """``metrics`` as a table (itself when it is one)."""
@@ -177,10 +200,12 @@ class MetricsTable(Mapping[str, TenantMetrics]):
         out = copy.copy(self)
         if not curves:
             return out
-        out._metrics = {
-            name: replace(m, fleet_curve=curves[name]) if name in curves else m
-            for name, m in self._metrics.items()
-        }
+        out._views = {}
+        if self._given is not None:
+            out._given = {
+                name: replace(m, fleet_curve=curves[name]) if name in curves else m
+                for name, m in self._given.items()
+            }
         fleet = list(map(curves.get, self.names))
         if self.fleet is not None:  # the ones the new curves do not replace
             fleet = [self.fleet.curve(i) if c is None else c for i, c in enumerate(fleet)]
@@ -193,19 +218,34 @@ class MetricsTable(Mapping[str, TenantMetrics]):
         return np.fromiter(found, dtype=np.int64, count=len(names))
 
     def __getitem__(self, name: str) -> TenantMetrics:
-        return self._metrics[name]
+        if self._given is not None:
+            return self._given[name]
+        view = self._views.get(name)
+        if view is None:
+            i = self._row[name]
+            p95, hit, rps = (float(c[i]) for c in (self.p95, self.hit_ratio, self.rps))
+            view = self._views[name] = TenantMetrics(
+                None if math.isnan(p95) else p95,
+                None if math.isnan(hit) else hit,
+                None if math.isnan(rps) else rps,
+                self.curves.curve(i),
+                self.misses.dist(i),
+                self.hits.dist(i),
+                None if self.fleet is None else self.fleet.curve(i),
+            )
+        return view
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._metrics)
+        return iter(self.names)
 
     def __len__(self) -> int:
-        return len(self._metrics)
+        return len(self.names)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._metrics
+        return name in self._row
 
     def __repr__(self) -> str:
-        return f"MetricsTable({self._metrics!r})"
+        return f"MetricsTable({dict(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,10 +16,14 @@ import asyncio
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from itertools import chain, compress, repeat
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
 
 from cachefleet_operator.allocation import MetricsTable, TenantMetrics
-from cachefleet_operator.curves import HitCurve, LatencyDist
+from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist, LatencyTable
 from cachefleet_sidecar.contract.promql import (
     promql_cold_bytes,
     promql_hit_buckets,
@@ -200,32 +204,118 @@ def tenant_metrics(
     A tenant's curve is its own policy's (mini-simulation) where the sidecars
     measure one — the policy with the most requests, i.e. the one most pods
     run — and the LRU curve of the reuse histogram otherwise. The result is
-    a table (the columns allocation reads, built once here) and a mapping.
+    a table, built as columns straight from the buckets (all tenants' at
+    once where they share their bounds, as the sidecars' do), and a mapping
+    whose values are what :class:`~cachefleet_operator.curves.HitCurve` and
+    :class:`~cachefleet_operator.curves.LatencyDist` make of each tenant's.
     """
-    tenants = dict.fromkeys([*p95, *hit, *rps])  # in the answers' order: the same every time
-    out = {}
-    for t in tenants:
-        footprint = (cold_bytes or {}).get(t)
-        curve = HitCurve.from_histogram(reuse[t], lookups.get(t), footprint) if t in reuse else None
-        by_policy = (policy_requests or {}).get(t) or {}
-        if by_policy:
-            policy = max(by_policy, key=lambda name: by_policy[name])
-            simulated = HitCurve.from_hits(
-                ((policy_hits or {}).get(t) or {}).get(policy, []),
-                by_policy[policy],
-                cold_ratio=None if curve is None else curve.cold_ratio,
-                footprint_bytes=footprint,
-            )
-            curve = simulated or curve
-        out[t] = TenantMetrics(
-            p95_s=p95.get(t),
-            hit_ratio=hit.get(t),
-            rps=rps.get(t),
-            curve=curve,
-            miss_latency=LatencyDist.from_buckets(upstream[t]) if t in upstream else None,
-            hit_latency=LatencyDist.from_buckets(hits[t]) if t in hits else None,
+    names = list(dict.fromkeys([*p95, *hit, *rps]))  # in the answers' order: the same every time
+    n = len(names)
+    footprints = cold_bytes or {}
+
+    def column(values: dict[str, float]) -> npt.NDArray[np.float64]:
+        return np.fromiter(map(values.get, names, repeat(math.nan)), dtype=np.float64, count=n)
+
+    def curves_of(rows: list[int], bounds: FloatArray, counts: FloatArray) -> CurveTable:
+        chosen = [names[i] for i in rows]
+        requests = np.fromiter(map(lookups.get, chosen, repeat(math.nan)), np.float64, len(rows))
+        footprint = np.fromiter(
+            map(footprints.get, chosen, repeat(math.nan)), np.float64, len(rows)
         )
-    return MetricsTable(out)
+        return CurveTable.from_histograms(bounds, counts, requests, footprint)
+
+    def curve_of(i: int) -> HitCurve | None:
+        t = names[i]
+        return HitCurve.from_histogram(reuse[t], lookups.get(t), footprints.get(t))
+
+    curves = _table(names, reuse, curves_of, lambda rows: CurveTable(list(map(curve_of, rows))))
+    curves = _with_simulated(names, curves, policy_hits or {}, policy_requests or {}, footprints)
+
+    def latency(by_tenant: dict[str, list[tuple[float, float]]]) -> LatencyTable:
+        return _table(
+            names,
+            by_tenant,
+            lambda rows, bounds, counts: LatencyTable.from_buckets(bounds, counts),
+            lambda rows: LatencyTable(
+                [LatencyDist.from_buckets(by_tenant[names[i]]) for i in rows]
+            ),
+        )
+
+    numbers = (column(p95), column(hit), column(rps))
+    return MetricsTable.from_columns(names, numbers, curves, latency(upstream), latency(hits))
+
+
+_Table = TypeVar("_Table", CurveTable, LatencyTable)
+
+
+def _table(
+    names: list[str],
+    buckets: dict[str, list[tuple[float, float]]],
+    alike: Callable[[list[int], FloatArray, FloatArray], _Table],
+    one_by_one: Callable[[list[int]], _Table],
+) -> _Table:
+    """A table with a row per name (none where ``buckets`` has none): the rows whose
+    buckets have the first one's bounds, with every count finite, by ``alike`` (rows,
+    bounds, counts), all at once; the others by ``one_by_one`` (rows)."""
+    rows = [i for i, t in enumerate(names) if t in buckets]
+    lists = [buckets[names[i]] for i in rows]
+    k = len(lists[0]) if lists else 0
+    same = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)) == k
+    alike_rows = list(compress(rows, same.tolist()))
+    flat = np.fromiter(
+        chain.from_iterable(chain.from_iterable(compress(lists, same.tolist()))),
+        dtype=np.float64,
+        count=2 * k * len(alike_rows),
+    ).reshape(len(alike_rows), k, 2)
+    bounds = flat[0, :, 0] if alike_rows else np.zeros(0)
+    ok = (flat[:, :, 0] == bounds).all(axis=1) & np.isfinite(flat[:, :, 1]).all(axis=1)
+    if k == 0 or np.isnan(bounds).any() or np.unique(bounds).size != k:
+        ok[:] = False
+    parts: list[_Table] = []
+    order: list[int] = []
+    if ok.any():
+        chosen = np.flatnonzero(ok)
+        parts.append(alike([alike_rows[j] for j in chosen], bounds, flat[chosen, :, 1]))
+        order.extend(alike_rows[j] for j in chosen)
+    others = sorted(set(rows) - set(order))
+    if others or not parts:
+        parts.append(one_by_one(others))
+        order.extend(others)
+    # row r of the stacked parts is name order[r]; a name without buckets: no row (-1)
+    index = np.full(len(names), -1, dtype=np.int64)
+    index[np.array(order, dtype=np.int64)] = np.arange(len(order))
+    stacked = type(parts[0]).stack(parts)
+    return stacked.take(index)
+
+
+def _with_simulated(
+    names: list[str],
+    curves: CurveTable,
+    policy_hits: dict[str, dict[str, list[tuple[float, float]]]],
+    policy_requests: dict[str, dict[str, float]],
+    footprints: dict[str, float],
+) -> CurveTable:
+    """``curves`` with the curve of each tenant's own policy where the sidecars simulate it."""
+    replaced: dict[int, HitCurve] = {}
+    for i, t in enumerate(names) if policy_requests else ():
+        by_policy = policy_requests.get(t)
+        if not by_policy:
+            continue
+        policy = max(by_policy, key=lambda name: by_policy[name])
+        simulated = HitCurve.from_hits(
+            (policy_hits.get(t) or {}).get(policy, []),
+            by_policy[policy],
+            cold_ratio=float(curves.cold[i]) if curves.present[i] else None,
+            footprint_bytes=footprints.get(t),
+        )
+        if simulated is not None:
+            replaced[i] = simulated
+    if not replaced:
+        return curves
+    at = sorted(replaced)
+    index = np.arange(len(names))
+    index[at] = len(names) + np.arange(len(at))
+    return CurveTable.stack([curves, CurveTable([replaced[i] for i in at])]).take(index)
 
 
 class PrometheusMetricsSource:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefleet_operator.allocation import MetricsTable, TenantDemand, TenantMetrics, allocate
 from cachefleet_operator.curves import (
     CurveTable,
     HitCurve,
@@ -224,3 +225,106 @@ def test_rows_taken_from_a_latency_table_answer_as_a_table_of_those_histograms()
     np.testing.assert_array_equal(taken.cdf(seconds), fresh.cdf(seconds))
     np.testing.assert_array_equal(taken.mean, fresh.mean)
     assert taken.present.tolist() == [True, False, True, False, True]
+
+
+def tenant_metrics_one_by_one(
+    p95: dict[str, float],
+    hit: dict[str, float],
+    rps: dict[str, float],
+    reuse: dict[str, list[tuple[float, float]]],
+    upstream: dict[str, list[tuple[float, float]]],
+    hits: dict[str, list[tuple[float, float]]],
+    lookups: dict[str, float],
+    cold_bytes: dict[str, float],
+    policy_hits: dict[str, dict[str, list[tuple[float, float]]]],
+    policy_requests: dict[str, dict[str, float]],
+) -> dict[str, TenantMetrics]:
+    """What tenant_metrics made before its columns: each tenant's objects, one by one."""
+    out = {}
+    for t in dict.fromkeys([*p95, *hit, *rps]):
+        footprint = cold_bytes.get(t)
+        curve = HitCurve.from_histogram(reuse[t], lookups.get(t), footprint) if t in reuse else None
+        by_policy = policy_requests.get(t) or {}
+        if by_policy:
+            policy = max(by_policy, key=lambda name: by_policy[name])
+            simulated = HitCurve.from_hits(
+                (policy_hits.get(t) or {}).get(policy, []),
+                by_policy[policy],
+                cold_ratio=None if curve is None else curve.cold_ratio,
+                footprint_bytes=footprint,
+            )
+            curve = simulated or curve
+        out[t] = TenantMetrics(
+            p95_s=p95.get(t),
+            hit_ratio=hit.get(t),
+            rps=rps.get(t),
+            curve=curve,
+            miss_latency=LatencyDist.from_buckets(upstream[t]) if t in upstream else None,
+            hit_latency=LatencyDist.from_buckets(hits[t]) if t in hits else None,
+        )
+    return out
+
+
+BOUNDS = [1e3, 1e4, 1e5, 1e6, INF]
+
+
+@st.composite
+def histograms(draw: st.DrawFn) -> list[tuple[float, float]]:
+    """Cumulative buckets, mostly on the shared bounds (in any order), some not; counts
+    with rate() dents, zeros, now and then a NaN."""
+    kind = draw(st.sampled_from(["shared", "shared", "shared", "own", "no +Inf", "nan"]))
+    own = sorted(set(draw(st.lists(st.floats(1.0, 1e7), max_size=4))))
+    bounds = BOUNDS if kind != "own" else [*own, INF]
+    if kind == "no +Inf":
+        bounds = BOUNDS[:-1]
+    counts = draw(
+        st.lists(
+            st.sampled_from([0.0, 1.0, 2.5, 7.0, 10.0, 40.0, 100.0]),
+            min_size=len(bounds),
+            max_size=len(bounds),
+        )
+    )
+    counts = sorted(counts) if draw(st.booleans()) else counts
+    if kind == "nan":
+        counts[draw(st.integers(0, len(counts) - 1))] = math.nan
+    pairs = list(zip(bounds, counts, strict=True))
+    return draw(st.permutations(pairs)) if draw(st.booleans()) else pairs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_tenant_metrics_as_columns_are_what_each_tenants_objects_were(data: st.DataObject) -> None:
+    names = [f"t{i}" for i in range(data.draw(st.integers(0, 12)))]
+    some = st.lists(st.sampled_from(names), unique=True) if names else st.just([])
+    values = st.floats(0.0, 10.0)
+    p95 = {t: data.draw(values) for t in data.draw(some)}
+    hit = {t: data.draw(values) for t in data.draw(some)}
+    rps = {t: data.draw(values) for t in names if t not in p95 and t not in hit}
+    reuse = {t: data.draw(histograms()) for t in data.draw(some)}
+    upstream = {t: data.draw(histograms()) for t in data.draw(some)}
+    hits = {t: data.draw(histograms()) for t in data.draw(some)}
+    lookups = {
+        t: data.draw(st.sampled_from([0.0, 5.0, 50.0, 1e3, math.nan])) for t in data.draw(some)
+    }
+    cold = {t: data.draw(st.floats(0.0, 1e9)) for t in data.draw(some)}
+    requests = {
+        t: {"lirs": data.draw(st.sampled_from([0.0, 10.0, 100.0]))} for t in data.draw(some)
+    }
+    sims = {t: {"lirs": [(1e3, 3.0), (1e5, 8.0)]} for t in data.draw(some)}
+    args = (p95, hit, rps, reuse, upstream, hits, lookups, cold, sims, requests)
+    table = tenant_metrics(*args)
+    expected = tenant_metrics_one_by_one(*args)
+    assert list(table) == list(expected)
+    assert dict(table) == expected
+    # and the columns are the objects' (allocation reads the columns)
+    tenants = [TenantDemand(t, p95_target_s=0.5, min_hit_ratio=0.3) for t in names]
+    got = allocate(tenants, table, None, 10**6, 10**7)
+    want = allocate(tenants, MetricsTable(expected), None, 10**6, 10**7)
+    assert [(*t[:9], t.cannot_meet, t.predicted_hit_ratio) for t in got.tenants] == [
+        (*t[:9], t.cannot_meet, t.predicted_hit_ratio) for t in want.tenants
+    ]
+    for column in ("footprint", "cold", "requests", "max_hit", "length"):
+        np.testing.assert_array_equal(
+            getattr(table.curves, column), getattr(MetricsTable(expected).curves, column)
+        )
+    np.testing.assert_array_equal(table.misses.mean, MetricsTable(expected).misses.mean)
