@@ -246,6 +246,9 @@ def tenant_metrics(
 
 
 _Table = TypeVar("_Table", CurveTable, LatencyTable)
+#: Sets of bucket bounds read as columns, each at once (the sidecars' are fixed: one per
+#: histogram); rows with others are read one by one.
+_BOUND_SETS = 16
 
 
 def _table(
@@ -255,28 +258,38 @@ def _table(
     one_by_one: Callable[[list[int]], _Table],
 ) -> _Table:
     """A table with a row per name (none where ``buckets`` has none): the rows whose
-    buckets have the first one's bounds, with every count finite, by ``alike`` (rows,
-    bounds, counts), all at once; the others by ``one_by_one`` (rows)."""
+    buckets have the same bounds (each set of them: the sidecars' are fixed) with every
+    count finite by ``alike`` (rows, bounds, counts), all at once; the others by
+    ``one_by_one`` (rows)."""
     rows = [i for i, t in enumerate(names) if t in buckets]
     lists = [buckets[names[i]] for i in rows]
     k = len(lists[0]) if lists else 0
-    same = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)) == k
-    alike_rows = list(compress(rows, same.tolist()))
+    same = (np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)) == k).tolist()
+    alike_rows = np.array(list(compress(rows, same)), dtype=np.int64)
     flat = np.fromiter(
-        chain.from_iterable(chain.from_iterable(compress(lists, same.tolist()))),
+        chain.from_iterable(chain.from_iterable(compress(lists, same))),
         dtype=np.float64,
-        count=2 * k * len(alike_rows),
-    ).reshape(len(alike_rows), k, 2)
-    bounds = flat[0, :, 0] if alike_rows else np.zeros(0)
-    ok = (flat[:, :, 0] == bounds).all(axis=1) & np.isfinite(flat[:, :, 1]).all(axis=1)
-    if k == 0 or np.isnan(bounds).any() or np.unique(bounds).size != k:
-        ok[:] = False
+        count=2 * k * alike_rows.size,
+    ).reshape(alike_rows.size, k, 2)
     parts: list[_Table] = []
     order: list[int] = []
-    if ok.any():
-        chosen = np.flatnonzero(ok)
-        parts.append(alike([alike_rows[j] for j in chosen], bounds, flat[chosen, :, 1]))
-        order.extend(alike_rows[j] for j in chosen)
+    if k and alike_rows.size:
+        finite = np.isfinite(flat[:, :, 1]).all(axis=1)
+        left = np.ones(alike_rows.size, dtype=bool)  # not yet in a set of bounds
+        for _ in range(_BOUND_SETS):
+            if not left.any():
+                break
+            first = int(np.argmax(left))  # the first row left: its bounds, and the rows alike
+            bounds = flat[first, :, 0]
+            group = left & (flat[:, :, 0] == bounds).all(axis=1)
+            group[first] = True  # NaN bounds equal none, not even their own
+            left &= ~group
+            if np.isnan(bounds).any() or np.unique(bounds).size != k:
+                continue
+            chosen = np.flatnonzero(group & finite)
+            if chosen.size:
+                parts.append(alike(alike_rows[chosen].tolist(), bounds, flat[chosen, :, 1]))
+                order.extend(alike_rows[chosen].tolist())
     others = sorted(set(rows) - set(order))
     if others or not parts:
         parts.append(one_by_one(others))
