@@ -35,7 +35,7 @@ from cachefleet_operator.allocation import (
     TenantDemand,
     allocate,
 )
-from cachefleet_operator.curves import HitCurve
+from cachefleet_operator.curves import CurveTable
 from cachefleet_operator.metrics_source import tenant_metrics
 from cachefleet_sidecar.adapt.mrc import BUCKETS
 
@@ -56,10 +56,14 @@ def workload(
     order, not the spec's) assembled by
     :func:`~cachefleet_operator.metrics_source.tenant_metrics`, with the fleet
     curves added as the reconciler adds them
-    (:meth:`~cachefleet_operator.allocation.MetricsTable.with_fleet`).
+    (:meth:`~cachefleet_operator.allocation.MetricsTable.with_fleet_rows`).
     """
     tenants, parsed, fleet_curves = answers(n, seed, curves, fleet)
     return tenants, read(parsed, fleet_curves)
+
+
+#: Fleet curves as :meth:`~cachefleet_operator.fleet.FleetCurves.table` gives them.
+FleetRows = tuple[list[str], CurveTable]
 
 
 #: What the metrics source parses from Prometheus's answers (the arguments of
@@ -78,9 +82,10 @@ Answers = tuple[
 
 def answers(
     n: int, seed: int = 7, curves: bool = True, fleet: bool = False
-) -> tuple[list[TenantDemand], Answers, dict[str, HitCurve]]:
+) -> tuple[list[TenantDemand], Answers, FleetRows]:
     """The spec's tenants, the parsed query answers, and the fleet curves (``fleet``: one
-    per tenant, in L2 bytes of one shared cache, from a generator of its own).
+    per tenant, in L2 bytes of one shared cache, from a generator of its own; as the
+    operator's replay of the fleet samples gives them: a table).
 
     A reuse histogram per tenant as the sidecars export it (45 buckets,
     around a fair share of L1) and a miss latency around its target.
@@ -95,7 +100,7 @@ def answers(
     rps: dict[str, float] = {}
     reuse: dict[str, list[tuple[float, float]]] = {}
     upstream: dict[str, list[tuple[float, float]]] = {}
-    fleet_curves: dict[str, HitCurve] = {}
+    fleet_counts: list[list[float]] = []
     for i in range(n):
         name = f"tenant-{i}"
         cls = rng.choice(classes)
@@ -118,9 +123,7 @@ def answers(
             reuse[name] = _reuse_buckets(rng, L1_BYTES / n)
             upstream[name] = [(target * 0.5, 0.0), (target * 2, 100.0), (math.inf, 100.0)]
         if fleet:
-            made = HitCurve.from_histogram(_reuse_buckets(fleet_rng, L2_BYTES / n))
-            if made is not None:
-                fleet_curves[name] = made
+            fleet_counts.append([c for _, c in _reuse_buckets(fleet_rng, L2_BYTES / n)])
     # Prometheus answers in its own order (by label value), not the spec's
     order = sorted(p95)
     parsed: Answers = (
@@ -132,12 +135,17 @@ def answers(
         {},
         {},
     )
-    return tenants, parsed, fleet_curves
+    fleet_names = [t.name for t in tenants] if fleet else []
+    unknown = np.full(len(fleet_names), math.nan)
+    counts = np.array(fleet_counts, dtype=np.float64).reshape(len(fleet_names), len(BUCKETS) + 1)
+    bounds = np.array((*BUCKETS, math.inf))
+    fleet_table = CurveTable.from_histograms(bounds, counts, unknown, unknown)
+    return tenants, parsed, (fleet_names, fleet_table)
 
 
-def read(parsed: Answers, fleet_curves: dict[str, HitCurve]) -> MetricsTable:
+def read(parsed: Answers, fleet: FleetRows) -> MetricsTable:
     """The metrics as the operator holds them before allocating (the step after the queries)."""
-    return tenant_metrics(*parsed).with_fleet(fleet_curves)
+    return tenant_metrics(*parsed).with_fleet_rows(*fleet)
 
 
 def _reuse_buckets(rng: random.Random, fair_bytes: float) -> list[tuple[float, float]]:

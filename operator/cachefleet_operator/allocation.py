@@ -212,6 +212,20 @@ class MetricsTable(Mapping[str, TenantMetrics]):
         out.fleet = CurveTable(fleet) if any(fleet) else None
         return out
 
+    def with_fleet_rows(self, names: Sequence[str], table: CurveTable) -> MetricsTable:
+        """These metrics with fleet curves as a table whose rows are ``names``' (as
+        :meth:`~cachefleet_operator.fleet.FleetCurves.table` gives them); what
+        :meth:`with_fleet` does with their curves, without a curve object per tenant."""
+        if self._given is not None or self.fleet is not None:
+            found = zip(names, map(table.curve, range(len(names))), strict=True)
+            return self.with_fleet({name: curve for name, curve in found if curve is not None})
+        out = copy.copy(self)
+        out._views = {}
+        row = dict(zip(names, range(len(names)), strict=True))
+        taken = table.take(np.fromiter(map(row.get, self.names, repeat(-1)), np.int64, len(self)))
+        out.fleet = taken if taken.present.any() else None
+        return out
+
     def rows_of(self, names: Sequence[str]) -> IntArray:
         """Each name's row (-1: no metrics)."""
         found = map(self._row.get, names, repeat(-1))

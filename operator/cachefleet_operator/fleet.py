@@ -27,7 +27,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cachefleet_operator.curves import HitCurve
+import numpy as np
+
+from cachefleet_operator.curves import CurveTable, HitCurve
 from cachefleet_sidecar.adapt.mrc import BUCKETS, HASH_MASK, ShardsSampler
 from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE, FleetSample
 
@@ -152,21 +154,42 @@ class FleetCurves:
 
     def curves(self, cache: str, window_s: float) -> dict[str, HitCurve]:
         """Each tenant's fleet curve over the last ``window_s`` (of sample time)."""
+        names, table = self.table(cache, window_s)
+        found = zip(names, map(table.curve, range(len(names))), strict=True)
+        return {tenant: curve for tenant, curve in found if curve is not None}
+
+    def table(self, cache: str, window_s: float) -> tuple[list[str], CurveTable]:
+        """:meth:`curves` as a table, all tenants' at once: the tenants with a window of
+        samples, and their rows (no curve where nothing was sampled in it)."""
         state = self._caches.get(cache)
-        if state is None:
-            return {}
-        out = {}
-        for tenant, tracked in state.tenants.items():
-            curve = _windowed(tracked, window_s)
-            if curve is not None:
-                out[tenant] = curve
-        return out
+        names: list[str] = []
+        counts: list[tuple[float, ...]] = []
+        for tenant, tracked in (state.tenants if state is not None else {}).items():
+            window = _window(tracked, window_s)
+            if window is not None:
+                names.append(tenant)
+                counts.extend(window)
+        if not names:
+            return [], CurveTable([])
+        now_base = np.array(counts, dtype=np.float64).reshape(len(names), 2, -1)
+        delta = now_base[:, 0] - now_base[:, 1]
+        # per bound, the reuse rate over the window, accumulated bound by bound
+        rates = np.cumsum(np.where(delta > 0.0, delta, 0.0) / window_s, axis=1)
+        unknown = np.full(len(names), math.nan)
+        return names, CurveTable.from_histograms(_BOUNDS, rates, unknown, unknown)
 
     def forget(self, cache: str) -> None:
         self._caches.pop(cache, None)
 
 
-def _windowed(tracked: _Tenant, window_s: float) -> HitCurve | None:
+#: The bounds of a fleet histogram: the sidecars' reuse buckets, then +Inf.
+_BOUNDS = np.array((*BUCKETS, math.inf))
+
+
+def _window(
+    tracked: _Tenant, window_s: float
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(counts now, counts a window ago) of a tenant's histogram (None: one snapshot only)."""
     history = tracked.history
     if len(history) < 2:
         return None
@@ -174,11 +197,4 @@ def _windowed(tracked: _Tenant, window_s: float) -> HitCurve | None:
     # the newest snapshot at least a window old is the base; older ones are not needed again
     while len(history) > 2 and history[1][0] <= now - window_s:
         history.popleft()
-    _, base = history[0]
-    delta = [max(0.0, c - b) for c, b in zip(counts, base, strict=True)]
-    cumulative: list[tuple[float, float]] = []
-    acc = 0.0
-    for bound, count in zip((*BUCKETS, math.inf), delta, strict=True):
-        acc += count / window_s
-        cumulative.append((bound, acc))
-    return HitCurve.from_histogram(cumulative)
+    return counts, history[0][1]

@@ -873,9 +873,10 @@ class Reconciler:
                 self.fleet.ignored += 1
         names = set(metrics) | {d.name for d in demands}
         self.fleet.ingest(cache, batches, last, names)
-        curves = self.fleet.curves(cache, window_seconds(spec.prometheus.curve_window))
-        if isinstance(metrics, MetricsTable):  # from Prometheus: the columns go on
-            return metrics.with_fleet(curves)
+        window_s = window_seconds(spec.prometheus.curve_window)
+        if isinstance(metrics, MetricsTable):  # from Prometheus: columns all the way
+            return metrics.with_fleet_rows(*self.fleet.table(cache, window_s))
+        curves = self.fleet.curves(cache, window_s)
         return {
             name: dataclasses.replace(m, fleet_curve=curves[name]) if name in curves else m
             for name, m in metrics.items()
