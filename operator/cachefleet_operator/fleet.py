@@ -10,9 +10,12 @@ replays them, in time order, into one
 :class:`~cachefleet_sidecar.adapt.mrc.ShardsSampler` per cache and tenant (the
 sidecars' own tracker: fixed size, so a big tenant's rate falls below the
 fleet's; the sizes share one budget of keys per cache) and turns its
-histogram into a :class:`~cachefleet_operator.curves.HitCurve` over the curve
-window: hit ratio by the bytes of *one* cache the fleet shares,
-which is what the L2 is and what bounds the fleet's hit ratio.
+histogram into a curve over the curve window: hit ratio by the bytes of
+*one* cache the fleet shares, which is what the L2 is and what bounds the
+fleet's hit ratio. All tenants' at once, as a
+:class:`~cachefleet_operator.curves.CurveTable` (:meth:`FleetCurves.table`,
+what allocation reads), or one :class:`~cachefleet_operator.curves.HitCurve`
+per tenant (:meth:`FleetCurves.curves`, views of its rows).
 
 The window is the difference between the histogram now and a snapshot kept
 from at least ``window_s`` earlier (sample time, so a replay of old batches
