@@ -1255,9 +1255,11 @@ def allocate(
 ) -> Allocation:
     """Compute every tenant's share and bytes.
 
-    ``metrics`` maps tenant -> observations (empty when none are available:
-    shares then follow classes and floors only; a tenant missing from a
-    non-empty map is taken to have no traffic). ``previous`` maps tenant ->
+    ``metrics`` maps tenant -> observations: a :class:`MetricsTable` (what a
+    metrics source returns; its columns are read as they are) or any mapping
+    (made into one first). Empty when none are available: shares then
+    follow classes and floors only; a tenant missing from a non-empty map
+    is taken to have no traffic. ``previous`` maps tenant ->
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
     read at; L2 bytes go by the fleet curves (:func:`_l2_bytes`; the L1
