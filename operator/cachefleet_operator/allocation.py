@@ -36,15 +36,16 @@ scaling every tenant's traffic by k changes nothing.
 
 from __future__ import annotations
 
+import copy
 import gc
 import heapq
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from itertools import compress, repeat
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -59,6 +60,7 @@ from cachefleet_operator.curves import (
     IntArray,
     LatencyDist,
     LatencyTable,
+    interpolate,
     needed_hit_ratio_for,
 )
 
@@ -135,6 +137,129 @@ class TenantMetrics:
     #: Hit ratio by the bytes of one cache the fleet shares (the operator's replay of
     #: the fleet samples, :mod:`cachefleet_operator.fleet`): L2 sizes and reach.
     fleet_curve: HitCurve | None = None
+
+
+class MetricsTable(Mapping[str, TenantMetrics]):
+    """Every tenant's metrics as columns, built once where they are read; a mapping too.
+
+    What :func:`allocate` reads, as arrays: the numbers, the curves
+    (:class:`~cachefleet_operator.curves.CurveTable`), the latency histograms
+    (:class:`~cachefleet_operator.curves.LatencyTable`), and the fleet curves.
+    A metrics source returns one, so an allocation among thousands of tenants
+    takes its rows by tenant name rather than reading thousands of objects.
+    As a mapping, tenant -> :class:`TenantMetrics` (the objects it was built
+    from), for everything that reads one tenant (status, reasons, tests).
+    """
+
+    def __init__(self, metrics: Mapping[str, TenantMetrics]) -> None:
+        #: The objects given (None: built from columns, each tenant's made on demand).
+        self._given: dict[str, TenantMetrics] | None = dict(metrics)
+        ms = list(self._given.values())
+        self._set_names(list(self._given))
+        # one NaN more at the end: the row of a tenant without metrics (index -1)
+        self.p95 = _floats([*_attr(ms, "p95_s"), None])
+        self.hit_ratio = _floats([*_attr(ms, "hit_ratio"), None])
+        self.rps = _floats([*_attr(ms, "rps"), None])
+        self.curves = CurveTable(_attr(ms, "curve"))
+        self.misses = LatencyTable(_attr(ms, "miss_latency"))
+        self.hits = LatencyTable(_attr(ms, "hit_latency"))
+        fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
+        #: None when no tenant has a fleet curve (the common case).
+        self.fleet = CurveTable(fleet) if any(fleet) else None
+
+    def _set_names(self, names: list[str]) -> None:
+        self.names = names
+        self._row = dict(zip(names, range(len(names)), strict=True))
+        self._views: dict[str, TenantMetrics] = {}
+
+    @classmethod
+    def from_columns(
+        cls,
+        names: list[str],
+        numbers: tuple[FloatArray, FloatArray, FloatArray],
+        curves: CurveTable,
+        misses: LatencyTable,
+        hits: LatencyTable,
+    ) -> MetricsTable:
+        """From columns, rows in ``names``' order: (p95, hit ratio, rate) with NaN where
+        unknown, the curves, and the miss and hit latency histograms."""
+        out = object.__new__(cls)
+        out._given = None
+        out._set_names(names)
+        out.p95, out.hit_ratio, out.rps = (_finite(np.append(c, np.nan)) for c in numbers)
+        out.curves, out.misses, out.hits, out.fleet = curves, misses, hits, None
+        return out
+
+    @classmethod
+    def of(cls, metrics: Mapping[str, TenantMetrics]) -> MetricsTable:
+        """``metrics`` as a table (itself when it is one)."""
+        return metrics if isinstance(metrics, MetricsTable) else cls(metrics)
+
+    def with_fleet(self, curves: Mapping[str, HitCurve]) -> MetricsTable:
+        """These metrics with the tenants' fleet curves (tenants not in ``curves``: unchanged)."""
+        out = copy.copy(self)
+        if not curves:
+            return out
+        out._views = {}
+        if self._given is not None:
+            out._given = {
+                name: replace(m, fleet_curve=curves[name]) if name in curves else m
+                for name, m in self._given.items()
+            }
+        fleet = list(map(curves.get, self.names))
+        if self.fleet is not None:  # the ones the new curves do not replace
+            fleet = [self.fleet.curve(i) if c is None else c for i, c in enumerate(fleet)]
+        out.fleet = CurveTable(fleet) if any(fleet) else None
+        return out
+
+    def with_fleet_rows(self, names: Sequence[str], table: CurveTable) -> MetricsTable:
+        """These metrics with fleet curves as a table whose rows are ``names``' (as
+        :meth:`~cachefleet_operator.fleet.FleetCurves.table` gives them); what
+        :meth:`with_fleet` does with their curves, without a curve object per tenant."""
+        if self._given is not None or self.fleet is not None:
+            found = zip(names, map(table.curve, range(len(names))), strict=True)
+            return self.with_fleet({name: curve for name, curve in found if curve is not None})
+        out = copy.copy(self)
+        out._views = {}
+        row = dict(zip(names, range(len(names)), strict=True))
+        taken = table.take(np.fromiter(map(row.get, self.names, repeat(-1)), np.int64, len(self)))
+        out.fleet = taken if taken.present.any() else None
+        return out
+
+    def rows_of(self, names: Sequence[str]) -> IntArray:
+        """Each name's row (-1: no metrics)."""
+        found = map(self._row.get, names, repeat(-1))
+        return np.fromiter(found, dtype=np.int64, count=len(names))
+
+    def __getitem__(self, name: str) -> TenantMetrics:
+        if self._given is not None:
+            return self._given[name]
+        view = self._views.get(name)
+        if view is None:
+            i = self._row[name]
+            p95, hit, rps = (float(c[i]) for c in (self.p95, self.hit_ratio, self.rps))
+            view = self._views[name] = TenantMetrics(
+                None if math.isnan(p95) else p95,
+                None if math.isnan(hit) else hit,
+                None if math.isnan(rps) else rps,
+                self.curves.curve(i),
+                self.misses.dist(i),
+                self.hits.dist(i),
+                None if self.fleet is None else self.fleet.curve(i),
+            )
+        return view
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._row
+
+    def __repr__(self) -> str:
+        return f"MetricsTable({dict(self)!r})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,9 +440,13 @@ _NO_METRICS = TenantMetrics()
 _NOTES = ("", "floor", "cap", "held")
 
 
-def _attr(items: Iterable[object], name: str) -> list[Any]:
+def _attr(items: Iterable[object], name: str | attrgetter[Any]) -> list[Any]:
     """``[item.<name> for item in items]``, without a Python step per item."""
-    return list(map(attrgetter(name), items))
+    return list(map(attrgetter(name) if isinstance(name, str) else name, items))
+
+
+#: What :class:`_Columns` reads of every :class:`TenantDemand` as numbers, in its order.
+_SPEC_NUMBERS = attrgetter("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
 
 
 def _numbers(items: Iterable[object], name: str) -> FloatArray:
@@ -354,8 +483,9 @@ _CLASS_WEIGHTS = np.array([CLASS_WEIGHT[cls] for cls in CLASS_ORDER])
 class _Columns:
     """The tenants' spec and metrics as columns (spec order), read once per allocation.
 
-    Numbers are arrays with ``None`` as NaN (``p95``, ``hit_ratio`` and
-    ``rps`` with every non-finite value as NaN too); objects are lists.
+    Numbers are arrays with ``None`` and every non-finite value as NaN
+    (``min_share``... as given); curves and histograms are tables whose
+    rows are the tenants'.
     """
 
     tenants: tuple[TenantDemand, ...]
@@ -367,13 +497,17 @@ class _Columns:
     p95_target: FloatArray
     min_hit: FloatArray
     min_rps: FloatArray
-    ms: list[TenantMetrics]
+    #: Every tenant's row in ``metrics`` (-1: none), and the metrics.
+    rows: IntArray
+    metrics: MetricsTable
     p95: FloatArray
     hit_ratio: FloatArray
     rps: FloatArray
-    curves: list[HitCurve | None]
-    misses: list[LatencyDist | None]
-    hits: list[LatencyDist | None]
+    curves: CurveTable
+    misses: LatencyTable
+    hits: LatencyTable
+    #: None when no tenant has a fleet curve.
+    fleet: CurveTable | None
 
     @classmethod
     def of(
@@ -381,24 +515,29 @@ class _Columns:
     ) -> _Columns:
         names = _attr(tenants, "name")
         priority = _attr(tenants, "priority_class")
-        ms = list(map(metrics.get, names, repeat(_NO_METRICS)))
+        # the spec's numbers in one pass: one row per tenant, None as NaN
+        numbers = np.array(_attr(tenants, _SPEC_NUMBERS), dtype=np.float64).reshape(-1, 5).T
+        table = MetricsTable.of(metrics)
+        rows = table.rows_of(names)
         return cls(
             tenants,
             names,
             priority,
-            np.array(list(map(_CLASS_INDEX.__getitem__, priority)), dtype=np.int64),
-            _numbers(tenants, "min_share"),
-            _numbers(tenants, "max_share"),
-            _numbers(tenants, "p95_target_s"),
-            _numbers(tenants, "min_hit_ratio"),
-            _numbers(tenants, "min_rps"),
-            ms,
-            _floats(_attr(ms, "p95_s")),
-            _floats(_attr(ms, "hit_ratio")),
-            _floats(_attr(ms, "rps")),
-            _attr(ms, "curve"),
-            _attr(ms, "miss_latency"),
-            _attr(ms, "hit_latency"),
+            np.fromiter(map(_CLASS_INDEX.__getitem__, priority), dtype=np.int64, count=len(names)),
+            numbers[0],
+            numbers[1],
+            numbers[2],
+            numbers[3],
+            numbers[4],
+            rows,
+            table,
+            table.p95[rows],
+            table.hit_ratio[rows],
+            table.rps[rows],
+            table.curves.take(rows),
+            table.misses.take(rows),
+            table.hits.take(rows),
+            None if table.fleet is None else table.fleet.take(rows),
         )
 
 
@@ -607,7 +746,7 @@ def _refill(shares: FloatArray, targets: FloatArray) -> None:
 
 def _l2_bytes(
     plans: _Plans,
-    ms: Sequence[TenantMetrics],
+    fleet: CurveTable | None,
     shares: FloatArray,
     bounds: tuple[FloatArray, FloatArray],
     classes: IntArray,
@@ -622,19 +761,15 @@ def _l2_bytes(
     reuse. With no fleet curve at all, L2 follows the L1 shares.
     """
     floors, caps = bounds
-    fleet: list[HitCurve | None] = _attr(ms, "fleet_curve")
-    if capacity <= 0 or not any(fleet):  # the common case, at C speed
+    if capacity <= 0 or fleet is None:  # the common case
         return _to_bytes(shares, floors, capacity)
-    # a curve behind no requests is no curve (read as a column: almost always none such)
-    requests = np.array(list(map(getattr, fleet, repeat("requests"), repeat(0.0))))
-    has = requests > 0.0
-    if not has.all():
-        fleet = [c if ok else None for c, ok in zip(fleet, has.tolist(), strict=True)]
+    # a curve behind no requests is no curve (almost always none such)
+    has = fleet.requests > 0.0
     if not has.any():
         return _to_bytes(shares, floors, capacity)
+    table = fleet if np.array_equal(has, fleet.present) else fleet.only(has)
     l2 = np.where(has, floors, shares)
     l2_caps = np.where(has, caps, shares)
-    table = CurveTable(fleet)
     # Where L2 holds every tenant's curve up to where it stops rising (within its cap),
     # the greedy would end there: take that at once (the common case: L2 is the big tier).
     with np.errstate(invalid="ignore"):
@@ -645,7 +780,7 @@ def _l2_bytes(
     else:
         grows = has & (plans.values > 0.0)
         l2 = np.where(grows, _fill_level(table, plans.values, l2, l2_caps, capacity), l2)
-        fleet_plans = _Plans(plans.values, fleet, table, plans.misses, [""] * len(fleet))
+        fleet_plans = _Plans(plans.values, table, plans.misses, [""] * len(l2))
         _greedy(fleet_plans, l2, l2_caps, capacity)
     left = 1.0 - float(l2.sum())
     if left > EPS:  # by class weight to those with fleet-wide reuse (else to every curve)
@@ -796,8 +931,7 @@ class _Plans:
 
     #: Utility per unit of hit ratio (class x pressure x rate x miss cost).
     values: FloatArray
-    #: The curve allocation reads (None: none, or one behind no requests).
-    curves: list[HitCurve | None]
+    #: The curves allocation reads (no curve: none, or one behind no requests).
     table: CurveTable
     #: Every tenant's miss latency (upstream).
     misses: LatencyTable
@@ -806,14 +940,12 @@ class _Plans:
     cannot_meet: list[str | OutOfReach]
 
 
-def _plans(cols: _Columns, metrics: Mapping[str, TenantMetrics], pressure: FloatArray) -> _Plans:
-    misses = LatencyTable(cols.misses)
+def _plans(cols: _Columns, pressure: FloatArray) -> _Plans:
+    misses = cols.misses
     # the same model server answers every tenant's misses: a tenant with none to
     # measure is valued at the others' mean miss latency (all of them, in the map's order)
-    if list(metrics) == cols.names:
-        known = misses.mean[misses.present].tolist()
-    else:
-        known = [m.miss_latency.mean() for m in metrics.values() if m.miss_latency is not None]
+    every = cols.metrics.misses
+    known = every.mean[every.present].tolist()
     fleet = sum(known) / len(known) if known else DEFAULT_MISS_COST_S
     # requests per second planned for: observed, or the promised minimum
     rate = np.nan_to_num(np.fmax(cols.rps, _finite(cols.min_rps)), nan=0.0)
@@ -822,12 +954,12 @@ def _plans(cols: _Columns, metrics: Mapping[str, TenantMetrics], pressure: Float
     # that would give its cache away)
     cost = np.where(misses.present, np.maximum(misses.mean, 1e-6), fleet)
     values = _CLASS_WEIGHTS[cols.classes] * pressure * rate * cost
-    # a curve behind no requests is no curve (read as a column: almost always none such)
-    requests = np.array(list(map(getattr, cols.curves, repeat("requests"), repeat(1.0))))
-    curves = cols.curves
-    if not (requests > 0.0).all():
-        curves = [c if c is not None and c.requests > 0 else None for c in curves]
-    return _Plans(values, curves, CurveTable(curves), misses, [""] * len(curves))
+    # a curve behind no requests is no curve (almost always none such)
+    table = cols.curves
+    used = table.present & (table.requests > 0.0)
+    if not np.array_equal(used, table.present):
+        table = table.only(used)
+    return _Plans(values, table, misses, [""] * len(cols.names))
 
 
 def _undecided(plans: _Plans, shares: FloatArray, capacity: int) -> BoolArray:
@@ -863,7 +995,7 @@ def _protected(
     class_targets = _class_shares(floors, caps, cols.classes)
     known = np.array(list(map(previous.__contains__, names)))
     prev = np.where(known, in_force, 0.0)
-    known &= np.array(list(map(metrics.__contains__, names)))
+    known &= cols.rows >= 0
     keep = known & _undecided(plans, prev, capacity)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
@@ -878,7 +1010,7 @@ def _needed_hit_ratios(cols: _Columns, misses: LatencyTable) -> FloatArray:
     """:func:`needed_hit_ratio` of every tenant (NaN: no hit ratio meets its SLA)."""
     need = np.nan_to_num(cols.min_hit, nan=0.0)  # None: 0
     target = cols.p95_target
-    hits = LatencyTable(cols.hits)
+    hits = cols.hits
     q = 0.95
     f_miss = misses.cdf(target)
     f_hit = np.where(hits.present, hits.cdf(target), 1.0)
@@ -895,7 +1027,6 @@ def _meet_slas(
     shares: FloatArray,
     caps: FloatArray,
     capacity: int,
-    ms: Sequence[TenantMetrics],
 ) -> None:
     """Raise tenants to the smallest share that meets their SLA, class by class (in place)."""
     min_hit = np.nan_to_num(cols.min_hit, nan=0.0)
@@ -915,20 +1046,14 @@ def _meet_slas(
     if beyond.size:  # worded on demand, from numbers (rows that hold no tenant objects)
         p95_target, min_hit = cols.p95_target[beyond], cols.min_hit[beyond]
         miss_mean = plans.misses.mean[beyond]
-        curves = map(plans.curves.__getitem__, beyond.tolist())
-        cold = np.array(_attr(curves, "cold_ratio"), dtype=np.float64)
+        cold = plans.table.cold[beyond]
         best = plans.table.max_hit[beyond]
         fleet_wide = np.zeros(beyond.size, dtype=bool)
         # the fleet's numbers where it reuses more (a curve's best is its last point)
-        fleets: list[HitCurve | None] = _attr(map(ms.__getitem__, beyond.tolist()), "fleet_curve")
-        if any(fleets):
-            has = np.flatnonzero(np.fromiter(map(bool, fleets), dtype=bool, count=len(fleets)))
-            known = list(map(fleets.__getitem__, has.tolist()))
-            fleet_best = np.array(_attr(known, "max_hit_ratio"), dtype=np.float64)
-            more = fleet_best > best[has]
-            at = has[more]
-            best[at], cold[at] = fleet_best[more], _attr(compress(known, more), "cold_ratio")
-            fleet_wide[at] = True
+        if cols.fleet is not None:
+            more = cols.fleet.present[beyond] & (cols.fleet.max_hit[beyond] > best)
+            best[more], cold[more] = cols.fleet.max_hit[beyond][more], cols.fleet.cold[beyond][more]
+            fleet_wide = more
         whys = zip(
             _or_none(p95_target, ~np.isnan(p95_target)),
             _or_none(min_hit, ~np.isnan(min_hit)),
@@ -991,18 +1116,19 @@ def _grant(
 
 
 def _best_extension(
-    curve: HitCurve, value: float, lo: float, hi: float, capacity: int
+    points: tuple[list[float], list[float]], value: float, lo: float, hi: float, capacity: int
 ) -> tuple[float, float] | None:
     """(utility per share, new share) of the best extension of ``lo`` up to ``hi``.
 
     One tenant's :meth:`~cachefleet_operator.curves.CurveTable.best_extensions`
-    (the same scan, for the steps of :func:`_greedy` after the first).
+    (the same scan, for the steps of :func:`_greedy` after the first), on its
+    curve's ``points`` (sizes, hit ratios).
     """
     if hi - lo <= EPS:
         return None
-    base = curve.at(lo * capacity)
+    xs, ys = points
+    base = interpolate(xs, ys, lo * capacity)
     best: tuple[float, float] | None = None
-    xs, ys = curve.xs, curve.ys
     # the candidate ends: every curve point strictly inside (lo, hi), then hi itself
     first = bisect_right(xs, lo * capacity)
     last = bisect_left(xs, hi * capacity, first)
@@ -1010,7 +1136,7 @@ def _best_extension(
         if k < last:
             to, hit = xs[k] / capacity, ys[k]
         else:
-            to, hit = hi, curve.at(hi * capacity)
+            to, hit = hi, interpolate(xs, ys, hi * capacity)
         if to - lo <= EPS:
             continue
         per = value * (hit - base) / (to - lo)
@@ -1037,7 +1163,7 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     left = 1.0 - float(shares.sum())
     if left <= EPS or capacity <= 0:
         return
-    values, curves = plans.values, plans.curves
+    values, table = plans.values, plans.table
     active = np.flatnonzero(plans.table.present & (values > 0.0))
     if active.size == 0:
         return
@@ -1058,11 +1184,9 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
         return (float(first_keys[k]), int(first_ids[k]), float(first_ends[k]))
 
     def push(i: int) -> None:
-        curve = curves[i]
-        assert curve is not None
         lo = float(shares[i])
         found = _best_extension(
-            curve, float(values[i]), lo, min(float(caps[i]), lo + left), capacity
+            table.points(i), float(values[i]), lo, min(float(caps[i]), lo + left), capacity
         )
         if found is not None and found[0] > noise:
             heapq.heappush(heap, (-found[0], i, found[1]))
@@ -1131,9 +1255,11 @@ def allocate(
 ) -> Allocation:
     """Compute every tenant's share and bytes.
 
-    ``metrics`` maps tenant -> observations (empty when none are available:
-    shares then follow classes and floors only; a tenant missing from a
-    non-empty map is taken to have no traffic). ``previous`` maps tenant ->
+    ``metrics`` maps tenant -> observations: a :class:`MetricsTable` (what a
+    metrics source returns; its columns are read as they are) or any mapping
+    (made into one first). Empty when none are available: shares then
+    follow classes and floors only; a tenant missing from a non-empty map
+    is taken to have no traffic. ``previous`` maps tenant ->
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
     read at; L2 bytes go by the fleet curves (:func:`_l2_bytes`; the L1
@@ -1186,15 +1312,14 @@ def _allocate(
     floors, caps = _bounds_of(cols.min_share, cols.max_share, classes)
     if not metrics:
         targets = _class_shares(floors, caps, classes)
-        none: list[HitCurve | None] = [None] * len(tenants)
         n = len(tenants)
-        plans = _Plans(np.zeros(n), none, CurveTable(none), LatencyTable([None] * n), [""] * n)
+        plans = _Plans(np.zeros(n), cols.curves, cols.misses, [""] * n)
     else:
-        plans = _plans(cols, metrics, pressure)
+        plans = _plans(cols, pressure)
         keep = _protected(cols, metrics, plans, previous, in_force, floors, caps, l1_capacity)
         targets = np.minimum(caps, np.maximum(floors, keep))
         _trim_overbooking(targets, floors, classes)
-        _meet_slas(cols, plans, targets, caps, l1_capacity, cols.ms)
+        _meet_slas(cols, plans, targets, caps, l1_capacity)
         _greedy(plans, targets, caps, l1_capacity)
         _spread_rest(plans, targets, caps, classes)
 
@@ -1241,7 +1366,7 @@ def _allocate(
         shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _l2_bytes(plans, cols.ms, shares, (floors, caps), classes, l2_capacity)
+    l2 = _l2_bytes(plans, cols.fleet, shares, (floors, caps), classes, l2_capacity)
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     # the note's index in _NOTES (the same four strings for every row, not one each)

@@ -68,6 +68,17 @@ def _cumulative(buckets: Iterable[tuple[float, float]]) -> tuple[tuple[float, fl
     return tuple(out)
 
 
+def interpolate(xs: Sequence[float], ys: Sequence[float], size: float) -> float:
+    """The hit ratio at ``size`` of a curve through ``xs`` and ``ys`` (:meth:`HitCurve.at`)."""
+    if size <= 0.0 or len(xs) < 2:
+        return 0.0
+    hi = bisect_right(xs, size)
+    if hi >= len(xs):
+        return ys[-1]
+    x0, y0 = xs[hi - 1], ys[hi - 1]
+    return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
+
+
 @dataclass(frozen=True, slots=True)
 class HitCurve:
     """Hit ratio by cache bytes: ``points`` are (bytes, hit ratio), both ascending, from (0, 0)."""
@@ -167,14 +178,7 @@ class HitCurve:
 
     def at(self, size: float) -> float:
         """Predicted hit ratio with ``size`` bytes (linear inside a bucket)."""
-        xs, ys = self.xs, self.ys
-        if size <= 0.0 or len(xs) < 2:
-            return 0.0
-        hi = bisect_right(xs, size)
-        if hi >= len(xs):
-            return ys[-1]
-        x0, y0 = xs[hi - 1], ys[hi - 1]
-        return y0 + (ys[hi] - y0) * (size - x0) / (xs[hi] - x0)
+        return interpolate(self.xs, self.ys, size)
 
     def hull(self, grid: Sequence[float]) -> list[tuple[float, float]]:
         """Concave majorant of (x, at(x)) over ascending ``grid`` (upper hull)."""
@@ -376,6 +380,17 @@ def _bisect(
     return lo
 
 
+def _widened(matrix: FloatArray, width: int, pad: float | None = None) -> FloatArray:
+    """``matrix`` with columns added up to ``width``: ``pad``, or its last column repeated."""
+    n, have = matrix.shape
+    if have == width:
+        return matrix
+    out = np.empty((n, width))
+    out[:, :have] = matrix
+    out[:, have:] = matrix[:, have - 1 : have] if pad is None else pad
+    return out
+
+
 class CurveTable:
     """Many :class:`HitCurve` (None: no curve) as padded matrices; vectorised ``at`` and more.
 
@@ -404,6 +419,160 @@ class CurveTable:
         #: :attr:`HitCurve.max_hit_ratio` (0 without a curve).
         self.max_hit = np.where(self.present, self.ys[self.rows, last], 0.0)
         self.footprint = np.array(_column(curves, "footprint_bytes"), dtype=np.float64)
+        #: :attr:`HitCurve.cold_ratio` (NaN without a curve) and :attr:`HitCurve.requests`
+        #: (0 without a curve).
+        self.cold = np.array(_column(curves, "cold_ratio"), dtype=np.float64)
+        self.requests = np.array(_column(curves, "requests", 0.0), dtype=np.float64)
+        self._views: dict[int, HitCurve] = {}
+        self._points: dict[int, tuple[list[float], list[float]]] = {}
+
+    @classmethod
+    def _of(
+        cls,
+        xs: FloatArray,
+        ys: FloatArray,
+        length: IntArray,
+        columns: tuple[FloatArray, FloatArray, FloatArray],
+        shared_xs: FloatArray | None = None,
+    ) -> CurveTable:
+        """A table of padded matrices and its (footprint, cold, requests) columns."""
+        out = object.__new__(cls)
+        out.shared_xs, out.xs, out.ys, out.length = shared_xs, xs, ys, length
+        out.rows = np.arange(length.size)
+        out.present = length > 0
+        out.max_hit = np.where(out.present, ys[out.rows, np.maximum(length - 1, 0)], 0.0)
+        out.footprint, out.cold, out.requests = columns
+        out._views, out._points = {}, {}
+        return out
+
+    @classmethod
+    def from_histograms(
+        cls, bounds: FloatArray, counts: FloatArray, requests: FloatArray, footprint: FloatArray
+    ) -> CurveTable:
+        """:meth:`HitCurve.from_histogram` of every row at once (no curve where it gives None).
+
+        ``counts`` (rows x buckets) are cumulative by ``bounds``, the same for
+        every row, distinct, in any order; every count finite. ``requests``
+        and ``footprint`` per row, NaN where unknown. The same numbers as the
+        scalar code, bit for bit.
+        """
+        m, k = counts.shape
+        order = np.argsort(bounds, kind="stable")
+        b, c = bounds[order], counts[:, order]
+        if k == 0 or not math.isinf(b[-1]):
+            return cls([None] * m)
+        acc = np.maximum.accumulate(c, axis=1)
+        cum = np.where(acc > 0.0, acc, 0.0)  # max(0.0, ...) as the scalar code keeps it
+        estimated = cum[:, -1]
+        made = estimated > 0.0
+        reused = cum[:, -2] > 0.0 if k > 1 else np.zeros(m, dtype=bool)
+        with np.errstate(invalid="ignore"):
+            use = reused & (requests > 0.0) & np.isfinite(requests)
+        total = np.where(use, requests, estimated)
+        adjust = np.where(use, requests - estimated, 0.0)
+        ys = np.zeros((m, k))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            hits = cum[:, :-1] + adjust[:, None]
+            ratio = np.where(hits > 0.0, hits, 0.0) / total[:, None]
+        ys[:, 1:] = np.where(ratio < 1.0, ratio, 1.0)
+        ys[~made] = 0.0
+        cold = 1.0 - ys[:, -1]
+        xs_row = np.concatenate([[0.0], b[:-1]])
+        columns = (
+            np.where(made, footprint, np.nan),
+            np.where(made, np.where(cold > 0.0, cold, 0.0), np.nan),
+            np.where(made, total, 0.0),
+        )
+        length = np.where(made, k, 0)
+        if made.all():
+            return cls._of(np.broadcast_to(xs_row, (m, k)), ys, length, columns, xs_row)
+        xs = np.where(made[:, None], xs_row[None, :], np.inf)
+        return cls._of(xs, ys, length, columns)
+
+    @classmethod
+    def stack(cls, tables: Sequence[CurveTable]) -> CurveTable:
+        """The rows of ``tables``, one after the other."""
+        if len(tables) == 1:
+            return tables[0]
+        shared = tables[0].shared_xs
+        columns = (
+            np.concatenate([t.footprint for t in tables]),
+            np.concatenate([t.cold for t in tables]),
+            np.concatenate([t.requests for t in tables]),
+        )
+        length = np.concatenate([t.length for t in tables])
+        if shared is not None and all(
+            t.shared_xs is not None and np.array_equal(t.shared_xs, shared) for t in tables
+        ):
+            ys = np.concatenate([t.ys for t in tables])
+            return cls._of(np.broadcast_to(shared, ys.shape), ys, length, columns, shared)
+        width = max(t.xs.shape[1] for t in tables)
+        xs = np.concatenate([_widened(t.xs, width, pad=np.inf) for t in tables])
+        ys = np.concatenate([_widened(t.ys, width) for t in tables])
+        return cls._of(xs, ys, length, columns)
+
+    def take(self, index: IntArray) -> CurveTable:
+        """A table whose row ``k`` is this table's row ``index[k]`` (-1: no curve).
+
+        Rows are copied as they are (padding included), so every method
+        answers on the new table what it answered on the old one's rows.
+        """
+        n = index.size
+        out = object.__new__(CurveTable)
+        source = self if self.rows.size else CurveTable([None])
+        if not self.rows.size:
+            index = np.full(n, -1, dtype=np.int64)
+        src = np.maximum(index, 0)
+        empty = (index < 0) | ~source.present[src]
+        out.length = np.where(empty, 0, source.length[src])
+        out.ys = source.ys[src]
+        out.ys[empty] = 0.0
+        if source.shared_xs is not None and not empty.any():
+            out.shared_xs = source.shared_xs
+            out.xs = np.broadcast_to(source.shared_xs, (n, source.shared_xs.size))
+        else:
+            out.shared_xs = None
+            out.xs = source.xs[src]  # a copy, also of a broadcast row
+            out.xs[empty] = np.inf
+        out.rows = np.arange(n)
+        out.present = out.length > 0
+        out.max_hit = np.where(empty, 0.0, source.max_hit[src])
+        out.footprint = np.where(empty, np.nan, source.footprint[src])
+        out.cold = np.where(empty, np.nan, source.cold[src])
+        out.requests = np.where(empty, 0.0, source.requests[src])
+        out._views, out._points = {}, {}
+        return out
+
+    def only(self, keep: BoolArray) -> CurveTable:
+        """This table with the rows not in ``keep`` as no curve."""
+        return self.take(np.where(keep, self.rows, -1))
+
+    def points(self, row: int) -> tuple[list[float], list[float]]:
+        """Row ``row``'s sizes and hit ratios (as :attr:`HitCurve.xs` and ``ys``; none: empty)."""
+        found = self._points.get(row)
+        if found is None:
+            length = int(self.length[row])
+            found = self._points[row] = (
+                self.xs[row, :length].tolist(),
+                self.ys[row, :length].tolist(),
+            )
+        return found
+
+    def curve(self, row: int) -> HitCurve | None:
+        """Row ``row`` as a :class:`HitCurve` (None: no curve); the same numbers, bit for bit."""
+        if not self.present[row]:
+            return None
+        view = self._views.get(row)
+        if view is None:
+            xs, ys = self.points(row)
+            footprint = float(self.footprint[row])
+            view = self._views[row] = HitCurve(
+                tuple(zip(xs, ys, strict=True)),
+                float(self.cold[row]),
+                float(self.requests[row]),
+                None if math.isnan(footprint) else footprint,
+            )
+        return view
 
     def _find(self, rows: IntArray, sizes: FloatArray, *, right: bool) -> IntArray:
         """:func:`_bisect` of each of ``rows`` in its sizes."""
@@ -524,6 +693,89 @@ class LatencyTable:
             self.counts[rows, :width] = flat[(start + length)[:, None] + cols]
             self.mean[rows] = flat[start + 2 * length]
         self.counts[:, width] = self.counts[:, width - 1]
+
+    @classmethod
+    def from_buckets(cls, bounds: FloatArray, counts: FloatArray) -> LatencyTable:
+        """:meth:`LatencyDist.from_buckets` of every row (unknown where it gives None).
+
+        ``counts`` (rows x buckets) cumulative by ``bounds``, the same for every
+        row, distinct, in any order; every count finite. Bit for bit the scalar
+        code's numbers (the mean summed bucket by bucket, in order).
+        """
+        m, k = counts.shape
+        out = object.__new__(cls)
+        out.rows = np.arange(m)
+        out.bounds = np.full((m, k + 1), np.inf)
+        out.counts = np.zeros((m, k + 1))
+        out.mean = np.full(m, np.nan)
+        out.length = np.zeros(m, dtype=np.int64)
+        out.present = out.length > 0
+        if k == 0:
+            return out
+        order = np.argsort(bounds, kind="stable")
+        b, c = bounds[order], counts[:, order]
+        acc = np.maximum.accumulate(c, axis=1)
+        cum = np.where(acc > 0.0, acc, 0.0)
+        made = cum[:, -1] > 0.0
+        upper = b.tolist()
+        previous = 0.0
+        for j, bound in enumerate(upper):  # an infinite bound's midpoint is the one before
+            upper[j] = previous if math.isinf(bound) else bound
+            previous = upper[j]
+        tops = np.array(upper)
+        lows = np.concatenate([[0.0], tops[:-1]])
+        below = np.concatenate([np.zeros((m, 1)), cum[:, :-1]], axis=1)
+        terms = (cum - below) * (lows + tops) / 2.0
+        total = np.cumsum(np.concatenate([np.zeros((m, 1)), terms], axis=1), axis=1)[:, -1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out.mean = np.where(made, total / cum[:, -1], np.nan)
+        out.bounds[made, :k] = b
+        out.counts[made, :k] = cum[made]
+        out.counts[:, k] = out.counts[:, k - 1]
+        out.length = np.where(made, k, 0)
+        out.present = made
+        return out
+
+    @classmethod
+    def stack(cls, tables: Sequence[LatencyTable]) -> LatencyTable:
+        """The rows of ``tables``, one after the other."""
+        if len(tables) == 1:
+            return tables[0]
+        width = max(t.bounds.shape[1] for t in tables)
+        out = object.__new__(cls)
+        out.bounds = np.concatenate([_widened(t.bounds, width, pad=np.inf) for t in tables])
+        out.counts = np.concatenate([_widened(t.counts, width) for t in tables])
+        out.mean = np.concatenate([t.mean for t in tables])
+        out.length = np.concatenate([t.length for t in tables])
+        out.present = out.length > 0
+        out.rows = np.arange(out.length.size)
+        return out
+
+    def dist(self, row: int) -> LatencyDist | None:
+        """Row ``row`` as a :class:`LatencyDist` (None: unknown); its numbers, bit for bit."""
+        if not self.present[row]:
+            return None
+        length = int(self.length[row])
+        bounds, counts = self.bounds[row, :length].tolist(), self.counts[row, :length].tolist()
+        return LatencyDist(tuple(zip(bounds, counts, strict=True)))
+
+    def take(self, index: IntArray) -> LatencyTable:
+        """A table whose row ``k`` is this table's row ``index[k]`` (-1: unknown)."""
+        out = object.__new__(LatencyTable)
+        source = self if self.rows.size else LatencyTable([None])
+        if not self.rows.size:
+            index = np.full(index.size, -1, dtype=np.int64)
+        src = np.maximum(index, 0)
+        empty = (index < 0) | ~source.present[src]
+        out.length = np.where(empty, 0, source.length[src])
+        out.present = out.length > 0
+        out.rows = np.arange(index.size)
+        out.bounds = source.bounds[src]
+        out.bounds[empty] = np.inf
+        out.counts = source.counts[src]
+        out.counts[empty] = 0.0
+        out.mean = np.where(empty, np.nan, source.mean[src])
+        return out
 
     def cdf(self, seconds: FloatArray) -> FloatArray:
         """:meth:`LatencyDist.cdf` of every row at its ``seconds`` (NaN where unknown)."""

@@ -10,9 +10,12 @@ replays them, in time order, into one
 :class:`~cachefleet_sidecar.adapt.mrc.ShardsSampler` per cache and tenant (the
 sidecars' own tracker: fixed size, so a big tenant's rate falls below the
 fleet's; the sizes share one budget of keys per cache) and turns its
-histogram into a :class:`~cachefleet_operator.curves.HitCurve` over the curve
-window: hit ratio by the bytes of *one* cache the fleet shares,
-which is what the L2 is and what bounds the fleet's hit ratio.
+histogram into a curve over the curve window: hit ratio by the bytes of
+*one* cache the fleet shares, which is what the L2 is and what bounds the
+fleet's hit ratio. All tenants' at once, as a
+:class:`~cachefleet_operator.curves.CurveTable` (:meth:`FleetCurves.table`,
+what allocation reads), or one :class:`~cachefleet_operator.curves.HitCurve`
+per tenant (:meth:`FleetCurves.curves`, views of its rows).
 
 The window is the difference between the histogram now and a snapshot kept
 from at least ``window_s`` earlier (sample time, so a replay of old batches
@@ -27,7 +30,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cachefleet_operator.curves import HitCurve
+import numpy as np
+
+from cachefleet_operator.curves import CurveTable, HitCurve
 from cachefleet_sidecar.adapt.mrc import BUCKETS, HASH_MASK, ShardsSampler
 from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE, FleetSample
 
@@ -152,21 +157,42 @@ class FleetCurves:
 
     def curves(self, cache: str, window_s: float) -> dict[str, HitCurve]:
         """Each tenant's fleet curve over the last ``window_s`` (of sample time)."""
+        names, table = self.table(cache, window_s)
+        found = zip(names, map(table.curve, range(len(names))), strict=True)
+        return {tenant: curve for tenant, curve in found if curve is not None}
+
+    def table(self, cache: str, window_s: float) -> tuple[list[str], CurveTable]:
+        """:meth:`curves` as a table, all tenants' at once: the tenants with a window of
+        samples, and their rows (no curve where nothing was sampled in it)."""
         state = self._caches.get(cache)
-        if state is None:
-            return {}
-        out = {}
-        for tenant, tracked in state.tenants.items():
-            curve = _windowed(tracked, window_s)
-            if curve is not None:
-                out[tenant] = curve
-        return out
+        names: list[str] = []
+        counts: list[tuple[float, ...]] = []
+        for tenant, tracked in (state.tenants if state is not None else {}).items():
+            window = _window(tracked, window_s)
+            if window is not None:
+                names.append(tenant)
+                counts.extend(window)
+        if not names:
+            return [], CurveTable([])
+        now_base = np.array(counts, dtype=np.float64).reshape(len(names), 2, -1)
+        delta = now_base[:, 0] - now_base[:, 1]
+        # per bound, the reuse rate over the window, accumulated bound by bound
+        rates = np.cumsum(np.where(delta > 0.0, delta, 0.0) / window_s, axis=1)
+        unknown = np.full(len(names), math.nan)
+        return names, CurveTable.from_histograms(_BOUNDS, rates, unknown, unknown)
 
     def forget(self, cache: str) -> None:
         self._caches.pop(cache, None)
 
 
-def _windowed(tracked: _Tenant, window_s: float) -> HitCurve | None:
+#: The bounds of a fleet histogram: the sidecars' reuse buckets, then +Inf.
+_BOUNDS = np.array((*BUCKETS, math.inf))
+
+
+def _window(
+    tracked: _Tenant, window_s: float
+) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(counts now, counts a window ago) of a tenant's histogram (None: one snapshot only)."""
     history = tracked.history
     if len(history) < 2:
         return None
@@ -174,11 +200,4 @@ def _windowed(tracked: _Tenant, window_s: float) -> HitCurve | None:
     # the newest snapshot at least a window old is the base; older ones are not needed again
     while len(history) > 2 and history[1][0] <= now - window_s:
         history.popleft()
-    _, base = history[0]
-    delta = [max(0.0, c - b) for c, b in zip(counts, base, strict=True)]
-    cumulative: list[tuple[float, float]] = []
-    acc = 0.0
-    for bound, count in zip((*BUCKETS, math.inf), delta, strict=True):
-        acc += count / window_s
-        cumulative.append((bound, acc))
-    return HitCurve.from_histogram(cumulative)
+    return counts, history[0][1]

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from itertools import chain, compress, repeat
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from cachefleet_operator.allocation import TenantMetrics
-from cachefleet_operator.curves import HitCurve, LatencyDist
+import numpy as np
+import numpy.typing as npt
+
+from cachefleet_operator.allocation import MetricsTable, TenantMetrics
+from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist, LatencyTable
 from cachefleet_sidecar.contract.promql import (
     promql_cold_bytes,
     promql_hit_buckets,
@@ -56,8 +60,10 @@ class MetricsSource(Protocol):
 
     async def fetch(
         self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
-        """Tenant -> metrics (curves over ``curve_window``, default ``window``).
+    ) -> Mapping[str, TenantMetrics]:
+        """Tenant -> metrics (curves over ``curve_window``, default ``window``): a
+        :class:`~cachefleet_operator.allocation.MetricsTable` from Prometheus, so that
+        allocation reads its columns.
 
         Raises :class:`MetricsUnavailable`.
         """
@@ -192,37 +198,137 @@ def tenant_metrics(
     cold_bytes: dict[str, float] | None = None,
     policy_hits: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
     policy_requests: dict[str, dict[str, float]] | None = None,
-) -> dict[str, TenantMetrics]:
+) -> MetricsTable:
     """Assemble per-tenant metrics from the query results (pure; tested without Prometheus).
 
     A tenant's curve is its own policy's (mini-simulation) where the sidecars
     measure one — the policy with the most requests, i.e. the one most pods
-    run — and the LRU curve of the reuse histogram otherwise.
+    run — and the LRU curve of the reuse histogram otherwise. The result is
+    a table, built as columns straight from the buckets (all tenants' at
+    once where they share their bounds, as the sidecars' do), and a mapping
+    whose values are what :class:`~cachefleet_operator.curves.HitCurve` and
+    :class:`~cachefleet_operator.curves.LatencyDist` make of each tenant's.
     """
-    tenants = set(p95) | set(hit) | set(rps)
-    out = {}
-    for t in tenants:
-        footprint = (cold_bytes or {}).get(t)
-        curve = HitCurve.from_histogram(reuse[t], lookups.get(t), footprint) if t in reuse else None
-        by_policy = (policy_requests or {}).get(t) or {}
-        if by_policy:
-            policy = max(by_policy, key=lambda name: by_policy[name])
-            simulated = HitCurve.from_hits(
-                ((policy_hits or {}).get(t) or {}).get(policy, []),
-                by_policy[policy],
-                cold_ratio=None if curve is None else curve.cold_ratio,
-                footprint_bytes=footprint,
-            )
-            curve = simulated or curve
-        out[t] = TenantMetrics(
-            p95_s=p95.get(t),
-            hit_ratio=hit.get(t),
-            rps=rps.get(t),
-            curve=curve,
-            miss_latency=LatencyDist.from_buckets(upstream[t]) if t in upstream else None,
-            hit_latency=LatencyDist.from_buckets(hits[t]) if t in hits else None,
+    names = list(dict.fromkeys([*p95, *hit, *rps]))  # in the answers' order: the same every time
+    n = len(names)
+    footprints = cold_bytes or {}
+
+    def column(values: dict[str, float]) -> npt.NDArray[np.float64]:
+        return np.fromiter(map(values.get, names, repeat(math.nan)), dtype=np.float64, count=n)
+
+    def curves_of(rows: list[int], bounds: FloatArray, counts: FloatArray) -> CurveTable:
+        chosen = [names[i] for i in rows]
+        requests = np.fromiter(map(lookups.get, chosen, repeat(math.nan)), np.float64, len(rows))
+        footprint = np.fromiter(
+            map(footprints.get, chosen, repeat(math.nan)), np.float64, len(rows)
         )
-    return out
+        return CurveTable.from_histograms(bounds, counts, requests, footprint)
+
+    def curve_of(i: int) -> HitCurve | None:
+        t = names[i]
+        return HitCurve.from_histogram(reuse[t], lookups.get(t), footprints.get(t))
+
+    curves = _table(names, reuse, curves_of, lambda rows: CurveTable(list(map(curve_of, rows))))
+    curves = _with_simulated(names, curves, policy_hits or {}, policy_requests or {}, footprints)
+
+    def latency(by_tenant: dict[str, list[tuple[float, float]]]) -> LatencyTable:
+        return _table(
+            names,
+            by_tenant,
+            lambda rows, bounds, counts: LatencyTable.from_buckets(bounds, counts),
+            lambda rows: LatencyTable(
+                [LatencyDist.from_buckets(by_tenant[names[i]]) for i in rows]
+            ),
+        )
+
+    numbers = (column(p95), column(hit), column(rps))
+    return MetricsTable.from_columns(names, numbers, curves, latency(upstream), latency(hits))
+
+
+_Table = TypeVar("_Table", CurveTable, LatencyTable)
+#: Sets of bucket bounds read as columns, each at once (the sidecars' are fixed: one per
+#: histogram); rows with others are read one by one.
+_BOUND_SETS = 16
+
+
+def _table(
+    names: list[str],
+    buckets: dict[str, list[tuple[float, float]]],
+    alike: Callable[[list[int], FloatArray, FloatArray], _Table],
+    one_by_one: Callable[[list[int]], _Table],
+) -> _Table:
+    """A table with a row per name (none where ``buckets`` has none): the rows whose
+    buckets have the same bounds (each set of them: the sidecars' are fixed) with every
+    count finite by ``alike`` (rows, bounds, counts), all at once; the others by
+    ``one_by_one`` (rows)."""
+    rows = [i for i, t in enumerate(names) if t in buckets]
+    lists = [buckets[names[i]] for i in rows]
+    k = len(lists[0]) if lists else 0
+    same = (np.fromiter(map(len, lists), dtype=np.int64, count=len(lists)) == k).tolist()
+    alike_rows = np.array(list(compress(rows, same)), dtype=np.int64)
+    flat = np.fromiter(
+        chain.from_iterable(chain.from_iterable(compress(lists, same))),
+        dtype=np.float64,
+        count=2 * k * alike_rows.size,
+    ).reshape(alike_rows.size, k, 2)
+    parts: list[_Table] = []
+    order: list[int] = []
+    if k and alike_rows.size:
+        finite = np.isfinite(flat[:, :, 1]).all(axis=1)
+        left = np.ones(alike_rows.size, dtype=bool)  # not yet in a set of bounds
+        for _ in range(_BOUND_SETS):
+            if not left.any():
+                break
+            first = int(np.argmax(left))  # the first row left: its bounds, and the rows alike
+            bounds = flat[first, :, 0]
+            group = left & (flat[:, :, 0] == bounds).all(axis=1)
+            group[first] = True  # NaN bounds equal none, not even their own
+            left &= ~group
+            if np.isnan(bounds).any() or np.unique(bounds).size != k:
+                continue
+            chosen = np.flatnonzero(group & finite)
+            if chosen.size:
+                parts.append(alike(alike_rows[chosen].tolist(), bounds, flat[chosen, :, 1]))
+                order.extend(alike_rows[chosen].tolist())
+    others = sorted(set(rows) - set(order))
+    if others or not parts:
+        parts.append(one_by_one(others))
+        order.extend(others)
+    # row r of the stacked parts is name order[r]; a name without buckets: no row (-1)
+    index = np.full(len(names), -1, dtype=np.int64)
+    index[np.array(order, dtype=np.int64)] = np.arange(len(order))
+    stacked = type(parts[0]).stack(parts)
+    return stacked.take(index)
+
+
+def _with_simulated(
+    names: list[str],
+    curves: CurveTable,
+    policy_hits: dict[str, dict[str, list[tuple[float, float]]]],
+    policy_requests: dict[str, dict[str, float]],
+    footprints: dict[str, float],
+) -> CurveTable:
+    """``curves`` with the curve of each tenant's own policy where the sidecars simulate it."""
+    replaced: dict[int, HitCurve] = {}
+    for i, t in enumerate(names) if policy_requests else ():
+        by_policy = policy_requests.get(t)
+        if not by_policy:
+            continue
+        policy = max(by_policy, key=lambda name: by_policy[name])
+        simulated = HitCurve.from_hits(
+            (policy_hits.get(t) or {}).get(policy, []),
+            by_policy[policy],
+            cold_ratio=float(curves.cold[i]) if curves.present[i] else None,
+            footprint_bytes=footprints.get(t),
+        )
+        if simulated is not None:
+            replaced[i] = simulated
+    if not replaced:
+        return curves
+    at = sorted(replaced)
+    index = np.arange(len(names))
+    index[at] = len(names) + np.arange(len(at))
+    return CurveTable.stack([curves, CurveTable([replaced[i] for i in at])]).take(index)
 
 
 class PrometheusMetricsSource:
@@ -262,9 +368,7 @@ class PrometheusMetricsSource:
                 "PrometheusUnavailable", f"Prometheus at {self.where}: {_describe(exc)}"
             ) from exc
 
-    async def fetch(
-        self, cache: str, window: str, curve_window: str | None = None
-    ) -> dict[str, TenantMetrics]:
+    async def fetch(self, cache: str, window: str, curve_window: str | None = None) -> MetricsTable:
         curve_window = curve_window or window
         results = await asyncio.gather(
             self._run(promql_p95_seconds(cache, window)),

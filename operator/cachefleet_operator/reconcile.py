@@ -41,6 +41,7 @@ from redis.exceptions import RedisError
 from cachefleet_operator.allocation import (
     Allocation,
     AllocationParams,
+    MetricsTable,
     TenantDemand,
     TenantMetrics,
     allocate,
@@ -652,7 +653,7 @@ class Reconciler:
         demands = demands_from_spec(spec)
         faults: list[tuple[str, str]] = []
 
-        metrics: dict[str, TenantMetrics] | None
+        metrics: Mapping[str, TenantMetrics] | None
         source: MetricsSource | None = None
         try:
             source = self.metrics_source(str(spec.prometheus.url), spec.prometheus.timeout_seconds)
@@ -850,8 +851,8 @@ class Reconciler:
         spec: InferenceCacheSpec,
         cache: str,
         demands: Iterable[TenantDemand],
-        metrics: dict[str, TenantMetrics],
-    ) -> dict[str, TenantMetrics]:
+        metrics: Mapping[str, TenantMetrics],
+    ) -> Mapping[str, TenantMetrics]:
         """``metrics`` with each tenant's fleet-wide curve, from the batches new since the
         last rebalance. Redis down or a batch that is not one: the curves go on from
         what was read before (never a fault of the reconcile; publishing reports Redis)."""
@@ -872,7 +873,10 @@ class Reconciler:
                 self.fleet.ignored += 1
         names = set(metrics) | {d.name for d in demands}
         self.fleet.ingest(cache, batches, last, names)
-        curves = self.fleet.curves(cache, window_seconds(spec.prometheus.curve_window))
+        window_s = window_seconds(spec.prometheus.curve_window)
+        if isinstance(metrics, MetricsTable):  # from Prometheus: columns all the way
+            return metrics.with_fleet_rows(*self.fleet.table(cache, window_s))
+        curves = self.fleet.curves(cache, window_s)
         return {
             name: dataclasses.replace(m, fleet_curve=curves[name]) if name in curves else m
             for name, m in metrics.items()

@@ -13,6 +13,7 @@ from cachefleet_bench.allocation import workload as bench_workload
 from cachefleet_operator.allocation import (
     Allocation,
     AllocationParams,
+    MetricsTable,
     PriorityClass,
     TenantDemand,
     TenantMetrics,
@@ -523,6 +524,54 @@ def test_the_vectorised_allocator_gives_what_the_per_tenant_loops_gave(
     )
 
 
+@settings(max_examples=200, deadline=None)
+@given(tenants_and_metrics(), st.data())
+def test_metrics_as_a_table_in_any_order_allocate_as_the_mapping_does(
+    case: tuple[list[TenantDemand], dict[str, TenantMetrics]], data: st.DataObject
+) -> None:
+    """A :class:`MetricsTable` whose rows are in another order than the spec, with tenants
+    the spec does not list and fleet curves for some: the reference's result on the mapping."""
+    tenants, metrics = case
+    fleet = {
+        name: data.draw(curves(), label=f"fleet curve of {name}")
+        for name in metrics
+        if data.draw(st.booleans(), label=f"{name} has a fleet curve")
+    }
+    for k in range(data.draw(st.integers(0, 3), label="tenants not in the spec")):
+        metrics[f"gone-{k}"] = TenantMetrics(
+            rps=1.0, curve=data.draw(curves()), miss_latency=misses(0.5 + k)
+        )
+    names = data.draw(st.permutations(list(metrics)), label="the metrics' order")
+    metrics = {
+        name: TenantMetrics(**{**vars_of(metrics[name]), "fleet_curve": fleet.get(name)})
+        for name in names
+    }
+    table = MetricsTable(metrics)
+    assert dict(table) == metrics
+    previous = data.draw(
+        st.one_of(
+            st.none(),
+            st.dictionaries(st.sampled_from([d.name for d in tenants]), st.floats(0.0, 1.0)),
+        )
+    )
+    new = allocate(tenants, table, previous, L1, L2)
+    old = reference.allocate(tenants, metrics, previous, L1, L2)
+    if not fleet:
+        assert rows(new) == rows(old)
+        return
+
+    # the reference knows no fleet curves: L2 bytes and the fleet's wording aside, the same
+    def l1_part(result: Allocation) -> list[tuple[object, ...]]:
+        return [(*t[:6], *t[7:9], t.predicted_hit_ratio) for t in result.tenants]
+
+    assert l1_part(new) == l1_part(old)
+    assert sum(t.l2_bytes for t in new.tenants) <= L2
+
+
+def vars_of(m: TenantMetrics) -> dict[str, object]:
+    return {name: getattr(m, name) for name in TenantMetrics.__dataclass_fields__}
+
+
 def test_the_vectorised_allocator_matches_at_fleet_scale() -> None:
     """The benchmark's workload (mixed classes, 45-bucket curves), first and rebalance."""
     for n, seed in ((300, 1), (2_000, 2)):
@@ -570,3 +619,19 @@ def test_an_allocation_leaves_the_garbage_collector_as_it_found_it() -> None:
             assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_fleet_curves_added_to_a_metrics_table_allocate_as_if_read_with_it() -> None:
+    tenants, metrics = bench_workload(40, seed=5)
+    fleet = {d.name: cliff(0.02 * (i % 5 + 1), 0.5, at=L2) for i, d in enumerate(tenants[:30])}
+    fleet["not-in-the-metrics"] = cliff(0.1, 0.9, at=L2)
+    table = MetricsTable(metrics).with_fleet(fleet)
+    assert table["tenant-3"].fleet_curve == fleet["tenant-3"]
+    assert table["tenant-35"].fleet_curve is None
+    assert "not-in-the-metrics" not in table
+    result = allocate(tenants, table, None, L1, L2)
+    assert rows(result) == rows(allocate(tenants, dict(table), None, L1, L2))
+    # the fleet curves decide L2: not the L1 shares'
+    assert [t.l2_bytes for t in result.tenants] != [
+        t.l2_bytes for t in allocate(tenants, metrics, None, L1, L2).tenants
+    ]

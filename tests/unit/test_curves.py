@@ -10,10 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefleet_operator.allocation import MetricsTable, TenantDemand, TenantMetrics, allocate
 from cachefleet_operator.curves import (
     CurveTable,
     HitCurve,
     LatencyDist,
+    LatencyTable,
     _bisect,
     needed_hit_ratio_for,
     predicted_p95,
@@ -188,3 +190,141 @@ def test_bisecting_table_rows_counts_what_comparing_every_cell_counts(
     inside = np.arange(table.ys.shape[1])[None, :] < ends[:, None]
     counted = np.count_nonzero((table.ys < hits[:, None]) & inside, axis=1)
     assert (_bisect(table.ys, hits, right=False, ends=ends) == counted).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(ragged_curves(), st.data())
+def test_rows_taken_from_a_curve_table_are_the_table_of_those_curves(
+    curves: list[HitCurve | None], data: st.DataObject
+) -> None:
+    """``take`` (some rows, in any order, -1 for none) answers what a table of the taken
+    curves answers, and each row read back as a curve is the curve it was made from."""
+    table = CurveTable(curves)
+    index = data.draw(st.lists(st.integers(-1, len(curves) - 1), min_size=1, max_size=10))
+    chosen = [None if i < 0 else curves[i] for i in index]
+    taken, fresh = table.take(np.array(index, dtype=np.int64)), CurveTable(chosen)
+    at = np.array(data.draw(st.lists(sizes, min_size=len(index), max_size=len(index))))
+    assert taken.at(at).tolist() == fresh.at(at).tolist()
+    hit = np.array(
+        data.draw(st.lists(st.floats(0.0, 1.0), min_size=len(index), max_size=len(index)))
+    )
+    np.testing.assert_array_equal(taken.size_for(hit), fresh.size_for(hit))
+    for column in ("present", "length", "max_hit", "footprint", "cold", "requests"):
+        np.testing.assert_array_equal(getattr(taken, column), getattr(fresh, column))
+    assert [taken.curve(k) for k in range(len(index))] == chosen
+
+
+def test_rows_taken_from_a_latency_table_answer_as_a_table_of_those_histograms() -> None:
+    fast = LatencyDist.from_buckets([(0.1, 5.0), (0.2, 10.0), (INF, 10.0)])
+    slow = LatencyDist.from_buckets([(1.0, 1.0), (2.0, 3.0), (4.0, 8.0), (INF, 9.0)])
+    dists = [fast, None, slow]
+    index = np.array([2, -1, 0, 1, 2])
+    seconds = np.array([1.5, 0.1, 0.15, 3.0, 5.0])
+    taken = LatencyTable(dists).take(index)
+    fresh = LatencyTable([None if i < 0 else dists[i] for i in index])
+    np.testing.assert_array_equal(taken.cdf(seconds), fresh.cdf(seconds))
+    np.testing.assert_array_equal(taken.mean, fresh.mean)
+    assert taken.present.tolist() == [True, False, True, False, True]
+
+
+def tenant_metrics_one_by_one(
+    p95: dict[str, float],
+    hit: dict[str, float],
+    rps: dict[str, float],
+    reuse: dict[str, list[tuple[float, float]]],
+    upstream: dict[str, list[tuple[float, float]]],
+    hits: dict[str, list[tuple[float, float]]],
+    lookups: dict[str, float],
+    cold_bytes: dict[str, float],
+    policy_hits: dict[str, dict[str, list[tuple[float, float]]]],
+    policy_requests: dict[str, dict[str, float]],
+) -> dict[str, TenantMetrics]:
+    """What tenant_metrics made before its columns: each tenant's objects, one by one."""
+    out = {}
+    for t in dict.fromkeys([*p95, *hit, *rps]):
+        footprint = cold_bytes.get(t)
+        curve = HitCurve.from_histogram(reuse[t], lookups.get(t), footprint) if t in reuse else None
+        by_policy = policy_requests.get(t) or {}
+        if by_policy:
+            policy = max(by_policy, key=lambda name: by_policy[name])
+            simulated = HitCurve.from_hits(
+                (policy_hits.get(t) or {}).get(policy, []),
+                by_policy[policy],
+                cold_ratio=None if curve is None else curve.cold_ratio,
+                footprint_bytes=footprint,
+            )
+            curve = simulated or curve
+        out[t] = TenantMetrics(
+            p95_s=p95.get(t),
+            hit_ratio=hit.get(t),
+            rps=rps.get(t),
+            curve=curve,
+            miss_latency=LatencyDist.from_buckets(upstream[t]) if t in upstream else None,
+            hit_latency=LatencyDist.from_buckets(hits[t]) if t in hits else None,
+        )
+    return out
+
+
+BOUNDS = [1e3, 1e4, 1e5, 1e6, INF]
+
+
+@st.composite
+def histograms(draw: st.DrawFn) -> list[tuple[float, float]]:
+    """Cumulative buckets, mostly on the shared bounds (in any order), some not; counts
+    with rate() dents, zeros, now and then a NaN."""
+    kind = draw(st.sampled_from(["shared", "shared", "shared", "own", "no +Inf", "nan"]))
+    own = sorted(set(draw(st.lists(st.floats(1.0, 1e7), max_size=4))))
+    bounds = BOUNDS if kind != "own" else [*own, INF]
+    if kind == "no +Inf":
+        bounds = BOUNDS[:-1]
+    counts = draw(
+        st.lists(
+            st.sampled_from([0.0, 1.0, 2.5, 7.0, 10.0, 40.0, 100.0]),
+            min_size=len(bounds),
+            max_size=len(bounds),
+        )
+    )
+    counts = sorted(counts) if draw(st.booleans()) else counts
+    if kind == "nan":
+        counts[draw(st.integers(0, len(counts) - 1))] = math.nan
+    pairs = list(zip(bounds, counts, strict=True))
+    return draw(st.permutations(pairs)) if draw(st.booleans()) else pairs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_tenant_metrics_as_columns_are_what_each_tenants_objects_were(data: st.DataObject) -> None:
+    names = [f"t{i}" for i in range(data.draw(st.integers(0, 12)))]
+    some = st.lists(st.sampled_from(names), unique=True) if names else st.just([])
+    values = st.floats(0.0, 10.0)
+    p95 = {t: data.draw(values) for t in data.draw(some)}
+    hit = {t: data.draw(values) for t in data.draw(some)}
+    rps = {t: data.draw(values) for t in names if t not in p95 and t not in hit}
+    reuse = {t: data.draw(histograms()) for t in data.draw(some)}
+    upstream = {t: data.draw(histograms()) for t in data.draw(some)}
+    hits = {t: data.draw(histograms()) for t in data.draw(some)}
+    lookups = {
+        t: data.draw(st.sampled_from([0.0, 5.0, 50.0, 1e3, math.nan])) for t in data.draw(some)
+    }
+    cold = {t: data.draw(st.floats(0.0, 1e9)) for t in data.draw(some)}
+    requests = {
+        t: {"lirs": data.draw(st.sampled_from([0.0, 10.0, 100.0]))} for t in data.draw(some)
+    }
+    sims = {t: {"lirs": [(1e3, 3.0), (1e5, 8.0)]} for t in data.draw(some)}
+    args = (p95, hit, rps, reuse, upstream, hits, lookups, cold, sims, requests)
+    table = tenant_metrics(*args)
+    expected = tenant_metrics_one_by_one(*args)
+    assert list(table) == list(expected)
+    assert dict(table) == expected
+    # and the columns are the objects' (allocation reads the columns)
+    tenants = [TenantDemand(t, p95_target_s=0.5, min_hit_ratio=0.3) for t in names]
+    got = allocate(tenants, table, None, 10**6, 10**7)
+    want = allocate(tenants, MetricsTable(expected), None, 10**6, 10**7)
+    assert [(*t[:9], t.cannot_meet, t.predicted_hit_ratio) for t in got.tenants] == [
+        (*t[:9], t.cannot_meet, t.predicted_hit_ratio) for t in want.tenants
+    ]
+    for column in ("footprint", "cold", "requests", "max_hit", "length"):
+        np.testing.assert_array_equal(
+            getattr(table.curves, column), getattr(MetricsTable(expected).curves, column)
+        )
+    np.testing.assert_array_equal(table.misses.mean, MetricsTable(expected).misses.mean)

@@ -8,13 +8,25 @@ replayed from the forwarded samples must see that reuse.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachefleet_operator.curves import HitCurve
-from cachefleet_operator.fleet import FleetCurves
-from cachefleet_sidecar.adapt.mrc import HASH_SHIFT, HASH_SPACE, MissRatioCurves, ReuseHistogram
+from cachefleet_operator.fleet import FleetCurves, _Cache, _Tenant
+from cachefleet_operator.metrics_source import tenant_metrics
+from cachefleet_sidecar.adapt.mrc import (
+    BUCKETS,
+    HASH_SHIFT,
+    HASH_SPACE,
+    MissRatioCurves,
+    ReuseHistogram,
+    ShardsSampler,
+)
 from cachefleet_sidecar.contract.fleet import (
     FLEET_SAMPLE_RATE,
     FleetSample,
@@ -208,3 +220,52 @@ def test_many_tenants_share_one_budget_of_keys() -> None:
     state = fleet._caches[CACHE]
     assert [len(state.tenants[t].sampler) for t in "abcd"] == [250] * 4
     assert state.tenants["a"].sampler.rate < 250 / 4000 * 1.3
+
+
+def windowed_one_by_one(
+    history: list[tuple[float, tuple[float, ...]]], window_s: float
+) -> HitCurve | None:
+    """What a tenant's fleet curve was before the table: its own loop and HitCurve."""
+    if len(history) < 2:
+        return None
+    now, counts = history[-1]
+    while len(history) > 2 and history[1][0] <= now - window_s:
+        history.pop(0)
+    base = history[0][1]
+    delta = [max(0.0, c - b) for c, b in zip(counts, base, strict=True)]
+    cumulative, acc = [], 0.0
+    for bound, count in zip((*BUCKETS, math.inf), delta, strict=True):
+        acc += count / window_s
+        cumulative.append((bound, acc))
+    return HitCurve.from_histogram(cumulative)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_the_fleet_table_is_each_tenants_curve_bit_for_bit(data: st.DataObject) -> None:
+    fleet = FleetCurves()
+    state = fleet._caches.setdefault(CACHE, _Cache())
+    expected: dict[str, HitCurve] = {}
+    count = st.sampled_from([0.0, 1.0, 3.0, 17.0, 250.0])
+    window_s = data.draw(st.sampled_from([60.0, 600.0, 3600.0]))
+    for i in range(data.draw(st.integers(0, 6))):
+        snapshots = []
+        for k in range(data.draw(st.integers(0, 4))):
+            counts = data.draw(
+                st.lists(count, min_size=len(BUCKETS) + 1, max_size=len(BUCKETS) + 1)
+            )
+            snapshots.append((1000.0 + 400.0 * k, tuple(counts)))
+        tracked = state.tenants[f"t{i}"] = _Tenant(ShardsSampler(16, FLEET_SAMPLE_RATE))
+        tracked.history.extend(snapshots)
+        made = windowed_one_by_one(list(snapshots), window_s)
+        if made is not None:
+            expected[f"t{i}"] = made
+    assert fleet.curves(CACHE, window_s) == expected
+    # and as columns that metrics read from Prometheus take: the curves' table
+    names, table = fleet.table(CACHE, window_s)
+    read = tenant_metrics({"t0": 0.1, "t3": 0.2, "other": 0.3}, {}, {}, {}, {}, {}, {})
+    with_rows = read.with_fleet_rows(names, table)
+    assert dict(with_rows) == {
+        name: dataclasses.replace(m, fleet_curve=expected.get(name)) for name, m in read.items()
+    }
+    assert (with_rows.fleet is None) == (not expected.keys() & {"t0", "t3"})
