@@ -226,6 +226,7 @@ def build(
         purge_index=purge_index,
         l2_allowed=tenants.l2_allowed,
         background=background,
+        l2_name=tenants.l2_name,
     )
     relay = Relay(
         config,
