@@ -28,6 +28,7 @@ from cachefleet_operator.allocation import (
     PriorityClass,
 )
 from cachefleet_sidecar.adapt import admission as sidecar_admission
+from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
 from cachefleet_sidecar.contract.names import NAME_RE, Policy
 from cachefleet_sidecar.http.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
 from cachefleet_sidecar.observe.savings import Price
@@ -747,6 +748,17 @@ class InferenceCacheSpec(_Model):
         description=(
             "Entry TTL of tenants that set no ttlSeconds (and of unlisted ones), seconds; "
             "empty = entries live until evicted or the sidecars' L2 TTL."
+        ),
+    )
+    fleet_sample_rate: float = Field(
+        default=FLEET_SAMPLE_RATE,
+        gt=0,
+        le=1,
+        description=(
+            "Share of the key space whose accesses every sidecar forwards for the fleet-wide "
+            "curves (the same keys on every pod; the webhook gives each injected sidecar this "
+            "rate). More is a finer curve for more Redis traffic; a change reaches Pods "
+            "created after it."
         ),
     )
     tenants: list[TenantSpec] = Field(

@@ -889,7 +889,7 @@ class Reconciler:
             except ValueError:
                 self.fleet.ignored += 1
         names = set(metrics) | {d.name for d in demands}
-        self.fleet.ingest(cache, batches, last, names)
+        self.fleet.ingest(cache, batches, last, names, spec.fleet_sample_rate)
         window_s = window_seconds(spec.prometheus.curve_window)
         if isinstance(metrics, MetricsTable):  # from Prometheus: columns all the way
             return metrics.with_fleet_rows(*self.fleet.table(cache, window_s))
