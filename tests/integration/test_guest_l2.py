@@ -8,8 +8,8 @@ What a user would notice, on real Redis and real sidecars:
 * the pool's bytes stay within its budget however many guests write, and no
   guest holds more than a quarter of it (a busy guest evicts its own oldest
   entries first, so the others keep theirs);
-* a Key purge and a Tenant invalidation reach a guest's entries in L2 as
-  they reach a listed tenant's.
+* a Key purge, a Namespace and a Tenant invalidation reach a guest's entries
+  in L2 as they reach a listed tenant's.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from cachefleet_sidecar.contract.names import (
     guest_usage_key,
     usage_key,
 )
-from cachefleet_sidecar.epochs import PURGE_SCOPE, tenant_scope
+from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]
@@ -51,8 +51,11 @@ QUOTAS = QuotaAssignment(
 VECTOR = (("cache", 0), ("tenant:x", 0), ("model:m1", 0), (PURGE_SCOPE, 0))
 
 
-async def ask(sc: RunningSidecar, prompt: str, tenant: str) -> tuple[int, str]:
-    resp = await sc.chat(prompt, tenant=tenant)
+async def ask(
+    sc: RunningSidecar, prompt: str, tenant: str, namespace: str | None = None
+) -> tuple[int, str]:
+    headers = {} if namespace is None else {"X-Cache-Namespace": namespace}
+    resp = await sc.chat(prompt, tenant=tenant, headers=headers)
     assert resp.status_code == 200, resp.text
     return int(resp.json()["version"]), resp.headers["x-cache"]
 
@@ -70,8 +73,9 @@ async def fleet(
     return pods
 
 
-async def l2_digest(url: str, name: str, prompt: str) -> str:
-    """The digest of ``prompt``'s entry under L2 name ``name``; waits for the write."""
+async def l2_digest(url: str, name: str, prompt: str, besides: frozenset[str] = frozenset()) -> str:
+    """The digest of ``prompt``'s entry under L2 name ``name`` (not one of ``besides``);
+    waits for the write."""
     client = redis_from_url(url)
     try:
         deadline = time.monotonic() + SETTLE_S
@@ -79,8 +83,10 @@ async def l2_digest(url: str, name: str, prompt: str) -> str:
             async for raw in client.scan_iter(match=entry_key(CACHE, name, "*")):
                 key = raw.decode()
                 value = await client.get(key)
-                if value is not None and f'"{prompt}@v'.encode() in value:
-                    return key.rpartition(":e:")[2]
+                digest = key.rpartition(":e:")[2]
+                ours = value is not None and f'"{prompt}@v'.encode() in value
+                if ours and digest not in besides:
+                    return digest
             await asyncio.sleep(0.02)
     finally:
         await client.aclose()
@@ -180,6 +186,18 @@ async def test_a_purge_and_a_tenant_invalidation_reach_a_guest(
         # the purged entry is gone from L1 and L2; the guest's other entry stays
         assert await ask(b, "q1", "cust-1") == (2, "MISS")
         assert await ask(b, "q2", "cust-1") == (1, "HIT-L2")
+        # a Namespace invalidation of one guest's namespace: the other namespace stays
+        seen: frozenset[str] = frozenset()
+        for kb in ("kb1", "kb2"):
+            assert await ask(a, "q3", "cust-1", kb) == (2, "MISS")
+            seen |= {await l2_digest(redis_url, guest("cust-1"), "q3", seen)}
+        truth.bump()
+        scope = namespace_scope("cust-1", "kb1")
+        epoch, at = await inv.advance(scope)
+        result = await inv.await_acks(scope, epoch, timeout_s=ACK_TIMEOUT_S, started_at=at)
+        assert result.completed, result
+        assert await ask(b, "q3", "cust-1", "kb1") == (3, "MISS")
+        assert await ask(b, "q3", "cust-1", "kb2") == (2, "HIT-L2")
         # a Tenant invalidation of one guest: its entries go, another guest's stay
         truth.bump()
         scope = tenant_scope("cust-1")
@@ -188,5 +206,5 @@ async def test_a_purge_and_a_tenant_invalidation_reach_a_guest(
         assert result.completed, result
     finally:
         await inv.aclose()
-    assert await ask(a, "q2", "cust-1") == (3, "MISS")
+    assert await ask(a, "q2", "cust-1") == (4, "MISS")
     assert await ask(b, "q1", "cust-2") == (1, "HIT-L2")
