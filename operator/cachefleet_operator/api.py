@@ -28,6 +28,7 @@ from cachefleet_operator.allocation import (
     PriorityClass,
 )
 from cachefleet_sidecar.adapt import admission as sidecar_admission
+from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
 from cachefleet_sidecar.contract.names import NAME_RE, Policy
 from cachefleet_sidecar.http.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
 from cachefleet_sidecar.observe.savings import Price
@@ -44,6 +45,8 @@ DEFAULT_UNLISTED_SHARE = 0.1
 MAX_PRICES = 256
 #: The most of each pod's L1 tenantDefaults may set aside (the --guest-share bound).
 MAX_UNLISTED_SHARE = 0.9
+#: Fraction of the fleet's L2 bytes all unlisted tenants share when the spec says none.
+DEFAULT_UNLISTED_L2_SHARE = 0.1
 #: Shortest rebalance interval a spec may ask for, seconds.
 MIN_REBALANCE_INTERVAL_S = 1
 #: Rebalance interval when the spec does not say, seconds.
@@ -501,10 +504,11 @@ class TenantDefaults(_Model):
     gets an L1 partition of its own on each pod it reaches, from a pool of
     ``share`` of the pod's L1 that all unlisted tenants split equally; when a
     pod's ``--max-tenants`` partitions are taken, the unlisted tenant seen least
-    recently gives up its partition (listed tenants never do). Unlisted
-    tenants stay in L1: they never read or write Redis. The listed tenants'
-    shares are fractions of what the pool leaves; with none listed, the pool
-    is the whole L1.
+    recently gives up its partition (listed tenants never do). In L2 all
+    unlisted tenants share ``l2Share`` of the fleet's L2 bytes (each in its own
+    key scope: only the byte budget is pooled; one of them holds at most a
+    quarter of it). The listed tenants' shares are fractions of what the pools
+    leave; with none listed, the pools are the whole L1 and L2.
     """
 
     share: float = Field(
@@ -514,6 +518,16 @@ class TenantDefaults(_Model):
         description=(
             "Fraction of each pod's L1 that all unlisted tenants share (split equally among "
             "those active on the pod); the listed tenants share the rest."
+        ),
+    )
+    l2_share: float = Field(
+        default=DEFAULT_UNLISTED_L2_SHARE,
+        ge=0,
+        le=MAX_UNLISTED_SHARE,
+        description=(
+            "Fraction of the fleet's L2 bytes that all unlisted tenants share (one of them "
+            "holds at most a quarter of it; 0 = they stay in L1); the listed tenants share "
+            "the rest."
         ),
     )
     priority_class: Literal["Standard", "BestEffort"] = Field(
@@ -734,6 +748,17 @@ class InferenceCacheSpec(_Model):
         description=(
             "Entry TTL of tenants that set no ttlSeconds (and of unlisted ones), seconds; "
             "empty = entries live until evicted or the sidecars' L2 TTL."
+        ),
+    )
+    fleet_sample_rate: float = Field(
+        default=FLEET_SAMPLE_RATE,
+        gt=0,
+        le=1,
+        description=(
+            "Share of the key space whose accesses every sidecar forwards for the fleet-wide "
+            "curves (the same keys on every pod; the webhook gives each injected sidecar this "
+            "rate). More is a finer curve for more Redis traffic; a change reaches Pods "
+            "created after it."
         ),
     )
     tenants: list[TenantSpec] = Field(

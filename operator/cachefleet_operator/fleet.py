@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cachefleet_operator.curves import CurveTable, HitCurve
-from cachefleet_sidecar.adapt.mrc import BUCKETS, HASH_MASK, ShardsSampler
+from cachefleet_sidecar.adapt.mrc import BUCKETS, HASH_MASK, HASH_SPACE, ShardsSampler
 from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE, FleetSample
 
 #: Keys tracked per tenant and cache at most (SHARDS's s_max; ~430 bytes each).
@@ -61,6 +61,10 @@ class _Cache:
     after: str | None = None
     #: Keys each tracker may hold (0: not decided yet).
     per_tenant: int = 0
+    #: The sampling rate the cache's sidecars are told to use (0: not said, the default).
+    rate: float = 0.0
+    #: The lowest pod threshold (``thr``) folded into the trackers (None: none yet).
+    floor: int | None = None
 
 
 class FleetCurves:
@@ -92,13 +96,32 @@ class FleetCurves:
         batches: Iterable[tuple[int, list[FleetSample]]],
         last_id: str | None = None,
         tenants: Iterable[str] | None = None,
+        rate: float | None = None,
     ) -> int:
         """Replay (threshold, samples) batches in time order; the samples used.
 
         ``tenants`` (None: any) are the ones to measure; the others' samples
         are skipped and their state goes. ``last_id`` is where the next read starts.
+        ``rate`` (None: as before, else the constructor's) is the cache's
+        ``spec.fleetSampleRate``: a tenant's tracker samples at most that share of
+        the keys and at most what each batch's pod forwarded (its ``thr``: during a
+        rollout some pods still forward at the old rate), and scales its counts by
+        the share it kept. A tracker cannot raise its threshold again, so once a
+        read holds no batch below the thresholds folded in so far (the pods that
+        forwarded less are gone, e.g. after a rollout to a higher rate), every
+        tracker of the cache starts over at the rate in force.
         """
+        batches = list(batches)
         state = self._caches.setdefault(cache, _Cache())
+        if rate is not None:
+            state.rate = rate
+        top = max(1, int(HASH_SPACE * (state.rate or self.rate)))
+        low = min((threshold for threshold, _ in batches), default=None)
+        if low is not None:
+            if state.floor is not None and state.floor < min(low, top):
+                state.tenants.clear()
+                state.floor = None
+            state.floor = low if state.floor is None else min(state.floor, low)
         if last_id is not None:
             state.after = last_id
         wanted = None if tenants is None else frozenset(tenants)
@@ -152,7 +175,8 @@ class FleetCurves:
             if len(state.tenants) >= self.max_tenants:
                 return None
             per = state.per_tenant or self._per_tenant(len(state.tenants) + 1)
-            tracked = state.tenants[tenant] = _Tenant(ShardsSampler(per, self.rate))
+            sampler = ShardsSampler(per, state.rate or self.rate)
+            tracked = state.tenants[tenant] = _Tenant(sampler)
         return tracked
 
     def curves(self, cache: str, window_s: float) -> dict[str, HitCurve]:

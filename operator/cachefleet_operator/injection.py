@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachefleet_operator.api import SavingsSpec
+from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
 from cachefleet_sidecar.observe.savings import format_price_table
 
 #: Label that asks for the sidecar; its value is the InferenceCache's name.
@@ -133,6 +134,9 @@ class CacheInfo:
     upstream_max_queued: int | None = None
     #: ``spec.namespaceHeader``, ``spec.warmup`` as sidecar flags; empty: the defaults.
     cache_flags: tuple[tuple[str, str], ...] = ()
+    #: ``spec.fleetSampleRate``: always given, so every injected pod of a cache forwards
+    #: the same keys whatever its image's default.
+    fleet_sample_rate: float = FLEET_SAMPLE_RATE
 
     @property
     def ref(self) -> str:
@@ -163,6 +167,7 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         upstream_max_connections=None if max_connections is None else int(max_connections),
         upstream_max_queued=None if max_queued is None else int(max_queued),
         cache_flags=cache_flags(spec),
+        fleet_sample_rate=fleet_sample_rate(spec.get("fleetSampleRate")),
     )
 
 
@@ -180,6 +185,16 @@ def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     if prices is not None:
         flags.append(("price-table", prices))
     return tuple(flags)
+
+
+def fleet_sample_rate(value: Any) -> float:
+    """``spec.fleetSampleRate`` for the sidecars: absent or invalid (the API server refuses
+    one; the operator's status names the field), the default, so the Pod still starts."""
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        return FLEET_SAMPLE_RATE
+    return rate if 0.0 < rate <= 1.0 else FLEET_SAMPLE_RATE
 
 
 def price_table(savings: Any) -> str | None:
@@ -288,6 +303,7 @@ def sidecar_container(
     if cache.upstream_max_queued is not None:
         env.append(_env("upstream-max-queued", str(cache.upstream_max_queued)))
     env.extend(_env(flag, value) for flag, value in cache.cache_flags)
+    env.append(_env("fleet-sample-rate", repr(cache.fleet_sample_rate)))
     if api_keys_secret:
         env.append(_env("api-keys-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"))
     set_names = {e["name"] for e in env}

@@ -271,12 +271,30 @@ def listed_l1_bytes(spec: InferenceCacheSpec) -> int:
     return spec.capacity.l1_bytes_per_pod - unlisted_l1_bytes(spec)
 
 
+def unlisted_l2_bytes(spec: InferenceCacheSpec) -> int:
+    """L2 bytes fleet-wide that ``spec.tenantDefaults`` sets aside for all unlisted tenants.
+
+    With no tenant listed, every tenant is unlisted: the pool is the whole L2.
+    """
+    defaults = spec.tenant_defaults
+    if defaults is None or defaults.l2_share <= 0:
+        return 0
+    if not spec.tenants:
+        return spec.capacity.l2_bytes
+    return int(spec.capacity.l2_bytes * defaults.l2_share)
+
+
+def listed_l2_bytes(spec: InferenceCacheSpec) -> int:
+    """L2 bytes the listed tenants' allocation shares: what the unlisted pool leaves."""
+    return spec.capacity.l2_bytes - unlisted_l2_bytes(spec)
+
+
 def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaAssignment:
     """The quota table for the sidecars (generation 0; set by the caller).
 
     With ``tenantDefaults``, ``default_tenant`` tells the sidecars how to treat
-    a tenant the table does not name: its class, its policy, and the L1 pool
-    all of them share on each pod (they stay out of L2: ``l2_bytes`` 0).
+    a tenant the table does not name: its class, its policy, the L1 pool all
+    of them share on each pod and the L2 pool all of them share fleet-wide.
     """
     by_name = {t.name: t for t in spec.tenants}
     defaults = spec.tenant_defaults
@@ -289,7 +307,7 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
         if defaults is None
         else TenantQuota(
             l1_bytes=unlisted_l1_bytes(spec),
-            l2_bytes=0,
+            l2_bytes=unlisted_l2_bytes(spec),
             policy=defaults.policy,
             priority_class=defaults.priority_class,
         ),
@@ -665,8 +683,7 @@ class Reconciler:
             faults.append((exc.reason, exc.message))
             self.metrics.reconcile_errors.labels(exc.reason).inc()
 
-        capacity = spec.capacity
-        l1_bytes = listed_l1_bytes(spec)
+        l1_bytes, l2_bytes = listed_l1_bytes(spec), listed_l2_bytes(spec)
         if metrics:
             metrics = await self._with_fleet_curves(namespace, spec, cache, demands, metrics)
         if metrics is not None:
@@ -678,13 +695,13 @@ class Reconciler:
                 metrics,
                 prev_shares or None,
                 l1_bytes,
-                capacity.l2_bytes,
+                l2_bytes,
                 params,
             )
         elif prev_shares:
-            allocation = hold(demands, prev_shares, l1_bytes, capacity.l2_bytes)
+            allocation = hold(demands, prev_shares, l1_bytes, l2_bytes)
         else:
-            allocation = allocate(demands, {}, None, l1_bytes, capacity.l2_bytes)
+            allocation = allocate(demands, {}, None, l1_bytes, l2_bytes)
 
         self.metrics.set_slo_pressure(namespace, name, _pressure(spec, metrics, allocation))
         assignment = build_assignment(spec, allocation)
@@ -872,7 +889,7 @@ class Reconciler:
             except ValueError:
                 self.fleet.ignored += 1
         names = set(metrics) | {d.name for d in demands}
-        self.fleet.ingest(cache, batches, last, names)
+        self.fleet.ingest(cache, batches, last, names, spec.fleet_sample_rate)
         window_s = window_seconds(spec.prometheus.curve_window)
         if isinstance(metrics, MetricsTable):  # from Prometheus: columns all the way
             return metrics.with_fleet_rows(*self.fleet.table(cache, window_s))

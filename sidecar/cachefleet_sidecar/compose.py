@@ -226,6 +226,7 @@ def build(
         purge_index=purge_index,
         l2_allowed=tenants.l2_allowed,
         background=background,
+        l2_name=tenants.l2_name,
     )
     relay = Relay(
         config,
@@ -315,7 +316,8 @@ def build(
     metrics.gauge_sources.append(partial(upstream.families, cache))
     fleet = None
     if mrc is not None and config.redis_url:  # samples for the fleet-wide curves
-        fleet = FleetShipper(mrc, cache, config.pod, resp_client(config.redis_url))
+        client = resp_client(config.redis_url)
+        fleet = FleetShipper(mrc, cache, config.pod, client, rate=config.fleet_sample_rate)
         metrics.gauge_sources.append(fleet.families)
 
     return Sidecar(

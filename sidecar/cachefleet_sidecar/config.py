@@ -20,6 +20,7 @@ from cachefleet_sidecar.adapt.mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 from cachefleet_sidecar.cache.l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from cachefleet_sidecar.cache.semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
 from cachefleet_sidecar.cache.semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
+from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
 from cachefleet_sidecar.contract.names import Policy, valid_name
 from cachefleet_sidecar.control.warm import DEFAULT_WARM_TIMEOUT_S
 from cachefleet_sidecar.epochs import DEFAULT_STALENESS_BOUND_S
@@ -206,6 +207,9 @@ class SidecarConfig:
     mrc_samples: int = DEFAULT_MRC_SAMPLES
     #: Highest share of a tenant's keys its curve samples (the hit path's cost bound).
     mrc_max_rate: float = DEFAULT_MAX_RATE
+    #: Share of the key space whose accesses go to the fleet-sample stream (the same on
+    #: every pod of a cache: the InferenceCache's spec.fleetSampleRate, set by the webhook).
+    fleet_sample_rate: float = FLEET_SAMPLE_RATE
     #: Share of L1 for tenants that are not known (0: they are sized like everyone else).
     guest_share: float = 0.0
     #: Seconds without a request after which a tenant's L1 partition and series go (0: never).
@@ -436,6 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
         "highest share of a tenant's keys sampled for its curve, in (0, 1]; bounds the "
         "hit path's cost (1 measures small tenants exactly)",
         default=str(DEFAULT_MAX_RATE),
+    )
+    add(
+        "fleet-sample-rate",
+        "share of the key space whose accesses go, with Redis, to the stream of the "
+        "operator's fleet-wide curves, in (0, 1]; the same on every pod of a cache",
+        default=repr(FLEET_SAMPLE_RATE),
     )
     add(
         "shutdown-grace",
@@ -698,6 +708,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         staleness_bound_s=float(conv("staleness-bound", ns.staleness_bound, float)),  # type: ignore[arg-type]
         mrc_samples=int(conv("mrc-samples", ns.mrc_samples, _count)),  # type: ignore[call-overload]
         mrc_max_rate=float(conv("mrc-max-rate", ns.mrc_max_rate, _rate)),  # type: ignore[arg-type]
+        fleet_sample_rate=float(conv("fleet-sample-rate", ns.fleet_sample_rate, _rate)),  # type: ignore[arg-type]
         redis_outage_staleness_s=float(
             conv("redis-outage-staleness", ns.redis_outage_staleness, _non_negative)  # type: ignore[arg-type]
         ),

@@ -58,7 +58,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_rules_pass_promtool_check(tmp_path: Path) -> None:
     result = promtool("check", "rules", str(rules_file(tmp_path)))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 14 rules found" in result.stdout
+    assert "SUCCESS: 15 rules found" in result.stdout
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -82,6 +82,9 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
         _series(bucket, {**t, "tier": "upstream", "le": "+Inf"}, "0+30x30"),
         _series("cachefleet_cross_tenant_hits_total", {"cache": CACHE}, "0 0 0 1 1 1 1 1 1 1"),
         _series("cachefleet_redis_errors_total", {"cache": CACHE}, "0x30"),
+        # fleet samples: 100 sent a minute; none dropped, then (from 15m) 50 dropped a minute
+        _series("cachefleet_fleet_samples_total", {**t, "outcome": "sent"}, "0+100x40"),
+        _series("cachefleet_fleet_samples_total", {**t, "outcome": "dropped"}, "0x15 0+50x25"),
         _series(
             "cachefleet_gpu_telemetry_available", {"namespace": "inference", "pod": "p"}, "0x30"
         ),
@@ -136,6 +139,24 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
             },
             {"eval_time": "20m", "alertname": "CachefleetHitRatioDrop", "exp_alerts": []},
             {"eval_time": "20m", "alertname": "CachefleetRedisErrors", "exp_alerts": []},
+            # a third of the samples dropped from 15m: pending for 10m, firing after
+            {"eval_time": "14m", "alertname": "CachefleetFleetSamplesDropped", "exp_alerts": []},
+            {"eval_time": "24m", "alertname": "CachefleetFleetSamplesDropped", "exp_alerts": []},
+            {
+                "eval_time": "35m",
+                "alertname": "CachefleetFleetSamplesDropped",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "warning", "cache": CACHE},
+                        "exp_annotations": {
+                            "summary": f"sidecars of {CACHE} drop 33.33% of their fleet "
+                            "samples; the fleet-wide curves miss part of the fleet",
+                            "description": "Redis faults, or more sampled accesses per "
+                            "second than a batch holds (lower spec.fleetSampleRate).",
+                        },
+                    }
+                ],
+            },
             {
                 "eval_time": "5m",
                 "alertname": "CachefleetCrossTenantHits",
@@ -230,7 +251,9 @@ def exported_metric_names() -> set[str]:
 
     # a real L2 tier, never connected: its families are read from its counters and breakers
     l2 = RedisL2.from_url("redis://127.0.0.1:1", "ns/c")
-    app = build(SidecarConfig(cache="ns/c", admin_listen=None), l2=l2)
+    # with a Redis URL (never connected), so the fleet-sample shipper's counter is there too
+    config = SidecarConfig(cache="ns/c", admin_listen=None, redis_url="redis://127.0.0.1:1")
+    app = build(config, l2=l2)
     app.keying.enable_epochs()
     app.tracker.merge({"cache": 1})
     sidecar = app.metrics
@@ -265,7 +288,8 @@ def test_dashboard_parses_and_uses_only_exported_or_recorded_metrics() -> None:
     used = {m for e in exprs for m in re.findall(r"\b(cachefleet[:_][a-z0-9_:]+)", e)}
     assert used - known == set()
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
-    for needed in ("hit ratio", "p99", "evictions", "quota", "gpu", "saved", "tokens saved"):
+    needed_titles = ("hit ratio", "p99", "evictions", "quota", "gpu", "saved", "tokens saved")
+    for needed in (*needed_titles, "fleet samples"):
         assert needed in titles
     # the ConfigMap carries the same JSON
     (cm,) = [

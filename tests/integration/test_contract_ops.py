@@ -21,6 +21,7 @@ from cachefleet_sidecar.contract.names import (
     acks_key,
     control_channel,
     entry_key,
+    guest,
     l2_keys,
     tenant_epochs_key,
 )
@@ -104,9 +105,11 @@ async def test_fences_announcements_members_and_acks(
     assert await fence_of(admin, "a") == await fence_of(admin, "b") == {"cache": 3}
     notice = await asyncio.wait_for(announcements.get(), 10.0)
     assert (notice["kind"], notice["epochs"]) == ("epochs", {"cache": 3})
-    # one named tenant; a lower epoch never lowers a fence; no scope, no work
-    assert await fence_tenants(client, CACHE, {"tenant:a": 5, "cache": 1}, ["a"]) == 1
+    # one named tenant (its slot, and its scope in the guests' pool); a lower epoch
+    # never lowers a fence; no scope, no work
+    assert await fence_tenants(client, CACHE, {"tenant:a": 5, "cache": 1}, ["a"]) == 2
     assert await fence_of(admin, "a") == {"cache": 3, "tenant:a": 5}
+    assert await fence_of(admin, guest("a")) == {"tenant:a": 5, "cache": 1}
     assert await fence_of(admin, "b") == {"cache": 3}
     assert await fence_tenants(client, CACHE, {}) == 0
     with pytest.raises(ValueError, match="invalid epoch scope"):

@@ -128,6 +128,7 @@ def spec(redis_url: str) -> dict[str, Any]:
         "selector": {"matchLabels": {"cachefleet.io/cache": "cache"}},
         "model": {"name": "llama", "version": "v1"},
         "capacity": {"l1BytesPerPod": L1, "l2Bytes": L2},
+        "fleetSampleRate": 1,  # every key: a small trace, measured exactly
         "redis": {"url": redis_url},
         "prometheus": {"url": "http://127.0.0.1:9", "window": "1m", "curveWindow": WINDOW},
         "tenants": [
@@ -171,8 +172,10 @@ async def test_a_tenant_the_fleet_serves_is_within_reach_and_gets_the_l2(
     """The demo's case: search's keys go round-robin over 3 pods, so no pod ever sees one
     twice (its curve tops out at 0) while the fleet reuses 2/3; the SLA asks 1/2. No
     observed hit ratio helps (none is given). chat reuses its keys on one pod."""
-    pods = [await sidecar_factory(redis_url=redis_url, pod=f"pod-{p}") for p in "abc"]
-    forward_all(pods)
+    pods = [
+        await sidecar_factory(redis_url=redis_url, pod=f"pod-{p}", fleet_sample_rate=1.0)
+        for p in "abc"
+    ]
     i = 0
     for _ in range(3):
         for n in range(40):  # 40 keys: each comes back on another pod
@@ -192,7 +195,7 @@ async def test_a_tenant_the_fleet_serves_is_within_reach_and_gets_the_l2(
     }
     reach = ReachWarnings(min_requests=100)  # 120 requests of search in the window
 
-    fleet = FleetCurves(rate=1.0)
+    fleet = FleetCurves()  # at the spec's rate (and the pods': the sidecars' flag)
     with_fleet = Reconciler(metrics=OperatorMetrics(), reach=reach, fleet=fleet)
     found, status = await reach_conditions(with_fleet, redis_url, data)
     assert [(c["status"], c["reason"]) for c in found] == [("False", "WithinReach")] * len(found)

@@ -147,17 +147,18 @@ def test_tenant_defaults_are_published_for_unlisted_tenants(
     fake = FakeMetrics()
     fake.data = steady_metrics()
     operator_factory(make(fake))
-    defaults = {"share": 0.2, "priorityClass": "BestEffort", "policy": "sits"}
+    defaults = {"share": 0.2, "l2Share": 0.25, "priorityClass": "BestEffort", "policy": "sits"}
     emulator.create(IC_PATH, cache_body("saas", redis_url, tenantDefaults=defaults))
     assignment = wait_for(
         lambda: stored_assignment(redis_url, f"{NAMESPACE}/saas"), ACT_TIMEOUT_S, "quotas"
     )
     unlisted = assignment.default_tenant
     assert unlisted is not None
-    assert (unlisted.l1_bytes, unlisted.l2_bytes) == (int(L1 * 0.2), 0)
+    assert (unlisted.l1_bytes, unlisted.l2_bytes) == (int(L1 * 0.2), int(L2 * 0.25))
     assert (unlisted.priority_class, unlisted.policy) == ("BestEffort", Policy.SITS)
-    # The listed tenants share what the pool leaves.
+    # The listed tenants share what the pools leave.
     assert sum(q.l1_bytes for q in assignment.tenants.values()) <= L1 - int(L1 * 0.2)
+    assert sum(q.l2_bytes for q in assignment.tenants.values()) <= L2 - int(L2 * 0.25)
 
 
 def wait_condition(

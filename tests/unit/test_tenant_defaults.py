@@ -16,7 +16,9 @@ from cachefleet_operator.reconcile import (
     build_assignment,
     demands_from_spec,
     listed_l1_bytes,
+    listed_l2_bytes,
     unlisted_l1_bytes,
+    unlisted_l2_bytes,
 )
 from cachefleet_sidecar.contract.messages import QuotaAssignment
 from cachefleet_sidecar.contract.names import Policy
@@ -47,9 +49,11 @@ def test_defaults_are_optional_and_filled_in() -> None:
     parsed = parse_spec(spec(policy="sits"))
     assert parsed.tenant_defaults is not None
     assert parsed.tenant_defaults.share == 0.1
+    assert parsed.tenant_defaults.l2_share == 0.1
     assert parsed.tenant_defaults.priority_class == "Standard"
     assert parsed.tenant_defaults.policy is Policy.SITS
     assert schema_errors(spec(share=0.25, priorityClass="BestEffort", policy="lirs")) == []
+    assert schema_errors(spec(l2Share=0)) == []
 
 
 @pytest.mark.parametrize(
@@ -58,6 +62,9 @@ def test_defaults_are_optional_and_filled_in() -> None:
         ({"share": 0}, "share"),
         ({"share": 0.95}, "share"),
         ({"share": "most"}, "share"),
+        ({"l2Share": -0.1}, "l2Share"),
+        ({"l2Share": 0.95}, "l2Share"),
+        ({"l2Share": "half"}, "l2Share"),
         ({"priorityClass": "Guaranteed"}, "priorityClass"),
         ({"policy": "fifo"}, "policy"),
         ({"ttl": 5}, "ttl"),
@@ -80,20 +87,23 @@ def test_the_list_limit_stays() -> None:
 
 
 def test_the_operator_publishes_the_defaults_and_the_pool_comes_off_the_listed_tenants() -> None:
-    parsed = parse_spec(spec(share=0.25, priorityClass="BestEffort", policy="lirs"))
+    parsed = parse_spec(spec(share=0.25, l2Share=0.5, priorityClass="BestEffort", policy="lirs"))
     capacity = parsed.capacity.l1_bytes_per_pod
+    l2 = parsed.capacity.l2_bytes
     assert unlisted_l1_bytes(parsed) == capacity // 4
     assert listed_l1_bytes(parsed) == capacity - capacity // 4
+    assert (unlisted_l2_bytes(parsed), listed_l2_bytes(parsed)) == (l2 // 2, l2 - l2 // 2)
     allocation = allocate(
-        demands_from_spec(parsed), {}, None, listed_l1_bytes(parsed), parsed.capacity.l2_bytes
+        demands_from_spec(parsed), {}, None, listed_l1_bytes(parsed), listed_l2_bytes(parsed)
     )
     assignment = build_assignment(parsed, allocation)
     unlisted = assignment.default_tenant
     assert unlisted is not None
-    assert (unlisted.l1_bytes, unlisted.l2_bytes) == (capacity // 4, 0)
+    assert (unlisted.l1_bytes, unlisted.l2_bytes) == (capacity // 4, l2 // 2)
     assert (unlisted.policy, unlisted.priority_class) == (Policy.LIRS, "BestEffort")
     listed = sum(q.l1_bytes for q in assignment.tenants.values())
     assert listed + unlisted.l1_bytes <= capacity
+    assert sum(q.l2_bytes for q in assignment.tenants.values()) + unlisted.l2_bytes <= l2
     # The sidecars read it back from the wire.
     again = QuotaAssignment.model_validate_json(assignment.model_dump_json())
     assert again.default_tenant == unlisted
@@ -117,3 +127,14 @@ def test_with_no_tenant_listed_the_pool_is_the_whole_l1() -> None:
     parsed = parse_spec(raw)
     assert unlisted_l1_bytes(parsed) == parsed.capacity.l1_bytes_per_pod
     assert listed_l1_bytes(parsed) == 0
+    assert unlisted_l2_bytes(parsed) == parsed.capacity.l2_bytes
+    assert listed_l2_bytes(parsed) == 0
+
+
+def test_an_l2_share_of_zero_keeps_the_unlisted_tenants_in_l1() -> None:
+    parsed = parse_spec(spec(l2Share=0))
+    assert (unlisted_l2_bytes(parsed), listed_l2_bytes(parsed)) == (0, parsed.capacity.l2_bytes)
+    allocation = allocate(demands_from_spec(parsed), {}, None, listed_l1_bytes(parsed), 0)
+    unlisted = build_assignment(parsed, allocation).default_tenant
+    assert unlisted is not None
+    assert unlisted.l2_bytes == 0

@@ -79,6 +79,7 @@ from cachefleet_sidecar.contract.names import (
     l2_meta_keys,
     l2_versioned_keys,
     lru_key,
+    own_lru_key,
     tenant_epochs_key,
 )
 from cachefleet_sidecar.contract.ops import register_tenant
@@ -732,7 +733,7 @@ class RedisL2:
         a read would; off the request path, so ``timeout_s`` bounds it, not the
         per-operation budget. The LRU order is as of the last batched touches.
         """
-        lru = lru_key(self.cache, tenant)
+        lru = own_lru_key(self.cache, tenant)  # a guest's own entries, not the whole pool's
         fence_key = tenant_epochs_key(self.cache, tenant)
         breaker = self.breaker_for(self._client.address_for(lru))
         if limit <= 0 or not breaker.allow():

@@ -150,6 +150,7 @@ class Tiers:
         purge_index: PurgeIndex,
         l2_allowed: Callable[[str], bool],
         background: Background,
+        l2_name: Callable[[str], str] = str,
     ) -> None:
         self.l1 = l1
         self.l2 = l2
@@ -158,8 +159,10 @@ class Tiers:
         self.keying = keying
         self.ttl_of = freshness.ttl_of
         self.purge_index = purge_index
-        #: Whether a tenant may use L2 (guests stay in L1).
+        #: Whether a tenant may use L2 (guests of --guest-share stay in L1).
         self.l2_allowed = l2_allowed
+        #: A tenant's name in L2 keys (a guest's scope in the guests' pool, or its own).
+        self.l2_name = l2_name
         self.background = background
         #: Largest answer stored in L2 (larger ones stay in L1 only).
         self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
@@ -208,7 +211,7 @@ class Tiers:
         vector = self.keying.vector(lookup, key)
         if vector is None or vector is False:
             return None
-        read = self.l2.begin_read(lookup.tenant, key.sha256_hex, vector)
+        read = self.l2.begin_read(self.l2_name(lookup.tenant), key.sha256_hex, vector)
         if read is None:
             return None
         lookup.l2_read = read
@@ -228,7 +231,7 @@ class Tiers:
         vector = self.keying.vector(lookup, key)
         if vector is False:
             return None
-        data = await self.l2.get(lookup.tenant, key.sha256_hex, vector)
+        data = await self.l2.get(self.l2_name(lookup.tenant), key.sha256_hex, vector)
         if data is None:
             return None
         return self.l2_entry(lookup, key, data)
@@ -278,6 +281,5 @@ class Tiers:
         ttl = self.ttl_of(lookup.tenant) - entry.elapsed(time.time())
         if ttl <= 0:
             return
-        await l2.put(
-            lookup.tenant, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest, ttl_s=ttl
-        )
+        name = self.l2_name(lookup.tenant)
+        await l2.put(name, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest, ttl_s=ttl)

@@ -24,7 +24,9 @@ import orjson
 
 from cachefleet_sidecar.contract.names import valid_name
 
-#: Fraction of the key space every sidecar forwards (the same on every pod).
+#: Fraction of the key space every sidecar forwards by default (``--fleet-sample-rate``,
+#: the InferenceCache's ``spec.fleetSampleRate``: the same on every pod of a cache). Each
+#: batch carries its pod's threshold (``thr``), which the operator's replay scales by.
 FLEET_SAMPLE_RATE = 1 / 16
 #: Batches the stream keeps (XADD MAXLEN ~): a bound on its memory, not a window.
 FLEET_STREAM_MAXLEN = 600

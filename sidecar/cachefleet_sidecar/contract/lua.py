@@ -7,6 +7,8 @@ cluster slot. :mod:`cachefleet_sidecar.contract.ops` and the sidecar's L2 run th
 
 from __future__ import annotations
 
+from cachefleet_sidecar.contract.names import GUEST_POOL
+
 #: KEYS[1] = quotas_key, KEYS[2] = tombstone_key; ARGV[1] = generation,
 #: ARGV[2] = assignment JSON. Writes only if the generation is newer than the
 #: stored one. Returns the generation now stored. Publishing means the cache
@@ -36,6 +38,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[5])
 return 1
 """
 
+#: Lua pattern of a guest's entry key (names.entry_key of a names.guest): its capture is
+#: the guest's scope, whose ``:usage`` (field ``bytes``) and ``:lru`` the scripts keep
+#: beside the pool's accounting (names.guest_usage_key, names.guest_lru_key). Both are
+#: in the entry's slot; the scripts derive them, as any entry of the pool may be evicted.
+GUEST_OWNER_PATTERN = f"^(.*|{GUEST_POOL}}}:g:[^:]+):e:%x+$"
+#: Most of the guests' pool one guest may hold: a put over it evicts that guest's own
+#: least recently used entries first, so one busy guest never takes the whole pool.
+GUEST_MAX_POOL_FRACTION = 0.25
+
 # L2 scripts. Every key they touch carries the tenant's hashtag, so each runs
 # on one cluster slot. Shared helpers first; ``meta`` is {usage, lru, sizes, exp}.
 # A read needs only the first three helpers (the versioned GET defines no others:
@@ -53,20 +64,29 @@ local function stamp(lru, now)
   end
   return now
 end
+-- A guest's entry: the scope of its owner (whose :usage and :lru it also counts in).
+local function owner_of(member)
+  return string.match(member, '@GUEST_OWNER_PATTERN@')
+end
 -- Drop one entry and its accounting; returns 1 if the value still existed.
 local function forget(meta, member)
   local size = tonumber(redis.call('HGET', meta[3], member) or '0')
   redis.call('HDEL', meta[3], member)
   redis.call('ZREM', meta[2], member)
   redis.call('ZREM', meta[4], member)
+  local owner = owner_of(member)
+  if owner then redis.call('ZREM', owner .. ':lru', member) end
   local existed = redis.call('UNLINK', member)
   if size > 0 then
     local left = redis.call('HINCRBY', meta[1], 'bytes', -size)
     if left < 0 then redis.call('HSET', meta[1], 'bytes', 0) end
+    if owner and redis.call('HINCRBY', owner .. ':usage', 'bytes', -size) <= 0 then
+      redis.call('DEL', owner .. ':usage')
+    end
   end
   return existed
 end
-"""
+""".replace("@GUEST_OWNER_PATTERN@", GUEST_OWNER_PATTERN)
 _L2_LUA_PRELUDE = (
     _L2_LUA_READ_HELPERS
     + """
@@ -82,16 +102,35 @@ local function limit_of(meta, default)
   return limit
 end
 -- Store value under key within the tenant's quota; returns {status, evicted, reclaimed}.
+-- A guest's key (owner) is stored within its own cap too: its oldest entries go first.
 local function store(key, meta, value, ttl_ms, default_limit, max_n)
   local size = string.len(value)
   local limit = limit_of(meta, default_limit)
   if size > limit then return {-1, 0, 0} end
+  local owner = owner_of(key)
+  local each = math.floor(limit * @GUEST_MAX_POOL_FRACTION@)
+  if owner and size > each then return {-1, 0, 0} end
   local now = now_us()
   local reclaimed = reap(meta, math.floor(now / 1000), max_n)
   if redis.call('HEXISTS', meta[3], key) == 1 then forget(meta, key) end
-  local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
   local evicted = 0
   local steps = 0
+  if owner then
+    local mine = tonumber(redis.call('HGET', owner .. ':usage', 'bytes') or '0')
+    while mine + size > each and steps < max_n do
+      local oldest = redis.call('ZRANGE', owner .. ':lru', 0, 0)
+      if #oldest == 0 then
+        redis.call('DEL', owner .. ':usage')
+        mine = 0
+        break
+      end
+      if forget(meta, oldest[1]) == 1 then evicted = evicted + 1 else reclaimed = reclaimed + 1 end
+      steps = steps + 1
+      mine = tonumber(redis.call('HGET', owner .. ':usage', 'bytes') or '0')
+    end
+    if mine + size > each then return {0, evicted, reclaimed} end
+  end
+  local used = tonumber(redis.call('HGET', meta[1], 'bytes') or '0')
   while used + size > limit and steps < max_n do
     local oldest = redis.call('ZRANGE', meta[2], 0, 0)
     if #oldest == 0 then
@@ -107,12 +146,17 @@ local function store(key, meta, value, ttl_ms, default_limit, max_n)
   if used + size > limit then return {0, evicted, reclaimed} end
   redis.call('SET', key, value, 'PX', ttl_ms)
   redis.call('HSET', meta[3], key, size)
-  redis.call('ZADD', meta[2], stamp(meta[2], now), key)
+  local at = stamp(meta[2], now)
+  redis.call('ZADD', meta[2], at, key)
   redis.call('ZADD', meta[4], math.floor(now / 1000) + ttl_ms, key)
   redis.call('HINCRBY', meta[1], 'bytes', size)
+  if owner then
+    redis.call('ZADD', owner .. ':lru', at, key)
+    redis.call('HINCRBY', owner .. ':usage', 'bytes', size)
+  end
   return {1, evicted, reclaimed}
 end
-"""
+""".replace("@GUEST_MAX_POOL_FRACTION@", repr(GUEST_MAX_POOL_FRACTION))
 )
 
 #: Most keys one :data:`L2_TOUCH_LUA` call stamps (Lua's unpack has a stack limit).
@@ -121,8 +165,9 @@ L2_TOUCH_BATCH = 512
 L2_TOUCH_INTERVAL_S = 0.05
 
 #: KEYS[1] = :func:`lru_key` of one tenant; ARGV = entry keys, least recent
-#: first (at most :data:`L2_TOUCH_BATCH`). Stamps them as just used, in that
-#: order; a key no longer in the LRU is left out (XX). Returns how many moved.
+#: first (at most :data:`L2_TOUCH_BATCH`), all of one tenant. Stamps them as just
+#: used, in that order (a guest's in its own LRU too); a key no longer in the LRU
+#: is left out (XX). Returns how many moved.
 L2_TOUCH_LUA = (
     _L2_LUA_READ_HELPERS
     + """
@@ -133,6 +178,8 @@ for i = 1, #ARGV do
   args[2 * i] = ARGV[i]
 end
 if #args == 0 then return 0 end
+local owner = owner_of(ARGV[1])
+if owner then redis.call('ZADD', owner .. ':lru', 'XX', unpack(args)) end
 return redis.call('ZADD', KEYS[1], 'XX', 'CH', unpack(args))
 """
 )

@@ -76,9 +76,10 @@ class QuotaAssignment(_Model):
     tenants: dict[str, TenantQuota] = Field(default_factory=dict)
     #: How a tenant ``tenants`` does not name is treated (``spec.tenantDefaults``):
     #: admitted with a partition of its own on demand, its policy and class from
-    #: here, and ``l1_bytes`` the pool all such tenants share on each pod (they
-    #: stay in L1: ``l2_bytes`` is 0). None: such tenants are refused or mapped
-    #: to the default tenant, as without quotas.
+    #: here, ``l1_bytes`` the pool all such tenants share on each pod and
+    #: ``l2_bytes`` the L2 bytes all of them share fleet-wide (the guests' pool,
+    #: contract.names.GUESTS; 0: they stay in L1). None: such tenants are refused
+    #: or mapped to the default tenant, as without quotas.
     default_tenant: TenantQuota | None = None
     #: TTL of tenants not in ``tenants`` (the InferenceCache's spec.ttlSeconds); None = none.
     ttl_seconds: float | None = Field(default=None, gt=0)

@@ -1,8 +1,13 @@
 """Names in Redis: every key and pub/sub channel of a cache, and the names allowed in them.
 
 Nobody else spells a key by hand. Keys of a cache's control state share the
-hashtag ``{cf:<cache>}`` (one cluster slot); each tenant's data shares
-``{cf:<cache>|<tenant>}``. The layout is described in docs/redis-protocol.md.
+hashtag ``{cf:<cache>}`` (one cluster slot); each listed tenant's data shares
+``{cf:<cache>|<tenant>}``. Unlisted tenants ("guests", ``tenantDefaults``) share
+one slot, ``{cf:<cache>|_guests}``: each guest keeps its own key scope there
+(``...:g:<guest>:``: its entries, fence and tombstone) and all of them one
+byte budget (the pool's accounting, ``...:p:``). A guest goes by
+:func:`guest` (``_guests/<guest>``) wherever the functions below take a tenant.
+The layout is described in docs/redis-protocol.md.
 Pure: no pydantic, no Redis client.
 """
 
@@ -70,8 +75,58 @@ def fleet_samples_key(cache: str) -> str:
     return f"{_control(cache)}:fleet-samples"
 
 
+#: The slot of every guest's data (not a valid tenant name: it cannot collide with one).
+GUEST_POOL = "_guests"
+_GUEST_PREFIX = f"{GUEST_POOL}/"
+
+
+def guest(tenant: str) -> str:
+    """The name of unlisted tenant ``tenant`` in L2 keys: its own scope in the guests' slot."""
+    return f"{_GUEST_PREFIX}{tenant}"
+
+
+#: The guests' pool as a whole, where a tenant is taken: its byte accounting (limit, usage).
+GUESTS = _GUEST_PREFIX
+
+
+def is_guest_name(name: str) -> bool:
+    """True for a name made by :func:`guest`."""
+    return name.startswith(_GUEST_PREFIX)
+
+
 def _tenant(cache: str, tenant: str) -> str:
+    """The key scope of ``tenant``'s entries, fence and tombstone."""
+    if tenant.startswith(_GUEST_PREFIX):
+        return f"cf:{{cf:{cache}|{GUEST_POOL}}}:g:{tenant[len(_GUEST_PREFIX) :]}"
     return f"cf:{{cf:{cache}|{tenant}}}"
+
+
+def _account(cache: str, tenant: str) -> str:
+    """The scope of the byte accounting ``tenant``'s entries count in (a guest's: the pool's)."""
+    if tenant.startswith(_GUEST_PREFIX):
+        return f"cf:{{cf:{cache}|{GUEST_POOL}}}:p"
+    return f"cf:{{cf:{cache}|{tenant}}}"
+
+
+def guest_usage_key(cache: str, tenant: str) -> str:
+    """A guest's own bytes in the pool (hash field ``bytes``), kept by the L2 scripts.
+
+    The scripts spell this key, and :func:`guest_lru_key`, from the entry key
+    (:data:`~cachefleet_sidecar.contract.lua.GUEST_OWNER_PATTERN`).
+    """
+    return f"{_tenant(cache, guest(tenant))}:usage"
+
+
+def guest_lru_key(cache: str, tenant: str) -> str:
+    """A guest's own entries by last use (its share of the pool is evicted from it)."""
+    return f"{_tenant(cache, guest(tenant))}:lru"
+
+
+def own_lru_key(cache: str, tenant: str) -> str:
+    """The LRU of ``tenant``'s own entries: :func:`lru_key`, or a guest's own, not the pool's."""
+    if tenant.startswith(_GUEST_PREFIX):
+        return f"{_tenant(cache, tenant)}:lru"
+    return lru_key(cache, tenant)
 
 
 def entry_key(cache: str, tenant: str, digest_hex: str) -> str:
@@ -79,19 +134,19 @@ def entry_key(cache: str, tenant: str, digest_hex: str) -> str:
 
 
 def usage_key(cache: str, tenant: str) -> str:
-    return f"{_tenant(cache, tenant)}:usage"
+    return f"{_account(cache, tenant)}:usage"
 
 
 def lru_key(cache: str, tenant: str) -> str:
-    return f"{_tenant(cache, tenant)}:lru"
+    return f"{_account(cache, tenant)}:lru"
 
 
 def sizes_key(cache: str, tenant: str) -> str:
-    return f"{_tenant(cache, tenant)}:sizes"
+    return f"{_account(cache, tenant)}:sizes"
 
 
 def expiry_key(cache: str, tenant: str) -> str:
-    return f"{_tenant(cache, tenant)}:exp"
+    return f"{_account(cache, tenant)}:exp"
 
 
 def l2_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:

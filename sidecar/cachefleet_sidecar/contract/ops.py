@@ -47,6 +47,8 @@ from cachefleet_sidecar.contract.names import (
     control_channel,
     epochs_key,
     fleet_samples_key,
+    guest,
+    is_guest_name,
     l2_keys,
     l2_tenants_key,
     member_key,
@@ -377,9 +379,15 @@ def _announce(cache: str, epochs: Mapping[str, int]) -> Command:
 async def _tenants(
     client: AnyClient, cache: str, tenants: Iterable[str] | None, timeout_s: float | None
 ) -> list[str]:
-    """``tenants`` sorted, or (None) every tenant registered in :func:`l2_tenants_key`."""
+    """``tenants`` sorted, or (None) every tenant registered in :func:`l2_tenants_key`.
+
+    A tenant named is also taken as a guest (:func:`guest`): a tenant listed
+    now may have been unlisted when it wrote (or the other way round), and its
+    fence must hold in both slots.
+    """
     if tenants is not None:
-        return sorted(set(tenants))
+        named = set(tenants)
+        return sorted(named | {guest(t) for t in named if not is_guest_name(t)})
     key = l2_tenants_key(cache)
     (raw,) = await run(client, [Command(("SMEMBERS", key), key)], timeout_s=timeout_s)
     return sorted(_text(t) for t in raw)
@@ -400,7 +408,7 @@ async def fence_tenants(
     fences (on one node Redis applies them first; on a cluster the RESP client
     may land them in any order, and the caller's wait starts only once every
     fence answered, which is what an acknowledged invalidation rests on).
-    Returns how many tenant slots were fenced.
+    Returns how many fences were raised (a named tenant's two: see :func:`_tenants`).
     """
     names = await _tenants(client, cache, tenants, timeout_s)
     args = _merge_args(epochs)

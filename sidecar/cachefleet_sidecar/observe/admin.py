@@ -24,7 +24,7 @@ from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import L2
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.messages import Heartbeat
-from cachefleet_sidecar.contract.names import Policy
+from cachefleet_sidecar.contract.names import GUESTS, Policy
 from cachefleet_sidecar.contract.urls import redact_url
 from cachefleet_sidecar.control.upkeep import Upkeep
 from cachefleet_sidecar.http.relay import Relay
@@ -97,17 +97,28 @@ class Admin:
             TierUsage(t, "l1", s.used_bytes, s.capacity_bytes, s.policy)
             for t, s in self.l1.stats().items()
         ]
-        out += [TierUsage(t, "l2", used, limit) for t, (used, limit) in self.l2_usage.items()]
+        out += [
+            TierUsage(t, "l2", used, limit)
+            for t, (used, limit) in self.l2_usage.items()
+            if t != GUESTS
+        ]
         return out
 
     async def refresh_l2_usage(self) -> None:
         """Read each tenant's L2 bytes and limit (for /metrics and /status)."""
         if self.l2 is None:
             return
-        for tenant in set(self.tenants.quotas) | set(self.l1.stats()):
+        tenants = self.tenants
+        for tenant in set(tenants.quotas) | set(self.l1.stats()):
+            if tenants.l2_name(tenant) != tenant:
+                continue  # a guest: its bytes count in the pool
             used, limit = await self.l2.usage(tenant)
             if limit:
                 self.l2_usage[tenant] = (used, limit)
+        if tenants.guests_in_l2:
+            self.l2_usage[GUESTS] = await self.l2.usage(GUESTS)
+        else:
+            self.l2_usage.pop(GUESTS, None)
 
     def status(self) -> dict[str, Any]:
         self.metrics.flush()  # the hits' batched bookkeeping counts before it is shown
@@ -143,6 +154,9 @@ class Admin:
                 for t, s in stats.items()
             },
             "known_tenants": sorted(self.tenants.known),
+            "l2_guests": None
+            if GUESTS not in self.l2_usage
+            else dict(zip(("bytes", "limit_bytes"), self.l2_usage[GUESTS], strict=True)),
             "savings": self.savings(),
             "saved": self.saved_totals(),
             "redis": None if self.l2 is None else self.l2.state,

@@ -20,6 +20,7 @@ from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import L2, Freshness
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import GUESTS, guest
 from cachefleet_sidecar.http.server import Request
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background
@@ -105,12 +106,30 @@ class Tenants:
         return None if quota is None else quota.priority_class
 
     def l2_allowed(self, tenant: str) -> bool:
-        """Guests (--guest-share, tenantDefaults) stay in L1: they never read or write Redis."""
+        """Whether ``tenant`` reads and writes Redis.
+
+        Guests of ``tenantDefaults`` do, in the guests' pool, while the operator
+        gives the pool bytes (:meth:`l2_name`); guests of ``--guest-share``
+        alone stay in L1.
+        """
         return (
             (self.config.guest_share <= 0 and self.default_quota is None)
             or not self.l1.is_guest(tenant)
             or not (self.l1.reserved or self.quotas or self.default_quota)
+            or self.guests_in_l2
         )
+
+    @property
+    def guests_in_l2(self) -> bool:
+        """True while the operator gives the unlisted tenants an L2 pool."""
+        quota = self.default_quota
+        return quota is not None and quota.l2_bytes > 0
+
+    def l2_name(self, tenant: str) -> str:
+        """``tenant``'s name in L2 keys: a guest's scope in the guests' pool, or its own."""
+        if self.guests_in_l2 and self.l1.is_guest(tenant):
+            return guest(tenant)
+        return tenant
 
     def poll_api_keys(self) -> bool:
         """Re-read the API-keys file if it changed (called periodically by the server)."""
@@ -247,6 +266,9 @@ class QuotaApplier:
         if self.l2 is not None:
             for tenant, quota in assignment.tenants.items():
                 self.background.spawn(self.l2.set_limit(tenant, quota.l2_bytes))
+            if tenants.guests_in_l2:
+                assert unlisted is not None
+                self.background.spawn(self.l2.set_limit(GUESTS, unlisted.l2_bytes))
         default = self.l3.default
         self.l3.set_options(
             {

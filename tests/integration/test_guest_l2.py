@@ -1,0 +1,210 @@
+"""Unlisted tenants ("guests", ``spec.tenantDefaults``) in L2: one pooled byte budget.
+
+What a user would notice, on real Redis and real sidecars:
+
+* a guest's answer stored by one sidecar is served from L2 by another;
+* two guests never share an entry (each keeps its own key scope in the pool's
+  slot: only the budget is pooled);
+* the pool's bytes stay within its budget however many guests write, and no
+  guest holds more than a quarter of it (a busy guest evicts its own oldest
+  entries first, so the others keep theirs);
+* a Key purge, a Namespace and a Tenant invalidation reach a guest's entries
+  in L2 as they reach a listed tenant's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cachefleet_e2e.truth import VersionedUpstream
+from cachefleet_operator.invalidation import Invalidator
+from cachefleet_sidecar.cache.l2 import RedisL2
+from cachefleet_sidecar.contract.clients import redis_from_url
+from cachefleet_sidecar.contract.lua import GUEST_MAX_POOL_FRACTION
+from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.names import (
+    GUESTS,
+    entry_key,
+    guest,
+    guest_usage_key,
+    usage_key,
+)
+from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
+from tests.integration.conftest import RunningSidecar, SidecarFactory
+
+pytestmark = [pytest.mark.redis]
+
+CACHE = "test/cache"
+ACK_TIMEOUT_S = 5.0
+#: Bound on waiting for background L2 writes, seconds.
+SETTLE_S = 5.0
+POOL_BYTES = 1 << 20
+#: One listed tenant, and defaults for every other name with an L2 pool.
+QUOTAS = QuotaAssignment(
+    generation=1,
+    tenants={"listed": TenantQuota(l1_bytes=1 << 20, l2_bytes=1 << 20)},
+    default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=POOL_BYTES),
+)
+VECTOR = (("cache", 0), ("tenant:x", 0), ("model:m1", 0), (PURGE_SCOPE, 0))
+
+
+async def ask(
+    sc: RunningSidecar, prompt: str, tenant: str, namespace: str | None = None
+) -> tuple[int, str]:
+    headers = {} if namespace is None else {"X-Cache-Namespace": namespace}
+    resp = await sc.chat(prompt, tenant=tenant, headers=headers)
+    assert resp.status_code == 200, resp.text
+    return int(resp.json()["version"]), resp.headers["x-cache"]
+
+
+async def fleet(
+    factory: SidecarFactory, url: str, upstream: str, n: int = 2
+) -> list[RunningSidecar]:
+    pods = [await factory(redis_url=url, upstream=upstream, pod=f"pod-{i}") for i in range(n)]
+    for sc in pods:
+        sc.sidecar.quotas.apply(QUOTAS)
+        deadline = time.monotonic() + ACK_TIMEOUT_S
+        while not (sc.server.control.acks_written > 0 and sc.sidecar.tracker.fresh()):
+            assert time.monotonic() < deadline, "the sidecar never acknowledged its epochs"
+            await asyncio.sleep(0.02)
+    return pods
+
+
+async def l2_digest(url: str, name: str, prompt: str, besides: frozenset[str] = frozenset()) -> str:
+    """The digest of ``prompt``'s entry under L2 name ``name`` (not one of ``besides``);
+    waits for the write."""
+    client = redis_from_url(url)
+    try:
+        deadline = time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            async for raw in client.scan_iter(match=entry_key(CACHE, name, "*")):
+                key = raw.decode()
+                value = await client.get(key)
+                digest = key.rpartition(":e:")[2]
+                ours = value is not None and f'"{prompt}@v'.encode() in value
+                if ours and digest not in besides:
+                    return digest
+            await asyncio.sleep(0.02)
+    finally:
+        await client.aclose()
+    raise AssertionError(f"no L2 entry for {prompt!r} under {name!r}")
+
+
+async def test_a_guests_answer_is_served_from_l2_by_another_sidecar(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    a, b = await fleet(sidecar_factory, redis_url, truth.url)
+    assert await ask(a, "q", "cust-1") == (1, "MISS")
+    await l2_digest(redis_url, guest("cust-1"), "q")
+    assert await ask(b, "q", "cust-1") == (1, "HIT-L2")
+    # another guest asking the same question is not served cust-1's entry
+    assert await ask(b, "q", "cust-2") == (1, "MISS")
+    await l2_digest(redis_url, guest("cust-2"), "q")
+    assert await ask(a, "q", "cust-2") == (1, "HIT-L2")
+    await a.sidecar.admin.refresh_l2_usage()  # periodic; now, for the test
+    status = (await a.admin.get("/status")).json()
+    assert status["l2_guests"]["limit_bytes"] == POOL_BYTES
+    assert 0 < status["l2_guests"]["bytes"] <= POOL_BYTES
+    # the guests' entries are in the pool's slot, none in a slot of their own
+    client = redis_from_url(redis_url)
+    try:
+        keys = [k.decode() async for k in client.scan_iter(match="cf:*", count=1000)]
+    finally:
+        await client.aclose()
+    assert not [k for k in keys if "|cust-" in k]
+    assert [k for k in keys if k.startswith(entry_key(CACHE, guest("cust-1"), ""))]
+
+
+async def test_guests_never_read_each_others_entries(any_redis: str) -> None:
+    digest = "ab" * 32
+    async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
+        assert await l2.set_limit(GUESTS, POOL_BYTES)
+        assert await l2.put(guest("cust-1"), digest, b"cust-1's answer", VECTOR)
+        assert await l2.get(guest("cust-2"), digest, VECTOR) is None
+        assert await l2.get("cust-1", digest, VECTOR) is None  # nor a listed namesake
+        assert await l2.get(guest("cust-1"), digest, VECTOR) == b"cust-1's answer"
+        recent = await l2.recent(guest("cust-2"), 10, 1.0)
+        assert recent is not None
+        assert recent[0] == []
+
+
+async def test_the_pool_stays_within_its_budget_and_a_busy_guest_within_its_cap(
+    any_redis: str,
+) -> None:
+    budget = 64 * 1024
+    value = b"x" * 1000
+    cap = int(budget * GUEST_MAX_POOL_FRACTION)
+    async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
+        assert await l2.set_limit(GUESTS, budget)
+        for g in range(8):  # eight quiet guests, five entries each
+            for i in range(5):
+                assert await l2.put(guest(f"quiet-{g}"), f"{g:02x}{i:062x}", value, VECTOR)
+        for i in range(500):  # one busy guest writes ten times the pool
+            assert await l2.put(guest("busy"), f"ff{i:062x}", value, VECTOR)
+        used, limit = await l2.usage(GUESTS)
+        assert limit == budget
+        assert used <= budget
+        client = redis_from_url(any_redis)
+        try:
+            busy = int(await client.hget(guest_usage_key(CACHE, "busy"), "bytes") or 0)
+            stored: dict[str, int] = {}
+            async for raw in client.scan_iter(match=entry_key(CACHE, guest("*"), "*")):
+                key = raw.decode()
+                owner = key.split(":g:", 1)[1].split(":e:", 1)[0]
+                stored[owner] = stored.get(owner, 0) + int(await client.strlen(key))
+            pool = await client.hget(usage_key(CACHE, GUESTS), "bytes")
+        finally:
+            await client.aclose()
+    # what Redis holds is what the accounting says, and within the budget
+    assert sum(stored.values()) == int(pool) == used
+    assert busy == stored["busy"] <= cap
+    # the busy guest evicted its own entries, not the quiet guests'
+    quiet = {g: n for g, n in stored.items() if g.startswith("quiet-")}
+    assert len(quiet) == 8
+    assert all(n > 0 for n in quiet.values())
+
+
+async def test_a_purge_and_a_tenant_invalidation_reach_a_guest(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    a, b = await fleet(sidecar_factory, redis_url, truth.url)
+    for prompt in ("q1", "q2"):
+        assert await ask(a, prompt, "cust-1") == (1, "MISS")
+        await l2_digest(redis_url, guest("cust-1"), prompt)
+    assert await ask(a, "q1", "cust-2") == (1, "MISS")
+    await l2_digest(redis_url, guest("cust-2"), "q1")
+    digest = await l2_digest(redis_url, guest("cust-1"), "q1")
+    truth.bump()
+    inv = Invalidator.from_url(redis_url, CACHE, poll_s=0.05)
+    try:
+        epoch, at = await inv.purge(digest)
+        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=ACK_TIMEOUT_S, started_at=at)
+        assert result.completed, result
+        # the purged entry is gone from L1 and L2; the guest's other entry stays
+        assert await ask(b, "q1", "cust-1") == (2, "MISS")
+        assert await ask(b, "q2", "cust-1") == (1, "HIT-L2")
+        # a Namespace invalidation of one guest's namespace: the other namespace stays
+        seen: frozenset[str] = frozenset()
+        for kb in ("kb1", "kb2"):
+            assert await ask(a, "q3", "cust-1", kb) == (2, "MISS")
+            seen |= {await l2_digest(redis_url, guest("cust-1"), "q3", seen)}
+        truth.bump()
+        scope = namespace_scope("cust-1", "kb1")
+        epoch, at = await inv.advance(scope)
+        result = await inv.await_acks(scope, epoch, timeout_s=ACK_TIMEOUT_S, started_at=at)
+        assert result.completed, result
+        assert await ask(b, "q3", "cust-1", "kb1") == (3, "MISS")
+        assert await ask(b, "q3", "cust-1", "kb2") == (2, "HIT-L2")
+        # a Tenant invalidation of one guest: its entries go, another guest's stay
+        truth.bump()
+        scope = tenant_scope("cust-1")
+        epoch, at = await inv.advance(scope)
+        result = await inv.await_acks(scope, epoch, timeout_s=ACK_TIMEOUT_S, started_at=at)
+        assert result.completed, result
+    finally:
+        await inv.aclose()
+    assert await ask(a, "q2", "cust-1") == (4, "MISS")
+    assert await ask(b, "q1", "cust-2") == (1, "HIT-L2")
