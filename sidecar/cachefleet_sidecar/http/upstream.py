@@ -70,6 +70,9 @@ DEFAULT_MAX_IDLE = 128
 DEFAULT_MAX_IDLE_AGE_S = 4.0
 #: Answer bytes buffered from the model server before it is no longer read.
 MAX_BUFFERED_BYTES = 1024 * 1024
+#: A body smaller than this is copied behind its head and sent in one write; a larger
+#: one is written apart (a copy of it would cost more than the second write).
+JOIN_BODY_BELOW = 64 * 1024
 #: Connections open or opening to one upstream at once (``--upstream-max-connections``).
 DEFAULT_MAX_CONNECTIONS = 256
 #: Requests that may wait for a connection (``--upstream-max-queued``); more get 503 at once.
@@ -531,8 +534,10 @@ class UpstreamPool:
         conn.deadline = deadline
         self._busy.add(conn)
         self._arm_sweeper()
-        conn.transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
+        if len(body) < JOIN_BODY_BELOW:
+            conn.transport.write(head + body)
+        else:
+            conn.transport.write(head)
             conn.transport.write(body)
 
     async def request(
