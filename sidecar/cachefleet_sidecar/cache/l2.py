@@ -87,6 +87,7 @@ from cachefleet_sidecar.contract.versioned import (
     READ_STALE_ENTRY,
     entry_head,
     fence_command,
+    judge_entry,
     judge_versioned_read,
     l1_id_line,
     vector_args,
@@ -243,6 +244,20 @@ def _pack_get(key: str) -> bytes:
 
 
 @dataclass(slots=True)
+class _ReadMemo:
+    """What one tenant's versioned reads under ``vector`` share."""
+
+    vector: EpochVector
+    #: The fence's HMGET, packed.
+    fence: bytes
+    #: The head of the entries written under ``vector``.
+    head: bytes
+    #: The last fence reply found not ahead of ``vector`` (a pure verdict: the same
+    #: reply is not judged again).
+    fence_seen: Any = None
+
+
+@dataclass(slots=True)
 class L2Read:
     """A versioned read in flight (:meth:`RedisL2.begin_read`): its replies' futures."""
 
@@ -291,9 +306,8 @@ class RedisL2:
         self._registered: set[str] = set()
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
-        #: per tenant: the vector it was last read under, its fence HMGET packed and
-        #: the head of its entries
-        self._reads: dict[str, tuple[EpochVector, bytes, bytes]] = {}
+        #: per tenant: what its reads under the vector it was last read under share
+        self._reads: dict[str, _ReadMemo] = {}
         #: per tenant: entry keys hit since the last touch was sent, least recent first
         self._touches: dict[str, dict[str, None]] = {}
         self._touch_timer: asyncio.TimerHandle | None = None
@@ -453,12 +467,12 @@ class RedisL2:
         """(the fence's HMGET packed, the entry head) of ``tenant`` under ``vector``."""
         memo = self._reads.get(tenant)
         # the tracker hands out one vector object per (tenant, model) until an epoch moves
-        if memo is None or (memo[0] is not vector and memo[0] != vector):
+        if memo is None or (memo.vector is not vector and memo.vector != vector):
             if len(self._reads) >= MEMO_LIMIT:
                 self._reads.clear()
             fence = fence_command(self.cache, tenant, vector)
-            memo = self._reads[tenant] = (vector, fence, entry_head(vector))
-        return memo[1], memo[2]
+            memo = self._reads[tenant] = _ReadMemo(vector, fence, entry_head(vector))
+        return memo.fence, memo.head
 
     def begin_read(self, tenant: str, digest_hex: str, vector: EpochVector) -> L2Read | None:
         """Send a versioned read now, on an open connection; None when it cannot go that way.
@@ -469,38 +483,33 @@ class RedisL2:
         (nothing sent, nothing counted) when the node's breaker is not closed,
         on a cluster, or while no connection is open: then use :meth:`get`.
         """
-        key = entry_key(self.cache, tenant, digest_hex)
-        breaker = self.breaker_for(self._client.address_for(key))
+        client = self._client
+        if client.cluster:  # send_now has no cluster path: nothing sent, nothing counted
+            return None
+        breaker = self._breakers[client.address_for(None)]  # the only node's
         if breaker.state != "closed":
             return None
         fence, head = self._read_memo(tenant, vector)
-        futures = self._client.send_now(
-            _pack_get(key) + fence, 2 if fence else 1, self.op_timeout_s
-        )
+        key = entry_key(self.cache, tenant, digest_hex)
+        futures = client.send_now(_pack_get(key) + fence, 2 if fence else 1, self.op_timeout_s)
         if futures is None:
             return None
         return L2Read(tenant, digest_hex, key, vector, fence, head, breaker, futures)
 
     def finish_read(self, read: L2Read) -> bytes | None:
         """What :meth:`get` returns, for a :meth:`begin_read` whose futures are all done."""
+        futures = read.futures
         try:
-            replies = [future.result() for future in read.futures]
-            for reply in replies:
-                if isinstance(reply, resp.ReplyError):
-                    raise reply
+            # an error reply is its future's exception (resp._Wire): result() raises it
+            value = futures[0].result()
+            fence = futures[1].result() if read.fence else ()
         except Exception as exc:  # a cache fault must never fail a request
-            resp.abandon(read.futures)
+            resp.abandon(futures)
             self._fault(read.breaker, exc)
             return None
         self._succeeded(read.breaker)
         return self._judge(
-            read.tenant,
-            read.digest_hex,
-            read.key,
-            read.vector,
-            read.head,
-            replies,
-            bool(read.fence),
+            read.tenant, read.digest_hex, read.key, read.vector, read.head, [value, fence], True
         )
 
     def _judge(
@@ -514,7 +523,14 @@ class RedisL2:
         fenced: bool,
     ) -> bytes | None:
         try:
-            verdict = judge_versioned_read(replies[0], replies[1] if fenced else (), vector, head)
+            fence = replies[1] if fenced else ()
+            memo = self._reads.get(tenant)
+            if memo is not None and memo.vector is vector and fence == memo.fence_seen:
+                verdict = judge_entry(replies[0], head)  # this fence was judged under vector
+            else:
+                verdict = judge_versioned_read(replies[0], fence, vector, head)
+                if memo is not None and memo.vector is vector and verdict != READ_BEHIND:
+                    memo.fence_seen = fence
         except (TypeError, ValueError, AttributeError):
             self.counters.errors += 1
             return None
