@@ -252,6 +252,8 @@ class _ReadMemo:
     fence: bytes
     #: The head of the entries written under ``vector``.
     head: bytes
+    #: The tenant's entry keys up to the digest (:func:`entry_key` of an empty digest).
+    key_prefix: str
     #: The last fence reply found not ahead of ``vector`` (a pure verdict: the same
     #: reply is not judged again).
     fence_seen: Any = None
@@ -264,9 +266,8 @@ class L2Read:
     tenant: str
     digest_hex: str
     key: str
-    vector: EpochVector
-    fence: bytes
-    head: bytes
+    #: What the tenant's reads under the read's vector share (its vector, fence, head).
+    memo: _ReadMemo
     breaker: CircuitBreaker
     #: One per command sent (GET, then the fence's HMGET if any); the last is done last.
     futures: list[Any]
@@ -444,7 +445,8 @@ class RedisL2:
                 pass
             return self.finish_read(read)
         # the general path: a breaker's probe or short circuit, a cluster, no connection yet
-        fence, head = self._read_memo(tenant, vector)
+        memo = self._read_memo(tenant, vector)
+        fence = memo.fence
         get = _pack_get(key)
         breaker = self.breaker_for(self._client.address_for(key))
         if not breaker.allow():
@@ -461,18 +463,23 @@ class RedisL2:
             self._fault(breaker, exc)
             return None
         self._succeeded(breaker)
-        return self._judge(tenant, digest_hex, key, vector, head, replies, bool(fence))
+        return self._judge(tenant, digest_hex, key, vector, memo, replies, bool(fence))
 
-    def _read_memo(self, tenant: str, vector: EpochVector) -> tuple[bytes, bytes]:
-        """(the fence's HMGET packed, the entry head) of ``tenant`` under ``vector``."""
+    def _read_memo(self, tenant: str, vector: EpochVector) -> _ReadMemo:
+        """What ``tenant``'s reads under ``vector`` share: the fence's HMGET packed, the
+        entry head, the key prefix."""
         memo = self._reads.get(tenant)
         # the tracker hands out one vector object per (tenant, model) until an epoch moves
         if memo is None or (memo.vector is not vector and memo.vector != vector):
             if len(self._reads) >= MEMO_LIMIT:
                 self._reads.clear()
-            fence = fence_command(self.cache, tenant, vector)
-            memo = self._reads[tenant] = _ReadMemo(vector, fence, entry_head(vector))
-        return memo.fence, memo.head
+            memo = self._reads[tenant] = _ReadMemo(
+                vector,
+                fence_command(self.cache, tenant, vector),
+                entry_head(vector),
+                entry_key(self.cache, tenant, ""),
+            )
+        return memo
 
     def begin_read(self, tenant: str, digest_hex: str, vector: EpochVector) -> L2Read | None:
         """Send a versioned read now, on an open connection; None when it cannot go that way.
@@ -489,12 +496,13 @@ class RedisL2:
         breaker = self._breakers[client.address_for(None)]  # the only node's
         if breaker.state != "closed":
             return None
-        fence, head = self._read_memo(tenant, vector)
-        key = entry_key(self.cache, tenant, digest_hex)
+        memo = self._read_memo(tenant, vector)
+        key = memo.key_prefix + digest_hex  # entry_key(self.cache, tenant, digest_hex)
+        fence = memo.fence
         futures = client.send_now(_pack_get(key) + fence, 2 if fence else 1, self.op_timeout_s)
         if futures is None:
             return None
-        return L2Read(tenant, digest_hex, key, vector, fence, head, breaker, futures)
+        return L2Read(tenant, digest_hex, key, memo, breaker, futures)
 
     def finish_read(self, read: L2Read) -> bytes | None:
         """What :meth:`get` returns, for a :meth:`begin_read` whose futures are all done."""
@@ -502,14 +510,15 @@ class RedisL2:
         try:
             # an error reply is its future's exception (resp._Wire): result() raises it
             value = futures[0].result()
-            fence = futures[1].result() if read.fence else ()
+            fence = futures[1].result() if len(futures) > 1 else ()
         except Exception as exc:  # a cache fault must never fail a request
             resp.abandon(futures)
             self._fault(read.breaker, exc)
             return None
         self._succeeded(read.breaker)
+        memo = read.memo
         return self._judge(
-            read.tenant, read.digest_hex, read.key, read.vector, read.head, [value, fence], True
+            read.tenant, read.digest_hex, read.key, memo.vector, memo, [value, fence], True
         )
 
     def _judge(
@@ -518,18 +527,21 @@ class RedisL2:
         digest_hex: str,
         key: str,
         vector: EpochVector,
-        head: bytes,
+        memo: _ReadMemo,
         replies: list[Any],
         fenced: bool,
     ) -> bytes | None:
+        """The verdict on a versioned read's replies (``memo``: the tenant's under
+        ``vector``), counted; the entry of a hit."""
+        head = memo.head
         try:
             fence = replies[1] if fenced else ()
-            memo = self._reads.get(tenant)
-            if memo is not None and memo.vector is vector and fence == memo.fence_seen:
-                verdict = judge_entry(replies[0], head)  # this fence was judged under vector
+            # memo.vector == vector (_read_memo): a fence reply judged once stays judged
+            if fence == memo.fence_seen:
+                verdict = judge_entry(replies[0], head)
             else:
                 verdict = judge_versioned_read(replies[0], fence, vector, head)
-                if memo is not None and memo.vector is vector and verdict != READ_BEHIND:
+                if verdict != READ_BEHIND:
                     memo.fence_seen = fence
         except (TypeError, ValueError, AttributeError):
             self.counters.errors += 1

@@ -363,7 +363,7 @@ class L2HitBook:
             return
         self.pending = []
         tiers, metrics = self._tiers, self._metrics
-        promote, saved = tiers.l2_promoted, tiers.saved
+        promote, prices = tiers.l2_promoted, tiers.prices
         engine = self._switching
         runs: list[tuple[str, list[tuple[float, int]]]] = []
         tenant_of_run = None
@@ -384,7 +384,10 @@ class L2HitBook:
             requests[L2_HIT] = requests.get(L2_HIT, 0) + 1
             hist.counts[bisect_left(BUCKETS, seconds)] += 1
             hist.sum += seconds
-            saved(tenant, key.model, entry.prompt_tokens, entry.completion_tokens, entry.upstream_s)
+            # Tiers.saved, the tenant's metrics looked up once per run
+            prompt, completion = entry.prompt_tokens, entry.completion_tokens
+            price = savings.cost(prices, key.model, prompt, completion) if prices else None
+            tm.saving(key.model).add(prompt, completion, entry.upstream_s, price)
             if engine is not None:
                 observed.append((seconds, key.digest))
         if engine is not None:
