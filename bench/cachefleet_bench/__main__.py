@@ -30,7 +30,7 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "hit": (
         "cachefleet_bench.hit_micro",
-        "L1 hit in one process: CPU per hit (parse, fast path, write, bookkeeping) vs a floor",
+        "L1 / L2 hit in one process: CPU per hit (parse, fast path, write, bookkeeping) vs floors",
         ("--requests", "2000", "--repeats", "1"),
     ),
     "l2": (

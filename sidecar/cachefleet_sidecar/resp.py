@@ -325,15 +325,17 @@ class _Wire(asyncio.Protocol):
         if self.closed:
             raise ConnectionLost(f"connection to {self._node.name} lost")
         create = self._loop.create_future
-        futures = [create() for _ in range(n)]
+        # a versioned L2 read is two commands: no comprehension for them
+        futures = [create(), create()] if n == 2 else [create() for _ in range(n)]
         if deadline < self._timer_at:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer_at = deadline
             self._timer = self._loop.call_at(deadline, self._expire)
-        idle = not self.pending
-        self.pending.extend(futures)
-        self._due.extend([deadline] * n)
+        pending = self.pending
+        idle = not pending
+        pending.extend(futures)
+        self._due.extend((deadline,) * n)
         if idle:
             self.progress_at = self._loop.time()
             if not self._flush_scheduled and self.transport is not None:

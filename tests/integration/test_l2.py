@@ -13,7 +13,7 @@ from cachefleet_e2e.services import RedisCluster, RedisServer, free_port, redis_
 from cachefleet_sidecar.cache.l2 import CORRUPT, CircuitBreaker, RedisL2
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.lua import L2_FORGET_STALE_LUA
-from cachefleet_sidecar.contract.names import entry_key, l2_keys, lru_key
+from cachefleet_sidecar.contract.names import entry_key, l2_keys, lru_key, tenant_epochs_key
 from cachefleet_sidecar.contract.versioned import entry_head
 
 CACHE = "team-a/chat"
@@ -268,6 +268,27 @@ async def test_an_entry_of_other_epochs_is_dropped_unless_rewritten_meanwhile(
     finally:
         await client.aclose()
     assert await l2.get("acme", digest("q"), new) == b"new answer"
+
+
+async def test_a_reader_is_refused_once_the_fence_it_was_served_under_moves_ahead(
+    make_l2: MakeL2, backend_url: str
+) -> None:
+    vector = (("cache", 0), ("tenant:acme", 0))
+    l2 = make_l2()
+    behind: list[bool] = []
+    l2.on_behind = lambda: behind.append(True)
+    assert await l2.put("acme", digest("q"), b"answer", vector)
+    for _ in range(2):  # the second read finds the fence reply it judged already
+        assert await l2.get("acme", digest("q"), vector) == b"answer"
+    client = redis_from_url(backend_url)
+    try:  # what an invalidation of the tenant does to its fence
+        await client.hset(tenant_epochs_key(CACHE, "acme"), "tenant:acme", "1")
+    finally:
+        await client.aclose()
+    refused = l2.counters.stale_refused
+    assert await l2.get("acme", digest("q"), vector) is None
+    assert l2.counters.stale_refused == refused + 1
+    assert behind == [True]
 
 
 @pytest.mark.redis_cluster

@@ -304,3 +304,30 @@ async def test_an_l2_miss_goes_upstream_from_the_reply_callback(
     ((tier, again),) = await _exchange(pod.url, _raw_chat("fresh"))
     assert (tier, again) == ("HIT-L1", first)
     assert upstream.calls[CHAT] == 2
+
+
+async def test_l2_hits_an_l1_cannot_hold_are_counted_and_not_promoted(
+    sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
+) -> None:
+    """With no room in L1 every repeat is an L2 hit, answered from the reply's
+    callback, with its request, latency and savings counted (at the turn's end)
+    and nothing put in L1."""
+    pod = await sidecar_factory(redis_url=redis_url, l1_bytes=0, staleness_bound_s=60.0)
+    l2 = pod.sidecar.l2
+    l2.op_timeout_s = 5.0  # a loaded machine must not turn a hit into a miss
+    ((tier, first),) = await _exchange(pod.url, _raw_chat("no room in L1"))
+    assert tier == "MISS"
+    await wait_until(lambda: l2.counters.stores >= 1, timeout_s=20.0)
+    await wait_until(pod.sidecar.tracker.fresh, timeout_s=20.0)
+    answers = await _exchange(pod.url, *[_raw_chat("no room in L1")] * 3)
+    assert answers == [("HIT-L2", first)] * 3
+    assert pod.sidecar.l1.used_bytes == 0
+    assert upstream.calls[CHAT] == 1
+    text = (await pod.admin.get("/metrics")).text
+    hits = {"tenant": "acme", "tier": "l2", "result": "hit"}
+    assert metric(text, "cachefleet_requests_total", **hits) == 3
+    latency = {"tenant": "acme", "tier": "l2"}
+    assert metric(text, "cachefleet_request_duration_seconds_count", **latency) == 3
+    saved = {"tenant": "acme", "model": "m1"}
+    assert metric(text, "cachefleet_saved_tokens_total", **saved, kind="prompt") == 3 * 5
+    assert metric(text, "cachefleet_saved_tokens_total", **saved, kind="completion") == 3 * 3

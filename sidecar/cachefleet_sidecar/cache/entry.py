@@ -26,7 +26,9 @@ An envelope of the previous format (``CF1``: no fill time, so no age) is an
 ``name: value`` lines, no framing or hop-by-hop header, so a stored entry
 can never change the framing of the response it is served in) and the answer
 itself; anything else is a :class:`CorruptEntry`, which the caller counts and
-treats as a miss.
+treats as a miss. What it found correct is remembered (a header block by its
+bytes, a body by its xxh3-128), so a hot entry is checked once, not at every
+L2 hit.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import struct
 from typing import Final
 
 import orjson
+import xxhash
 
 from cachefleet_sidecar.http.wire import FORWARD_DROP, reason_phrase
 
@@ -115,11 +118,17 @@ def check_header_block(block: bytes) -> list[tuple[bytes, bytes]]:
     return pairs
 
 
-#: Header blocks found well-formed, and their pairs: the check is a pure function of the
-#: bytes, and the blocks of one upstream repeat (only a well-formed block is kept).
-_checked_blocks: dict[bytes, list[tuple[bytes, bytes]]] = {}
+#: Header blocks found well-formed, and what :func:`answer_problem` finds in them for a
+#: JSON and for a streamed answer (None: nothing): both checks are pure functions of
+#: the bytes, and the blocks of one upstream repeat (only a well-formed block is kept).
+_checked_blocks: dict[bytes, tuple[str | None, str | None]] = {}
 _CHECKED_BLOCKS_LIMIT = 1024
 _CHECKED_BLOCK_MAX_BYTES = 1024
+#: Bodies :meth:`Entry.loads` found correct, by the xxh3-128 of the body and the stream
+#: flag: a hot entry's body is checked once, not at every L2 hit (as the request path's
+#: key memo trusts the same hash of a raw body). Cleared when full.
+_checked_bodies: set[int] = set()
+_CHECKED_BODIES_LIMIT = 16384
 
 
 def _error_object(doc: object) -> bool:
@@ -165,6 +174,11 @@ def answer_problem(
     """
     if status != 200:
         return f"status {status}"
+    return _headers_problem(headers, stream=stream) or _body_problem(body, stream=stream)
+
+
+def _headers_problem(headers: list[tuple[bytes, bytes]], *, stream: bool) -> str | None:
+    """What :func:`answer_problem` finds wrong in a 200 answer's headers, or None."""
     ctype = b""
     for name, value in headers:
         if name == b"content-type":
@@ -178,9 +192,15 @@ def answer_problem(
     if stream:
         if not ctype.startswith(b"text/event-stream"):
             return "streamed request answered without text/event-stream"
-        return _sse_problem(body)
-    if not ctype.startswith(b"application/json"):
+    elif not ctype.startswith(b"application/json"):
         return "answer is not application/json"
+    return None
+
+
+def _body_problem(body: bytes, *, stream: bool) -> str | None:
+    """What :func:`answer_problem` finds wrong in the body of an answer whose headers pass."""
+    if stream:
+        return _sse_problem(body)
     try:
         doc = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -352,14 +372,18 @@ class Entry:
         return value, len(hit) + L1_OVERHEAD_BYTES
 
     def l2_hit(
-        self, key_hex: str, now: float, mono: float, ttl_s: float
-    ) -> tuple[bytes, tuple[L1Value, int]]:
-        """An L2 hit's response and :meth:`l1_value` (its promotion), formatted once."""
+        self, key_hex: str, now: float, mono: float, ttl_s: float, room: float = math.inf
+    ) -> tuple[bytes, tuple[L1Value, int] | None]:
+        """An L2 hit's response and :meth:`l1_value` (its promotion), formatted once;
+        no promotion (None) when it would cost L1 more than ``room`` bytes."""
         elapsed = self.elapsed(now)
         prefix = self._prefix(key_hex)
         tail = b"%d\r\nx-cache: " % int(elapsed)
-        hit_l1 = b"".join((prefix, tail, b"HIT-L1\r\n\r\n", self.body))
-        hit_l2 = b"".join((prefix, tail, b"HIT-L2\r\n\r\n", self.body))
+        body = self.body
+        hit_l2 = b"".join((prefix, tail, b"HIT-L2\r\n\r\n", body))
+        if len(hit_l2) + L1_OVERHEAD_BYTES > room:  # HIT-L1 is as long as HIT-L2
+            return hit_l2, None
+        hit_l1 = b"".join((prefix, tail, b"HIT-L1\r\n\r\n", body))
         return hit_l2, self._value(hit_l1, len(prefix), elapsed, mono, ttl_s)
 
     def dumps(self) -> bytes:
@@ -405,14 +429,27 @@ class Entry:
         headers = data[start : start + hlen]
         body = data[start + hlen :]
         stream = bool(flags & _FLAG_STREAM)
-        pairs = _checked_blocks.get(headers)
-        if pairs is None:
+        # answer_problem(status, check_header_block(headers), body), the headers' part memoised
+        checked = _checked_blocks.get(headers)
+        if checked is None:
             pairs = check_header_block(headers)
+            checked = (
+                _headers_problem(pairs, stream=False),
+                _headers_problem(pairs, stream=True),
+            )
             if len(headers) <= _CHECKED_BLOCK_MAX_BYTES:
                 if len(_checked_blocks) >= _CHECKED_BLOCKS_LIMIT:
                     _checked_blocks.clear()
-                _checked_blocks[headers] = pairs
-        problem = answer_problem(status, pairs, body, stream=stream)
+                _checked_blocks[headers] = checked
+        problem = checked[stream]
+        if problem is None:
+            mark = xxhash.xxh3_128_intdigest(body) << 1 | stream
+            if mark not in _checked_bodies:
+                problem = _body_problem(body, stream=stream)
+                if problem is None:
+                    if len(_checked_bodies) >= _CHECKED_BODIES_LIMIT:
+                        _checked_bodies.clear()
+                    _checked_bodies.add(mark)
         if problem is not None:
             raise CorruptEntry(f"stored answer refused: {problem}")
         return cls(

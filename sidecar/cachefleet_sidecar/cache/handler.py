@@ -66,6 +66,7 @@ from cachefleet_sidecar.cache.entry import (
 )
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
+from cachefleet_sidecar.cache.tiers import L2HitBook
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.names import valid_name
 from cachefleet_sidecar.epochs import EpochTracker, EpochVector
@@ -419,6 +420,15 @@ class Handler:
         self._l2_allowed = tiers.l2_allowed
         self._saved = tiers.saved
         self._hit = hits.add
+        #: The L2 hits' bookkeeping, applied once per loop turn for the turn's hits.
+        self.l2_hits = L2HitBook(
+            tiers,
+            metrics,
+            outbox,
+            switching=None if switcher is None else switcher.engine,
+            on_observed=None if switcher is None else switcher.switch_due,
+        )
+        self._l2_hit = self.l2_hits.add
         self.ttl_of = freshness.ttl_of
         #: Feeds the switching engine (None when switching is off).
         self._observe = None if switcher is None else switcher.observe
@@ -537,8 +547,9 @@ class Handler:
     def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
         """What :meth:`fast` started is done: the answer, a future to wait on, or None.
 
-        After the L2 read: a hit's answer (its promotion to L1 follows once it
-        is written, :meth:`_l2_hit_done`), or on a miss the upstream call sent
+        After the L2 read: a hit's answer (its promotion to L1 and its
+        bookkeeping follow once the turn's answers are written,
+        :class:`~cachefleet_sidecar.cache.tiers.L2HitBook`), or on a miss the upstream call sent
         at once (:meth:`_upstream_begin`). After the upstream call: the answer
         when it came whole (:meth:`_upstream_answer`). None hands the request
         to :meth:`handle`, which never asks L2 twice nor sends upstream twice.
@@ -555,28 +566,11 @@ class Handler:
         entry = None if data is None else self._l2_entry(lookup, key, data)
         if entry is None:
             return self._upstream_begin(request, lookup, key)
-        response, promoted = self._l2_rendered(lookup.tenant, key, entry)
-        seconds = time.perf_counter() - request.started
-        self._after_write(self._l2_hit_done, lookup.tenant, key, entry, promoted, seconds)
+        tenant = lookup.tenant
+        response, promoted = self._l2_rendered(tenant, key, entry)
+        # its promotion to L1, metrics, savings and switching follow at the turn's end
+        self._l2_hit(tenant, key, entry, promoted, time.perf_counter() - request.started)
         return response
-
-    def _l2_hit_done(
-        self,
-        tenant: str,
-        key: keys.CacheKey,
-        entry: Entry,
-        promoted: tuple[L1Value, int],
-        seconds: float,
-    ) -> None:
-        """What follows an L2 hit answered from the fast path, once it is written:
-        the promotion to L1, the metrics and the switching observation."""
-        self._l1_put(tenant, key, entry, rendered=promoted)
-        self.metrics.tenant(tenant).request("l2", "hit", seconds)
-        self._saved(
-            tenant, key.model, entry.prompt_tokens, entry.completion_tokens, entry.upstream_s
-        )
-        if self._observe is not None:
-            self._observe(tenant, seconds, key.digest)
 
     def _upstream_begin(
         self, request: Request, lookup: Lookup, key: keys.CacheKey
@@ -728,7 +722,7 @@ class Handler:
             entry = None if lookup.l2_read is not None else await self.tiers.l2_get(lookup, key)
             if entry is not None:
                 response, promoted = self._l2_rendered(tenant, key, entry)
-                self._l1_put(tenant, key, entry, rendered=promoted)
+                self.tiers.l2_promoted(tenant, key, entry, promoted)
                 conn.write(response)
                 tm.request("l2", "hit", time.perf_counter() - request.started)
                 self._saved(

@@ -53,6 +53,7 @@ event loop.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -199,6 +200,12 @@ class TenantL1(Generic[K, V]):
         else:
             self._seen[tenant] = self.tick
         return len(part.put(key, value, size, cost))
+
+    def room(self, tenant: str) -> float:
+        """The largest entry ``tenant``'s partition could store, in bytes (its capacity;
+        infinite for a tenant without a partition yet: :meth:`put` decides)."""
+        part = self._parts.get(tenant)
+        return math.inf if part is None else part.capacity_bytes
 
     def contains(self, tenant: str, key: K) -> bool:
         """True if ``key`` is resident for ``tenant`` (no recency touch, no activation)."""

@@ -88,6 +88,7 @@ from cachefleet_sidecar.contract.versioned import (
     READ_STALE_ENTRY,
     entry_head,
     fence_command,
+    judge_entry,
     judge_versioned_read,
     l1_id_line,
     vector_args,
@@ -244,15 +245,30 @@ def _pack_get(key: str) -> bytes:
 
 
 @dataclass(slots=True)
+class _ReadMemo:
+    """What one tenant's versioned reads under ``vector`` share."""
+
+    vector: EpochVector
+    #: The fence's HMGET, packed.
+    fence: bytes
+    #: The head of the entries written under ``vector``.
+    head: bytes
+    #: The tenant's entry keys up to the digest (:func:`entry_key` of an empty digest).
+    key_prefix: str
+    #: The last fence reply found not ahead of ``vector`` (a pure verdict: the same
+    #: reply is not judged again).
+    fence_seen: Any = None
+
+
+@dataclass(slots=True)
 class L2Read:
     """A versioned read in flight (:meth:`RedisL2.begin_read`): its replies' futures."""
 
     tenant: str
     digest_hex: str
     key: str
-    vector: EpochVector
-    fence: bytes
-    head: bytes
+    #: What the tenant's reads under the read's vector share (its vector, fence, head).
+    memo: _ReadMemo
     breaker: CircuitBreaker
     #: One per command sent (GET, then the fence's HMGET if any); the last is done last.
     futures: list[Any]
@@ -292,9 +308,8 @@ class RedisL2:
         self._registered: set[str] = set()
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
-        #: per tenant: the vector it was last read under, its fence HMGET packed and
-        #: the head of its entries
-        self._reads: dict[str, tuple[EpochVector, bytes, bytes]] = {}
+        #: per tenant: what its reads under the vector it was last read under share
+        self._reads: dict[str, _ReadMemo] = {}
         #: per tenant: entry keys hit since the last touch was sent, least recent first
         self._touches: dict[str, dict[str, None]] = {}
         self._touch_timer: asyncio.TimerHandle | None = None
@@ -431,7 +446,8 @@ class RedisL2:
                 pass
             return self.finish_read(read)
         # the general path: a breaker's probe or short circuit, a cluster, no connection yet
-        fence, head = self._read_memo(tenant, vector)
+        memo = self._read_memo(tenant, vector)
+        fence = memo.fence
         get = _pack_get(key)
         breaker = self.breaker_for(self._client.address_for(key))
         if not breaker.allow():
@@ -448,18 +464,23 @@ class RedisL2:
             self._fault(breaker, exc)
             return None
         self._succeeded(breaker)
-        return self._judge(tenant, digest_hex, key, vector, head, replies, bool(fence))
+        return self._judge(tenant, digest_hex, key, vector, memo, replies, bool(fence))
 
-    def _read_memo(self, tenant: str, vector: EpochVector) -> tuple[bytes, bytes]:
-        """(the fence's HMGET packed, the entry head) of ``tenant`` under ``vector``."""
+    def _read_memo(self, tenant: str, vector: EpochVector) -> _ReadMemo:
+        """What ``tenant``'s reads under ``vector`` share: the fence's HMGET packed, the
+        entry head, the key prefix."""
         memo = self._reads.get(tenant)
         # the tracker hands out one vector object per (tenant, model) until an epoch moves
-        if memo is None or (memo[0] is not vector and memo[0] != vector):
+        if memo is None or (memo.vector is not vector and memo.vector != vector):
             if len(self._reads) >= MEMO_LIMIT:
                 self._reads.clear()
-            fence = fence_command(self.cache, tenant, vector)
-            memo = self._reads[tenant] = (vector, fence, entry_head(vector))
-        return memo[1], memo[2]
+            memo = self._reads[tenant] = _ReadMemo(
+                vector,
+                fence_command(self.cache, tenant, vector),
+                entry_head(vector),
+                entry_key(self.cache, tenant, ""),
+            )
+        return memo
 
     def begin_read(self, tenant: str, digest_hex: str, vector: EpochVector) -> L2Read | None:
         """Send a versioned read now, on an open connection; None when it cannot go that way.
@@ -470,38 +491,35 @@ class RedisL2:
         (nothing sent, nothing counted) when the node's breaker is not closed,
         on a cluster, or while no connection is open: then use :meth:`get`.
         """
-        key = entry_key(self.cache, tenant, digest_hex)
-        breaker = self.breaker_for(self._client.address_for(key))
+        client = self._client
+        if client.cluster:  # send_now has no cluster path: nothing sent, nothing counted
+            return None
+        breaker = self._breakers[client.address_for(None)]  # the only node's
         if breaker.state != "closed":
             return None
-        fence, head = self._read_memo(tenant, vector)
-        futures = self._client.send_now(
-            _pack_get(key) + fence, 2 if fence else 1, self.op_timeout_s
-        )
+        memo = self._read_memo(tenant, vector)
+        key = memo.key_prefix + digest_hex  # entry_key(self.cache, tenant, digest_hex)
+        fence = memo.fence
+        futures = client.send_now(_pack_get(key) + fence, 2 if fence else 1, self.op_timeout_s)
         if futures is None:
             return None
-        return L2Read(tenant, digest_hex, key, vector, fence, head, breaker, futures)
+        return L2Read(tenant, digest_hex, key, memo, breaker, futures)
 
     def finish_read(self, read: L2Read) -> bytes | None:
         """What :meth:`get` returns, for a :meth:`begin_read` whose futures are all done."""
+        futures = read.futures
         try:
-            replies = [future.result() for future in read.futures]
-            for reply in replies:
-                if isinstance(reply, resp.ReplyError):
-                    raise reply
+            # an error reply is its future's exception (resp._Wire): result() raises it
+            value = futures[0].result()
+            fence = futures[1].result() if len(futures) > 1 else ()
         except Exception as exc:  # a cache fault must never fail a request
-            resp.abandon(read.futures)
+            resp.abandon(futures)
             self._fault(read.breaker, exc)
             return None
         self._succeeded(read.breaker)
+        memo = read.memo
         return self._judge(
-            read.tenant,
-            read.digest_hex,
-            read.key,
-            read.vector,
-            read.head,
-            replies,
-            bool(read.fence),
+            read.tenant, read.digest_hex, read.key, memo.vector, memo, [value, fence], True
         )
 
     def _judge(
@@ -510,12 +528,22 @@ class RedisL2:
         digest_hex: str,
         key: str,
         vector: EpochVector,
-        head: bytes,
+        memo: _ReadMemo,
         replies: list[Any],
         fenced: bool,
     ) -> bytes | None:
+        """The verdict on a versioned read's replies (``memo``: the tenant's under
+        ``vector``), counted; the entry of a hit."""
+        head = memo.head
         try:
-            verdict = judge_versioned_read(replies[0], replies[1] if fenced else (), vector, head)
+            fence = replies[1] if fenced else ()
+            # memo.vector == vector (_read_memo): a fence reply judged once stays judged
+            if fence == memo.fence_seen:
+                verdict = judge_entry(replies[0], head)
+            else:
+                verdict = judge_versioned_read(replies[0], fence, vector, head)
+                if verdict != READ_BEHIND:
+                    memo.fence_seen = fence
         except (TypeError, ValueError, AttributeError):
             self.counters.errors += 1
             return None

@@ -14,12 +14,13 @@ import asyncio
 import logging
 import math
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import Metric
 
-from cachefleet_sidecar.adapt.mrc import MissRatioCurves
+from cachefleet_sidecar.adapt.mrc import HASH_MASK, HASH_SHIFT, MissRatioCurves
 from cachefleet_sidecar.cache import directives, keys
 from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, L1Value, OldEntry
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
@@ -28,10 +29,12 @@ from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.messages import QuotaAssignment
 from cachefleet_sidecar.epochs import EpochVector
 from cachefleet_sidecar.observe import savings
-from cachefleet_sidecar.observe.metrics import SidecarMetrics
+from cachefleet_sidecar.observe.hits import Turns
+from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 from cachefleet_sidecar.tasks import Background
 
 if TYPE_CHECKING:
+    from cachefleet_sidecar.adapt.switching import SwitchingEngine
     from cachefleet_sidecar.cache.handler import Keying, Lookup
     from cachefleet_sidecar.cache.l2 import L2Counters, L2Read
 
@@ -220,10 +223,26 @@ class Tiers:
 
     def l2_rendered(
         self, tenant: str, key: keys.CacheKey, entry: Entry
-    ) -> tuple[bytes, tuple[L1Value, int]]:
-        """An L2 hit's response and its promotion to L1 (:meth:`Entry.l2_hit`), now."""
+    ) -> tuple[bytes, tuple[L1Value, int] | None]:
+        """An L2 hit's response and its promotion to L1 (:meth:`Entry.l2_hit`), now;
+        no promotion (None) when the tenant's L1 partition could not hold it."""
         ttl = self.ttl_of(tenant)
-        return entry.l2_hit(key.sha256_hex, time.time(), time.monotonic(), ttl)
+        room = self.l1.room(tenant)
+        return entry.l2_hit(key.sha256_hex, time.time(), time.monotonic(), ttl, room)
+
+    def l2_promoted(
+        self, tenant: str, key: keys.CacheKey, entry: Entry, promoted: tuple[L1Value, int] | None
+    ) -> None:
+        """An L2 hit's promotion to L1 (:meth:`l2_rendered`): stored, or, when L1 could not
+        hold it, only its access counted for the curves (as :meth:`l1_put` would)."""
+        if promoted is not None:
+            self.l1_put(tenant, key, entry, rendered=promoted)
+            return
+        mrc = self.mrc
+        if mrc is not None and (key.digest >> HASH_SHIFT) & HASH_MASK < mrc.threshold(tenant):
+            # what the promotion would have cost (HIT-L1 is as long as HIT-L2)
+            age = len(b"%d" % entry.age(time.time()))
+            mrc.access(tenant, key.digest, entry.l1_bytes(key.sha256_hex) - 1 + age)
 
     async def l2_get(self, lookup: Lookup, key: keys.CacheKey) -> Entry | None:
         if self.l2 is None or not self.l2_allowed(lookup.tenant):
@@ -283,3 +302,98 @@ class Tiers:
             return
         name = self.l2_name(lookup.tenant)
         await l2.put(name, key.sha256_hex, entry.dumps(), vector, l1_id=key.digest, ttl_s=ttl)
+
+
+#: The (tier, result) an L2 hit counts under in :attr:`TenantMetrics.requests`.
+L2_HIT = ("l2", "hit")
+#: One L2 hit answered from the fast path: tenant, key, the entry served, its
+#: promotion to L1 (None: L1 cannot hold it), seconds to answer.
+L2Hit = tuple[str, keys.CacheKey, Entry, "tuple[L1Value, int] | None", float]
+
+
+class L2HitBook:
+    """The bookkeeping of the L2 hits answered from the fast path, once per loop turn.
+
+    As :class:`~cachefleet_sidecar.observe.hits.HitBook` for L1 hits: the hit
+    appends one tuple (:meth:`add`) and opens the turn; at the turn's end,
+    once its answers are written, :meth:`flush` promotes each hit to L1
+    (:meth:`Tiers.l2_promoted`) and counts what the hit path used to count one
+    hit at a time: the tenant's ``l2``/``hit`` request and its latency, what it
+    saved the model, and (with switching) one observation per run of a
+    tenant's hits, then the engine's window check. A scrape flushes first
+    (:attr:`SidecarMetrics.flushers`).
+    """
+
+    __slots__ = ("_metrics", "_on_observed", "_switching", "_tiers", "_turn", "pending")
+
+    def __init__(
+        self,
+        tiers: Tiers,
+        metrics: SidecarMetrics,
+        turns: Turns,
+        *,
+        switching: SwitchingEngine | None = None,
+        on_observed: Callable[[], None] | None = None,
+    ) -> None:
+        self._tiers = tiers
+        self._metrics = metrics
+        self._turn = turns.turn
+        self._switching = switching
+        self._on_observed = on_observed
+        self.pending: list[L2Hit] = []
+        metrics.flushers.append(self.flush)
+        turns.every_turn(self.flush)
+
+    def add(
+        self,
+        tenant: str,
+        key: keys.CacheKey,
+        entry: Entry,
+        promoted: tuple[L1Value, int] | None,
+        seconds: float,
+    ) -> None:
+        """Count one L2 hit (and promote it) once this loop turn's answers are written."""
+        pending = self.pending
+        pending.append((tenant, key, entry, promoted, seconds))
+        if len(pending) == 1 and not self._turn():
+            self.flush()  # no running loop: at once
+
+    def flush(self) -> None:
+        """Promote and count the hits waiting (nothing when none wait)."""
+        hits = self.pending
+        if not hits:
+            return
+        self.pending = []
+        tiers, metrics = self._tiers, self._metrics
+        promote, prices = tiers.l2_promoted, tiers.prices
+        engine = self._switching
+        runs: list[tuple[str, list[tuple[float, int]]]] = []
+        tenant_of_run = None
+        observed: list[tuple[float, int]] = []
+        for tenant, key, entry, promoted, seconds in hits:
+            try:
+                promote(tenant, key, entry, promoted)
+            except Exception:  # one hit's promotion never loses the others' counts
+                log.exception("promoting an L2 hit to L1 failed")
+            if tenant != tenant_of_run:
+                tenant_of_run = tenant
+                tm = metrics.tenant(tenant)
+                hist = tm.latency.get("l2") or tm.histogram("l2")
+                requests = tm.requests
+                if engine is not None:
+                    observed = []
+                    runs.append((tenant, observed))
+            requests[L2_HIT] = requests.get(L2_HIT, 0) + 1
+            hist.counts[bisect_left(BUCKETS, seconds)] += 1
+            hist.sum += seconds
+            # Tiers.saved, the tenant's metrics looked up once per run
+            prompt, completion = entry.prompt_tokens, entry.completion_tokens
+            price = savings.cost(prices, key.model, prompt, completion) if prices else None
+            tm.saving(key.model).add(prompt, completion, entry.upstream_s, price)
+            if engine is not None:
+                observed.append((seconds, key.digest))
+        if engine is not None:
+            for tenant, run in runs:
+                engine.observe_many(tenant, run)
+            if self._on_observed is not None:
+                self._on_observed()

@@ -52,17 +52,36 @@ def judge_versioned_read(
     served), :data:`READ_MISS`, or :data:`READ_STALE_ENTRY` (a value that is
     not an entry of ``vector``: written under other epochs, or corrupt).
     """
+    if fence_ahead(fence, vector):
+        return READ_BEHIND
+    return judge_entry(value, head)
+
+
+def fence_ahead(fence: Sequence[bytes | None], vector: EpochVector) -> bool:
+    """Whether a field of the fence's ``HMGET`` reply is ahead of ``vector`` (same order)."""
     for seen, (_, epoch) in zip(fence, vector, strict=True):
         if seen is not None and int(seen) > epoch:
-            return READ_BEHIND
+            return True
+    return False
+
+
+def judge_entry(value: bytes | None, head: bytes) -> bytes | int:
+    """:func:`judge_versioned_read` of a read whose fence is not ahead of its vector."""
     if value is None:
         return READ_MISS
     if not value.startswith(head):
         return READ_STALE_ENTRY
-    body = value[len(head) :]
-    if body[:1] == L1_ID_MARK:
-        return split_l1_id(body)[1]
-    return body
+    start = len(head)
+    if value[start : start + 1] == L1_ID_MARK:  # split_l1_id(body)[1], one copy
+        end = value.find(b"\n", start + 1, start + 40)
+        if end >= 0:
+            try:
+                int(value[start + 1 : end], 16)
+            except ValueError:
+                pass
+            else:
+                return value[end + 1 :]
+    return value[start:]
 
 
 #: Starts the optional L1-key line between a versioned entry's head and the entry.
