@@ -41,7 +41,7 @@ import gc
 import heapq
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -792,6 +792,18 @@ def _l2_bytes(
 
 #: Bisection steps of :func:`_fill_level` (over a 1e12 range of levels: 2.6e-5 apart).
 FILL_LEVEL_STEPS = 20
+#: How far (log of the level) :func:`_fill_level` looks on either side of its estimate when
+#: the estimate's bracket misses the level: each a full pass over every row.
+_LEVEL_WIDENING = (1e-4, 1e-2, 1.0)
+
+
+class _Level(NamedTuple):
+    """Every row's share and choice at one level (its log), and whether their total fits."""
+
+    at: float
+    shares: FloatArray
+    picks: IntArray
+    fits: bool
 
 
 def _fill_level(
@@ -806,93 +818,262 @@ def _fill_level(
     fits (found by bisection, all tenants at once) are what it would have
     granted before the first segment that no longer fits; :func:`_greedy`
     finishes from there in a few steps instead of one per segment.
+
+    The bisection's path (its levels are midpoints, each decided by whether
+    the total fits) is fixed by where the total first fits, and the total
+    only falls as the level rises. So an estimate of that level from every
+    tenant's hull segments (:class:`_Segments`) predicts the path; the two
+    ends of its last bracket are computed exactly, and every decision on the
+    path follows from them. Where the estimate misses, each level still
+    undecided is computed exactly, each tenant only between its choices at
+    the nearest levels known on either side. The shares are those of
+    computing every level of the path over every tenant, bit for bit
+    (tested against such a full scan).
     """
     cap = float(capacity)
-    xs = table.xs / cap
-    cand = (xs > lo[:, None]) & (xs < hi[:, None])
-    xs = np.where(cand, xs, 0.0)
+    rows, width = table.rows, table.xs.shape[1]
+    # the candidates: each row's sizes strictly between lo and hi (ascending: a run of
+    # columns, first to last - 1)
+    if table.shared_xs is not None:
+        row = table.shared_xs / cap
+        xs = np.broadcast_to(row, table.xs.shape)
+        first = np.searchsorted(row, lo, side="right")
+        last = np.searchsorted(row, hi, side="left")
+    else:
+        xs = table.xs / cap
+        first = np.count_nonzero(xs <= lo[:, None], axis=1)
+        last = np.count_nonzero(xs < hi[:, None], axis=1)
+    columns = np.arange(width)
+    outside = (columns < first[:, None]) | (columns >= last[:, None])
     # values x hit ratio of every candidate, the part of each score no level changes
-    with np.errstate(invalid="ignore"):  # 0 x -inf: a tenant of no value, never chosen
-        gains = values[:, None] * np.where(cand, table.ys, -np.inf)
+    gains = values[:, None] * table.ys
+    gains[outside] = -np.inf  # never chosen
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
     gain_lo, gain_hi = values * at_lo, values * at_hi
+    flat_gains = gains.ravel()
+    work = np.empty_like(gains)  # one matrix for the scores, the chords and the steps
 
-    width = xs.shape[1]
-    flat_gains, flat_xs = gains.ravel(), xs.ravel()
+    def size(at: IntArray, col: IntArray) -> FloatArray:
+        """The sizes of rows ``at`` in columns ``col``."""
+        return row[col] if table.shared_xs is not None else xs[at, col]
 
     def choose(
-        level: float, rows: IntArray, inner: FloatArray, col: IntArray
+        level: float, at: IntArray, inner: FloatArray, col: IntArray
     ) -> tuple[FloatArray, IntArray]:
-        """(shares, choices) of ``rows`` from their best column's score and index: -1 for
-        ``lo``, the column, or ``width`` for ``hi``, whichever scores best (first on ties)."""
-        best_lo = gain_lo[rows] - level * lo[rows]
-        best_hi = gain_hi[rows] - level * hi[rows]
+        """(shares, choices) of rows ``at`` from their best column's score and index: -1
+        for ``lo``, the column, or ``width`` for ``hi``, whichever scores best (first on
+        ties)."""
+        best_lo = gain_lo[at] - level * lo[at]
+        best_hi = gain_hi[at] - level * hi[at]
         to_lo = ~(inner > best_lo)
         to_hi = best_hi > np.maximum(best_lo, inner)
-        got = np.where(to_hi, hi[rows], np.where(to_lo, lo[rows], flat_xs[rows * width + col]))
+        got = np.where(to_hi, hi[at], np.where(to_lo, lo[at], size(at, col)))
         return got, np.where(to_hi, width, np.where(to_lo, -1, col))
 
     def take_every(level: float) -> tuple[FloatArray, IntArray]:
         """Every row's (share, choice) at ``level``, scoring every column."""
-        score = gains - level * xs
+        score = np.subtract(gains, level * xs, out=work)
         k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
-        return choose(level, table.rows, score[table.rows, k], k)
+        return choose(level, rows, score[rows, k], k)
 
-    def take(level: float, rows: IntArray, first: IntArray, last: IntArray) -> None:
-        """``rows``' shares and choices at ``level`` into ``shares`` and ``picks``, scoring
-        each row's columns ``first`` to ``last`` only (all rows' cells in one flat array),
+    def take(level: float, at: IntArray, lower: IntArray, upper: IntArray, into: _Level) -> None:
+        """Rows ``at``'s shares and choices at ``level`` into ``into``'s arrays, scoring
+        each row's columns ``lower`` to ``upper`` only (all rows' cells in one flat array),
         or every cell while most rows still move (gathering would cost more)."""
-        spans = last - first + 1
+        spans = upper - lower + 1
         total = int(spans.sum())
         if total == 0:
             return
         if 2 * total > gains.size:
             every, their = take_every(level)
-            shares[rows], picks[rows] = every[rows], their[rows]
+            into.shares[at], into.picks[at] = every[at], their[at]
             return
         starts = np.cumsum(spans) - spans
-        cols = np.repeat(first - starts, spans) + np.arange(total)
-        cells = np.repeat(rows * width, spans) + cols
-        score = flat_gains[cells] - level * flat_xs[cells]
+        cols = np.repeat(lower - starts, spans) + np.arange(total)
+        owners = np.repeat(at, spans)
+        score = flat_gains[owners * width + cols] - level * size(owners, cols)
         best = np.maximum.reduceat(score, starts)
         # the first best of each row (as argmax: the smallest share on a tie)
-        at = np.flatnonzero(score == np.repeat(best, spans))
-        col = cols[at[np.searchsorted(at, starts)]]
-        shares[rows], picks[rows] = choose(level, rows, best, col)
+        found = np.flatnonzero(score == np.repeat(best, spans))
+        col = cols[found[np.searchsorted(found, starts)]]
+        into.shares[at], into.picks[at] = choose(level, at, best, col)
+
+    #: Levels computed exactly so far, by level.
+    known: list[_Level] = []
+
+    def evaluate(at: float) -> _Level:
+        """Every row at level ``exp(at)``, exactly. A tenant's choice only moves to smaller
+        shares as the level rises: one that takes the same at the nearest known levels on
+        either side takes it in between, and the others take a column between those two
+        levels' (-1 and width: lo and hi, which are always weighed)."""
+        below = [k for k in known if k.at < at]
+        above = [k for k in known if k.at > at]
+        level = math.exp(at)
+        if below and above:
+            under, over = below[-1], above[0]
+            moving = np.flatnonzero(under.picks != over.picks)
+            found = _Level(at, over.shares.copy(), over.picks.copy(), False)
+            lower = np.maximum(over.picks[moving], 0)
+            take(level, moving, lower, np.minimum(under.picks[moving], width - 1), found)
+        else:
+            shares, picks = take_every(level)
+            found = _Level(at, shares, picks, False)
+        found = found._replace(fits=float(found.shares.sum()) <= 1.0)
+        known.insert(len(below), found)
+        return found
+
+    def fits(at: float) -> bool:
+        """Whether the total fits at level ``exp(at)``: from the known levels where they
+        decide it, else computed."""
+        for k in known:
+            if (k.fits and k.at <= at) or (not k.fits and k.at >= at):
+                return k.fits
+        return evaluate(at).fits
 
     with np.errstate(invalid="ignore", divide="ignore"):
         slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
     top = float(np.max(slopes, initial=0.0))
     if top <= 0.0 or not math.isfinite(top):
         return lo
-    high, low = math.log(top * 2.0), math.log(top * 1e-12)
-    shares, picks = take_every(math.exp(low))
-    if float(shares.sum()) <= 1.0:
-        return shares
-    pick_low = picks
-    # A tenant's choice only moves to smaller shares as the level rises: one that takes
-    # the same at both ends of the bracket takes it in between, and the others take a
-    # column between their two ends' (-1 and width: lo and hi, which are always weighed).
-    at_high, pick_high = take_every(math.exp(high))
-    if float(at_high.sum()) > 1.0:
-        # a curve steeper near ``lo`` than its chord to its best: the top of the bracket
-        # is where every tenant keeps ``lo`` (twice the steepest step from it)
+    # (in logs where a tiny top's 1e-12 would underflow)
+    bottom = math.log(top * 1e-12) if top * 1e-12 > 0.0 else math.log(top) + math.log(1e-12)
+    high, low = math.log(top * 2.0), bottom
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # each candidate's chord from ``lo`` (-inf elsewhere)
+        chords = np.subtract(gains, gain_lo[:, None], out=work)
+        chords /= xs - lo[:, None]
+    chords[outside] = -np.inf
+    reach = np.argmax(chords, axis=1)  # the first steepest chord's candidate
+    chord = chords[rows, reach]
+    with np.errstate(invalid="ignore"):
+        steepest = np.fmax(np.max(chords, axis=1, initial=0.0), slopes)
+
+    def keeps_lo() -> float:
+        """A level where every tenant keeps ``lo``: twice the steepest step from it (the top
+        of the bracket when a curve is steeper near ``lo`` than its chord to its best)."""
+        return math.log(2.0 * float(np.nanmax(steepest, initial=top)))
+
+    def bracket(decide: Callable[[float], bool]) -> tuple[float, float] | None:
+        """The bisection's last bracket (its low and high ends, as logs) with the
+        decisions ``decide`` makes; None where the lowest level fits."""
+        if decide(low):
+            return None
+        lower, upper = low, high if decide(high) else keeps_lo()
+        for _ in range(FILL_LEVEL_STEPS):
+            mid = (upper + lower) / 2.0
+            if decide(mid):
+                upper = mid
+            else:
+                lower = mid
+        return lower, upper
+
+    segments = _Segments(gains, xs, reach, chord, last, lo, work)
+    guess = segments.guess(1.0 - float(lo.sum()))
+    if math.isfinite(guess):
+        predicted = bracket(lambda at: at >= guess)
+        for at in (low,) if predicted is None else predicted:
+            evaluate(at)
+        for step in _LEVEL_WIDENING:  # the estimate missed: known levels on either side
+            fitting = [k.fits for k in known]
+            if all(fitting) == any(fitting):
+                evaluate(guess - step if all(fitting) else guess + step)
+    end = bracket(fits)
+    at = low if end is None else end[1]
+    found = next((k for k in known if k.at == at), None)
+    return (found or evaluate(at)).shares
+
+
+class _Segments:
+    """Every tenant's hull, as segments, for an estimate of the level at which the shares of
+    :func:`_fill_level` fit.
+
+    A tenant's segments: the chord from ``lo`` to its steepest point (``reach``, with
+    slope ``chord``), then from point to point up to its last candidate (``last`` - 1);
+    a segment is taken at every level below its slope. Exact where a curve is concave
+    past its steepest chord (but for rounding).
+    """
+
+    def __init__(
+        self,
+        gains: FloatArray,
+        xs: FloatArray,
+        reach: IntArray,
+        chord: FloatArray,
+        last: IntArray,
+        lo: FloatArray,
+        work: FloatArray,
+    ) -> None:
+        n, width = gains.shape
+        steps = work[:, : width - 1]
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            steps = (gains - gain_lo[:, None]) / np.where(xs > 0.0, xs - lo[:, None], np.nan)
-            steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
-        high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
-        at_high, pick_high = take_every(math.exp(high))
-    for _ in range(FILL_LEVEL_STEPS):
-        mid = (high + low) / 2.0
-        moving = np.flatnonzero(pick_low != pick_high)
-        shares, picks = at_high.copy(), pick_high.copy()
-        first = np.maximum(pick_high[moving], 0)
-        take(math.exp(mid), moving, first, np.minimum(pick_low[moving], width - 1))
-        if float(shares.sum()) <= 1.0:
-            high, at_high, pick_high = mid, shares, picks
-        else:
-            low, pick_low = mid, picks
-    return at_high
+            gaps = np.diff(xs[:1] if xs.strides[0] == 0 else xs, axis=1)  # a row when shared
+            np.subtract(gains[:, 1:], gains[:, :-1], out=steps)  # -inf - -inf: outside
+            steps /= gaps
+        ends = np.arange(1, width)  # segment k ends at column k + 1
+        self.after = (ends > reach[:, None]) & (ends < last[:, None])
+        self.steps, self.gaps = steps, np.broadcast_to(gaps, steps.shape)
+        with np.errstate(invalid="ignore"):
+            chorded = (chord > 0.0) & np.isfinite(chord)
+        self.chord = chord[chorded]
+        self.reached = (xs[np.arange(n), reach] - lo)[chorded]
+
+    def taken(self, slope: float) -> float:
+        """The width of every segment steeper than ``slope``."""
+        with np.errstate(invalid="ignore"):
+            steeper = (self.steps > slope) & self.after
+        return float(np.sum(self.gaps, where=steeper)) + float(
+            self.reached[self.chord > slope].sum()
+        )
+
+    def between(self, lower: float, upper: float) -> tuple[FloatArray, FloatArray]:
+        """(slopes, widths) of the segments with a slope in (lower, upper]."""
+        with np.errstate(invalid="ignore"):
+            inside = (self.steps > lower) & (self.steps <= upper) & self.after
+        chords = (self.chord > lower) & (self.chord <= upper)
+        return (
+            np.concatenate([self.steps[inside], self.chord[chords]]),
+            np.concatenate([self.gaps[inside], self.reached[chords]]),
+        )
+
+    def guess(self, need: float) -> float:
+        """The log of the slope of the segment whose taking makes the widths taken exceed
+        ``need``, segments taken steepest first (+inf: ``need`` < 0; the last one's when
+        none does)."""
+        if need < 0.0:
+            return math.inf
+        # where a sample of the rows overflows, then every segment near that
+        step = max(1, self.steps.shape[0] // _GUESS_SAMPLE)
+        sample = _Segments.__new__(_Segments)
+        sample.steps, sample.gaps = self.steps[::step], self.gaps[::step]
+        sample.after = self.after[::step]
+        sample.chord, sample.reached = self.chord[::step], self.reached[::step]
+        near = _overflowing(*sample.between(0.0, math.inf), need / step, 0.0)
+        for spread in _GUESS_SPREADS:
+            upper, lower = near * spread, near / spread
+            taken = self.taken(upper)
+            if taken > need or self.taken(lower) <= need:
+                continue
+            return math.log(_overflowing(*self.between(lower, upper), need, taken))
+        if self.taken(0.0) <= need:
+            return -math.inf
+        return math.log(_overflowing(*self.between(0.0, math.inf), need, 0.0))
+
+
+#: Rows :meth:`_Segments.guess` reads first, to estimate where to look among all.
+_GUESS_SAMPLE = 500
+#: How far (a factor of the slope) :meth:`_Segments.guess` looks around the sample's
+#: estimate, in turn, before it looks at every segment.
+_GUESS_SPREADS = (1.05, 1.3, 3.0)
+
+
+def _overflowing(slopes: FloatArray, widths: FloatArray, need: float, taken: float) -> float:
+    """The slope of the segment whose taking makes ``taken`` plus the widths taken exceed
+    ``need``, steepest first (the last one when none does)."""
+    if slopes.size == 0:
+        return 1.0
+    order = np.argsort(-slopes, kind="stable")
+    k = int(np.searchsorted(taken + np.cumsum(widths[order]), need, side="right"))
+    return float(slopes[order[min(k, order.size - 1)]])
 
 
 def _rounded(values: FloatArray, keep: BoolArray) -> list[float | None]:

@@ -12,6 +12,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachefleet_bench.allocation import workload as bench_workload
 from cachefleet_operator import allocation
@@ -206,7 +208,8 @@ def full_scan_fill_level(
     top = float(np.max(slopes, initial=0.0))
     if top <= 0.0 or not math.isfinite(top):
         return lo
-    high, low = math.log(top * 2.0), math.log(top * 1e-12)
+    bottom = math.log(top * 1e-12) if top * 1e-12 > 0.0 else math.log(top) + math.log(1e-12)
+    high, low = math.log(top * 2.0), bottom
     if float(take(math.exp(low)).sum()) <= 1.0:
         return take(math.exp(low))
     if float(take(math.exp(high)).sum()) > 1.0:  # where every tenant keeps lo
@@ -254,6 +257,82 @@ def test_the_level_bisection_rescoring_only_moving_tenants_answers_as_a_full_sca
     want = full_scan_fill_level(table, values, lo, hi, cap)
     assert got.tobytes() == want.tobytes()
     assert float(got.sum()) <= 1.0
+
+
+@st.composite
+def fill_level_cases(
+    draw: st.DrawFn,
+) -> tuple[CurveTable, FloatArray, FloatArray, FloatArray, int]:
+    """Tables with shared sizes or not (curves of their own, rows without one), values
+    from none to many orders of magnitude, floors, caps and capacities of every kind."""
+    n = draw(st.integers(1, 120))
+    cap = draw(st.sampled_from((L2 // 100, L2, 4 * L2)))
+    shared = draw(st.booleans())
+    curves: list[HitCurve | None] = []
+    for _ in range(n):
+        if not shared and draw(st.booleans()) and draw(st.booleans()):
+            curves.append(None)
+            continue
+        scale = draw(st.floats(0.01, 10.0)) * cap / n
+        skew, reach = draw(st.floats(0.3, 2.0)), draw(st.floats(0.0, 1.0))
+        bounds = BUCKETS if shared else sorted(set(draw(st.lists(st.sampled_from(BUCKETS)))))
+        flat = draw(st.booleans())  # plateaus: ties between columns
+        points = [
+            (b, reach * (1.0 if flat and b > scale else 1.0 - math.exp(-((b / scale) ** skew))))
+            for b in bounds
+        ]
+        curves.append(curve(points) if points else None)
+    table = CurveTable(curves)
+    values = np.array(
+        draw(st.lists(st.sampled_from((0.0, 1e-6, 0.3, 1.0, 7.0, 1e4)), min_size=n, max_size=n))
+    )
+    lo = np.array(draw(st.lists(st.sampled_from((0.0, 0.2 / n, 1e-9)), min_size=n, max_size=n)))
+    hi = np.maximum(
+        lo,
+        np.array(draw(st.lists(st.sampled_from((0.0, 0.01, 0.2, 1.0)), min_size=n, max_size=n))),
+    )
+    return table, values, lo, hi, cap
+
+
+@settings(max_examples=300, deadline=None)
+@given(fill_level_cases(), st.sampled_from((None, -30.0, -1e-3, 0.0, 1e-6, 2.0)))
+def test_the_level_bisection_from_an_estimate_answers_as_a_full_scan(
+    case: tuple[CurveTable, FloatArray, FloatArray, FloatArray, int], miss: float | None
+) -> None:
+    """The bisection's path is predicted from an estimate of where the shares first fit and
+    only its last bracket is computed: right or wrong (``miss``: the estimate moved by
+    that much, in logs), the shares are the full scan's, bit for bit."""
+    table, values, lo, hi, cap = case
+    if miss is None:
+        got = allocation._fill_level(table, values, lo, hi, cap)
+    else:
+        guess = allocation._Segments.guess
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                allocation._Segments, "guess", lambda self, need: guess(self, need) + miss
+            )
+            got = allocation._fill_level(table, values, lo, hi, cap)
+    want = full_scan_fill_level(table, values, lo, hi, cap)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_estimate_of_the_level_predicts_the_bisections_last_bracket(seed: int) -> None:
+    """On the bench's fleet workload the estimate lands in the bisection's last bracket:
+    two levels are computed (its two ends), not one per step."""
+    levels = []
+
+    class Counted(allocation._Level):
+        def __new__(cls, *fields: object) -> Counted:
+            levels.append(fields[0])
+            return super().__new__(cls, *fields)  # type: ignore[arg-type]
+
+    tenants, ms = bench_workload(2_000, seed, fleet=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allocation, "_Level", Counted)
+        got = allocate(tenants, ms, None, L1, L2)
+    assert len(levels) == 2
+    assert sum(t.l2_bytes for t in got.tenants) >= 0.999 * L2  # the bisection ran
 
 
 @pytest.mark.parametrize("n", [1_000, 3_000])
