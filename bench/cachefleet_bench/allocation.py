@@ -2,8 +2,9 @@
 
 ``python -m cachefleet_bench.allocation`` (or ``cachefleet bench allocation``)
 prints the median and the best of several runs per size, for a first
-allocation and for a rebalance with previous shares, without curves (the
-class-based path), with a 45-bucket miss-ratio curve and a miss latency
+allocation and for a rebalance with the shares and L2 bytes in force,
+without curves (the class-based path), with a 45-bucket miss-ratio curve
+and a miss latency
 per tenant (the path the operator takes once sidecars export curves), and
 with a fleet-wide curve per tenant as well (the operator's replay of the
 fleet samples: L2 by marginal gain, with more wanted than L2 holds, so the
@@ -184,13 +185,15 @@ def measure(
     metrics = read(parsed, fleet_curves)
     first, again, unit, reads = [], [], [], []
     rng = np.random.default_rng(7)
-    previous = allocate(tenants, metrics, None, L1_BYTES, L2_BYTES).shares()
+    first_one = allocate(tenants, metrics, None, L1_BYTES, L2_BYTES)
+    previous = first_one.shares()
+    previous_l2 = {t.name: t.l2_bytes for t in first_one.tenants}
     for _ in range(repeats):
         start = time.perf_counter()
         allocate(tenants, metrics, None, L1_BYTES, L2_BYTES)
         first.append(time.perf_counter() - start)
         start = time.perf_counter()
-        allocate(tenants, metrics, previous, L1_BYTES, L2_BYTES)
+        allocate(tenants, metrics, previous, L1_BYTES, L2_BYTES, previous_l2=previous_l2)
         again.append(time.perf_counter() - start)
         unit.append(reference_job(rng))
         start = time.perf_counter()

@@ -751,6 +751,7 @@ def _l2_bytes(
     bounds: tuple[FloatArray, FloatArray],
     classes: IntArray,
     capacity: int,
+    settle: tuple[FloatArray | None, AllocationParams] = (None, AllocationParams()),
 ) -> list[int]:
     """L2 bytes by marginal gain on the fleet curves; a tenant without one keeps its L1 share.
 
@@ -758,7 +759,10 @@ def _l2_bytes(
     is. Tenants with a fleet curve start from their floor and grow by the
     same lookahead greedy as L1 (:func:`_greedy`, valued alike); what no
     fleet curve gains from goes by class weight to those with fleet-wide
-    reuse. With no fleet curve at all, L2 follows the L1 shares.
+    reuse. With no fleet curve at all, L2 follows the L1 shares. ``settle``:
+    every tenant's L2 bytes in force (NaN: none; None: no tenant's), from
+    which the bytes of the tenants with a fleet curve move as the L1 shares
+    do (:func:`_settle_l2`), and the allocation's parameters.
     """
     floors, caps = bounds
     if capacity <= 0 or fleet is None:  # the common case
@@ -787,7 +791,59 @@ def _l2_bytes(
         reuse = has & (table.max_hit >= NO_REUSE_HIT_RATIO)
         weights = np.where(reuse if reuse.any() else has, _CLASS_WEIGHTS[classes], 0.0)
         _water_fill(l2, l2_caps, weights, left)
+    in_force, params = settle
+    if in_force is not None:
+        bounds = (floors, l2_caps)
+        l2 = _settle_l2(
+            l2, in_force / capacity, table, plans.values, bounds, classes, params, capacity
+        )
     return _to_bytes(l2, floors, capacity)
+
+
+def _settle_l2(
+    targets: FloatArray,
+    in_force: FloatArray,
+    table: CurveTable,
+    values: FloatArray,
+    bounds: tuple[FloatArray, FloatArray],
+    classes: IntArray,
+    params: AllocationParams,
+    capacity: int,
+) -> FloatArray:
+    """The L2 shares of the tenants with a fleet curve (``table``'s rows) moved from those
+    ``in_force`` (NaN: none) towards ``targets`` by the rule the L1 shares follow.
+
+    They move only when the predicted gain on the fleet curves exceeds
+    ``min_gain`` of the utility of the shares in force (or a tenant is new,
+    or the bounds or the L2 capacity moved a share in force), and then
+    ``smoothing`` of the way, none by less than :data:`ABSOLUTE_DEADBAND`
+    (:func:`_move`); a tenant whose fleet curve shows no reuse never keeps
+    more than its target. So a wobble of the fleet curves, which moves the
+    targets a little, moves no byte. Tenants without a fleet curve keep their
+    target (their L1 share).
+    """
+    floors, caps = bounds
+    has = table.present
+    known = has & ~np.isnan(in_force)
+    prev = np.where(known, np.clip(np.nan_to_num(in_force), floors, caps), targets)
+    # the spec's bounds or the L2 capacity moved a share in force: applied, not held
+    bounds_moved = bool(np.any(known & (np.abs(prev - in_force) > EPS)))
+    _trim_overbooking(prev, floors, classes)
+    now_u = _utility_of(values, table, prev, capacity)
+    target_u = _utility_of(values, table, targets, capacity)
+    new = bool(np.any(has & ~known))
+    if new or bounds_moved or target_u - now_u > params.min_gain * max(now_u, EPS):
+        shares, _ = _move(targets, prev, floors, classes, params, has)
+    else:
+        shares = prev.copy()
+    shrink = has & (table.max_hit < NO_REUSE_HIT_RATIO) & (shares > targets + EPS)
+    if shrink.any():
+        shares[shrink] = targets[shrink]
+        _refill(shares, targets)
+    shares = np.where(known, shares, targets)
+    _trim_overbooking(shares, floors, classes)
+    # a settled allocation is a fixed point: rounding must not make it wander
+    return np.where(known & (np.abs(shares - prev) <= SNAP), prev, shares)
 
 
 #: Bisection steps of :func:`_fill_level` (over a 1e12 range of levels: 2.6e-5 apart).
@@ -1182,8 +1238,13 @@ def _protected(
 
 
 def _utility(plans: _Plans, shares: FloatArray, capacity: int) -> float:
-    hits = plans.table.at(shares * capacity)
-    products = (plans.values * hits)[plans.table.present]
+    return _utility_of(plans.values, plans.table, shares, capacity)
+
+
+def _utility_of(values: FloatArray, table: CurveTable, shares: FloatArray, capacity: int) -> float:
+    """Value x predicted hit ratio, summed over the tenants with a curve in ``table``."""
+    hits = table.at(shares * capacity)
+    products = (values * hits)[table.present]
     return float(sum(products.tolist()))  # in spec order, one by one
 
 
@@ -1433,6 +1494,7 @@ def allocate(
     l1_capacity: int,
     l2_capacity: int,
     params: AllocationParams | None = None,
+    previous_l2: Mapping[str, int] | None = None,
 ) -> Allocation:
     """Compute every tenant's share and bytes.
 
@@ -1444,15 +1506,17 @@ def allocate(
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
     read at; L2 bytes go by the fleet curves (:func:`_l2_bytes`; the L1
-    shares for a tenant without one). Per-tenant work is done on
-    arrays (numpy), so 10,000 tenants with curves take tens of milliseconds.
+    shares for a tenant without one), moving from ``previous_l2`` (tenant ->
+    L2 bytes in force) as the shares move from ``previous``. Per-tenant work
+    is done on arrays (numpy), so 10,000 tenants with curves take tens of
+    milliseconds.
     """
     params = params or AllocationParams()
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
     with _collector_paused():
-        return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params)
+        return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params, previous_l2)
 
 
 @contextmanager
@@ -1480,6 +1544,7 @@ def _allocate(
     l1_capacity: int,
     l2_capacity: int,
     params: AllocationParams,
+    previous_l2: Mapping[str, int] | None,
 ) -> Allocation:
     cols = _Columns.of(tenants, metrics)
     names, classes = cols.names, cols.classes
@@ -1547,7 +1612,13 @@ def _allocate(
         shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _l2_bytes(plans, cols.fleet, shares, (floors, caps), classes, l2_capacity)
+    # L2 bytes in force, as given (None: NaN)
+    l2_in_force = (
+        np.array(list(map(previous_l2.get, names)), dtype=np.float64) if previous_l2 else None
+    )
+    l2 = _l2_bytes(
+        plans, cols.fleet, shares, (floors, caps), classes, l2_capacity, (l2_in_force, params)
+    )
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     # the note's index in _NOTES (the same four strings for every row, not one each)

@@ -650,6 +650,7 @@ class Reconciler:
 
         cache = cache_ref(namespace, name)
         prev_shares = {t.name: t.share for t in previous.tenants or []}
+        prev_l2 = {t.name: t.l2_bytes for t in previous.tenants or []}
         demands = demands_from_spec(spec)
         faults: list[tuple[str, str]] = []
 
@@ -680,6 +681,7 @@ class Reconciler:
                 l1_bytes,
                 capacity.l2_bytes,
                 params,
+                prev_l2 or None,
             )
         elif prev_shares:
             allocation = hold(demands, prev_shares, l1_bytes, capacity.l2_bytes)

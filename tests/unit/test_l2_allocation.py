@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -346,3 +347,73 @@ def test_l2_bytes_never_exceed_l2_when_curves_are_steepest_near_their_floor(n: i
         total = sum(t.l2_bytes for t in got.tenants)
         assert l2 * 0.999 <= total <= l2
         assert sum(t.l1_bytes for t in got.tenants) <= L1
+
+
+def fleet_metrics(wobble: float = 0.0, reach: float = 0.9) -> dict[str, TenantMetrics]:
+    """Four tenants alike whose fleet curves all want more L2 than there is (``wobble``:
+    every hit ratio moved by up to that fraction, as noise would, which decides who gets
+    the segments they tie for; ``reach``: the first one's best hit ratio fleet-wide, the
+    others' 0.9)."""
+    rng = random.Random(1)
+    out = {}
+    for i, scale in enumerate((0.15, 0.15, 0.15, 0.15)):
+        best = reach if i == 0 else 0.9
+        points = [
+            (f * L2, best * (1.0 - math.exp(-f / scale)) * (1.0 + rng.uniform(-wobble, wobble)))
+            for f in (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.7)
+        ]
+        out[f"t{i}"] = TenantMetrics(
+            hit_ratio=0.3,
+            rps=50.0,
+            curve=PER_POD,
+            miss_latency=misses(),
+            fleet_curve=curve(sorted(points)),
+        )
+    return out
+
+
+def test_a_wobble_of_the_fleet_curves_moves_no_l2_byte_a_real_change_does() -> None:
+    """L2 bytes move by the rule the L1 shares follow: only for a gain above ``minGain``,
+    then half-way. Noise on the fleet curves moves the targets a little and no byte; a
+    tenant whose keys come back far less often fleet-wide gives half of what it loses up
+    at once, and one whose keys stop coming back all of it."""
+    tenants = [TenantDemand(f"t{i}", PriorityClass.STANDARD, 0.05, 1.0) for i in range(4)]
+    first = allocate(tenants, fleet_metrics(), None, L1, L2)
+    shares = first.shares()
+    in_force = {t.name: t.l2_bytes for t in first.tenants}
+    wobbled = fleet_metrics(wobble=0.01)
+    # the targets move with the wobble: without the bytes in force, L2 would follow them
+    fresh = allocate(tenants, wobbled, shares, L1, L2)
+    assert max(abs(t.l2_bytes - in_force[t.name]) for t in fresh.tenants) > 0.001 * L2
+    held = allocate(tenants, wobbled, shares, L1, L2, previous_l2=in_force)
+    assert {t.name: t.l2_bytes for t in held.tenants} == in_force
+    assert held.shares() == shares  # L1 moved no more than before
+    # a real change: t0's keys come back a third as often
+    changed = fleet_metrics(reach=0.3)
+    target = allocate(tenants, changed, shares, L1, L2).by_name()
+    moved = allocate(tenants, changed, shares, L1, L2, previous_l2=in_force).by_name()
+    assert target["t0"].l2_bytes < in_force["t0"] - 0.05 * L2
+    halfway = in_force["t0"] + 0.5 * (target["t0"].l2_bytes - in_force["t0"])
+    assert moved["t0"].l2_bytes == pytest.approx(halfway, rel=1e-6)
+    assert sum(t.l2_bytes for t in moved.values()) <= L2
+    for name in ("t1", "t2", "t3"):  # what t0 gives up goes to the others
+        assert moved[name].l2_bytes >= in_force[name]
+    assert sum(moved[n].l2_bytes for n in ("t1", "t2", "t3")) > sum(
+        in_force[n] for n in ("t1", "t2", "t3")
+    )
+    # t0's keys stop coming back: its floor at once (no reuse is never held)
+    scan = allocate(tenants, fleet_metrics(reach=0.0), shares, L1, L2, previous_l2=in_force)
+    assert scan.by_name()["t0"].l2_bytes == pytest.approx(0.05 * L2, abs=1)
+
+
+def test_l2_bytes_in_force_outside_the_bounds_are_brought_in_at_once() -> None:
+    """A share of L2 in force above a tenant's maxShare (the spec changed, or L2 shrank)
+    is not held: the bytes move, within bounds, as the L1 shares do when bounds move."""
+    tenants = [TenantDemand(f"t{i}", PriorityClass.STANDARD, 0.05, 1.0) for i in range(4)]
+    first = allocate(tenants, fleet_metrics(), None, L1, L2)
+    in_force = {t.name: t.l2_bytes for t in first.tenants}
+    capped = [replace(t, max_share=0.1) if t.name == "t3" else t for t in tenants]
+    again = allocate(capped, fleet_metrics(), first.shares(), L1, L2, previous_l2=in_force)
+    assert in_force["t3"] > 0.1 * L2
+    assert again.by_name()["t3"].l2_bytes <= 0.1 * L2
+    assert sum(t.l2_bytes for t in again.tenants) <= L2
