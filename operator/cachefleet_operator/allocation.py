@@ -783,9 +783,10 @@ def _l2_bytes(
         l2 = full
     else:
         grows = has & (plans.values > 0.0)
-        l2 = np.where(grows, _fill_level(table, plans.values, l2, l2_caps, capacity), l2)
+        filled, within = _fill(table, plans.values, l2, l2_caps, capacity)
+        l2 = np.where(grows, filled, l2)
         fleet_plans = _Plans(plans.values, table, plans.misses, [""] * len(l2))
-        _greedy(fleet_plans, l2, l2_caps, capacity)
+        _greedy(fleet_plans, l2, l2_caps, capacity, within)
     left = 1.0 - float(l2.sum())
     if left > EPS:  # by class weight to those with fleet-wide reuse (else to every curve)
         reuse = has & (table.max_hit >= NO_REUSE_HIT_RATIO)
@@ -865,7 +866,15 @@ class _Level(NamedTuple):
 def _fill_level(
     table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
 ) -> FloatArray:
-    """Shares from ``lo`` (up to ``hi``) at the lowest utility level that still fits.
+    """:func:`_fill`'s shares."""
+    return _fill(table, values, lo, hi, capacity)[0]
+
+
+def _fill(
+    table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
+) -> tuple[FloatArray, tuple[BoolArray, float] | None]:
+    """Shares from ``lo`` (up to ``hi``) at the lowest utility level that still fits, and
+    what it tells :func:`_greedy` (its ``within``; None: nothing).
 
     At a level λ (utility per share) each tenant takes the curve point (or
     ``lo`` or ``hi``) maximising ``value · hit - λ · share``: the vertices of
@@ -884,7 +893,10 @@ def _fill_level(
     undecided is computed exactly, each tenant only between its choices at
     the nearest levels known on either side. The shares are those of
     computing every level of the path over every tenant, bit for bit
-    (tested against such a full scan).
+    (tested against such a full scan). A tenant whose choice is the same at
+    a lower level known (exactly) takes there what it takes at the level
+    found: none of its extensions from it is steeper than that lower level,
+    which the greedy is told (the tenants whose choice moves, and that level).
     """
     cap = float(capacity)
     rows, width = table.rows, table.xs.shape[1]
@@ -990,7 +1002,7 @@ def _fill_level(
         slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
     top = float(np.max(slopes, initial=0.0))
     if top <= 0.0 or not math.isfinite(top):
-        return lo
+        return lo, None
     # (in logs where a tiny top's 1e-12 would underflow)
     bottom = math.log(top * 1e-12) if top * 1e-12 > 0.0 else math.log(top) + math.log(1e-12)
     high, low = math.log(top * 2.0), bottom
@@ -1035,8 +1047,11 @@ def _fill_level(
                 evaluate(guess - step if all(fitting) else guess + step)
     end = bracket(fits)
     at = low if end is None else end[1]
-    found = next((k for k in known if k.at == at), None)
-    return (found or evaluate(at)).shares
+    found = next((k for k in known if k.at == at), None) or evaluate(at)
+    under = [k for k in known if k.at < at]
+    if end is None or not under:
+        return found.shares, None
+    return found.shares, (under[-1].picks != found.picks, math.exp(under[-1].at))
 
 
 class _Segments:
@@ -1387,7 +1402,18 @@ def _best_extension(
     return best
 
 
-def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) -> None:
+#: How much steeper than the bound :func:`_greedy` is given the rows it leaves out must be
+#: before it takes from the others first (float rounding of the same slopes, with room).
+_WITHIN_MARGIN = 1e-6
+
+
+def _greedy(
+    plans: _Plans,
+    shares: FloatArray,
+    caps: FloatArray,
+    capacity: int,
+    within: tuple[BoolArray, float] | None = None,
+) -> None:
     """Hand out what is left by marginal utility, looking ahead over cliffs (in place).
 
     UCP's lookahead (Qureshi & Patt, MICRO'06): each step gives the tenant
@@ -1401,6 +1427,13 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     ever taken: sorting them beats making a heap of them all); the recomputed
     ones wait in a heap; each step takes the better of the two fronts, in the
     order one heap of them all would give.
+
+    ``within`` (rows, bound): no tenant outside ``rows`` has an extension
+    worth more than ``bound`` per share (what :func:`_fill` knows of the
+    tenants whose choice its last bracket does not move). Their first
+    extensions are computed only once the best offer left is worth no more
+    than that (with a margin for rounding), as they were at the start, and
+    join the sorted front: the same steps, in the same order, as without.
     """
     left = 1.0 - float(shares.sum())
     if left <= EPS or capacity <= 0:
@@ -1412,16 +1445,26 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     # gains this small relative to the largest tenant's value are noise
     noise = float(values[active].max()) * 1e-9
     hi = np.minimum(caps, shares + left)
-    per, to = plans.table.best_extensions(values, shares, hi, capacity, active)
-    with np.errstate(invalid="ignore"):
-        kept = per > noise  # NaN (no extension) is not
-    first_keys, first_ids, first_ends = -per[kept], active[kept], to[kept]
-    order = np.lexsort((first_ids, first_keys))  # as the heap orders (key, tenant)
-    first_keys, first_ids, first_ends = first_keys[order], first_ids[order], first_ends[order]
+    later: IntArray | None = None
+    if within is not None:
+        rows, bound = within
+        later, active = active[~rows[active]], active[rows[active]]
+        cutoff = bound * (1.0 + _WITHIN_MARGIN)
+
+    def firsts(of: IntArray) -> tuple[FloatArray, IntArray, FloatArray]:
+        """The first offers of ``of`` (keys, tenants, ends), as the heap orders them."""
+        per, to = plans.table.best_extensions(values, shares, hi, capacity, of)
+        with np.errstate(invalid="ignore"):
+            kept = per > noise  # NaN (no extension) is not
+        keys, ids, ends = -per[kept], of[kept], to[kept]
+        order = np.lexsort((ids, keys))  # as the heap orders (key, tenant)
+        return keys[order], ids[order], ends[order]
+
+    first_keys, first_ids, first_ends = firsts(active)
     heap: list[tuple[float, int, float]] = []
 
     def first_offer(k: int) -> tuple[float, int, float] | None:
-        if k >= order.size:
+        if k >= first_keys.size:
             return None
         return (float(first_keys[k]), int(first_ids[k]), float(first_ends[k]))
 
@@ -1436,6 +1479,23 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     k = 0
     front = first_offer(k)
     while left > EPS:
+        if later is not None:
+            best = min(front or (math.inf,), heap[0] if heap else (math.inf,))[0]
+            if -best <= cutoff:  # the rows left out may compete from here: their first offers
+                # (their shares and ``hi`` are as at the start) join the front
+                keys, ids, ends = firsts(later)
+                first_keys = np.concatenate([first_keys[k:], keys])
+                first_ids = np.concatenate([first_ids[k:], ids])
+                first_ends = np.concatenate([first_ends[k:], ends])
+                order = np.lexsort((first_ids, first_keys))
+                first_keys, first_ids, first_ends = (
+                    first_keys[order],
+                    first_ids[order],
+                    first_ends[order],
+                )
+                later, k = None, 0
+                front = first_offer(k)
+                continue
         if front is not None and (not heap or front < heap[0]):
             _, i, end = front
             k += 1

@@ -174,7 +174,7 @@ def test_the_level_step_changes_nothing_the_greedy_decides(
             fleet_curve=curve(points),
         )
     leveled = allocate(tenants, ms, None, L1, L2)
-    monkeypatch.setattr(allocation, "_fill_level", lambda table, values, lo, hi, cap: lo)
+    monkeypatch.setattr(allocation, "_fill", lambda table, values, lo, hi, cap: (lo, None))
     greedy = allocate(tenants, ms, None, L1, L2)
     assert sum(t.l2_bytes for t in greedy.tenants) >= 0.999 * L2  # L2 ran out: no shortcut
     for a, b in zip(leveled.tenants, greedy.tenants, strict=True):
@@ -417,3 +417,51 @@ def test_l2_bytes_in_force_outside_the_bounds_are_brought_in_at_once() -> None:
     assert in_force["t3"] > 0.1 * L2
     assert again.by_name()["t3"].l2_bytes <= 0.1 * L2
     assert sum(t.l2_bytes for t in again.tenants) <= L2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(20, 600),
+    st.integers(0, 10_000),
+    st.sampled_from((L2 // 16, L2 // 2, L2, 4 * L2)),
+    st.booleans(),
+)
+def test_the_greedy_told_who_the_last_bracket_moves_hands_out_l2_as_without(
+    n: int, seed: int, l2: int, in_force: bool
+) -> None:
+    """After the level bisection the greedy first offers only the tenants whose choice its
+    last bracket moves, and the others once the offers left are worth no more than that
+    bracket's lower level: the L2 bytes are those of offering every tenant from the start,
+    bit for bit."""
+    tenants, ms = bench_workload(n, seed, fleet=True)
+    first = allocate(tenants, ms, None, L1, l2)
+    previous = first.shares() if in_force else None
+    got = allocate(tenants, ms, previous, L1, l2)
+    fill = allocation._fill
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allocation, "_fill", lambda *args: (fill(*args)[0], None))
+        want = allocate(tenants, ms, previous, L1, l2)
+    assert [t.l2_bytes for t in got.tenants] == [t.l2_bytes for t in want.tenants]
+    assert got.tenants == want.tenants
+
+
+@settings(max_examples=200, deadline=None)
+@given(fill_level_cases(), st.data())
+def test_the_greedy_offering_some_tenants_first_steps_as_offering_all(
+    case: tuple[CurveTable, FloatArray, FloatArray, FloatArray, int], data: st.DataObject
+) -> None:
+    """Any tenants offered first, the others once no offer left is worth more than the best
+    of theirs at the start: the same shares as offering every tenant from the start."""
+    table, values, lo, hi, cap = case
+    n = values.size
+    shares = lo * min(1.0, 0.9 / max(float(lo.sum()), 1e-12))
+    first = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    left = 1.0 - float(shares.sum())
+    active = np.flatnonzero(table.present & (values > 0.0) & ~first)
+    per, _ = table.best_extensions(values, shares, np.minimum(hi, shares + left), cap, active)
+    bound = float(np.nanmax(per, initial=0.0))
+    plans = allocation._Plans(values, table, allocation.LatencyTable([None] * n), [""] * n)
+    got, want = shares.copy(), shares.copy()
+    allocation._greedy(plans, got, hi, cap, (first, bound))
+    allocation._greedy(plans, want, hi, cap)
+    assert got.tobytes() == want.tobytes()
