@@ -1713,12 +1713,14 @@ def hold(
     previous: Mapping[str, float],
     l1_capacity: int,
     l2_capacity: int,
+    previous_l2: Mapping[str, int] | None = None,
 ) -> Allocation:
     """Keep the shares in force (metrics unavailable), within the spec's current bounds.
 
     Tenants without a previous share get their floor; if the spec's bounds
     changed so that the kept shares overbook capacity, slack is trimmed as in
-    :func:`allocate`.
+    :func:`allocate`. L2 bytes in force (``previous_l2``) are kept alike; a
+    tenant without any gets its share of L2.
     """
     tenants = tuple(tenants)
     if not tenants:
@@ -1729,7 +1731,12 @@ def hold(
     shares = np.clip(np.where(np.isnan(prev), floors, prev), floors, caps)
     _trim_overbooking(shares, floors, classes)
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _to_bytes(shares, floors, l2_capacity)
+    l2_shares = shares
+    if previous_l2 and l2_capacity > 0:
+        kept = _floats([previous_l2.get(d.name) for d in tenants]) / l2_capacity
+        l2_shares = np.clip(np.where(np.isnan(kept), shares, kept), floors, caps)
+        _trim_overbooking(l2_shares, floors, classes)
+    l2 = _to_bytes(l2_shares, floors, l2_capacity)
     out = tuple(
         TenantAllocation(d.name, d.priority_class, s, s, 0.0, a, b, None, "held")
         for d, s, a, b in zip(tenants, shares.tolist(), l1, l2, strict=True)

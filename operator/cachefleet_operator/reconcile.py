@@ -684,7 +684,7 @@ class Reconciler:
                 prev_l2 or None,
             )
         elif prev_shares:
-            allocation = hold(demands, prev_shares, l1_bytes, capacity.l2_bytes)
+            allocation = hold(demands, prev_shares, l1_bytes, capacity.l2_bytes, prev_l2)
         else:
             allocation = allocate(demands, {}, None, l1_bytes, capacity.l2_bytes)
 

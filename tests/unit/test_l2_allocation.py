@@ -114,6 +114,20 @@ def test_holding_the_shares_keeps_l2_with_them() -> None:
     assert [t.l2_bytes for t in held.tenants] == [L2 // 2, L2 // 2]
 
 
+def test_holding_keeps_the_l2_bytes_in_force_that_went_by_the_fleet_curves() -> None:
+    """Metrics unavailable: L2 bytes that the fleet curves placed stay where they are
+    (within bounds), not back to the L1 shares; a tenant without any gets its share."""
+    in_force = {"reuser": int(0.9 * L2), "scanner": int(0.1 * L2)}
+    held = hold(demands(), {"reuser": 0.5, "scanner": 0.5}, L1, L2, in_force)
+    assert [t.l2_bytes for t in held.tenants] == [in_force["reuser"], in_force["scanner"]]
+    assert [t.l1_bytes for t in held.tenants] == [L1 // 2, L1 // 2]
+    partly = hold(demands(), {"reuser": 0.5, "scanner": 0.5}, L1, L2, {"reuser": L2 // 4})
+    assert [t.l2_bytes for t in partly.tenants] == [L2 // 4, L2 // 2]
+    # a floor raised above the bytes kept: brought up to it
+    raised = hold(demands(min_share=0.2), {"reuser": 0.5, "scanner": 0.5}, L1, L2, in_force)
+    assert raised.by_name()["scanner"].l2_bytes == pytest.approx(0.2 * L2, abs=1)
+
+
 def knee_of(made: HitCurve | None) -> float:
     """Where the curve stops rising: the first point at its best."""
     assert made is not None
