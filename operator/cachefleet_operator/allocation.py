@@ -446,7 +446,7 @@ def _attr(items: Iterable[object], name: str | attrgetter[Any]) -> list[Any]:
 
 
 #: What :class:`_Columns` reads of every :class:`TenantDemand` as numbers, in its order.
-_SPEC_NUMBERS = attrgetter("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
+_SPEC_NUMBERS = ("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
 
 
 def _numbers(items: Iterable[object], name: str) -> FloatArray:
@@ -515,8 +515,8 @@ class _Columns:
     ) -> _Columns:
         names = _attr(tenants, "name")
         priority = _attr(tenants, "priority_class")
-        # the spec's numbers in one pass: one row per tenant, None as NaN
-        numbers = np.array(_attr(tenants, _SPEC_NUMBERS), dtype=np.float64).reshape(-1, 5).T
+        # the spec's numbers: one row per attribute, None as NaN
+        numbers = np.array([_attr(tenants, name) for name in _SPEC_NUMBERS], dtype=np.float64)
         table = MetricsTable.of(metrics)
         rows = table.rows_of(names)
         return cls(
