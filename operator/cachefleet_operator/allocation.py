@@ -940,7 +940,9 @@ def _fill(
 
     def take_every(level: float) -> tuple[FloatArray, IntArray]:
         """Every row's (share, choice) at ``level``, scoring every column."""
-        score = np.subtract(gains, level * xs, out=work)
+        # (one row of sizes when shared: no matrix of them)
+        scaled = level * (row if table.shared_xs is not None else xs)
+        score = np.subtract(gains, scaled, out=work)
         k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
         return choose(level, rows, score[rows, k], k)
 
