@@ -41,7 +41,7 @@ import gc
 import heapq
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -446,7 +446,7 @@ def _attr(items: Iterable[object], name: str | attrgetter[Any]) -> list[Any]:
 
 
 #: What :class:`_Columns` reads of every :class:`TenantDemand` as numbers, in its order.
-_SPEC_NUMBERS = attrgetter("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
+_SPEC_NUMBERS = ("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
 
 
 def _numbers(items: Iterable[object], name: str) -> FloatArray:
@@ -515,8 +515,8 @@ class _Columns:
     ) -> _Columns:
         names = _attr(tenants, "name")
         priority = _attr(tenants, "priority_class")
-        # the spec's numbers in one pass: one row per tenant, None as NaN
-        numbers = np.array(_attr(tenants, _SPEC_NUMBERS), dtype=np.float64).reshape(-1, 5).T
+        # the spec's numbers: one row per attribute, None as NaN
+        numbers = np.array([_attr(tenants, name) for name in _SPEC_NUMBERS], dtype=np.float64)
         table = MetricsTable.of(metrics)
         rows = table.rows_of(names)
         return cls(
@@ -751,6 +751,7 @@ def _l2_bytes(
     bounds: tuple[FloatArray, FloatArray],
     classes: IntArray,
     capacity: int,
+    settle: tuple[FloatArray | None, AllocationParams] = (None, AllocationParams()),
 ) -> list[int]:
     """L2 bytes by marginal gain on the fleet curves; a tenant without one keeps its L1 share.
 
@@ -758,7 +759,10 @@ def _l2_bytes(
     is. Tenants with a fleet curve start from their floor and grow by the
     same lookahead greedy as L1 (:func:`_greedy`, valued alike); what no
     fleet curve gains from goes by class weight to those with fleet-wide
-    reuse. With no fleet curve at all, L2 follows the L1 shares.
+    reuse. With no fleet curve at all, L2 follows the L1 shares. ``settle``:
+    every tenant's L2 bytes in force (NaN: none; None: no tenant's), from
+    which the bytes of the tenants with a fleet curve move as the L1 shares
+    do (:func:`_settle_l2`), and the allocation's parameters.
     """
     floors, caps = bounds
     if capacity <= 0 or fleet is None:  # the common case
@@ -779,25 +783,98 @@ def _l2_bytes(
         l2 = full
     else:
         grows = has & (plans.values > 0.0)
-        l2 = np.where(grows, _fill_level(table, plans.values, l2, l2_caps, capacity), l2)
+        filled, within = _fill(table, plans.values, l2, l2_caps, capacity)
+        l2 = np.where(grows, filled, l2)
         fleet_plans = _Plans(plans.values, table, plans.misses, [""] * len(l2))
-        _greedy(fleet_plans, l2, l2_caps, capacity)
+        _greedy(fleet_plans, l2, l2_caps, capacity, within)
     left = 1.0 - float(l2.sum())
     if left > EPS:  # by class weight to those with fleet-wide reuse (else to every curve)
         reuse = has & (table.max_hit >= NO_REUSE_HIT_RATIO)
         weights = np.where(reuse if reuse.any() else has, _CLASS_WEIGHTS[classes], 0.0)
         _water_fill(l2, l2_caps, weights, left)
+    in_force, params = settle
+    if in_force is not None:
+        bounds = (floors, l2_caps)
+        l2 = _settle_l2(
+            l2, in_force / capacity, table, plans.values, bounds, classes, params, capacity
+        )
     return _to_bytes(l2, floors, capacity)
+
+
+def _settle_l2(
+    targets: FloatArray,
+    in_force: FloatArray,
+    table: CurveTable,
+    values: FloatArray,
+    bounds: tuple[FloatArray, FloatArray],
+    classes: IntArray,
+    params: AllocationParams,
+    capacity: int,
+) -> FloatArray:
+    """The L2 shares of the tenants with a fleet curve (``table``'s rows) moved from those
+    ``in_force`` (NaN: none) towards ``targets`` by the rule the L1 shares follow.
+
+    They move only when the predicted gain on the fleet curves exceeds
+    ``min_gain`` of the utility of the shares in force (or a tenant is new,
+    or the bounds or the L2 capacity moved a share in force), and then
+    ``smoothing`` of the way, none by less than :data:`ABSOLUTE_DEADBAND`
+    (:func:`_move`); a tenant whose fleet curve shows no reuse never keeps
+    more than its target. So a wobble of the fleet curves, which moves the
+    targets a little, moves no byte. Tenants without a fleet curve keep their
+    target (their L1 share).
+    """
+    floors, caps = bounds
+    has = table.present
+    known = has & ~np.isnan(in_force)
+    prev = np.where(known, np.clip(np.nan_to_num(in_force), floors, caps), targets)
+    # the spec's bounds or the L2 capacity moved a share in force: applied, not held
+    bounds_moved = bool(np.any(known & (np.abs(prev - in_force) > EPS)))
+    _trim_overbooking(prev, floors, classes)
+    now_u = _utility_of(values, table, prev, capacity)
+    target_u = _utility_of(values, table, targets, capacity)
+    new = bool(np.any(has & ~known))
+    if new or bounds_moved or target_u - now_u > params.min_gain * max(now_u, EPS):
+        shares, _ = _move(targets, prev, floors, classes, params, has)
+    else:
+        shares = prev.copy()
+    shrink = has & (table.max_hit < NO_REUSE_HIT_RATIO) & (shares > targets + EPS)
+    if shrink.any():
+        shares[shrink] = targets[shrink]
+        _refill(shares, targets)
+    shares = np.where(known, shares, targets)
+    _trim_overbooking(shares, floors, classes)
+    # a settled allocation is a fixed point: rounding must not make it wander
+    return np.where(known & (np.abs(shares - prev) <= SNAP), prev, shares)
 
 
 #: Bisection steps of :func:`_fill_level` (over a 1e12 range of levels: 2.6e-5 apart).
 FILL_LEVEL_STEPS = 20
+#: How far (log of the level) :func:`_fill_level` looks on either side of its estimate when
+#: the estimate's bracket misses the level: each a full pass over every row.
+_LEVEL_WIDENING = (1e-4, 1e-2, 1.0)
+
+
+class _Level(NamedTuple):
+    """Every row's share and choice at one level (its log), and whether their total fits."""
+
+    at: float
+    shares: FloatArray
+    picks: IntArray
+    fits: bool
 
 
 def _fill_level(
     table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
 ) -> FloatArray:
-    """Shares from ``lo`` (up to ``hi``) at the lowest utility level that still fits.
+    """:func:`_fill`'s shares."""
+    return _fill(table, values, lo, hi, capacity)[0]
+
+
+def _fill(
+    table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
+) -> tuple[FloatArray, tuple[BoolArray, float] | None]:
+    """Shares from ``lo`` (up to ``hi``) at the lowest utility level that still fits, and
+    what it tells :func:`_greedy` (its ``within``; None: nothing).
 
     At a level λ (utility per share) each tenant takes the curve point (or
     ``lo`` or ``hi``) maximising ``value · hit - λ · share``: the vertices of
@@ -806,93 +883,270 @@ def _fill_level(
     fits (found by bisection, all tenants at once) are what it would have
     granted before the first segment that no longer fits; :func:`_greedy`
     finishes from there in a few steps instead of one per segment.
+
+    The bisection's path (its levels are midpoints, each decided by whether
+    the total fits) is fixed by where the total first fits, and the total
+    only falls as the level rises. So an estimate of that level from every
+    tenant's hull segments (:class:`_Segments`) predicts the path; the two
+    ends of its last bracket are computed exactly, and every decision on the
+    path follows from them. Where the estimate misses, each level still
+    undecided is computed exactly, each tenant only between its choices at
+    the nearest levels known on either side. The shares are those of
+    computing every level of the path over every tenant, bit for bit
+    (tested against such a full scan). A tenant whose choice is the same at
+    a lower level known (exactly) takes there what it takes at the level
+    found: none of its extensions from it is steeper than that lower level,
+    which the greedy is told (the tenants whose choice moves, and that level).
     """
     cap = float(capacity)
-    xs = table.xs / cap
-    cand = (xs > lo[:, None]) & (xs < hi[:, None])
-    xs = np.where(cand, xs, 0.0)
+    rows, width = table.rows, table.xs.shape[1]
+    # the candidates: each row's sizes strictly between lo and hi (ascending: a run of
+    # columns, first to last - 1)
+    if table.shared_xs is not None:
+        row = table.shared_xs / cap
+        xs = np.broadcast_to(row, table.xs.shape)
+        first = np.searchsorted(row, lo, side="right")
+        last = np.searchsorted(row, hi, side="left")
+    else:
+        xs = table.xs / cap
+        first = np.count_nonzero(xs <= lo[:, None], axis=1)
+        last = np.count_nonzero(xs < hi[:, None], axis=1)
+    columns = np.arange(width)
+    outside = (columns < first[:, None]) | (columns >= last[:, None])
     # values x hit ratio of every candidate, the part of each score no level changes
-    with np.errstate(invalid="ignore"):  # 0 x -inf: a tenant of no value, never chosen
-        gains = values[:, None] * np.where(cand, table.ys, -np.inf)
+    gains = values[:, None] * table.ys
+    gains[outside] = -np.inf  # never chosen
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
     gain_lo, gain_hi = values * at_lo, values * at_hi
+    flat_gains = gains.ravel()
+    work = np.empty_like(gains)  # one matrix for the scores, the chords and the steps
 
-    width = xs.shape[1]
-    flat_gains, flat_xs = gains.ravel(), xs.ravel()
+    def size(at: IntArray, col: IntArray) -> FloatArray:
+        """The sizes of rows ``at`` in columns ``col``."""
+        return row[col] if table.shared_xs is not None else xs[at, col]
 
     def choose(
-        level: float, rows: IntArray, inner: FloatArray, col: IntArray
+        level: float, at: IntArray, inner: FloatArray, col: IntArray
     ) -> tuple[FloatArray, IntArray]:
-        """(shares, choices) of ``rows`` from their best column's score and index: -1 for
-        ``lo``, the column, or ``width`` for ``hi``, whichever scores best (first on ties)."""
-        best_lo = gain_lo[rows] - level * lo[rows]
-        best_hi = gain_hi[rows] - level * hi[rows]
+        """(shares, choices) of rows ``at`` from their best column's score and index: -1
+        for ``lo``, the column, or ``width`` for ``hi``, whichever scores best (first on
+        ties)."""
+        best_lo = gain_lo[at] - level * lo[at]
+        best_hi = gain_hi[at] - level * hi[at]
         to_lo = ~(inner > best_lo)
         to_hi = best_hi > np.maximum(best_lo, inner)
-        got = np.where(to_hi, hi[rows], np.where(to_lo, lo[rows], flat_xs[rows * width + col]))
+        got = np.where(to_hi, hi[at], np.where(to_lo, lo[at], size(at, col)))
         return got, np.where(to_hi, width, np.where(to_lo, -1, col))
 
     def take_every(level: float) -> tuple[FloatArray, IntArray]:
         """Every row's (share, choice) at ``level``, scoring every column."""
-        score = gains - level * xs
+        # (one row of sizes when shared: no matrix of them)
+        scaled = level * (row if table.shared_xs is not None else xs)
+        score = np.subtract(gains, scaled, out=work)
         k = np.argmax(score, axis=1)  # the first best: the smallest share on a tie
-        return choose(level, table.rows, score[table.rows, k], k)
+        return choose(level, rows, score[rows, k], k)
 
-    def take(level: float, rows: IntArray, first: IntArray, last: IntArray) -> None:
-        """``rows``' shares and choices at ``level`` into ``shares`` and ``picks``, scoring
-        each row's columns ``first`` to ``last`` only (all rows' cells in one flat array),
+    def take(level: float, at: IntArray, lower: IntArray, upper: IntArray, into: _Level) -> None:
+        """Rows ``at``'s shares and choices at ``level`` into ``into``'s arrays, scoring
+        each row's columns ``lower`` to ``upper`` only (all rows' cells in one flat array),
         or every cell while most rows still move (gathering would cost more)."""
-        spans = last - first + 1
+        spans = upper - lower + 1
         total = int(spans.sum())
         if total == 0:
             return
         if 2 * total > gains.size:
             every, their = take_every(level)
-            shares[rows], picks[rows] = every[rows], their[rows]
+            into.shares[at], into.picks[at] = every[at], their[at]
             return
         starts = np.cumsum(spans) - spans
-        cols = np.repeat(first - starts, spans) + np.arange(total)
-        cells = np.repeat(rows * width, spans) + cols
-        score = flat_gains[cells] - level * flat_xs[cells]
+        cols = np.repeat(lower - starts, spans) + np.arange(total)
+        owners = np.repeat(at, spans)
+        score = flat_gains[owners * width + cols] - level * size(owners, cols)
         best = np.maximum.reduceat(score, starts)
         # the first best of each row (as argmax: the smallest share on a tie)
-        at = np.flatnonzero(score == np.repeat(best, spans))
-        col = cols[at[np.searchsorted(at, starts)]]
-        shares[rows], picks[rows] = choose(level, rows, best, col)
+        found = np.flatnonzero(score == np.repeat(best, spans))
+        col = cols[found[np.searchsorted(found, starts)]]
+        into.shares[at], into.picks[at] = choose(level, at, best, col)
+
+    #: Levels computed exactly so far, by level.
+    known: list[_Level] = []
+
+    def evaluate(at: float) -> _Level:
+        """Every row at level ``exp(at)``, exactly. A tenant's choice only moves to smaller
+        shares as the level rises: one that takes the same at the nearest known levels on
+        either side takes it in between, and the others take a column between those two
+        levels' (-1 and width: lo and hi, which are always weighed)."""
+        below = [k for k in known if k.at < at]
+        above = [k for k in known if k.at > at]
+        level = math.exp(at)
+        if below and above:
+            under, over = below[-1], above[0]
+            moving = np.flatnonzero(under.picks != over.picks)
+            found = _Level(at, over.shares.copy(), over.picks.copy(), False)
+            lower = np.maximum(over.picks[moving], 0)
+            take(level, moving, lower, np.minimum(under.picks[moving], width - 1), found)
+        else:
+            shares, picks = take_every(level)
+            found = _Level(at, shares, picks, False)
+        found = found._replace(fits=float(found.shares.sum()) <= 1.0)
+        known.insert(len(below), found)
+        return found
+
+    def fits(at: float) -> bool:
+        """Whether the total fits at level ``exp(at)``: from the known levels where they
+        decide it, else computed."""
+        for k in known:
+            if (k.fits and k.at <= at) or (not k.fits and k.at >= at):
+                return k.fits
+        return evaluate(at).fits
 
     with np.errstate(invalid="ignore", divide="ignore"):
         slopes = values * (np.maximum(at_hi, table.max_hit) - at_lo) / np.maximum(hi - lo, EPS)
     top = float(np.max(slopes, initial=0.0))
     if top <= 0.0 or not math.isfinite(top):
-        return lo
-    high, low = math.log(top * 2.0), math.log(top * 1e-12)
-    shares, picks = take_every(math.exp(low))
-    if float(shares.sum()) <= 1.0:
-        return shares
-    pick_low = picks
-    # A tenant's choice only moves to smaller shares as the level rises: one that takes
-    # the same at both ends of the bracket takes it in between, and the others take a
-    # column between their two ends' (-1 and width: lo and hi, which are always weighed).
-    at_high, pick_high = take_every(math.exp(high))
-    if float(at_high.sum()) > 1.0:
-        # a curve steeper near ``lo`` than its chord to its best: the top of the bracket
-        # is where every tenant keeps ``lo`` (twice the steepest step from it)
+        return lo, None
+    # (in logs where a tiny top's 1e-12 would underflow)
+    bottom = math.log(top * 1e-12) if top * 1e-12 > 0.0 else math.log(top) + math.log(1e-12)
+    high, low = math.log(top * 2.0), bottom
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        # each candidate's chord from ``lo`` (-inf elsewhere)
+        chords = np.subtract(gains, gain_lo[:, None], out=work)
+        chords /= xs - lo[:, None]
+    chords[outside] = -np.inf
+    reach = np.argmax(chords, axis=1)  # the first steepest chord's candidate
+    chord = chords[rows, reach]
+    with np.errstate(invalid="ignore"):
+        steepest = np.fmax(np.max(chords, axis=1, initial=0.0), slopes)
+
+    def keeps_lo() -> float:
+        """A level where every tenant keeps ``lo``: twice the steepest step from it (the top
+        of the bracket when a curve is steeper near ``lo`` than its chord to its best)."""
+        return math.log(2.0 * float(np.nanmax(steepest, initial=top)))
+
+    def bracket(decide: Callable[[float], bool]) -> tuple[float, float] | None:
+        """The bisection's last bracket (its low and high ends, as logs) with the
+        decisions ``decide`` makes; None where the lowest level fits."""
+        if decide(low):
+            return None
+        lower, upper = low, high if decide(high) else keeps_lo()
+        for _ in range(FILL_LEVEL_STEPS):
+            mid = (upper + lower) / 2.0
+            if decide(mid):
+                upper = mid
+            else:
+                lower = mid
+        return lower, upper
+
+    segments = _Segments(gains, xs, reach, chord, last, lo, work)
+    guess = segments.guess(1.0 - float(lo.sum()))
+    if math.isfinite(guess):
+        predicted = bracket(lambda at: at >= guess)
+        for at in (low,) if predicted is None else predicted:
+            evaluate(at)
+        for step in _LEVEL_WIDENING:  # the estimate missed: known levels on either side
+            fitting = [k.fits for k in known]
+            if all(fitting) == any(fitting):
+                evaluate(guess - step if all(fitting) else guess + step)
+    end = bracket(fits)
+    at = low if end is None else end[1]
+    found = next((k for k in known if k.at == at), None) or evaluate(at)
+    under = [k for k in known if k.at < at]
+    if end is None or not under:
+        return found.shares, None
+    return found.shares, (under[-1].picks != found.picks, math.exp(under[-1].at))
+
+
+class _Segments:
+    """Every tenant's hull, as segments, for an estimate of the level at which the shares of
+    :func:`_fill_level` fit.
+
+    A tenant's segments: the chord from ``lo`` to its steepest point (``reach``, with
+    slope ``chord``), then from point to point up to its last candidate (``last`` - 1);
+    a segment is taken at every level below its slope. Exact where a curve is concave
+    past its steepest chord (but for rounding).
+    """
+
+    def __init__(
+        self,
+        gains: FloatArray,
+        xs: FloatArray,
+        reach: IntArray,
+        chord: FloatArray,
+        last: IntArray,
+        lo: FloatArray,
+        work: FloatArray,
+    ) -> None:
+        n, width = gains.shape
+        steps = work[:, : width - 1]
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            steps = (gains - gain_lo[:, None]) / np.where(xs > 0.0, xs - lo[:, None], np.nan)
-            steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
-        high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
-        at_high, pick_high = take_every(math.exp(high))
-    for _ in range(FILL_LEVEL_STEPS):
-        mid = (high + low) / 2.0
-        moving = np.flatnonzero(pick_low != pick_high)
-        shares, picks = at_high.copy(), pick_high.copy()
-        first = np.maximum(pick_high[moving], 0)
-        take(math.exp(mid), moving, first, np.minimum(pick_low[moving], width - 1))
-        if float(shares.sum()) <= 1.0:
-            high, at_high, pick_high = mid, shares, picks
-        else:
-            low, pick_low = mid, picks
-    return at_high
+            gaps = np.diff(xs[:1] if xs.strides[0] == 0 else xs, axis=1)  # a row when shared
+            np.subtract(gains[:, 1:], gains[:, :-1], out=steps)  # -inf - -inf: outside
+            steps /= gaps
+        ends = np.arange(1, width)  # segment k ends at column k + 1
+        self.after = (ends > reach[:, None]) & (ends < last[:, None])
+        self.steps, self.gaps = steps, np.broadcast_to(gaps, steps.shape)
+        with np.errstate(invalid="ignore"):
+            chorded = (chord > 0.0) & np.isfinite(chord)
+        self.chord = chord[chorded]
+        self.reached = (xs[np.arange(n), reach] - lo)[chorded]
+
+    def taken(self, slope: float) -> float:
+        """The width of every segment steeper than ``slope``."""
+        with np.errstate(invalid="ignore"):
+            steeper = (self.steps > slope) & self.after
+        return float(np.sum(self.gaps, where=steeper)) + float(
+            self.reached[self.chord > slope].sum()
+        )
+
+    def between(self, lower: float, upper: float) -> tuple[FloatArray, FloatArray]:
+        """(slopes, widths) of the segments with a slope in (lower, upper]."""
+        with np.errstate(invalid="ignore"):
+            inside = (self.steps > lower) & (self.steps <= upper) & self.after
+        chords = (self.chord > lower) & (self.chord <= upper)
+        return (
+            np.concatenate([self.steps[inside], self.chord[chords]]),
+            np.concatenate([self.gaps[inside], self.reached[chords]]),
+        )
+
+    def guess(self, need: float) -> float:
+        """The log of the slope of the segment whose taking makes the widths taken exceed
+        ``need``, segments taken steepest first (+inf: ``need`` < 0; the last one's when
+        none does)."""
+        if need < 0.0:
+            return math.inf
+        # where a sample of the rows overflows, then every segment near that
+        step = max(1, self.steps.shape[0] // _GUESS_SAMPLE)
+        sample = _Segments.__new__(_Segments)
+        sample.steps, sample.gaps = self.steps[::step], self.gaps[::step]
+        sample.after = self.after[::step]
+        sample.chord, sample.reached = self.chord[::step], self.reached[::step]
+        near = _overflowing(*sample.between(0.0, math.inf), need / step, 0.0)
+        for spread in _GUESS_SPREADS:
+            upper, lower = near * spread, near / spread
+            taken = self.taken(upper)
+            if taken > need or self.taken(lower) <= need:
+                continue
+            return math.log(_overflowing(*self.between(lower, upper), need, taken))
+        if self.taken(0.0) <= need:
+            return -math.inf
+        return math.log(_overflowing(*self.between(0.0, math.inf), need, 0.0))
+
+
+#: Rows :meth:`_Segments.guess` reads first, to estimate where to look among all.
+_GUESS_SAMPLE = 500
+#: How far (a factor of the slope) :meth:`_Segments.guess` looks around the sample's
+#: estimate, in turn, before it looks at every segment.
+_GUESS_SPREADS = (1.05, 1.3, 3.0)
+
+
+def _overflowing(slopes: FloatArray, widths: FloatArray, need: float, taken: float) -> float:
+    """The slope of the segment whose taking makes ``taken`` plus the widths taken exceed
+    ``need``, steepest first (the last one when none does)."""
+    if slopes.size == 0:
+        return 1.0
+    order = np.argsort(-slopes, kind="stable")
+    k = int(np.searchsorted(taken + np.cumsum(widths[order]), need, side="right"))
+    return float(slopes[order[min(k, order.size - 1)]])
 
 
 def _rounded(values: FloatArray, keep: BoolArray) -> list[float | None]:
@@ -1001,8 +1255,13 @@ def _protected(
 
 
 def _utility(plans: _Plans, shares: FloatArray, capacity: int) -> float:
-    hits = plans.table.at(shares * capacity)
-    products = (plans.values * hits)[plans.table.present]
+    return _utility_of(plans.values, plans.table, shares, capacity)
+
+
+def _utility_of(values: FloatArray, table: CurveTable, shares: FloatArray, capacity: int) -> float:
+    """Value x predicted hit ratio, summed over the tenants with a curve in ``table``."""
+    hits = table.at(shares * capacity)
+    products = (values * hits)[table.present]
     return float(sum(products.tolist()))  # in spec order, one by one
 
 
@@ -1145,7 +1404,18 @@ def _best_extension(
     return best
 
 
-def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) -> None:
+#: How much steeper than the bound :func:`_greedy` is given the rows it leaves out must be
+#: before it takes from the others first (float rounding of the same slopes, with room).
+_WITHIN_MARGIN = 1e-6
+
+
+def _greedy(
+    plans: _Plans,
+    shares: FloatArray,
+    caps: FloatArray,
+    capacity: int,
+    within: tuple[BoolArray, float] | None = None,
+) -> None:
     """Hand out what is left by marginal utility, looking ahead over cliffs (in place).
 
     UCP's lookahead (Qureshi & Patt, MICRO'06): each step gives the tenant
@@ -1159,6 +1429,13 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     ever taken: sorting them beats making a heap of them all); the recomputed
     ones wait in a heap; each step takes the better of the two fronts, in the
     order one heap of them all would give.
+
+    ``within`` (rows, bound): no tenant outside ``rows`` has an extension
+    worth more than ``bound`` per share (what :func:`_fill` knows of the
+    tenants whose choice its last bracket does not move). Their first
+    extensions are computed only once the best offer left is worth no more
+    than that (with a margin for rounding), as they were at the start, and
+    join the sorted front: the same steps, in the same order, as without.
     """
     left = 1.0 - float(shares.sum())
     if left <= EPS or capacity <= 0:
@@ -1170,16 +1447,26 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     # gains this small relative to the largest tenant's value are noise
     noise = float(values[active].max()) * 1e-9
     hi = np.minimum(caps, shares + left)
-    per, to = plans.table.best_extensions(values, shares, hi, capacity, active)
-    with np.errstate(invalid="ignore"):
-        kept = per > noise  # NaN (no extension) is not
-    first_keys, first_ids, first_ends = -per[kept], active[kept], to[kept]
-    order = np.lexsort((first_ids, first_keys))  # as the heap orders (key, tenant)
-    first_keys, first_ids, first_ends = first_keys[order], first_ids[order], first_ends[order]
+    later: IntArray | None = None
+    if within is not None:
+        rows, bound = within
+        later, active = active[~rows[active]], active[rows[active]]
+        cutoff = bound * (1.0 + _WITHIN_MARGIN)
+
+    def firsts(of: IntArray) -> tuple[FloatArray, IntArray, FloatArray]:
+        """The first offers of ``of`` (keys, tenants, ends), as the heap orders them."""
+        per, to = plans.table.best_extensions(values, shares, hi, capacity, of)
+        with np.errstate(invalid="ignore"):
+            kept = per > noise  # NaN (no extension) is not
+        keys, ids, ends = -per[kept], of[kept], to[kept]
+        order = np.lexsort((ids, keys))  # as the heap orders (key, tenant)
+        return keys[order], ids[order], ends[order]
+
+    first_keys, first_ids, first_ends = firsts(active)
     heap: list[tuple[float, int, float]] = []
 
     def first_offer(k: int) -> tuple[float, int, float] | None:
-        if k >= order.size:
+        if k >= first_keys.size:
             return None
         return (float(first_keys[k]), int(first_ids[k]), float(first_ends[k]))
 
@@ -1194,6 +1481,23 @@ def _greedy(plans: _Plans, shares: FloatArray, caps: FloatArray, capacity: int) 
     k = 0
     front = first_offer(k)
     while left > EPS:
+        if later is not None:
+            best = min(front or (math.inf,), heap[0] if heap else (math.inf,))[0]
+            if -best <= cutoff:  # the rows left out may compete from here: their first offers
+                # (their shares and ``hi`` are as at the start) join the front
+                keys, ids, ends = firsts(later)
+                first_keys = np.concatenate([first_keys[k:], keys])
+                first_ids = np.concatenate([first_ids[k:], ids])
+                first_ends = np.concatenate([first_ends[k:], ends])
+                order = np.lexsort((first_ids, first_keys))
+                first_keys, first_ids, first_ends = (
+                    first_keys[order],
+                    first_ids[order],
+                    first_ends[order],
+                )
+                later, k = None, 0
+                front = first_offer(k)
+                continue
         if front is not None and (not heap or front < heap[0]):
             _, i, end = front
             k += 1
@@ -1252,6 +1556,7 @@ def allocate(
     l1_capacity: int,
     l2_capacity: int,
     params: AllocationParams | None = None,
+    previous_l2: Mapping[str, int] | None = None,
 ) -> Allocation:
     """Compute every tenant's share and bytes.
 
@@ -1263,15 +1568,17 @@ def allocate(
     share in force (``None`` or missing tenants: the target at once).
     Curves are in L1 bytes per pod, so ``l1_capacity`` is the size they are
     read at; L2 bytes go by the fleet curves (:func:`_l2_bytes`; the L1
-    shares for a tenant without one). Per-tenant work is done on
-    arrays (numpy), so 10,000 tenants with curves take tens of milliseconds.
+    shares for a tenant without one), moving from ``previous_l2`` (tenant ->
+    L2 bytes in force) as the shares move from ``previous``. Per-tenant work
+    is done on arrays (numpy), so 10,000 tenants with curves take tens of
+    milliseconds.
     """
     params = params or AllocationParams()
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
     with _collector_paused():
-        return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params)
+        return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params, previous_l2)
 
 
 @contextmanager
@@ -1299,6 +1606,7 @@ def _allocate(
     l1_capacity: int,
     l2_capacity: int,
     params: AllocationParams,
+    previous_l2: Mapping[str, int] | None,
 ) -> Allocation:
     cols = _Columns.of(tenants, metrics)
     names, classes = cols.names, cols.classes
@@ -1366,7 +1674,13 @@ def _allocate(
         shares = np.where(has_prev & (np.abs(shares - prev) <= SNAP), prev, shares)
 
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _l2_bytes(plans, cols.fleet, shares, (floors, caps), classes, l2_capacity)
+    # L2 bytes in force, as given (None: NaN)
+    l2_in_force = (
+        np.array(list(map(previous_l2.get, names)), dtype=np.float64) if previous_l2 else None
+    )
+    l2 = _l2_bytes(
+        plans, cols.fleet, shares, (floors, caps), classes, l2_capacity, (l2_in_force, params)
+    )
     at_floor = (floors > 0.0) & (shares <= floors + EPS)
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     # the note's index in _NOTES (the same four strings for every row, not one each)
@@ -1401,12 +1715,14 @@ def hold(
     previous: Mapping[str, float],
     l1_capacity: int,
     l2_capacity: int,
+    previous_l2: Mapping[str, int] | None = None,
 ) -> Allocation:
     """Keep the shares in force (metrics unavailable), within the spec's current bounds.
 
     Tenants without a previous share get their floor; if the spec's bounds
     changed so that the kept shares overbook capacity, slack is trimmed as in
-    :func:`allocate`.
+    :func:`allocate`. L2 bytes in force (``previous_l2``) are kept alike; a
+    tenant without any gets its share of L2.
     """
     tenants = tuple(tenants)
     if not tenants:
@@ -1417,7 +1733,12 @@ def hold(
     shares = np.clip(np.where(np.isnan(prev), floors, prev), floors, caps)
     _trim_overbooking(shares, floors, classes)
     l1 = _to_bytes(shares, floors, l1_capacity)
-    l2 = _to_bytes(shares, floors, l2_capacity)
+    l2_shares = shares
+    if previous_l2 and l2_capacity > 0:
+        kept = _floats([previous_l2.get(d.name) for d in tenants]) / l2_capacity
+        l2_shares = np.clip(np.where(np.isnan(kept), shares, kept), floors, caps)
+        _trim_overbooking(l2_shares, floors, classes)
+    l2 = _to_bytes(l2_shares, floors, l2_capacity)
     out = tuple(
         TenantAllocation(d.name, d.priority_class, s, s, 0.0, a, b, None, "held")
         for d, s, a, b in zip(tenants, shares.tolist(), l1, l2, strict=True)

@@ -668,6 +668,7 @@ class Reconciler:
 
         cache = cache_ref(namespace, name)
         prev_shares = {t.name: t.share for t in previous.tenants or []}
+        prev_l2 = {t.name: t.l2_bytes for t in previous.tenants or []}
         demands = demands_from_spec(spec)
         faults: list[tuple[str, str]] = []
 
@@ -697,9 +698,10 @@ class Reconciler:
                 l1_bytes,
                 l2_bytes,
                 params,
+                prev_l2 or None,
             )
         elif prev_shares:
-            allocation = hold(demands, prev_shares, l1_bytes, l2_bytes)
+            allocation = hold(demands, prev_shares, l1_bytes, l2_bytes, prev_l2)
         else:
             allocation = allocate(demands, {}, None, l1_bytes, l2_bytes)
 

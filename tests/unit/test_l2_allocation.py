@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachefleet_bench.allocation import workload as bench_workload
 from cachefleet_operator import allocation
@@ -111,6 +114,20 @@ def test_holding_the_shares_keeps_l2_with_them() -> None:
     assert [t.l2_bytes for t in held.tenants] == [L2 // 2, L2 // 2]
 
 
+def test_holding_keeps_the_l2_bytes_in_force_that_went_by_the_fleet_curves() -> None:
+    """Metrics unavailable: L2 bytes that the fleet curves placed stay where they are
+    (within bounds), not back to the L1 shares; a tenant without any gets its share."""
+    in_force = {"reuser": int(0.9 * L2), "scanner": int(0.1 * L2)}
+    held = hold(demands(), {"reuser": 0.5, "scanner": 0.5}, L1, L2, in_force)
+    assert [t.l2_bytes for t in held.tenants] == [in_force["reuser"], in_force["scanner"]]
+    assert [t.l1_bytes for t in held.tenants] == [L1 // 2, L1 // 2]
+    partly = hold(demands(), {"reuser": 0.5, "scanner": 0.5}, L1, L2, {"reuser": L2 // 4})
+    assert [t.l2_bytes for t in partly.tenants] == [L2 // 4, L2 // 2]
+    # a floor raised above the bytes kept: brought up to it
+    raised = hold(demands(min_share=0.2), {"reuser": 0.5, "scanner": 0.5}, L1, L2, in_force)
+    assert raised.by_name()["scanner"].l2_bytes == pytest.approx(0.2 * L2, abs=1)
+
+
 def knee_of(made: HitCurve | None) -> float:
     """Where the curve stops rising: the first point at its best."""
     assert made is not None
@@ -171,7 +188,7 @@ def test_the_level_step_changes_nothing_the_greedy_decides(
             fleet_curve=curve(points),
         )
     leveled = allocate(tenants, ms, None, L1, L2)
-    monkeypatch.setattr(allocation, "_fill_level", lambda table, values, lo, hi, cap: lo)
+    monkeypatch.setattr(allocation, "_fill", lambda table, values, lo, hi, cap: (lo, None))
     greedy = allocate(tenants, ms, None, L1, L2)
     assert sum(t.l2_bytes for t in greedy.tenants) >= 0.999 * L2  # L2 ran out: no shortcut
     for a, b in zip(leveled.tenants, greedy.tenants, strict=True):
@@ -206,7 +223,8 @@ def full_scan_fill_level(
     top = float(np.max(slopes, initial=0.0))
     if top <= 0.0 or not math.isfinite(top):
         return lo
-    high, low = math.log(top * 2.0), math.log(top * 1e-12)
+    bottom = math.log(top * 1e-12) if top * 1e-12 > 0.0 else math.log(top) + math.log(1e-12)
+    high, low = math.log(top * 2.0), bottom
     if float(take(math.exp(low)).sum()) <= 1.0:
         return take(math.exp(low))
     if float(take(math.exp(high)).sum()) > 1.0:  # where every tenant keeps lo
@@ -256,6 +274,82 @@ def test_the_level_bisection_rescoring_only_moving_tenants_answers_as_a_full_sca
     assert float(got.sum()) <= 1.0
 
 
+@st.composite
+def fill_level_cases(
+    draw: st.DrawFn,
+) -> tuple[CurveTable, FloatArray, FloatArray, FloatArray, int]:
+    """Tables with shared sizes or not (curves of their own, rows without one), values
+    from none to many orders of magnitude, floors, caps and capacities of every kind."""
+    n = draw(st.integers(1, 120))
+    cap = draw(st.sampled_from((L2 // 100, L2, 4 * L2)))
+    shared = draw(st.booleans())
+    curves: list[HitCurve | None] = []
+    for _ in range(n):
+        if not shared and draw(st.booleans()) and draw(st.booleans()):
+            curves.append(None)
+            continue
+        scale = draw(st.floats(0.01, 10.0)) * cap / n
+        skew, reach = draw(st.floats(0.3, 2.0)), draw(st.floats(0.0, 1.0))
+        bounds = BUCKETS if shared else sorted(set(draw(st.lists(st.sampled_from(BUCKETS)))))
+        flat = draw(st.booleans())  # plateaus: ties between columns
+        points = [
+            (b, reach * (1.0 if flat and b > scale else 1.0 - math.exp(-((b / scale) ** skew))))
+            for b in bounds
+        ]
+        curves.append(curve(points) if points else None)
+    table = CurveTable(curves)
+    values = np.array(
+        draw(st.lists(st.sampled_from((0.0, 1e-6, 0.3, 1.0, 7.0, 1e4)), min_size=n, max_size=n))
+    )
+    lo = np.array(draw(st.lists(st.sampled_from((0.0, 0.2 / n, 1e-9)), min_size=n, max_size=n)))
+    hi = np.maximum(
+        lo,
+        np.array(draw(st.lists(st.sampled_from((0.0, 0.01, 0.2, 1.0)), min_size=n, max_size=n))),
+    )
+    return table, values, lo, hi, cap
+
+
+@settings(max_examples=300, deadline=None)
+@given(fill_level_cases(), st.sampled_from((None, -30.0, -1e-3, 0.0, 1e-6, 2.0)))
+def test_the_level_bisection_from_an_estimate_answers_as_a_full_scan(
+    case: tuple[CurveTable, FloatArray, FloatArray, FloatArray, int], miss: float | None
+) -> None:
+    """The bisection's path is predicted from an estimate of where the shares first fit and
+    only its last bracket is computed: right or wrong (``miss``: the estimate moved by
+    that much, in logs), the shares are the full scan's, bit for bit."""
+    table, values, lo, hi, cap = case
+    if miss is None:
+        got = allocation._fill_level(table, values, lo, hi, cap)
+    else:
+        guess = allocation._Segments.guess
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                allocation._Segments, "guess", lambda self, need: guess(self, need) + miss
+            )
+            got = allocation._fill_level(table, values, lo, hi, cap)
+    want = full_scan_fill_level(table, values, lo, hi, cap)
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_the_estimate_of_the_level_predicts_the_bisections_last_bracket(seed: int) -> None:
+    """On the bench's fleet workload the estimate lands in the bisection's last bracket:
+    two levels are computed (its two ends), not one per step."""
+    levels = []
+
+    class Counted(allocation._Level):
+        def __new__(cls, *fields: object) -> Counted:
+            levels.append(fields[0])
+            return super().__new__(cls, *fields)  # type: ignore[arg-type]
+
+    tenants, ms = bench_workload(2_000, seed, fleet=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allocation, "_Level", Counted)
+        got = allocate(tenants, ms, None, L1, L2)
+    assert len(levels) == 2
+    assert sum(t.l2_bytes for t in got.tenants) >= 0.999 * L2  # the bisection ran
+
+
 @pytest.mark.parametrize("n", [1_000, 3_000])
 def test_l2_bytes_never_exceed_l2_when_curves_are_steepest_near_their_floor(n: int) -> None:
     """Curves that rise steeply just above a tenant's floor and keep rising past its cap
@@ -267,3 +361,121 @@ def test_l2_bytes_never_exceed_l2_when_curves_are_steepest_near_their_floor(n: i
         total = sum(t.l2_bytes for t in got.tenants)
         assert l2 * 0.999 <= total <= l2
         assert sum(t.l1_bytes for t in got.tenants) <= L1
+
+
+def fleet_metrics(wobble: float = 0.0, reach: float = 0.9) -> dict[str, TenantMetrics]:
+    """Four tenants alike whose fleet curves all want more L2 than there is (``wobble``:
+    every hit ratio moved by up to that fraction, as noise would, which decides who gets
+    the segments they tie for; ``reach``: the first one's best hit ratio fleet-wide, the
+    others' 0.9)."""
+    rng = random.Random(1)
+    out = {}
+    for i, scale in enumerate((0.15, 0.15, 0.15, 0.15)):
+        best = reach if i == 0 else 0.9
+        points = [
+            (f * L2, best * (1.0 - math.exp(-f / scale)) * (1.0 + rng.uniform(-wobble, wobble)))
+            for f in (0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.7)
+        ]
+        out[f"t{i}"] = TenantMetrics(
+            hit_ratio=0.3,
+            rps=50.0,
+            curve=PER_POD,
+            miss_latency=misses(),
+            fleet_curve=curve(sorted(points)),
+        )
+    return out
+
+
+def test_a_wobble_of_the_fleet_curves_moves_no_l2_byte_a_real_change_does() -> None:
+    """L2 bytes move by the rule the L1 shares follow: only for a gain above ``minGain``,
+    then half-way. Noise on the fleet curves moves the targets a little and no byte; a
+    tenant whose keys come back far less often fleet-wide gives half of what it loses up
+    at once, and one whose keys stop coming back all of it."""
+    tenants = [TenantDemand(f"t{i}", PriorityClass.STANDARD, 0.05, 1.0) for i in range(4)]
+    first = allocate(tenants, fleet_metrics(), None, L1, L2)
+    shares = first.shares()
+    in_force = {t.name: t.l2_bytes for t in first.tenants}
+    wobbled = fleet_metrics(wobble=0.01)
+    # the targets move with the wobble: without the bytes in force, L2 would follow them
+    fresh = allocate(tenants, wobbled, shares, L1, L2)
+    assert max(abs(t.l2_bytes - in_force[t.name]) for t in fresh.tenants) > 0.001 * L2
+    held = allocate(tenants, wobbled, shares, L1, L2, previous_l2=in_force)
+    assert {t.name: t.l2_bytes for t in held.tenants} == in_force
+    assert held.shares() == shares  # L1 moved no more than before
+    # a real change: t0's keys come back a third as often
+    changed = fleet_metrics(reach=0.3)
+    target = allocate(tenants, changed, shares, L1, L2).by_name()
+    moved = allocate(tenants, changed, shares, L1, L2, previous_l2=in_force).by_name()
+    assert target["t0"].l2_bytes < in_force["t0"] - 0.05 * L2
+    halfway = in_force["t0"] + 0.5 * (target["t0"].l2_bytes - in_force["t0"])
+    assert moved["t0"].l2_bytes == pytest.approx(halfway, rel=1e-6)
+    assert sum(t.l2_bytes for t in moved.values()) <= L2
+    for name in ("t1", "t2", "t3"):  # what t0 gives up goes to the others
+        assert moved[name].l2_bytes >= in_force[name]
+    assert sum(moved[n].l2_bytes for n in ("t1", "t2", "t3")) > sum(
+        in_force[n] for n in ("t1", "t2", "t3")
+    )
+    # t0's keys stop coming back: its floor at once (no reuse is never held)
+    scan = allocate(tenants, fleet_metrics(reach=0.0), shares, L1, L2, previous_l2=in_force)
+    assert scan.by_name()["t0"].l2_bytes == pytest.approx(0.05 * L2, abs=1)
+
+
+def test_l2_bytes_in_force_outside_the_bounds_are_brought_in_at_once() -> None:
+    """A share of L2 in force above a tenant's maxShare (the spec changed, or L2 shrank)
+    is not held: the bytes move, within bounds, as the L1 shares do when bounds move."""
+    tenants = [TenantDemand(f"t{i}", PriorityClass.STANDARD, 0.05, 1.0) for i in range(4)]
+    first = allocate(tenants, fleet_metrics(), None, L1, L2)
+    in_force = {t.name: t.l2_bytes for t in first.tenants}
+    capped = [replace(t, max_share=0.1) if t.name == "t3" else t for t in tenants]
+    again = allocate(capped, fleet_metrics(), first.shares(), L1, L2, previous_l2=in_force)
+    assert in_force["t3"] > 0.1 * L2
+    assert again.by_name()["t3"].l2_bytes <= 0.1 * L2
+    assert sum(t.l2_bytes for t in again.tenants) <= L2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(20, 600),
+    st.integers(0, 10_000),
+    st.sampled_from((L2 // 16, L2 // 2, L2, 4 * L2)),
+    st.booleans(),
+)
+def test_the_greedy_told_who_the_last_bracket_moves_hands_out_l2_as_without(
+    n: int, seed: int, l2: int, in_force: bool
+) -> None:
+    """After the level bisection the greedy first offers only the tenants whose choice its
+    last bracket moves, and the others once the offers left are worth no more than that
+    bracket's lower level: the L2 bytes are those of offering every tenant from the start,
+    bit for bit."""
+    tenants, ms = bench_workload(n, seed, fleet=True)
+    first = allocate(tenants, ms, None, L1, l2)
+    previous = first.shares() if in_force else None
+    got = allocate(tenants, ms, previous, L1, l2)
+    fill = allocation._fill
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(allocation, "_fill", lambda *args: (fill(*args)[0], None))
+        want = allocate(tenants, ms, previous, L1, l2)
+    assert [t.l2_bytes for t in got.tenants] == [t.l2_bytes for t in want.tenants]
+    assert got.tenants == want.tenants
+
+
+@settings(max_examples=200, deadline=None)
+@given(fill_level_cases(), st.data())
+def test_the_greedy_offering_some_tenants_first_steps_as_offering_all(
+    case: tuple[CurveTable, FloatArray, FloatArray, FloatArray, int], data: st.DataObject
+) -> None:
+    """Any tenants offered first, the others once no offer left is worth more than the best
+    of theirs at the start: the same shares as offering every tenant from the start."""
+    table, values, lo, hi, cap = case
+    n = values.size
+    shares = lo * min(1.0, 0.9 / max(float(lo.sum()), 1e-12))
+    first = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    left = 1.0 - float(shares.sum())
+    active = np.flatnonzero(table.present & (values > 0.0) & ~first)
+    per, _ = table.best_extensions(values, shares, np.minimum(hi, shares + left), cap, active)
+    bound = float(np.nanmax(per, initial=0.0))
+    plans = allocation._Plans(values, table, allocation.LatencyTable([None] * n), [""] * n)
+    got, want = shares.copy(), shares.copy()
+    allocation._greedy(plans, got, hi, cap, (first, bound))
+    allocation._greedy(plans, want, hi, cap)
+    assert got.tobytes() == want.tobytes()
