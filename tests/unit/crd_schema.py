@@ -50,3 +50,18 @@ def validator_for(kind_plural: str) -> jsonschema.Draft4Validator:
     converted = to_json_schema(schema)
     converted["properties"]["metadata"] = {"type": "object"}
     return jsonschema.Draft4Validator(converted)
+
+
+def spec_errors(raw_spec: dict[str, Any], sep: str = ".") -> list[str]:
+    """The paths (joined by ``sep``) the InferenceCache schema refuses in an object
+    with ``raw_spec``."""
+    obj = {
+        "apiVersion": "cachefleet.io/v1alpha1",
+        "kind": "InferenceCache",
+        "metadata": {"name": "chat"},
+        "spec": raw_spec,
+    }
+    return [
+        sep.join(str(p) for p in err.absolute_path)
+        for err in validator_for("inferencecaches").iter_errors(obj)
+    ]

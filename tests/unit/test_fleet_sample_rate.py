@@ -23,7 +23,7 @@ from cachefleet_sidecar.contract.fleet import (
     encode_fleet_batch,
 )
 
-from .crd_schema import validator_for
+from .crd_schema import spec_errors
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "inferencecache.yaml"
 CACHE = "ns/chat"
@@ -37,11 +37,7 @@ def spec(**fields: Any) -> dict[str, Any]:
 
 
 def schema_errors(raw_spec: dict[str, Any]) -> list[str]:
-    obj = {"apiVersion": "cachefleet.io/v1alpha1", "kind": "InferenceCache", "spec": raw_spec}
-    return [
-        ".".join(str(p) for p in err.absolute_path)
-        for err in validator_for("inferencecaches").iter_errors(obj)
-    ]
+    return spec_errors(raw_spec)
 
 
 def sidecar_env(raw_spec: dict[str, Any]) -> dict[str, str]:

@@ -27,7 +27,7 @@ from cachefleet_operator.reconcile import (
 )
 from cachefleet_sidecar.contract.messages import QuotaAssignment
 
-from .crd_schema import validator_for
+from .crd_schema import spec_errors
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "inferencecache.yaml"
 
@@ -43,16 +43,7 @@ def table(raw: dict[str, Any]) -> QuotaAssignment:
 
 
 def schema_errors(raw_spec: dict[str, Any]) -> list[str]:
-    obj = {
-        "apiVersion": "cachefleet.io/v1alpha1",
-        "kind": "InferenceCache",
-        "metadata": {"name": "chat"},
-        "spec": raw_spec,
-    }
-    return [
-        "/".join(str(p) for p in e.absolute_path)
-        for e in validator_for("inferencecaches").iter_errors(obj)
-    ]
+    return spec_errors(raw_spec, sep="/")
 
 
 def test_ttl_and_cache_control_reach_the_quota_table() -> None:

@@ -23,7 +23,7 @@ from cachefleet_operator.reconcile import (
 from cachefleet_sidecar.contract.messages import QuotaAssignment
 from cachefleet_sidecar.contract.names import Policy
 
-from .crd_schema import validator_for
+from .crd_schema import spec_errors
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "inferencecache.yaml"
 
@@ -36,12 +36,7 @@ def spec(**defaults: Any) -> dict[str, Any]:
 
 
 def schema_errors(raw_spec: dict[str, Any]) -> list[str]:
-    """What the generated CRD's schema says about an object with ``raw_spec``."""
-    obj = {"apiVersion": "cachefleet.io/v1alpha1", "kind": "InferenceCache", "spec": raw_spec}
-    return [
-        ".".join(str(p) for p in err.absolute_path)
-        for err in validator_for("inferencecaches").iter_errors(obj)
-    ]
+    return spec_errors(raw_spec)
 
 
 def test_defaults_are_optional_and_filled_in() -> None:
