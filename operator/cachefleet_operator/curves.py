@@ -639,21 +639,40 @@ class CurveTable:
         best_to = np.full(rows.size, np.nan)
         scale = 1.0 + 1e-9
 
-        def offer(at: IntArray | slice, to: FloatArray, hit: FloatArray) -> None:
+        def offer(
+            at: IntArray | slice,
+            to: FloatArray,
+            hit: FloatArray,
+            of: tuple[FloatArray, ...] = (values, lo, base, best_per, best_to),
+        ) -> None:
+            """Offer ``to`` (at ``hit``) to rows ``at`` of ``of`` (values, lo, base, and
+            the best utility per share and new share so far, updated)."""
+            value, low, base_hit, per_best, to_best = of
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                gap = to - lo[at]
-                per = values[at] * (hit - base[at]) / gap
-                better = ~(gap <= eps) & (per > best_per[at] * scale)
-            best_per[at] = np.where(better, per, best_per[at])
-            best_to[at] = np.where(better, to, best_to[at])
+                gap = to - low[at]
+                per = value[at] * (hit - base_hit[at]) / gap
+                better = ~(gap <= eps) & (per > per_best[at] * scale)
+            per_best[at] = np.where(better, per, per_best[at])
+            to_best[at] = np.where(better, to, to_best[at])
 
         # a row's k-th candidate point is its column first + k: the rows with more than k
         # candidates take it together (fewer and fewer, as few rows span many points)
         count = np.where(ok & (first < last), last - first, 0)
-        for k in range(int(count.max(initial=0))):
-            at = np.flatnonzero(count > k)
-            row, col = rows[at], first[at] + k
-            offer(at, self.xs[row, col] / capacity, self.ys[row, col])
+        most = int(count.max(initial=0))
+        if most:
+            # the rows by count, most first: those with more than k candidates are the
+            # first ``more[k]``, so each step reads slices of arrays in that order, not gathers
+            by = np.argsort(-count, kind="stable")
+            more = np.searchsorted(-count[by], -np.arange(most), side="left").tolist()
+            ranked = (values[by], lo[by], base[by], best_per[by], best_to[by])
+            ranked_rows, ranked_first = rows[by], first[by]
+            shared = self.shared_xs
+            for k in range(most):
+                at = slice(0, more[k])
+                row, col = ranked_rows[at], ranked_first[at] + k
+                xs = self.xs[row, col] if shared is None else shared[col]  # every row's
+                offer(at, xs / capacity, self.ys[row, col], ranked)
+            best_per[by], best_to[by] = ranked[3], ranked[4]
         done = np.flatnonzero(ok)
         offer(done, hi[done], self._at(rows[done], hi[done] * capacity))
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
