@@ -587,17 +587,27 @@ class CurveTable:
         """:meth:`HitCurve.at` of every row at its size (0 without a curve)."""
         return self._at(self.rows, sizes)
 
+    def _size_at(self, rows: IntArray, cols: IntArray) -> FloatArray:
+        """``xs[rows, cols]``: from the one row of sizes when every row shares it."""
+        out: FloatArray = self.xs[rows, cols] if self.shared_xs is None else self.shared_xs[cols]
+        return out
+
+    def _hit_at(self, rows: IntArray, cols: IntArray) -> FloatArray:
+        """``ys[rows, cols]``, gathered from the flat matrix (faster than by two indices)."""
+        out: FloatArray = self.ys.ravel()[rows * self.ys.shape[1] + cols]
+        return out
+
     def _at(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
         """:meth:`at` of ``rows`` (each at its size)."""
         length = self.length if rows.size == self.rows.size else self.length[rows]
         hi = self._find(rows, sizes, right=True)
         lo = np.where(hi == 0, length - 1, hi - 1).clip(0)  # bisect's hi - 1 wraps at 0
         up = np.minimum(hi, np.maximum(length - 1, 0))
-        x0, y0 = self.xs[rows, lo], self.ys[rows, lo]
-        x1, y1 = self.xs[rows, up], self.ys[rows, up]
+        x0, y0 = self._size_at(rows, lo), self._hit_at(rows, lo)
+        x1, y1 = self._size_at(rows, up), self._hit_at(rows, up)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             inside = y0 + (y1 - y0) * (sizes - x0) / (x1 - x0)
-        out = np.where(hi >= length, self.ys[rows, np.maximum(length - 1, 0)], inside)
+        out = np.where(hi >= length, self._hit_at(rows, np.maximum(length - 1, 0)), inside)
         return np.where((sizes <= 0.0) | (length < 2), 0.0, out)
 
     def size_for(self, hit: FloatArray) -> FloatArray:
@@ -609,9 +619,9 @@ class CurveTable:
         k = _bisect(self.ys, hit - 1e-12, right=False, ends=length)  # the first point reaching it
         kk = np.minimum(k, np.maximum(length - 1, 0))
         prev = np.maximum(kk - 1, 0)
-        x, y = self.xs[rows, kk], self.ys[rows, kk]
-        px = np.where(k > 0, self.xs[rows, prev], 0.0)
-        py = np.where(k > 0, self.ys[rows, prev], 0.0)
+        x, y = self._size_at(rows, kk), self._hit_at(rows, kk)
+        px = np.where(k > 0, self._size_at(rows, prev), 0.0)
+        py = np.where(k > 0, self._hit_at(rows, prev), 0.0)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             size = np.where(y <= py, x, px + (x - px) * (hit - py) / (y - py))
         size = np.where(k >= length, np.nan, size)
