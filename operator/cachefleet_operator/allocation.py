@@ -451,7 +451,11 @@ _SPEC_NUMBERS = ("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min
 
 def _numbers(items: Iterable[object], name: str) -> FloatArray:
     """The attribute ``name`` of every item as floats, ``None`` as NaN."""
-    return np.array(_attr(items, name), dtype=np.float64)
+    values = _attr(items, name)
+    try:  # without a None, the same floats without numpy's look at every item's type first
+        return np.fromiter(values, dtype=np.float64, count=len(values))
+    except TypeError:  # a None
+        return np.array(values, dtype=np.float64)
 
 
 def _floats(values: list[float | None]) -> FloatArray:
@@ -515,8 +519,8 @@ class _Columns:
     ) -> _Columns:
         names = _attr(tenants, "name")
         priority = _attr(tenants, "priority_class")
-        # the spec's numbers: one row per attribute, None as NaN
-        numbers = np.array([_attr(tenants, name) for name in _SPEC_NUMBERS], dtype=np.float64)
+        # the spec's numbers: one array per attribute, None as NaN
+        numbers = [_numbers(tenants, name) for name in _SPEC_NUMBERS]
         table = MetricsTable.of(metrics)
         rows = table.rows_of(names)
         return cls(

@@ -587,17 +587,27 @@ class CurveTable:
         """:meth:`HitCurve.at` of every row at its size (0 without a curve)."""
         return self._at(self.rows, sizes)
 
+    def _size_at(self, rows: IntArray, cols: IntArray) -> FloatArray:
+        """``xs[rows, cols]``: from the one row of sizes when every row shares it."""
+        out: FloatArray = self.xs[rows, cols] if self.shared_xs is None else self.shared_xs[cols]
+        return out
+
+    def _hit_at(self, rows: IntArray, cols: IntArray) -> FloatArray:
+        """``ys[rows, cols]``, gathered from the flat matrix (faster than by two indices)."""
+        out: FloatArray = self.ys.ravel()[rows * self.ys.shape[1] + cols]
+        return out
+
     def _at(self, rows: IntArray, sizes: FloatArray) -> FloatArray:
         """:meth:`at` of ``rows`` (each at its size)."""
         length = self.length if rows.size == self.rows.size else self.length[rows]
         hi = self._find(rows, sizes, right=True)
         lo = np.where(hi == 0, length - 1, hi - 1).clip(0)  # bisect's hi - 1 wraps at 0
         up = np.minimum(hi, np.maximum(length - 1, 0))
-        x0, y0 = self.xs[rows, lo], self.ys[rows, lo]
-        x1, y1 = self.xs[rows, up], self.ys[rows, up]
+        x0, y0 = self._size_at(rows, lo), self._hit_at(rows, lo)
+        x1, y1 = self._size_at(rows, up), self._hit_at(rows, up)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             inside = y0 + (y1 - y0) * (sizes - x0) / (x1 - x0)
-        out = np.where(hi >= length, self.ys[rows, np.maximum(length - 1, 0)], inside)
+        out = np.where(hi >= length, self._hit_at(rows, np.maximum(length - 1, 0)), inside)
         return np.where((sizes <= 0.0) | (length < 2), 0.0, out)
 
     def size_for(self, hit: FloatArray) -> FloatArray:
@@ -609,9 +619,9 @@ class CurveTable:
         k = _bisect(self.ys, hit - 1e-12, right=False, ends=length)  # the first point reaching it
         kk = np.minimum(k, np.maximum(length - 1, 0))
         prev = np.maximum(kk - 1, 0)
-        x, y = self.xs[rows, kk], self.ys[rows, kk]
-        px = np.where(k > 0, self.xs[rows, prev], 0.0)
-        py = np.where(k > 0, self.ys[rows, prev], 0.0)
+        x, y = self._size_at(rows, kk), self._hit_at(rows, kk)
+        px = np.where(k > 0, self._size_at(rows, prev), 0.0)
+        py = np.where(k > 0, self._hit_at(rows, prev), 0.0)
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             size = np.where(y <= py, x, px + (x - px) * (hit - py) / (y - py))
         size = np.where(k >= length, np.nan, size)
@@ -639,21 +649,40 @@ class CurveTable:
         best_to = np.full(rows.size, np.nan)
         scale = 1.0 + 1e-9
 
-        def offer(at: IntArray | slice, to: FloatArray, hit: FloatArray) -> None:
+        def offer(
+            at: IntArray | slice,
+            to: FloatArray,
+            hit: FloatArray,
+            of: tuple[FloatArray, ...] = (values, lo, base, best_per, best_to),
+        ) -> None:
+            """Offer ``to`` (at ``hit``) to rows ``at`` of ``of`` (values, lo, base, and
+            the best utility per share and new share so far, updated)."""
+            value, low, base_hit, per_best, to_best = of
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                gap = to - lo[at]
-                per = values[at] * (hit - base[at]) / gap
-                better = ~(gap <= eps) & (per > best_per[at] * scale)
-            best_per[at] = np.where(better, per, best_per[at])
-            best_to[at] = np.where(better, to, best_to[at])
+                gap = to - low[at]
+                per = value[at] * (hit - base_hit[at]) / gap
+                better = ~(gap <= eps) & (per > per_best[at] * scale)
+            per_best[at] = np.where(better, per, per_best[at])
+            to_best[at] = np.where(better, to, to_best[at])
 
         # a row's k-th candidate point is its column first + k: the rows with more than k
         # candidates take it together (fewer and fewer, as few rows span many points)
         count = np.where(ok & (first < last), last - first, 0)
-        for k in range(int(count.max(initial=0))):
-            at = np.flatnonzero(count > k)
-            row, col = rows[at], first[at] + k
-            offer(at, self.xs[row, col] / capacity, self.ys[row, col])
+        most = int(count.max(initial=0))
+        if most:
+            # the rows by count, most first: those with more than k candidates are the
+            # first ``more[k]``, so each step reads slices of arrays in that order, not gathers
+            by = np.argsort(-count, kind="stable")
+            more = np.searchsorted(-count[by], -np.arange(most), side="left").tolist()
+            ranked = (values[by], lo[by], base[by], best_per[by], best_to[by])
+            ranked_rows, ranked_first = rows[by], first[by]
+            shared = self.shared_xs
+            for k in range(most):
+                at = slice(0, more[k])
+                row, col = ranked_rows[at], ranked_first[at] + k
+                xs = self.xs[row, col] if shared is None else shared[col]  # every row's
+                offer(at, xs / capacity, self.ys[row, col], ranked)
+            best_per[by], best_to[by] = ranked[3], ranked[4]
         done = np.flatnonzero(ok)
         offer(done, hi[done], self._at(rows[done], hi[done] * capacity))
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
