@@ -189,16 +189,12 @@ def measure(
     previous = first_one.shares()
     previous_l2 = {t.name: t.l2_bytes for t in first_one.tenants}
     for _ in range(repeats):
-        # each result is freed after the clock is read (3 ms of 10,000 tenants' rows): the
-        # operator keeps an allocation until the next one, and freeing it is not allocating
         start = time.perf_counter()
-        result = allocate(tenants, metrics, None, L1_BYTES, L2_BYTES)
+        allocate(tenants, metrics, None, L1_BYTES, L2_BYTES)
         first.append(time.perf_counter() - start)
-        del result
         start = time.perf_counter()
-        result = allocate(tenants, metrics, previous, L1_BYTES, L2_BYTES, previous_l2=previous_l2)
+        allocate(tenants, metrics, previous, L1_BYTES, L2_BYTES, previous_l2=previous_l2)
         again.append(time.perf_counter() - start)
-        del result
         unit.append(reference_job(rng))
         start = time.perf_counter()
         read(parsed, fleet_curves)
