@@ -72,16 +72,7 @@ def judge_entry(value: bytes | None, head: bytes) -> bytes | int:
     if not value.startswith(head):
         return READ_STALE_ENTRY
     start = len(head)
-    if value[start : start + 1] == L1_ID_MARK:  # split_l1_id(body)[1], one copy
-        end = value.find(b"\n", start + 1, start + 40)
-        if end >= 0:
-            try:
-                int(value[start + 1 : end], 16)
-            except ValueError:
-                pass
-            else:
-                return value[end + 1 :]
-    return value[start:]
+    return value[_l1_id_at(value, start)[1] :]  # one copy of the entry
 
 
 #: Starts the optional L1-key line between a versioned entry's head and the entry.
@@ -95,12 +86,19 @@ def l1_id_line(l1_id: int) -> bytes:
 
 def split_l1_id(body: bytes) -> tuple[int | None, bytes]:
     """(the writer's L1 key or None, the entry) of what follows a versioned entry's head."""
-    if body[:1] != L1_ID_MARK:
-        return None, body
-    end = body.find(b"\n", 1, 40)
+    l1_id, start = _l1_id_at(body, 0)
+    return l1_id, body[start:] if start else body
+
+
+def _l1_id_at(data: bytes, start: int) -> tuple[int | None, int]:
+    """(the writer's L1 key or None, where the entry starts) of what follows a versioned
+    entry's head at ``start`` in ``data``: no copy is made."""
+    if data[start : start + 1] != L1_ID_MARK:
+        return None, start
+    end = data.find(b"\n", start + 1, start + 40)
     if end < 0:
-        return None, body
+        return None, start
     try:
-        return int(body[1:end], 16), body[end + 1 :]
+        return int(data[start + 1 : end], 16), end + 1
     except ValueError:
-        return None, body
+        return None, start
