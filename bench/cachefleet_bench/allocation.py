@@ -17,6 +17,11 @@ run, interleaved with it (:func:`reference_job`: sorting a million floats
 with numpy and a million-step Python loop, the two kinds of work an
 allocation does): that ratio moves far less than the absolute time when
 other jobs load the machine.
+
+The allocations run with malloc set as in the operator's process
+(:func:`cachefleet_operator.heap.keep_freed_memory`: freed matrices are
+reused, not faulted in again); ``--malloc-defaults`` times them with the C
+library's own settings instead.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 
 import numpy as np
 
+from cachefleet_operator import heap
 from cachefleet_operator.allocation import (
     MetricsTable,
     PriorityClass,
@@ -226,7 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         default=list(KINDS),
         help="which paths to time: no curves, per-pod curves, fleet curves too (default: all)",
     )
+    parser.add_argument(
+        "--malloc-defaults",
+        action="store_true",
+        help="keep the C library's malloc settings (the operator's process changes them)",
+    )
     args = parser.parse_args(argv)
+    kept = False if args.malloc_defaults else heap.keep_freed_memory()
     print(
         f"{'tenants':>8} {'curves':>7} {'first p50':>11} {'first min':>11} {'rebalance p50':>14}"
         f" {'reference p50':>14} {'first/ref':>10} {'rebalance/ref':>14} {'read p50':>10}"
@@ -251,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "reference: one numpy sort of 1M floats + a 1M-step Python loop, in the same run "
         "(x = time / reference time; steadier than ms on a loaded machine)"
+    )
+    print(
+        "heap: freed memory kept, as in the operator (cachefleet_operator.heap)"
+        if kept
+        else "heap: the C library's malloc settings (not the operator's)"
     )
     print("curves: yes = per-pod curves; +fleet = fleet-wide curves too (L2 by gain)")
     print(

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from cachefleet_operator import login, webhook
+from cachefleet_operator import heap, login, webhook
 from cachefleet_operator.login import DEFAULT_SERVICE_ACCOUNT_DIR
 from cachefleet_operator.metrics import OperatorMetrics
 
@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         # kopf logs every handler and timer run at INFO ("Timer 'rebalance' succeeded"
         # each second per object); outcomes worth reading are Events and WARNINGs
         objects.setLevel(logging.WARNING)
+    # the rebalances' numpy temporaries reuse freed pages instead of faulting in new ones
+    heap.keep_freed_memory()
     try:
         asyncio.run(serve(args))
     except login.CredentialsUnavailable as exc:
