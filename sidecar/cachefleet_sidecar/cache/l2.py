@@ -707,15 +707,20 @@ class RedisL2:
         breaker.success()
         return True
 
-    async def set_limit(self, tenant: str, l2_bytes: int) -> bool:
+    async def set_limit(
+        self, tenant: str, l2_bytes: int, *, guest_max_share: float | None = None
+    ) -> bool:
         """Set the tenant's limit (0 = the default limit); False if Redis refused.
 
         A lowered limit takes effect at once: the tenant's expired and least
         recently used entries go until its bytes fit (in bounded script calls,
         at most :data:`SET_LIMIT_MAX_CALLS` of :data:`SET_LIMIT_BATCH` entries).
+        ``guest_max_share`` (the guests' pool only) is stored with the limit: the
+        fraction of it one guest may hold (None: ``contract.lua.DEFAULT_GUEST_MAX_SHARE``).
         """
         keys = l2_meta_keys(self.cache, tenant)
-        args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH)
+        share = "" if guest_max_share is None else repr(float(guest_max_share))
+        args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH, share)
         if tenant in self._touches:
             await self._send_touches(tenant)
         for _ in range(SET_LIMIT_MAX_CALLS):
