@@ -35,6 +35,7 @@ from cachefleet_sidecar.contract.names import (
 )
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
+from tests.integration.test_sidecar import metric
 
 pytestmark = [pytest.mark.redis]
 
@@ -109,6 +110,11 @@ async def test_a_guests_answer_is_served_from_l2_by_another_sidecar(
     status = (await a.admin.get("/status")).json()
     assert status["l2_guests"]["limit_bytes"] == POOL_BYTES
     assert 0 < status["l2_guests"]["bytes"] <= POOL_BYTES
+    # /metrics says the same, and how many guests this pod holds (cust-1, cust-2)
+    text = (await a.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_guest_pool_quota_bytes", tier="l2") == POOL_BYTES
+    assert metric(text, "cachefleet_guest_pool_bytes", tier="l2") == status["l2_guests"]["bytes"]
+    assert metric(text, "cachefleet_guests", cache=CACHE) == 2
     # the guests' entries are in the pool's slot, none in a slot of their own
     client = redis_from_url(redis_url)
     try:
@@ -120,6 +126,19 @@ async def test_a_guests_answer_is_served_from_l2_by_another_sidecar(
     assert not [k for k in keys if "|cust-" in k]
     assert [k for k in keys if k.startswith(entry_key(CACHE, guest("cust-1"), ""))]
     assert pool == [str(POOL_BYTES).encode(), b"0.5"]
+
+
+async def test_a_cache_without_tenant_defaults_has_no_guest_series(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    pod = await sidecar_factory(redis_url=redis_url, upstream=truth.url)
+    pod.sidecar.quotas.apply(QUOTAS.model_copy(update={"default_tenant": None}))
+    await pod.chat("q", tenant="listed")
+    await pod.sidecar.admin.refresh_l2_usage()
+    text = (await pod.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_cache_quota_bytes", tenant="listed", tier="l2") == 1 << 20
+    for name in ("cachefleet_guests", "cachefleet_guest_pool_bytes"):
+        assert metric(text, name) is None, name
 
 
 async def test_guests_never_read_each_others_entries(any_redis: str) -> None:
