@@ -10,7 +10,9 @@ What a user would notice, on real Redis and real sidecars:
   quarter by default: a busy guest evicts its own oldest entries first, so the
   others keep theirs);
 * a Key purge, a Namespace and a Tenant invalidation reach a guest's entries
-  in L2 as they reach a listed tenant's.
+  in L2 as they reach a listed tenant's;
+* a cache-wide (or model) invalidation raises one fence for all guests, and
+  every guest's reader and writer that missed it is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from cachefleet_sidecar.contract.names import (
     guest_usage_key,
     usage_key,
 )
+from cachefleet_sidecar.contract.ops import advance_epoch, fence_tenants
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 from tests.integration.test_sidecar import metric
@@ -232,6 +235,35 @@ async def test_the_cap_of_one_guest_is_the_share_stored_with_the_pools_limit(
         assert await busy_guest_bytes(l2, any_redis, budget, "d0", n=5) <= (
             budget * DEFAULT_GUEST_MAX_SHARE
         )
+
+
+@pytest.mark.parametrize("scope", ["cache", "model:m1"])
+async def test_a_cache_wide_invalidation_fences_every_guest_at_once(
+    any_redis: str, scope: str
+) -> None:
+    guests = [guest(f"g{i}") for i in range(40)]
+    old, new = "ab" * 32, "cd" * 32
+    moved = tuple((s, 1 if s == scope else e) for s, e in VECTOR)
+    async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
+        assert await l2.set_limit(GUESTS, POOL_BYTES)
+        for name in [*guests, "listed"]:  # each registers for fencing on its first write
+            assert await l2.put(name, old, b"before", VECTOR)
+        client = redis_from_url(any_redis)
+        try:
+            epoch = await advance_epoch(client, CACHE, scope)
+            # the listed tenant's fence and one for all forty guests
+            assert await fence_tenants(client, CACHE, {scope: epoch}) == 2
+        finally:
+            await client.aclose()
+        # a reader or writer that missed the invalidation is refused for every guest,
+        # one that has it is not
+        refused = l2.counters.stale_refused
+        for name in [*guests, guest("newcomer"), "listed"]:
+            assert await l2.get(name, old, VECTOR) is None
+            assert not await l2.put(name, new, b"stale", VECTOR)
+            assert await l2.put(name, new, b"after", moved)
+            assert await l2.get(name, new, moved) == b"after"
+        assert l2.counters.stale_refused - refused == 2 * (len(guests) + 2)
 
 
 async def test_a_purge_and_a_tenant_invalidation_reach_a_guest(
