@@ -29,6 +29,7 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_sidecar.adapt import admission as sidecar_admission
 from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
+from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE
 from cachefleet_sidecar.contract.names import NAME_RE, Policy
 from cachefleet_sidecar.http.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
 from cachefleet_sidecar.observe.savings import Price
@@ -506,8 +507,8 @@ class TenantDefaults(_Model):
     pod's ``--max-tenants`` partitions are taken, the unlisted tenant seen least
     recently gives up its partition (listed tenants never do). In L2 all
     unlisted tenants share ``l2Share`` of the fleet's L2 bytes (each in its own
-    key scope: only the byte budget is pooled; one of them holds at most a
-    quarter of it). The listed tenants' shares are fractions of what the pools
+    key scope: only the byte budget is pooled; one of them holds at most
+    ``l2GuestMaxShare`` of it). The listed tenants' shares are fractions of what the pools
     leave; with none listed, the pools are the whole L1 and L2.
     """
 
@@ -526,8 +527,18 @@ class TenantDefaults(_Model):
         le=MAX_UNLISTED_SHARE,
         description=(
             "Fraction of the fleet's L2 bytes that all unlisted tenants share (one of them "
-            "holds at most a quarter of it; 0 = they stay in L1); the listed tenants share "
-            "the rest."
+            "holds at most l2GuestMaxShare of it; 0 = they stay in L1); the listed tenants "
+            "share the rest."
+        ),
+    )
+    l2_guest_max_share: float = Field(
+        default=DEFAULT_GUEST_MAX_SHARE,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of the unlisted tenants' L2 pool (l2Share) that one of them may hold: "
+            "a write over it evicts that tenant's own least recently used entries first, so "
+            "one busy tenant cannot take the pool from the others. 1 = no cap of its own."
         ),
     )
     priority_class: Literal["Standard", "BestEffort"] = Field(

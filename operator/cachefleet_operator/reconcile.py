@@ -308,6 +308,7 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
         else TenantQuota(
             l1_bytes=unlisted_l1_bytes(spec),
             l2_bytes=unlisted_l2_bytes(spec),
+            l2_guest_max_share=defaults.l2_guest_max_share,
             policy=defaults.policy,
             priority_class=defaults.priority_class,
         ),
@@ -348,9 +349,11 @@ def assignment_digest(assignment: QuotaAssignment) -> str:
     """Digest of what the sidecars act on (not generation or issue time)."""
     # Without tenantDefaults the digest is what it was before default_tenant existed,
     # so an upgrade does not move every cache's quota generation.
-    skip = {"generation", "issued_at"} | (
-        {"default_tenant"} if assignment.default_tenant is None else set()
-    )
+    # A listed tenant's l2_guest_max_share is always None (it is the pool's): left out too.
+    skip: dict[str, Any] = {"generation": True, "issued_at": True}
+    skip["tenants"] = {"__all__": {"l2_guest_max_share"}}
+    if assignment.default_tenant is None:
+        skip["default_tenant"] = True
     body = assignment.model_dump(mode="json", exclude=skip)
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]

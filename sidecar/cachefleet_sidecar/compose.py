@@ -58,7 +58,12 @@ from cachefleet_sidecar.http.server import Limiter, Limits, Outbox
 from cachefleet_sidecar.http.upstream import UpstreamPool
 from cachefleet_sidecar.observe.admin import Admin
 from cachefleet_sidecar.observe.hits import HitBook
-from cachefleet_sidecar.observe.metrics import SidecarMetrics, admission_families, reuse_families
+from cachefleet_sidecar.observe.metrics import (
+    SidecarMetrics,
+    admission_families,
+    guest_families,
+    reuse_families,
+)
 from cachefleet_sidecar.tasks import Background
 from cachefleet_sidecar.tenancy.tenants import QuotaApplier, Tenants
 
@@ -307,6 +312,7 @@ def build(
     if l2 is not None:
         metrics.gauge_sources.append(l2.families)
     metrics.gauge_sources.append(upkeep.families)
+    metrics.gauge_sources.append(partial(guest_families, cache, admin.guest_pool))
     if mrc is not None:
         metrics.gauge_sources.append(partial(reuse_families, cache, mrc))
     metrics.gauge_sources.append(l3.families)

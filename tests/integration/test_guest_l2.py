@@ -6,10 +6,13 @@ What a user would notice, on real Redis and real sidecars:
 * two guests never share an entry (each keeps its own key scope in the pool's
   slot: only the budget is pooled);
 * the pool's bytes stay within its budget however many guests write, and no
-  guest holds more than a quarter of it (a busy guest evicts its own oldest
-  entries first, so the others keep theirs);
+  guest holds more than its cap (``tenantDefaults.l2GuestMaxShare`` of it, a
+  quarter by default: a busy guest evicts its own oldest entries first, so the
+  others keep theirs);
 * a Key purge, a Namespace and a Tenant invalidation reach a guest's entries
-  in L2 as they reach a listed tenant's.
+  in L2 as they reach a listed tenant's;
+* a cache-wide (or model) invalidation raises one fence for all guests, and
+  every guest's reader and writer that missed it is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.lua import GUEST_MAX_POOL_FRACTION
+from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE, GUEST_MAX_SHARE_FIELD
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.contract.names import (
     GUESTS,
@@ -32,8 +35,10 @@ from cachefleet_sidecar.contract.names import (
     guest_usage_key,
     usage_key,
 )
+from cachefleet_sidecar.contract.ops import advance_epoch, fence_tenants
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
+from tests.integration.test_sidecar import metric
 
 pytestmark = [pytest.mark.redis]
 
@@ -46,7 +51,7 @@ POOL_BYTES = 1 << 20
 QUOTAS = QuotaAssignment(
     generation=1,
     tenants={"listed": TenantQuota(l1_bytes=1 << 20, l2_bytes=1 << 20)},
-    default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=POOL_BYTES),
+    default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=POOL_BYTES, l2_guest_max_share=0.5),
 )
 VECTOR = (("cache", 0), ("tenant:x", 0), ("model:m1", 0), (PURGE_SCOPE, 0))
 
@@ -108,14 +113,35 @@ async def test_a_guests_answer_is_served_from_l2_by_another_sidecar(
     status = (await a.admin.get("/status")).json()
     assert status["l2_guests"]["limit_bytes"] == POOL_BYTES
     assert 0 < status["l2_guests"]["bytes"] <= POOL_BYTES
+    # /metrics says the same, and how many guests this pod holds (cust-1, cust-2)
+    text = (await a.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_guest_pool_quota_bytes", tier="l2") == POOL_BYTES
+    assert metric(text, "cachefleet_guest_pool_bytes", tier="l2") == status["l2_guests"]["bytes"]
+    assert metric(text, "cachefleet_guests", cache=CACHE) == 2
     # the guests' entries are in the pool's slot, none in a slot of their own
     client = redis_from_url(redis_url)
     try:
         keys = [k.decode() async for k in client.scan_iter(match="cf:*", count=1000)]
+        # the operator's l2GuestMaxShare is stored with the pool's limit
+        pool = await client.hmget(usage_key(CACHE, GUESTS), "limit", GUEST_MAX_SHARE_FIELD)
     finally:
         await client.aclose()
     assert not [k for k in keys if "|cust-" in k]
     assert [k for k in keys if k.startswith(entry_key(CACHE, guest("cust-1"), ""))]
+    assert pool == [str(POOL_BYTES).encode(), b"0.5"]
+
+
+async def test_a_cache_without_tenant_defaults_has_no_guest_series(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, redis_url: str
+) -> None:
+    pod = await sidecar_factory(redis_url=redis_url, upstream=truth.url)
+    pod.sidecar.quotas.apply(QUOTAS.model_copy(update={"default_tenant": None}))
+    await pod.chat("q", tenant="listed")
+    await pod.sidecar.admin.refresh_l2_usage()
+    text = (await pod.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_cache_quota_bytes", tenant="listed", tier="l2") == 1 << 20
+    for name in ("cachefleet_guests", "cachefleet_guest_pool_bytes"):
+        assert metric(text, name) is None, name
 
 
 async def test_guests_never_read_each_others_entries(any_redis: str) -> None:
@@ -136,7 +162,7 @@ async def test_the_pool_stays_within_its_budget_and_a_busy_guest_within_its_cap(
 ) -> None:
     budget = 64 * 1024
     value = b"x" * 1000
-    cap = int(budget * GUEST_MAX_POOL_FRACTION)
+    cap = int(budget * DEFAULT_GUEST_MAX_SHARE)
     async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
         assert await l2.set_limit(GUESTS, budget)
         for g in range(8):  # eight quiet guests, five entries each
@@ -165,6 +191,79 @@ async def test_the_pool_stays_within_its_budget_and_a_busy_guest_within_its_cap(
     quiet = {g: n for g, n in stored.items() if g.startswith("quiet-")}
     assert len(quiet) == 8
     assert all(n > 0 for n in quiet.values())
+
+
+async def busy_guest_bytes(l2: RedisL2, url: str, budget: int, tag: str, n: int = 200) -> int:
+    """What one guest holds after writing ``n`` 1000-byte entries (several times its cap)."""
+    for i in range(n):
+        assert await l2.put(guest("busy"), f"{tag}{i:062x}", b"x" * 1000, VECTOR)
+    used, _ = await l2.usage(GUESTS)
+    assert used <= budget
+    client = redis_from_url(url)
+    try:
+        return int(await client.hget(guest_usage_key(CACHE, "busy"), "bytes") or 0)
+    finally:
+        await client.aclose()
+
+
+async def test_the_cap_of_one_guest_is_the_share_stored_with_the_pools_limit(
+    any_redis: str,
+) -> None:
+    budget = 64 * 1024
+    async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
+        # l2GuestMaxShare 0.75: the busy guest fills three quarters, not the default quarter
+        assert await l2.set_limit(GUESTS, budget, guest_max_share=0.75)
+        held = await busy_guest_bytes(l2, any_redis, budget, "a0")
+        assert budget * DEFAULT_GUEST_MAX_SHARE < held <= budget * 0.75
+        assert held > budget * 0.75 - 2000  # filled up to its cap, one entry short at most
+        # a pool written before the share existed (no field): the default quarter, and a
+        # lowered cap sheds the guest's excess on its next puts
+        client = redis_from_url(any_redis)
+        try:
+            assert await client.hget(usage_key(CACHE, GUESTS), GUEST_MAX_SHARE_FIELD) == b"0.75"
+            await client.hdel(usage_key(CACHE, GUESTS), GUEST_MAX_SHARE_FIELD)
+        finally:
+            await client.aclose()
+        assert await busy_guest_bytes(l2, any_redis, budget, "b0", n=5) <= (
+            budget * DEFAULT_GUEST_MAX_SHARE
+        )
+        # the whole pool (1): one guest may take all of it
+        assert await l2.set_limit(GUESTS, budget, guest_max_share=1.0)
+        assert await busy_guest_bytes(l2, any_redis, budget, "c0") > budget - 2000
+        # set without a share: the field goes, the default holds again
+        assert await l2.set_limit(GUESTS, budget)
+        assert await busy_guest_bytes(l2, any_redis, budget, "d0", n=5) <= (
+            budget * DEFAULT_GUEST_MAX_SHARE
+        )
+
+
+@pytest.mark.parametrize("scope", ["cache", "model:m1"])
+async def test_a_cache_wide_invalidation_fences_every_guest_at_once(
+    any_redis: str, scope: str
+) -> None:
+    guests = [guest(f"g{i}") for i in range(40)]
+    old, new = "ab" * 32, "cd" * 32
+    moved = tuple((s, 1 if s == scope else e) for s, e in VECTOR)
+    async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=1.0) as l2:
+        assert await l2.set_limit(GUESTS, POOL_BYTES)
+        for name in [*guests, "listed"]:  # each registers for fencing on its first write
+            assert await l2.put(name, old, b"before", VECTOR)
+        client = redis_from_url(any_redis)
+        try:
+            epoch = await advance_epoch(client, CACHE, scope)
+            # the listed tenant's fence and one for all forty guests
+            assert await fence_tenants(client, CACHE, {scope: epoch}) == 2
+        finally:
+            await client.aclose()
+        # a reader or writer that missed the invalidation is refused for every guest,
+        # one that has it is not
+        refused = l2.counters.stale_refused
+        for name in [*guests, guest("newcomer"), "listed"]:
+            assert await l2.get(name, old, VECTOR) is None
+            assert not await l2.put(name, new, b"stale", VECTOR)
+            assert await l2.put(name, new, b"after", moved)
+            assert await l2.get(name, new, moved) == b"after"
+        assert l2.counters.stale_refused - refused == 2 * (len(guests) + 2)
 
 
 async def test_a_purge_and_a_tenant_invalidation_reach_a_guest(

@@ -4,7 +4,9 @@ What a user would notice: after sidecar A has filled L2, a new sidecar B
 answers its first request for a popular prompt from L1 (``HIT-L1``) and
 ``/status`` says what it warmed; ``--warm-bytes`` bounds what it takes; an
 entry invalidated meanwhile is not warmed; with Redis down, B still becomes
-ready once ``--warm-timeout`` has passed.
+ready once ``--warm-timeout`` has passed. Unlisted tenants (guests of
+``tenantDefaults``) are warmed from their L2 pool too, the most recent first,
+into the L1 partitions B has free.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar.cache.entry import L1_OVERHEAD_BYTES
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import lru_key
+from cachefleet_sidecar.contract.names import GUESTS, lru_key
 from cachefleet_sidecar.contract.ops import publish_quotas
 from cachefleet_sidecar.epochs import PURGE_SCOPE
 from tests.integration.conftest import RunningSidecar, SidecarFactory
@@ -193,3 +195,49 @@ async def test_the_warm_up_keeps_to_each_tenant_l1_share(
     # the two warmed are the two most recently used
     answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS[-2:]]
     assert answers == ["HIT-L1", "HIT-L1"]
+
+
+async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
+    sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
+) -> None:
+    redis_url = any_redis
+    quotas = QuotaAssignment(
+        generation=1,
+        tenants={"acme": TenantQuota(l1_bytes=1 << 20, l2_bytes=1 << 20)},
+        default_tenant=TenantQuota(l1_bytes=1 << 20, l2_bytes=1 << 20),
+    )
+    client = redis_from_url(redis_url)
+    try:
+        await publish_quotas(client, CACHE, quotas)
+        a = await sidecar_factory(redis_url=redis_url, upstream=truth.url, pod="pod-a")
+        a.sidecar.quotas.apply(quotas)
+        asked = [("cust-1", "q1"), ("cust-1", "q2"), ("cust-1", "q3"), ("cust-2", "q1")]
+        # one after the other, so cust-2's entry is the pool's most recent
+        for n, (tenant, prompt) in enumerate(asked, 1):
+            assert (await a.chat(prompt, tenant=tenant)).headers["x-cache"] == "MISS"
+            for _ in range(500):  # the L2 writes are in the background (bounded: 10 s)
+                if await client.zcard(lru_key(CACHE, GUESTS)) >= n:
+                    break
+                await asyncio.sleep(0.02)
+            assert await client.zcard(lru_key(CACHE, GUESTS)) == n
+    finally:
+        await client.aclose()
+    b = await sidecar_factory(
+        redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
+    )
+    assert (await ready(b)).status_code == 200
+    warm = (await b.admin.get("/status")).json()["warmup"]
+    assert (warm["state"], warm["entries"], warm["guests"]) == ("done", len(asked), 2)
+    calls = truth.calls
+    for tenant, prompt in asked:
+        assert (await b.chat(prompt, tenant=tenant)).headers["x-cache"] == "HIT-L1"
+    assert truth.calls == calls  # nothing went upstream
+    # one free partition: the guest used last gets it, none takes its slot
+    c = await sidecar_factory(
+        redis_url=redis_url, upstream=truth.url, pod="pod-c", warm_bytes=1 << 20, max_tenants=1
+    )
+    assert (await ready(c)).status_code == 200
+    warm = (await c.admin.get("/status")).json()["warmup"]
+    assert (warm["entries"], warm["guests"]) == (1, 1)
+    assert warm["skipped"] == {"guest_slots": 3}
+    assert (await c.chat("q1", tenant="cust-2")).headers["x-cache"] == "HIT-L1"

@@ -18,6 +18,7 @@ from cachefleet_sidecar.contract.names import (
     own_lru_key,
     tenant_data_pattern,
     tenant_epochs_key,
+    tenant_tombstone_key,
     usage_key,
     valid_name,
 )
@@ -44,24 +45,27 @@ def test_every_guest_key_is_in_the_pools_slot_and_no_two_collide(name: str) -> N
     keys = [*l2_versioned_keys(CACHE, guest(name), DIGEST), guest_usage_key(CACHE, name)]
     keys.append(guest_lru_key(CACHE, name))
     assert {hashtag(k) for k in keys} == {f"cf:{CACHE}|_guests"}
-    # the pool's accounting is every guest's; entries, fences and the guest's own
-    # accounting are its own
+    # the pool's accounting and fence are every guest's; entries, tombstones and the
+    # guest's own accounting are its own
     assert l2_meta_keys(CACHE, guest(name)) == l2_meta_keys(CACHE, GUESTS)
+    fence = tenant_epochs_key(CACHE, guest(name))
+    assert fence == tenant_epochs_key(CACHE, guest("other")) == tenant_epochs_key(CACHE, GUESTS)
+    assert fence != tenant_epochs_key(CACHE, name)  # a listed namesake's is its own
     own = {
         entry_key(CACHE, guest(name), DIGEST),
-        tenant_epochs_key(CACHE, guest(name)),
+        tenant_tombstone_key(CACHE, guest(name)),
         guest_usage_key(CACHE, name),
         guest_lru_key(CACHE, name),
     }
     others = {
         entry_key(CACHE, guest("other"), DIGEST),
-        tenant_epochs_key(CACHE, guest("other")),
+        tenant_tombstone_key(CACHE, guest("other")),
         guest_usage_key(CACHE, "other"),
         guest_lru_key(CACHE, "other"),
     }
     assert len(own) == 4
     assert not own & others
-    assert not own & set(l2_meta_keys(CACHE, GUESTS))
+    assert not own & {fence, *l2_meta_keys(CACHE, GUESTS)}
     assert own_lru_key(CACHE, guest(name)) == guest_lru_key(CACHE, name)
     assert own_lru_key(CACHE, guest(name)) != lru_key(CACHE, guest(name))
 

@@ -20,6 +20,7 @@ from cachefleet_operator.reconcile import (
     unlisted_l1_bytes,
     unlisted_l2_bytes,
 )
+from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE
 from cachefleet_sidecar.contract.messages import QuotaAssignment
 from cachefleet_sidecar.contract.names import Policy
 
@@ -45,10 +46,12 @@ def test_defaults_are_optional_and_filled_in() -> None:
     assert parsed.tenant_defaults is not None
     assert parsed.tenant_defaults.share == 0.1
     assert parsed.tenant_defaults.l2_share == 0.1
+    assert parsed.tenant_defaults.l2_guest_max_share == DEFAULT_GUEST_MAX_SHARE
     assert parsed.tenant_defaults.priority_class == "Standard"
     assert parsed.tenant_defaults.policy is Policy.SITS
     assert schema_errors(spec(share=0.25, priorityClass="BestEffort", policy="lirs")) == []
     assert schema_errors(spec(l2Share=0)) == []
+    assert schema_errors(spec(l2GuestMaxShare=1)) == []
 
 
 @pytest.mark.parametrize(
@@ -60,6 +63,9 @@ def test_defaults_are_optional_and_filled_in() -> None:
         ({"l2Share": -0.1}, "l2Share"),
         ({"l2Share": 0.95}, "l2Share"),
         ({"l2Share": "half"}, "l2Share"),
+        ({"l2GuestMaxShare": 0}, "l2GuestMaxShare"),
+        ({"l2GuestMaxShare": 1.5}, "l2GuestMaxShare"),
+        ({"l2GuestMaxShare": "half"}, "l2GuestMaxShare"),
         ({"priorityClass": "Guaranteed"}, "priorityClass"),
         ({"policy": "fifo"}, "policy"),
         ({"ttl": 5}, "ttl"),
@@ -82,7 +88,11 @@ def test_the_list_limit_stays() -> None:
 
 
 def test_the_operator_publishes_the_defaults_and_the_pool_comes_off_the_listed_tenants() -> None:
-    parsed = parse_spec(spec(share=0.25, l2Share=0.5, priorityClass="BestEffort", policy="lirs"))
+    parsed = parse_spec(
+        spec(
+            share=0.25, l2Share=0.5, l2GuestMaxShare=0.1, priorityClass="BestEffort", policy="lirs"
+        )
+    )
     capacity = parsed.capacity.l1_bytes_per_pod
     l2 = parsed.capacity.l2_bytes
     assert unlisted_l1_bytes(parsed) == capacity // 4
@@ -96,6 +106,8 @@ def test_the_operator_publishes_the_defaults_and_the_pool_comes_off_the_listed_t
     assert unlisted is not None
     assert (unlisted.l1_bytes, unlisted.l2_bytes) == (capacity // 4, l2 // 2)
     assert (unlisted.policy, unlisted.priority_class) == (Policy.LIRS, "BestEffort")
+    assert unlisted.l2_guest_max_share == 0.1
+    assert {q.l2_guest_max_share for q in assignment.tenants.values()} == {None}
     listed = sum(q.l1_bytes for q in assignment.tenants.values())
     assert listed + unlisted.l1_bytes <= capacity
     assert sum(q.l2_bytes for q in assignment.tenants.values()) + unlisted.l2_bytes <= l2
@@ -114,6 +126,9 @@ def test_without_defaults_nothing_changes_for_existing_caches() -> None:
     assert assignment.default_tenant is None
     with_defaults = build_assignment(parse_spec(spec(share=0.2)), allocation)
     assert assignment_digest(with_defaults) != assignment_digest(assignment)
+    # a new guest cap is a new table for the sidecars
+    capped = build_assignment(parse_spec(spec(share=0.2, l2GuestMaxShare=0.5)), allocation)
+    assert assignment_digest(capped) != assignment_digest(with_defaults)
 
 
 def test_with_no_tenant_listed_the_pool_is_the_whole_l1() -> None:

@@ -74,6 +74,7 @@ from cachefleet_sidecar.contract.lua import (
     L2_USAGE_LUA,
 )
 from cachefleet_sidecar.contract.names import (
+    GUESTS,
     entry_key,
     l2_keys,
     l2_meta_keys,
@@ -707,15 +708,20 @@ class RedisL2:
         breaker.success()
         return True
 
-    async def set_limit(self, tenant: str, l2_bytes: int) -> bool:
+    async def set_limit(
+        self, tenant: str, l2_bytes: int, *, guest_max_share: float | None = None
+    ) -> bool:
         """Set the tenant's limit (0 = the default limit); False if Redis refused.
 
         A lowered limit takes effect at once: the tenant's expired and least
         recently used entries go until its bytes fit (in bounded script calls,
         at most :data:`SET_LIMIT_MAX_CALLS` of :data:`SET_LIMIT_BATCH` entries).
+        ``guest_max_share`` (the guests' pool only) is stored with the limit: the
+        fraction of it one guest may hold (None: ``contract.lua.DEFAULT_GUEST_MAX_SHARE``).
         """
         keys = l2_meta_keys(self.cache, tenant)
-        args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH)
+        share = "" if guest_max_share is None else repr(float(guest_max_share))
+        args = (max(0, int(l2_bytes)), self.default_limit_bytes, SET_LIMIT_BATCH, share)
         if tenant in self._touches:
             await self._send_touches(tenant)
         for _ in range(SET_LIMIT_MAX_CALLS):
@@ -762,7 +768,40 @@ class RedisL2:
         per-operation budget. The LRU order is as of the last batched touches.
         """
         lru = own_lru_key(self.cache, tenant)  # a guest's own entries, not the whole pool's
-        fence_key = tenant_epochs_key(self.cache, tenant)
+        got = await self._recent(lru, tenant_epochs_key(self.cache, tenant), limit, timeout_s)
+        if got is None:
+            return None
+        names, values, fence = got
+        out = [
+            (name.rpartition(b":e:")[2].decode(), v) for name, v in zip(names, values, strict=True)
+        ]
+        return out, fence
+
+    async def recent_guests(
+        self, limit: int, timeout_s: float
+    ) -> tuple[list[tuple[str, str, bytes | None]], dict[str, int]] | None:
+        """The guests' pool's ``limit`` most recently used (guest, digest, stored value),
+        most recent first, and the guests' fence; None on any fault. As :meth:`recent`,
+        on the pool's one slot (a guest is its plain name, not :func:`guest`'s)."""
+        got = await self._recent(
+            lru_key(self.cache, GUESTS), tenant_epochs_key(self.cache, GUESTS), limit, timeout_s
+        )
+        if got is None:
+            return None
+        names, values, fence = got
+        out: list[tuple[str, str, bytes | None]] = []
+        for name, value in zip(names, values, strict=True):
+            scope, _, digest = name.decode().rpartition(":e:")
+            owner = scope.rpartition(":g:")[2]
+            if owner and digest:
+                out.append((owner, digest, value))
+        return out, fence
+
+    async def _recent(
+        self, lru: str, fence_key: str, limit: int, timeout_s: float
+    ) -> tuple[list[bytes], list[bytes | None], dict[str, int]] | None:
+        """(the ``limit`` most recent members of ``lru``, most recent first, their values,
+        the fence at ``fence_key``) in two round trips on ``lru``'s slot; None on a fault."""
         breaker = self.breaker_for(self._client.address_for(lru))
         if limit <= 0 or not breaker.allow():
             return None
@@ -786,11 +825,7 @@ class RedisL2:
         flat = replies[0]
         fence = parse_epochs(dict(zip(flat[::2], flat[1::2], strict=True)))
         values = replies[1] if names else []
-        out = [
-            (name.rpartition(b":e:")[2].decode(), None if v is None else bytes(v))
-            for name, v in zip(names, values, strict=True)
-        ]
-        return out, fence
+        return names, [None if v is None else bytes(v) for v in values], fence
 
     async def ping(self) -> bool:
         """One bounded PING that goes through the breaker (readiness probes)."""

@@ -43,9 +43,14 @@ return 1
 #: beside the pool's accounting (names.guest_usage_key, names.guest_lru_key). Both are
 #: in the entry's slot; the scripts derive them, as any entry of the pool may be evicted.
 GUEST_OWNER_PATTERN = f"^(.*|{GUEST_POOL}}}:g:[^:]+):e:%x+$"
-#: Most of the guests' pool one guest may hold: a put over it evicts that guest's own
-#: least recently used entries first, so one busy guest never takes the whole pool.
-GUEST_MAX_POOL_FRACTION = 0.25
+#: Most of the guests' pool one guest may hold when the pool's accounting names none
+#: (spec.tenantDefaults.l2GuestMaxShare, stored with the pool's limit as field
+#: :data:`GUEST_MAX_SHARE_FIELD`): a put over it evicts that guest's own least recently
+#: used entries first, so one busy guest never takes the whole pool.
+DEFAULT_GUEST_MAX_SHARE = 0.25
+#: The field of the pool's accounting hash (names.usage_key of names.GUESTS) holding
+#: the fraction of the pool one guest may hold, beside its ``limit``.
+GUEST_MAX_SHARE_FIELD = "guest_max_share"
 
 # L2 scripts. Every key they touch carries the tenant's hashtag, so each runs
 # on one cluster slot. Shared helpers first; ``meta`` is {usage, lru, sizes, exp}.
@@ -101,6 +106,12 @@ local function limit_of(meta, default)
   if limit <= 0 then limit = tonumber(default) end
   return limit
 end
+-- The most bytes of the pool one guest may hold (limit: the pool's, in force).
+local function guest_cap(meta, limit)
+  local share = tonumber(redis.call('HGET', meta[1], '@GUEST_MAX_SHARE_FIELD@') or '')
+  if share == nil or share <= 0 or share > 1 then share = @DEFAULT_GUEST_MAX_SHARE@ end
+  return math.floor(limit * share)
+end
 -- Store value under key within the tenant's quota; returns {status, evicted, reclaimed}.
 -- A guest's key (owner) is stored within its own cap too: its oldest entries go first.
 local function store(key, meta, value, ttl_ms, default_limit, max_n)
@@ -108,8 +119,11 @@ local function store(key, meta, value, ttl_ms, default_limit, max_n)
   local limit = limit_of(meta, default_limit)
   if size > limit then return {-1, 0, 0} end
   local owner = owner_of(key)
-  local each = math.floor(limit * @GUEST_MAX_POOL_FRACTION@)
-  if owner and size > each then return {-1, 0, 0} end
+  local each = 0
+  if owner then
+    each = guest_cap(meta, limit)
+    if size > each then return {-1, 0, 0} end
+  end
   local now = now_us()
   local reclaimed = reap(meta, math.floor(now / 1000), max_n)
   if redis.call('HEXISTS', meta[3], key) == 1 then forget(meta, key) end
@@ -156,7 +170,9 @@ local function store(key, meta, value, ttl_ms, default_limit, max_n)
   end
   return {1, evicted, reclaimed}
 end
-""".replace("@GUEST_MAX_POOL_FRACTION@", repr(GUEST_MAX_POOL_FRACTION))
+""".replace("@GUEST_MAX_SHARE_FIELD@", GUEST_MAX_SHARE_FIELD).replace(
+        "@DEFAULT_GUEST_MAX_SHARE@", repr(DEFAULT_GUEST_MAX_SHARE)
+    )
 )
 
 #: Most keys one :data:`L2_TOUCH_LUA` call stamps (Lua's unpack has a stack limit).
@@ -228,16 +244,24 @@ return {used, limit_of(meta, ARGV[1]), reclaimed}
 
 #: KEYS = :func:`l2_meta_keys`; ARGV[1] = the tenant's new limit (0 = the
 #: default), ARGV[2] = default limit (bytes), ARGV[3] = most entries reclaimed
-#: or evicted by this call. Stores the limit, then reclaims expired entries and
-#: evicts the tenant's least recently used ones until its bytes fit the limit in
-#: force (a lowered limit takes effect at once, not over the next puts). Returns
-#: {evicted, reclaimed, bytes still over the limit}; the caller calls again
-#: while the last is positive (each call is bounded, so Redis is never blocked long).
+#: or evicted by this call, ARGV[4] = the fraction of the limit one guest may
+#: hold (the guests' pool; empty: :data:`DEFAULT_GUEST_MAX_SHARE`, a guest over
+#: a lowered one gives back the excess on its next put). Stores both, then
+#: reclaims expired entries and evicts the tenant's least recently used ones until
+#: its bytes fit the limit in force (a lowered limit takes effect at once, not
+#: over the next puts). Returns {evicted, reclaimed, bytes still over the limit};
+#: the caller calls again while the last is positive (each call is bounded, so
+#: Redis is never blocked long).
 L2_SET_LIMIT_LUA = (
     _L2_LUA_PRELUDE
     + """
 local meta = {KEYS[1], KEYS[2], KEYS[3], KEYS[4]}
 redis.call('HSET', meta[1], 'limit', ARGV[1])
+if ARGV[4] == nil or ARGV[4] == '' then
+  redis.call('HDEL', meta[1], '@GUEST_MAX_SHARE_FIELD@')
+else
+  redis.call('HSET', meta[1], '@GUEST_MAX_SHARE_FIELD@', ARGV[4])
+end
 local max_n = tonumber(ARGV[3])
 local limit = limit_of(meta, ARGV[2])
 local reclaimed = reap(meta, math.floor(now_us() / 1000), max_n)
@@ -258,7 +282,7 @@ end
 local over = used - limit
 if over < 0 then over = 0 end
 return {evicted, reclaimed, over}
-"""
+""".replace("@GUEST_MAX_SHARE_FIELD@", GUEST_MAX_SHARE_FIELD)
 )
 
 

@@ -27,6 +27,15 @@ class TenantQuota(_Model):
 
     l1_bytes: Annotated[int, Field(ge=0, description="L1 bytes on every pod")]
     l2_bytes: Annotated[int, Field(ge=0, description="L2 bytes in Redis, fleet-wide")]
+    l2_guest_max_share: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of l2_bytes one unlisted tenant may hold (default_tenant only); "
+            "None = contract.lua.DEFAULT_GUEST_MAX_SHARE"
+        ),
+    )
     policy: Policy | None = Field(default=None, description="L1 policy; None = cache default")
     collapse_whitespace: bool | None = Field(
         default=None,
@@ -78,7 +87,8 @@ class QuotaAssignment(_Model):
     #: admitted with a partition of its own on demand, its policy and class from
     #: here, ``l1_bytes`` the pool all such tenants share on each pod and
     #: ``l2_bytes`` the L2 bytes all of them share fleet-wide (the guests' pool,
-    #: contract.names.GUESTS; 0: they stay in L1). None: such tenants are refused
+    #: contract.names.GUESTS; 0: they stay in L1), ``l2_guest_max_share`` the most
+    #: of it one of them may hold. None: such tenants are refused
     #: or mapped to the default tenant, as without quotas.
     default_tenant: TenantQuota | None = None
     #: TTL of tenants not in ``tenants`` (the InferenceCache's spec.ttlSeconds); None = none.

@@ -4,8 +4,10 @@ Nobody else spells a key by hand. Keys of a cache's control state share the
 hashtag ``{cf:<cache>}`` (one cluster slot); each listed tenant's data shares
 ``{cf:<cache>|<tenant>}``. Unlisted tenants ("guests", ``tenantDefaults``) share
 one slot, ``{cf:<cache>|_guests}``: each guest keeps its own key scope there
-(``...:g:<guest>:``: its entries, fence and tombstone) and all of them one
-byte budget (the pool's accounting, ``...:p:``). A guest goes by
+(``...:g:<guest>:``: its entries and tombstone) and all of them one byte
+budget and one fence (the pool's, ``...:p:``: a fence's fields are scopes, and
+a guest's own scopes name it, so one hash fences every guest and a cache-wide
+invalidation raises it once, not once per guest). A guest goes by
 :func:`guest` (``_guests/<guest>``) wherever the functions below take a tenant.
 The layout is described in docs/redis-protocol.md.
 Pure: no pydantic, no Redis client.
@@ -95,14 +97,14 @@ def is_guest_name(name: str) -> bool:
 
 
 def _tenant(cache: str, tenant: str) -> str:
-    """The key scope of ``tenant``'s entries, fence and tombstone."""
+    """The key scope of ``tenant``'s entries and tombstone."""
     if tenant.startswith(_GUEST_PREFIX):
         return f"cf:{{cf:{cache}|{GUEST_POOL}}}:g:{tenant[len(_GUEST_PREFIX) :]}"
     return f"cf:{{cf:{cache}|{tenant}}}"
 
 
 def _account(cache: str, tenant: str) -> str:
-    """The scope of the byte accounting ``tenant``'s entries count in (a guest's: the pool's)."""
+    """The scope of ``tenant``'s byte accounting and fence (a guest's: the pool's)."""
     if tenant.startswith(_GUEST_PREFIX):
         return f"cf:{{cf:{cache}|{GUEST_POOL}}}:p"
     return f"cf:{{cf:{cache}|{tenant}}}"
@@ -191,8 +193,13 @@ def ack_channel(cache: str) -> str:
 
 
 def tenant_epochs_key(cache: str, tenant: str) -> str:
-    """The fence of one tenant's data slot: scope -> epoch."""
-    return f"{_tenant(cache, tenant)}:epochs"
+    """The fence of one tenant's data slot: scope -> epoch (every guest's: the pool's).
+
+    Guests share one: a reader asks it only for its own vector's scopes (``cache``,
+    ``model:<m>``, ``purge``, and ``tenant:<guest>``, ``namespace:<guest>/...``,
+    which no other guest's vector has), so sharing it changes no verdict.
+    """
+    return f"{_account(cache, tenant)}:epochs"
 
 
 def tenant_tombstone_key(cache: str, tenant: str) -> str:

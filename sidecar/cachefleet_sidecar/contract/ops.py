@@ -404,6 +404,8 @@ async def fence_tenants(
 ) -> int:
     """Raise the fence of ``tenants`` (default: every registered tenant) to ``epochs``.
 
+    Each fence once: every guest's is the pool's (:func:`tenant_epochs_key`), so a
+    cache-wide invalidation costs one fence for all guests, however many registered.
     ``announce``: :func:`publish_epochs` in the same batch, queued after the
     fences (on one node Redis applies them first; on a cluster the RESP client
     may land them in any order, and the caller's wait starts only once every
@@ -414,13 +416,12 @@ async def fence_tenants(
     args = _merge_args(epochs)
     if not args:
         return 0
-    calls: list[Call] = [
-        ScriptCall(EPOCH_MERGE_LUA, [tenant_epochs_key(cache, t)], args) for t in names
-    ]
+    fences = sorted({tenant_epochs_key(cache, t) for t in names})
+    calls: list[Call] = [ScriptCall(EPOCH_MERGE_LUA, [fence], args) for fence in fences]
     if announce:
         calls.append(_announce(cache, epochs))
     await run(client, calls, timeout_s=timeout_s)
-    return len(names)
+    return len(fences)
 
 
 async def publish_epochs(

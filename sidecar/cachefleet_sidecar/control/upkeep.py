@@ -112,6 +112,8 @@ class Upkeep:
                     resident=self.l1.contains,
                     report=report,
                     read_timeout_s=cfg.warm_timeout_s,
+                    guest_slots=self._free_guest_slots,
+                    is_guest=self.l1.is_guest,
                 )
             report.state = "done"
         except TimeoutError:
@@ -122,6 +124,13 @@ class Upkeep:
             log.exception("L1 warm-up failed")
         report.seconds = time.monotonic() - started
         log.info("L1 warm-up %s", orjson.dumps(report.describe()).decode())
+
+    def _free_guest_slots(self) -> int:
+        """Guests a warm-up may add: the L1's free partitions (none takes a warmed one's
+        slot), while the guests have an L2 pool."""
+        if not self.tenants.guests_in_l2:
+            return 0
+        return max(0, self.l1.max_tenants - len(self.l1.tenants))
 
     def _l1_share(self, tenant: str) -> int | None:
         stats = self.l1.stats().get(tenant)

@@ -19,7 +19,14 @@ LRU sorted set, :func:`cachefleet_sidecar.contract.names.lru_key`: a fine proxy 
   well-formed entry of that tenant; anything else is skipped and counted by
   reason. Entries written by sidecars older than the L1-key line
   (:func:`cachefleet_sidecar.contract.versioned.split_l1_id`) cannot be warmed (skipped
-  as ``no_l1_key``).
+  as ``no_l1_key``);
+* unlisted tenants (guests of ``tenantDefaults`` with an L2 pool) after the
+  listed ones, from what they left: the pool's most recently used entries
+  (one read of :data:`WARM_ENTRIES_PER_TENANT`, :meth:`RedisL2.recent_guests
+  <cachefleet_sidecar.cache.l2.RedisL2.recent_guests>`), guests in order of
+  their last use, at most as many as the L1 has free partitions (a guest
+  beyond them would take a warmed guest's slot; its entries are skipped as
+  ``guest_slots``), each within its L1 share as a tenant is.
 
 :class:`WarmReport` is what ``/status`` shows under ``warmup``.
 """
@@ -57,7 +64,9 @@ class WarmReport:
     #: Entries and bytes put in L1 (still resident once the warm-up ended).
     entries: int = 0
     bytes: int = 0
+    #: Tenants with an entry warmed, and of them the unlisted ones (guests).
     tenants: int = 0
+    guests: int = 0
     #: Values read but not warmed, by reason.
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: float | None = None
@@ -71,6 +80,7 @@ class WarmReport:
             "entries": self.entries,
             "bytes": self.bytes,
             "tenants": self.tenants,
+            "guests": self.guests,
             "skipped": dict(sorted(self.skipped.items())),
             "seconds": None if self.seconds is None else round(self.seconds, 3),
         }
@@ -126,6 +136,8 @@ async def warm_l1(
     report: WarmReport,
     per_tenant: int = WARM_ENTRIES_PER_TENANT,
     read_timeout_s: float = 1.0,
+    guest_slots: Callable[[], int] = lambda: 0,
+    is_guest: Callable[[str], bool] = lambda _: True,
 ) -> None:
     """Fill L1 from L2 for ``tenants`` within ``budget_bytes`` (the caller bounds the time).
 
@@ -135,7 +147,11 @@ async def warm_l1(
     evicts the tenant's least recent, i.e. earlier warmed, entries);
     ``resident(tenant, l1_key)`` says whether an entry is still in L1, so only
     what stayed is counted. A tenant whose read fails is skipped; an epoch
-    that moves while a tenant's values are out drops that batch.
+    that moves while a tenant's values are out drops that batch. Then up to
+    ``guest_slots()`` unlisted tenants (asked once the listed ones are in; names
+    ``is_guest`` accepts) from the guests' pool, within what is left of
+    ``budget_bytes``; what stayed of theirs is counted once all are in (each new
+    guest partition shrinks the others').
     """
     started = time.monotonic()
     left = budget_bytes
@@ -152,39 +168,118 @@ async def warm_l1(
             if tracker.version != version:
                 report.skip("epochs_moved")
                 continue
-            cap = share(tenant)
-            room = left if cap is None else min(left, cap)
-            chosen: list[tuple[str, int, Entry]] = []
-            for digest, value in values:  # most recent first
-                verdict = judge(value, fence, tracker, tenant)
-                if isinstance(verdict, str):
-                    report.skip(verdict)
-                    continue
-                l1_id, data = verdict
-                try:
-                    entry = Entry.loads(data)
-                except ValueError:
-                    report.skip("corrupt")
-                    continue
-                if entry.tenant != tenant:
-                    report.skip("corrupt")
-                    continue
-                size = entry.l1_bytes(digest)
-                if size > room:
-                    report.skip("over_budget")
-                    continue
-                room -= size
-                chosen.append((digest, l1_id, entry))
-            stored: list[tuple[int, int]] = []
-            for digest, l1_id, entry in reversed(chosen):  # least recent first: LRU order kept
-                cost = put(tenant, digest, l1_id, entry)
-                if cost > 0:
-                    stored.append((l1_id, cost))
-            kept = [cost for l1_id, cost in stored if resident(tenant, l1_id)]
-            report.entries += len(kept)
-            report.bytes += sum(kept)
-            left -= sum(kept)
-            if kept:
-                report.tenants += 1
+            stored = _fill(tenant, values, fence, tracker, put, share, left, report)
+            left -= _count(report, resident, {tenant: stored})
+        guests = guest_slots() if left > 0 else 0
+        if guests > 0:
+            await _warm_guests(
+                l2, tracker, put, share, resident, report, left, guests, is_guest,
+                per_tenant, read_timeout_s,
+            )  # fmt: skip
     finally:
         report.seconds = time.monotonic() - started
+
+
+async def _warm_guests(
+    l2: L2,
+    tracker: EpochTracker,
+    put: Callable[[str, str, int, Entry], int],
+    share: Callable[[str], int | None],
+    resident: Callable[[str, int], bool],
+    report: WarmReport,
+    left: int,
+    guests: int,
+    is_guest: Callable[[str], bool],
+    limit: int,
+    read_timeout_s: float,
+) -> None:
+    """:func:`warm_l1`'s guests: the pool's most recent entries, by guest, ``left`` bytes."""
+    version = tracker.version
+    got = await l2.recent_guests(limit, read_timeout_s)
+    if got is None:
+        report.skip("redis")
+        return
+    pool, fence = got
+    if tracker.version != version:
+        report.skip("epochs_moved")
+        return
+    by_guest: dict[str, list[tuple[str, bytes | None]]] = {}
+    for owner, digest, value in pool:  # most recent first: guests in order of last use
+        if owner not in by_guest:
+            if not is_guest(owner):
+                report.skip("not_a_guest")  # listed since it wrote: it warms as a tenant
+                continue
+            if len(by_guest) >= guests:
+                report.skip("guest_slots")
+                continue
+            by_guest[owner] = []
+        by_guest[owner].append((digest, value))
+    stored: dict[str, list[tuple[int, int]]] = {}
+    for owner, values in by_guest.items():
+        if left <= 0:
+            break
+        stored[owner] = _fill(owner, values, fence, tracker, put, share, left, report)
+        left -= sum(cost for _, cost in stored[owner])
+    before = report.tenants
+    _count(report, resident, stored)
+    report.guests += report.tenants - before
+
+
+def _fill(
+    tenant: str,
+    values: list[tuple[str, bytes | None]],
+    fence: Mapping[str, int],
+    tracker: EpochTracker,
+    put: Callable[[str, str, int, Entry], int],
+    share: Callable[[str], int | None],
+    left: int,
+    report: WarmReport,
+) -> list[tuple[int, int]]:
+    """Put ``tenant``'s warmable ``values`` (most recent first) in L1 within its share and
+    ``left`` bytes; (L1 key, bytes) of each stored."""
+    cap = share(tenant)
+    room = left if cap is None else min(left, cap)
+    chosen: list[tuple[str, int, Entry]] = []
+    for digest, value in values:  # most recent first
+        verdict = judge(value, fence, tracker, tenant)
+        if isinstance(verdict, str):
+            report.skip(verdict)
+            continue
+        l1_id, data = verdict
+        try:
+            entry = Entry.loads(data)
+        except ValueError:
+            report.skip("corrupt")
+            continue
+        if entry.tenant != tenant:
+            report.skip("corrupt")
+            continue
+        size = entry.l1_bytes(digest)
+        if size > room:
+            report.skip("over_budget")
+            continue
+        room -= size
+        chosen.append((digest, l1_id, entry))
+    stored: list[tuple[int, int]] = []
+    for digest, l1_id, entry in reversed(chosen):  # least recent first: LRU order kept
+        cost = put(tenant, digest, l1_id, entry)
+        if cost > 0:
+            stored.append((l1_id, cost))
+    return stored
+
+
+def _count(
+    report: WarmReport,
+    resident: Callable[[str, int], bool],
+    stored: Mapping[str, list[tuple[int, int]]],
+) -> int:
+    """Count in ``report`` what of ``stored`` (by tenant) is still in L1; its bytes."""
+    total = 0
+    for tenant, entries in stored.items():
+        kept = [cost for l1_id, cost in entries if resident(tenant, l1_id)]
+        report.entries += len(kept)
+        report.bytes += sum(kept)
+        total += sum(kept)
+        if kept:
+            report.tenants += 1
+    return total

@@ -30,7 +30,7 @@ from cachefleet_sidecar.control.upkeep import Upkeep
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Connection, Request, simple_response
 from cachefleet_sidecar.observe import savings
-from cachefleet_sidecar.observe.metrics import SidecarMetrics, TierUsage
+from cachefleet_sidecar.observe.metrics import GuestPool, SidecarMetrics, TierUsage
 from cachefleet_sidecar.tenancy.identity import TrustedNetworks, parse_networks
 from cachefleet_sidecar.tenancy.tenants import Tenants
 
@@ -103,6 +103,14 @@ class Admin:
             if t != GUESTS
         ]
         return out
+
+    def guest_pool(self) -> GuestPool | None:
+        """The unlisted tenants on this pod and their L2 pool (None: none are admitted)."""
+        tenants = self.tenants
+        if tenants.default_quota is None and self.config.guest_share <= 0:
+            return None
+        guests = sum(1 for t in self.l1.stats() if self.l1.is_guest(t))
+        return GuestPool(guests=guests, l2=self.l2_usage.get(GUESTS))
 
     async def refresh_l2_usage(self) -> None:
         """Read each tenant's L2 bytes and limit (for /metrics and /status)."""

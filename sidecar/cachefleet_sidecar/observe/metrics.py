@@ -7,8 +7,9 @@ that part, one collector each, read at scrape time: the L2 tier
 L3 (:meth:`l3.SemanticTier.families`), GPU telemetry
 (:meth:`telemetry.GpuTelemetry.collect`), client limits
 (:meth:`server.Limiter.families`), the upstream pool
-(:meth:`upstream.UpstreamPool.families`), the curves and admission
-(:func:`reuse_families`, :func:`admission_families` below). All of them are
+(:meth:`upstream.UpstreamPool.families`), the curves, admission and the
+unlisted tenants' pool (:func:`reuse_families`, :func:`admission_families`,
+:func:`guest_families` below). All of them are
 registered in one place, :func:`compose.build`.
 
 The hit path must not pay for metrics: counters and histogram buckets are
@@ -679,6 +680,47 @@ class _Collector(Collector):
         yield from (refused, waited)
         for source in m.gauge_sources:
             yield from source()
+
+
+@dataclass(frozen=True, slots=True)
+class GuestPool:
+    """The unlisted tenants ("guests", ``tenantDefaults``) as one pod sees them."""
+
+    #: Unlisted tenants holding an L1 partition on this pod.
+    guests: int
+    #: The L2 pool's (bytes used, limit), fleet-wide as last read; None: no L2 pool.
+    l2: tuple[int, int] | None
+
+
+def guest_families(cache: str, source: Callable[[], GuestPool | None]) -> Iterator[Metric]:
+    """The guests' gauges, read at scrape time; none while unlisted tenants are not admitted."""
+    pool = source()
+    if pool is None:
+        return
+    guests = GaugeMetricFamily(
+        "cachefleet_guests",
+        "Unlisted tenants (tenantDefaults, --guest-share) holding an L1 partition on this pod.",
+        labels=["cache"],
+    )
+    guests.add_metric([cache], pool.guests)
+    yield guests
+    if pool.l2 is None:
+        return
+    used = GaugeMetricFamily(
+        "cachefleet_guest_pool_bytes",
+        "Bytes the unlisted tenants' pool holds, by tier (l2: fleet-wide, the same on every "
+        "pod: aggregate with max, not sum).",
+        labels=["cache", "tier"],
+    )
+    used.add_metric([cache, "l2"], pool.l2[0])
+    quota = GaugeMetricFamily(
+        "cachefleet_guest_pool_quota_bytes",
+        "Byte quota of the unlisted tenants' pool, by tier (l2: tenantDefaults.l2Share of "
+        "the fleet's L2, fleet-wide).",
+        labels=["cache", "tier"],
+    )
+    quota.add_metric([cache, "l2"], pool.l2[1])
+    yield from (used, quota)
 
 
 def admission_families(cache: str, state: Admission) -> Iterator[Metric]:

@@ -268,7 +268,11 @@ class QuotaApplier:
                 self.background.spawn(self.l2.set_limit(tenant, quota.l2_bytes))
             if tenants.guests_in_l2:
                 assert unlisted is not None
-                self.background.spawn(self.l2.set_limit(GUESTS, unlisted.l2_bytes))
+                self.background.spawn(
+                    self.l2.set_limit(
+                        GUESTS, unlisted.l2_bytes, guest_max_share=unlisted.l2_guest_max_share
+                    )
+                )
         default = self.l3.default
         self.l3.set_options(
             {
