@@ -12,12 +12,15 @@ What a user would notice, on real Redis and real sidecars:
 * a Key purge, a Namespace and a Tenant invalidation reach a guest's entries
   in L2 as they reach a listed tenant's;
 * a cache-wide (or model) invalidation raises one fence for all guests, and
-  every guest's reader and writer that missed it is refused.
+  every guest's reader and writer that missed it is refused;
+* a Key purge with no tenant named deletes the digest in every guest's scope
+  in a few script calls (batches of ``ops.PURGE_BATCH``), not one per guest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -35,7 +38,13 @@ from cachefleet_sidecar.contract.names import (
     guest_usage_key,
     usage_key,
 )
-from cachefleet_sidecar.contract.ops import advance_epoch, fence_tenants
+from cachefleet_sidecar.contract.ops import (
+    PURGE_BATCH,
+    advance_epoch,
+    fence_tenants,
+    log_purge,
+    purge_fence,
+)
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 from tests.integration.test_sidecar import metric
@@ -264,6 +273,37 @@ async def test_a_cache_wide_invalidation_fences_every_guest_at_once(
             assert await l2.put(name, new, b"after", moved)
             assert await l2.get(name, new, moved) == b"after"
         assert l2.counters.stale_refused - refused == 2 * (len(guests) + 2)
+
+
+async def test_a_key_purge_reaches_every_guest_in_a_few_script_calls(redis_url: str) -> None:
+    guests = [guest(f"g{i}") for i in range(2 * PURGE_BATCH + 200)]
+    digest, other = "ef" * 32, "0a" * 32
+    async with RedisL2.from_url(redis_url, CACHE, op_timeout_s=2.0) as l2:
+        assert await l2.set_limit(GUESTS, POOL_BYTES)
+        for name in [*guests, "listed"]:  # each registers on its first write
+            assert await l2.put(name, digest, b"answer", VECTOR)
+        assert await l2.put(guests[0], other, b"kept", VECTOR)
+        held, _ = await l2.usage(GUESTS)
+        client = redis_from_url(redis_url)
+        try:
+            epoch = await log_purge(client, CACHE, digest)
+            await purge_fence(client, CACHE, "00" * 32, epoch, ["listed"])  # scripts loaded
+            await client.config_resetstat()
+            assert await purge_fence(client, CACHE, digest, epoch) == len(guests) + 1
+            stats = await client.info("commandstats")
+            gone = [await client.exists(entry_key(CACHE, g, digest)) for g in guests]
+            kept = await client.exists(entry_key(CACHE, guests[0], other))
+        finally:
+            await client.aclose()
+        calls = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+        # the listed tenant's call, and the pool's guests in batches
+        assert calls == 1 + math.ceil(len(guests) / PURGE_BATCH)
+        assert sum(gone) == 0
+        assert kept == 1
+        # the pool's accounting gave back every purged entry's bytes, and only theirs
+        left, _ = await l2.usage(GUESTS)
+        assert 0 < left < held
+        assert await l2.get(guests[0], other, (*VECTOR[:3], (PURGE_SCOPE, epoch))) == b"kept"
 
 
 async def test_a_purge_and_a_tenant_invalidation_reach_a_guest(

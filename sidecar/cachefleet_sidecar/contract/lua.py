@@ -381,18 +381,23 @@ if n > keep then redis.call('ZREMRANGEBYRANK', KEYS[2], 0, n - keep - 1) end
 return {1, new}
 """
 
-#: KEYS = :func:`l2_keys` of the digest, then the tenant's fence; ARGV[1] = the purge
-#: epoch. Raises the fence's ``purge`` to it and deletes the entry with its
-#: accounting. Returns 1 when an entry was deleted.
+#: KEYS = the accounting of one or more tenants' entries (:func:`l2_meta_keys`), their
+#: fence, then the digest's entry key in the key scope of each (one for a listed
+#: tenant; many guests of the pool, which share its accounting and fence, in one
+#: call); ARGV[1] = the purge epoch. Raises the fence's ``purge`` to it and deletes
+#: each entry with its accounting. Returns how many entries were deleted.
 PURGE_FENCE_LUA = (
     _L2_LUA_READ_HELPERS
     + """
-local meta = {KEYS[2], KEYS[3], KEYS[4], KEYS[5]}
-local cur = tonumber(redis.call('HGET', KEYS[6], 'purge') or '0')
-if tonumber(ARGV[1]) > cur then redis.call('HSET', KEYS[6], 'purge', ARGV[1]) end
-if redis.call('EXISTS', KEYS[1]) == 1 or redis.call('HEXISTS', meta[3], KEYS[1]) == 1 then
-  return forget(meta, KEYS[1])
+local meta = {KEYS[1], KEYS[2], KEYS[3], KEYS[4]}
+local cur = tonumber(redis.call('HGET', KEYS[5], 'purge') or '0')
+if tonumber(ARGV[1]) > cur then redis.call('HSET', KEYS[5], 'purge', ARGV[1]) end
+local deleted = 0
+for i = 6, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 or redis.call('HEXISTS', meta[3], KEYS[i]) == 1 then
+    deleted = deleted + forget(meta, KEYS[i])
+  end
 end
-return 0
+return deleted
 """
 )

@@ -45,11 +45,12 @@ from cachefleet_sidecar.contract.names import (
     acks_key,
     check_digest,
     control_channel,
+    entry_key,
     epochs_key,
     fleet_samples_key,
     guest,
     is_guest_name,
-    l2_keys,
+    l2_meta_keys,
     l2_tenants_key,
     member_key,
     members_key,
@@ -74,6 +75,8 @@ MEMBERS_TTL_FACTOR = 4
 MAX_CAS_ATTEMPTS = 1000
 #: Purges the log keeps (older ones are trimmed; a sidecar that missed them empties its L1).
 PURGE_LOG_MAX = 10000
+#: Most entries one purge script call deletes (guests sharing one pool go in batches).
+PURGE_BATCH = 500
 
 #: Either client: an operation that takes this runs on both (see :func:`run`).
 AnyClient = RedisClient | resp.RespClient
@@ -543,22 +546,29 @@ async def purge_fence(
 ) -> int:
     """:data:`PURGE_FENCE_LUA` in the slot of ``tenants`` (default: every registered one).
 
-    ``announce``: the ``purge`` epoch is announced in the same batch, queued
-    after the fences (see :func:`fence_tenants`). Returns the entries deleted.
+    The guests of the pool share its accounting and fence, so theirs go in
+    calls of :data:`PURGE_BATCH` entries, not one each: a purge with no tenant
+    named costs a few calls however many guests registered (the digest names
+    one guest's entry, but not which). ``announce``: the ``purge`` epoch is
+    announced in the same batch, queued after the fences (see
+    :func:`fence_tenants`). Returns the entries deleted.
     """
     names = await _tenants(client, cache, tenants, timeout_s)
+    # entries by the (accounting, fence) they share: one listed tenant's, or the pool's
+    shared: dict[tuple[str, ...], list[str]] = {}
+    for t in names:
+        head = (*l2_meta_keys(cache, t), tenant_epochs_key(cache, t))
+        shared.setdefault(head, []).append(entry_key(cache, t, digest))
     calls: list[Call] = [
-        ScriptCall(
-            PURGE_FENCE_LUA,
-            [*l2_keys(cache, t, digest), tenant_epochs_key(cache, t)],
-            [str(int(epoch))],
-        )
-        for t in names
+        ScriptCall(PURGE_FENCE_LUA, [*head, *entries[i : i + PURGE_BATCH]], [str(int(epoch))])
+        for head, entries in shared.items()
+        for i in range(0, len(entries), PURGE_BATCH)
     ]
+    fences = len(calls)
     if announce:
         calls.append(_announce(cache, {PURGE_SCOPE: epoch}))
     replies = await run(client, calls, timeout_s=timeout_s)
-    return sum(int(r) for r in replies[: len(names)])
+    return sum(int(r) for r in replies[:fences])
 
 
 async def purges_since(
