@@ -804,6 +804,46 @@ class InferenceCacheSpec(_Model):
         return self
 
 
+# The unlisted tenants' pools (tenantDefaults), in bytes: the operator's quota table
+# and `kubectl cachefleet status` read them here.
+
+
+def unlisted_l1_bytes(spec: InferenceCacheSpec) -> int:
+    """L1 bytes per pod that ``spec.tenantDefaults`` sets aside for all unlisted tenants.
+
+    With no tenant listed, every tenant is unlisted: the pool is the whole L1.
+    """
+    defaults = spec.tenant_defaults
+    if defaults is None:
+        return 0
+    if not spec.tenants:
+        return spec.capacity.l1_bytes_per_pod
+    return int(spec.capacity.l1_bytes_per_pod * defaults.share)
+
+
+def listed_l1_bytes(spec: InferenceCacheSpec) -> int:
+    """L1 bytes per pod the listed tenants' allocation shares: what the unlisted pool leaves."""
+    return spec.capacity.l1_bytes_per_pod - unlisted_l1_bytes(spec)
+
+
+def unlisted_l2_bytes(spec: InferenceCacheSpec) -> int:
+    """L2 bytes fleet-wide that ``spec.tenantDefaults`` sets aside for all unlisted tenants.
+
+    With no tenant listed, every tenant is unlisted: the pool is the whole L2.
+    """
+    defaults = spec.tenant_defaults
+    if defaults is None or defaults.l2_share <= 0:
+        return 0
+    if not spec.tenants:
+        return spec.capacity.l2_bytes
+    return int(spec.capacity.l2_bytes * defaults.l2_share)
+
+
+def listed_l2_bytes(spec: InferenceCacheSpec) -> int:
+    """L2 bytes the listed tenants' allocation shares: what the unlisted pool leaves."""
+    return spec.capacity.l2_bytes - unlisted_l2_bytes(spec)
+
+
 class ConditionStatus(StrEnum):
     TRUE = "True"
     FALSE = "False"

@@ -127,6 +127,10 @@ async def test_a_guests_answer_is_served_from_l2_by_another_sidecar(
     assert metric(text, "cachefleet_guest_pool_quota_bytes", tier="l2") == POOL_BYTES
     assert metric(text, "cachefleet_guest_pool_bytes", tier="l2") == status["l2_guests"]["bytes"]
     assert metric(text, "cachefleet_guests", cache=CACHE) == 2
+    # the heartbeat (kubectl cachefleet top) counts them by policy and names none
+    beat = a.sidecar.admin.heartbeat()
+    assert sum(beat.unlisted_by_policy.values()) == 2
+    assert not {"cust-1", "cust-2"} & set(beat.policy_by_tenant)
     # the guests' entries are in the pool's slot, none in a slot of their own
     client = redis_from_url(redis_url)
     try:
@@ -151,6 +155,9 @@ async def test_a_cache_without_tenant_defaults_has_no_guest_series(
     assert metric(text, "cachefleet_cache_quota_bytes", tenant="listed", tier="l2") == 1 << 20
     for name in ("cachefleet_guests", "cachefleet_guest_pool_bytes"):
         assert metric(text, name) is None, name
+    beat = pod.sidecar.admin.heartbeat()
+    assert set(beat.policy_by_tenant) == {"listed"}
+    assert beat.unlisted_by_policy == {}
 
 
 async def test_guests_never_read_each_others_entries(any_redis: str) -> None:

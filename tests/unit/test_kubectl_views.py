@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from cachefleet_operator.api import (
     ObservedMetrics,
     SidecarStatus,
     TenantStatus,
+    parse_spec,
 )
 from cachefleet_operator.kubectl_plugin import cli, views
 from cachefleet_operator.kubectl_plugin.cluster import label_selector
@@ -245,6 +247,50 @@ def test_top_joins_pods_and_heartbeats() -> None:
     wide = _rows(views.render_top(rows, wide=True))
     assert wide[0][3:5] == ["RESTARTS", "NODE"]
     assert wide[1][3] == "2"
+
+
+def test_top_counts_unlisted_tenants_by_policy_in_a_column_of_their_own() -> None:
+    sidecars = [
+        views.SidecarSeen("llm-0", 7, {"search": "sits"}, True, NOW - 3, True, {"sits": 10}),
+        views.SidecarSeen("llm-1", 7, {"search": "sits"}, True, NOW - 3, True, {}),
+        views.SidecarSeen(
+            "llm-2", 7, {"search": "lru"}, True, NOW - 3, True, {"lru": 2, "sits": 10}
+        ),
+    ]
+    table = _rows(views.render_top(views.pod_rows(None, sidecars, 7, NOW)))
+    assert table[0][-2:] == ["POLICIES", "UNLISTED"]
+    assert [row[-2:] for row in table[1:]] == [
+        ["search=sits", "10 (sits=10)"],
+        ["search=sits", "-"],
+        ["search=lru", "12 (lru=2,sits=10)"],
+    ]
+    doc = views.top_document("inference", "chat", views.pod_rows(None, sidecars, 7, NOW), {})
+    assert doc["pods"][2]["unlisted"] == {"lru": 2, "sits": 10}
+
+
+def test_status_shows_the_unlisted_tenants_pools_from_the_spec() -> None:
+    example = Path(__file__).parents[2] / "examples" / "inferencecache.yaml"
+    spec = yaml.safe_load(example.read_text())["spec"]
+    obj = _cache(_status())
+    obj["spec"] = {**spec, "tenantDefaults": {"share": 0.25, "l2Share": 0.2, "policy": "sits"}}
+    view = views.cache_view(obj)
+    parsed = parse_spec(obj["spec"])
+    l1, l2 = parsed.capacity.l1_bytes_per_pod // 4, int(parsed.capacity.l2_bytes * 0.2)
+    (line,) = [x for x in views.render_status([view], NOW).splitlines() if "unlisted:" in x]
+    assert line.split(":", 1)[1].strip() == (
+        f"L1 25.0% of each pod ({views.human_bytes(l1)}), L2 20.0% ({views.human_bytes(l2)};"
+        " one tenant at most 25.0% of it), Standard, policy sits"
+    )
+    assert views.status_document([view])["items"][0]["unlisted"]["l2_bytes"] == l2
+    # L1 only, and no tenantDefaults at all
+    obj["spec"]["tenantDefaults"] = {"l2Share": 0}
+    (line,) = [
+        x for x in views.render_status([views.cache_view(obj)], NOW).splitlines() if "unlisted" in x
+    ]
+    assert "no L2 (they stay in L1)" in line
+    assert "policy the cache default" in line
+    del obj["spec"]["tenantDefaults"]
+    assert "unlisted" not in views.render_status([views.cache_view(obj)], NOW)
 
 
 def test_top_without_redis_marks_sidecar_columns_unknown() -> None:

@@ -10,15 +10,18 @@ import pytest
 import yaml
 
 from cachefleet_operator.allocation import allocate
-from cachefleet_operator.api import SpecError, parse_spec
+from cachefleet_operator.api import (
+    SpecError,
+    listed_l1_bytes,
+    listed_l2_bytes,
+    parse_spec,
+    unlisted_l1_bytes,
+    unlisted_l2_bytes,
+)
 from cachefleet_operator.reconcile import (
     assignment_digest,
     build_assignment,
     demands_from_spec,
-    listed_l1_bytes,
-    listed_l2_bytes,
-    unlisted_l1_bytes,
-    unlisted_l2_bytes,
 )
 from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE
 from cachefleet_sidecar.contract.messages import QuotaAssignment

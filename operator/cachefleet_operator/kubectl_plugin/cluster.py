@@ -318,6 +318,7 @@ async def _read_sidecars(url: str, cache: str, epochs: Mapping[str, int]) -> lis
             redis_ok=m.redis_ok,
             heartbeat_at=m.sent_at,
             epochs_acked=(m.pod in acked) if epochs else None,
+            unlisted_by_policy={p.value: n for p, n in m.unlisted_by_policy.items()},
         )
         for m in members
     ]

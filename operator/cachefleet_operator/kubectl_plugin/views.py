@@ -25,6 +25,10 @@ from cachefleet_operator.api import (
     CacheInvalidationStatus,
     InferenceCacheStatus,
     InvalidationPhase,
+    SpecError,
+    parse_spec,
+    unlisted_l1_bytes,
+    unlisted_l2_bytes,
 )
 from cachefleet_operator.outcome import parse_rfc3339
 from cachefleet_sidecar import epochs
@@ -230,6 +234,61 @@ class TenantRow:
 
 
 @dataclass(frozen=True, slots=True)
+class UnlistedView:
+    """``spec.tenantDefaults``: the pools of the tenants the spec does not list."""
+
+    #: Each pod's L1 bytes for all of them, and that as a fraction of the pod's L1.
+    l1_bytes: int
+    l1_share: float
+    #: The fleet's L2 bytes for all of them (0: they stay in L1), and that as a fraction.
+    l2_bytes: int
+    l2_share: float
+    #: The most of the L2 pool one of them may hold.
+    l2_guest_max_share: float
+    priority_class: str
+    #: Their L1 policy (None: the cache's default).
+    policy: str | None
+
+
+def unlisted_view(spec: Mapping[str, Any]) -> UnlistedView | None:
+    """The unlisted tenants' pools of a spec (None: no tenantDefaults, or a spec this
+    version of the plugin cannot read)."""
+    if not spec.get("tenantDefaults"):
+        return None
+    try:
+        parsed = parse_spec(dict(spec))
+    except SpecError:
+        return None
+    defaults = parsed.tenant_defaults
+    if defaults is None:
+        return None
+    l1, l2 = unlisted_l1_bytes(parsed), unlisted_l2_bytes(parsed)
+    return UnlistedView(
+        l1_bytes=l1,
+        l1_share=l1 / max(1, parsed.capacity.l1_bytes_per_pod),
+        l2_bytes=l2,
+        l2_share=l2 / max(1, parsed.capacity.l2_bytes),
+        l2_guest_max_share=defaults.l2_guest_max_share,
+        priority_class=defaults.priority_class,
+        policy=None if defaults.policy is None else defaults.policy.value,
+    )
+
+
+def unlisted_text(u: UnlistedView) -> str:
+    """The ``unlisted:`` line of ``status``."""
+    l2 = (
+        f"L2 {_percent(u.l2_share)} ({human_bytes(u.l2_bytes)}; one tenant at most"
+        f" {_percent(u.l2_guest_max_share)} of it)"
+        if u.l2_bytes
+        else "no L2 (they stay in L1)"
+    )
+    return (
+        f"L1 {_percent(u.l1_share)} of each pod ({human_bytes(u.l1_bytes)}), {l2},"
+        f" {u.priority_class}, policy {u.policy or 'the cache default'}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class CacheView:
     """One InferenceCache's status, as ``status`` shows it."""
 
@@ -250,6 +309,8 @@ class CacheView:
     savings: dict[str, float]
     last_invalidation: InvalidationView | None
     problem: str | None = None
+    #: spec.tenantDefaults (None: unlisted tenants are refused).
+    unlisted: UnlistedView | None = None
 
     @property
     def lagging_quotas(self) -> int | None:
@@ -336,6 +397,7 @@ def cache_view(
         savings=_numbers(raw.get("savings")),
         last_invalidation=_last_for(namespace, name, invalidations),
         problem=problem,
+        unlisted=unlisted_view(spec),
     )
 
 
@@ -429,6 +491,8 @@ def render_status(views: Sequence[CacheView], now: float, wide: bool = False) ->
             f"  quotas:       generation {generation}, rebalanced {age}",
             f"  SLA:          {v.sla_attainment or NONE} tenants meet their SLA",
         ]
+        if v.unlisted is not None:
+            lines.append(f"  unlisted:     {unlisted_text(v.unlisted)}")
         if v.sidecars_seen is not None:
             lines.append(
                 f"  sidecars:     {v.sidecars_seen} live,"
@@ -497,6 +561,8 @@ class SidecarSeen:
     heartbeat_at: float
     #: Whether it acknowledged every epoch in the cache's status (None: no epochs there).
     epochs_acked: bool | None
+    #: Unlisted tenants holding a partition there, by policy (counted, not named).
+    unlisted_by_policy: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -512,6 +578,8 @@ class PodRow:
     epochs: str
     redis: str
     policies: dict[str, str]
+    #: Unlisted tenants with a partition on the pod, by policy.
+    unlisted: dict[str, int] = field(default_factory=dict)
 
 
 def pod_info(pod: Mapping[str, Any]) -> PodInfo:
@@ -582,6 +650,7 @@ def pod_rows(
                 epochs=epochs,
                 redis=redis,
                 policies=dict(sorted(s.policy_by_tenant.items())) if s else {},
+                unlisted=dict(sorted(s.unlisted_by_policy.items())) if s else {},
             )
         )
     return rows
@@ -590,6 +659,10 @@ def pod_rows(
 def render_top(rows: Sequence[PodRow], wide: bool = False) -> str:
     """``kubectl cachefleet top``: one row per pod."""
     headers = ["POD", "READY", "STATUS", "HEARTBEAT", "QUOTAS", "EPOCHS", "REDIS", "POLICIES"]
+    # unlisted tenants (tenantDefaults): a count per pod, only where some pod has them
+    unlisted = any(r.unlisted for r in rows)
+    if unlisted:
+        headers.append("UNLISTED")
     if wide:
         headers[3:3] = ["RESTARTS", "NODE"]
     out = []
@@ -597,10 +670,20 @@ def render_top(rows: Sequence[PodRow], wide: bool = False) -> str:
         policies = ",".join(f"{t}={p}" for t, p in r.policies.items()) or NONE
         heartbeat = NONE if r.heartbeat_age_s is None else human_age(r.heartbeat_age_s) + " ago"
         row = [r.pod, r.ready, r.phase, heartbeat, r.quotas, r.epochs, r.redis, policies]
+        if unlisted:
+            row.append(_unlisted_text(r.unlisted))
         if wide:
             row[3:3] = [NONE if r.restarts is None else str(r.restarts), r.node]
         out.append(row)
     return table(headers, out)
+
+
+def _unlisted_text(by_policy: Mapping[str, int]) -> str:
+    """``12 (sits=10,lru=2)``: how many unlisted tenants, by policy."""
+    total = sum(by_policy.values())
+    if not total:
+        return NONE
+    return f"{total} (" + ",".join(f"{p}={n}" for p, n in by_policy.items()) + ")"
 
 
 def top_document(

@@ -130,7 +130,11 @@ class Heartbeat(_Model):
     protocol: int = PROTOCOL_VERSION
     pod: str
     quota_generation: int = -1
+    #: The L1 policy of each tenant the pod holds a partition for, but unlisted ones.
     policy_by_tenant: dict[str, Policy] = Field(default_factory=dict)
+    #: Unlisted tenants (tenantDefaults, --guest-share) holding a partition, by policy:
+    #: counted, not named (thousands of them would make every heartbeat that long).
+    unlisted_by_policy: dict[Policy, int] = Field(default_factory=dict)
     redis_ok: bool = True
     #: Admission is shedding: the pod's model server is saturated (docs/admission.md).
     shedding: bool = False

@@ -82,11 +82,21 @@ class Admin:
         self.started_at = time.time()
 
     def heartbeat(self) -> Heartbeat:
-        stats = self.l1.stats()
+        # unlisted tenants counted apart only while they are admitted (not in open mode)
+        admitting = self._admits_guests()
+        listed: dict[str, Policy] = {}
+        unlisted: dict[Policy, int] = {}
+        for tenant, stats in self.l1.stats().items():
+            policy = Policy(stats.policy)
+            if admitting and self.l1.is_guest(tenant):
+                unlisted[policy] = unlisted.get(policy, 0) + 1
+            else:
+                listed[tenant] = policy
         return Heartbeat(
             pod=self.config.pod,
             quota_generation=self.tenants.quota_generation,
-            policy_by_tenant={t: Policy(s.policy) for t, s in stats.items()},
+            policy_by_tenant=listed,
+            unlisted_by_policy=unlisted,
             redis_ok=self.l2 is None or self.l2.state == "ok",
             shedding=self.gate is not None and self.gate.shedding,
         )
@@ -106,11 +116,14 @@ class Admin:
 
     def guest_pool(self) -> GuestPool | None:
         """The unlisted tenants on this pod and their L2 pool (None: none are admitted)."""
-        tenants = self.tenants
-        if tenants.default_quota is None and self.config.guest_share <= 0:
+        if not self._admits_guests():
             return None
         guests = sum(1 for t in self.l1.stats() if self.l1.is_guest(t))
         return GuestPool(guests=guests, l2=self.l2_usage.get(GUESTS))
+
+    def _admits_guests(self) -> bool:
+        """Unlisted tenants are admitted (tenantDefaults or --guest-share), not refused."""
+        return self.tenants.default_quota is not None or self.config.guest_share > 0
 
     async def refresh_l2_usage(self) -> None:
         """Read each tenant's L2 bytes and limit (for /metrics and /status)."""
