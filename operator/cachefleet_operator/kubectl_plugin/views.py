@@ -671,14 +671,14 @@ def render_top(rows: Sequence[PodRow], wide: bool = False) -> str:
         heartbeat = NONE if r.heartbeat_age_s is None else human_age(r.heartbeat_age_s) + " ago"
         row = [r.pod, r.ready, r.phase, heartbeat, r.quotas, r.epochs, r.redis, policies]
         if unlisted:
-            row.append(_unlisted_text(r.unlisted))
+            row.append(_unlisted_counts(r.unlisted))
         if wide:
             row[3:3] = [NONE if r.restarts is None else str(r.restarts), r.node]
         out.append(row)
     return table(headers, out)
 
 
-def _unlisted_text(by_policy: Mapping[str, int]) -> str:
+def _unlisted_counts(by_policy: Mapping[str, int]) -> str:
     """``12 (sits=10,lru=2)``: how many unlisted tenants, by policy."""
     total = sum(by_policy.values())
     if not total:
