@@ -11,6 +11,13 @@ fleet samples: L2 by marginal gain, with more wanted than L2 holds, so the
 level bisection and the greedy both run). Target: 10,000 tenants in under
 50 ms.
 
+An allocation returns its results as columns; its rows (one
+:class:`~cachefleet_operator.allocation.TenantAllocation` per tenant, what
+the reconciler reads for quotas, status and Events) are made when first
+read. The ``rows`` column times reading them all once from a rebalance's
+result, apart from the allocation, and the verdict says whether the
+allocation with its rows read fits too.
+
 The machine this runs on is usually shared and noisy, so each row also
 gives its time as a multiple of a fixed reference job measured in the same
 run, interleaved with it (:func:`reference_job`: sorting a million floats
@@ -32,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -181,15 +189,24 @@ def reference_job(rng: np.random.Generator) -> float:
     return time.perf_counter() - start
 
 
-def measure(
-    n: int, repeats: int, curves: bool = True, fleet: bool = False
-) -> tuple[float, float, float, float, float]:
-    """(median first allocation, best first allocation, median rebalance, median reference,
-    median read): the allocations are timed from the metrics as the operator holds them
-    (:func:`read`), and the read apart."""
+class Timing(NamedTuple):
+    """Medians (and the best first allocation) of one path at one size, in seconds."""
+
+    first: float
+    first_min: float
+    rebalance: float
+    reference: float
+    read: float
+    #: Making every row of a rebalance's result (on its first read).
+    rows: float
+
+
+def measure(n: int, repeats: int, curves: bool = True, fleet: bool = False) -> Timing:
+    """The allocations timed from the metrics as the operator holds them (:func:`read`),
+    and the read and the rows apart."""
     tenants, parsed, fleet_curves = answers(n, curves=curves, fleet=fleet)
     metrics = read(parsed, fleet_curves)
-    first, again, unit, reads = [], [], [], []
+    first, again, unit, reads, rows = [], [], [], [], []
     rng = np.random.default_rng(7)
     first_one = allocate(tenants, metrics, None, L1_BYTES, L2_BYTES)
     previous = first_one.shares()
@@ -199,18 +216,23 @@ def measure(
         allocate(tenants, metrics, None, L1_BYTES, L2_BYTES)
         first.append(time.perf_counter() - start)
         start = time.perf_counter()
-        allocate(tenants, metrics, previous, L1_BYTES, L2_BYTES, previous_l2=previous_l2)
+        result = allocate(tenants, metrics, previous, L1_BYTES, L2_BYTES, previous_l2=previous_l2)
         again.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        assert len(result.tenants) == n
+        rows.append(time.perf_counter() - start)
+        del result
         unit.append(reference_job(rng))
         start = time.perf_counter()
         read(parsed, fleet_curves)
         reads.append(time.perf_counter() - start)
-    return (
+    return Timing(
         statistics.median(first),
         min(first),
         statistics.median(again),
         statistics.median(unit),
         statistics.median(reads),
+        statistics.median(rows),
     )
 
 
@@ -241,22 +263,27 @@ def main(argv: list[str] | None = None) -> int:
     kept = False if args.malloc_defaults else heap.keep_freed_memory()
     print(
         f"{'tenants':>8} {'curves':>7} {'first p50':>11} {'first min':>11} {'rebalance p50':>14}"
-        f" {'reference p50':>14} {'first/ref':>10} {'rebalance/ref':>14} {'read p50':>10}"
-        f" {'read/ref':>9}"
+        f" {'reference p50':>14} {'first/ref':>10} {'rebalance/ref':>14} {'rows p50':>10}"
+        f" {'rows/ref':>9} {'read p50':>10} {'read/ref':>9}"
     )
-    ok = True
+    alone = with_rows = True
     for label in args.curves:
         curves, fleet = KINDS[label]
         for n in args.sizes:
-            med, best, rebalance, unit, reading = measure(n, args.repeats, curves, fleet)
+            t = measure(n, args.repeats, curves, fleet)
+            unit = t.reference
             print(
-                f"{n:>8} {label:>7} {med * 1e3:>9.2f}ms {best * 1e3:>9.2f}ms"
-                f" {rebalance * 1e3:>12.2f}ms {unit * 1e3:>12.2f}ms {med / unit:>9.3f}x"
-                f" {rebalance / unit:>13.3f}x {reading * 1e3:>8.2f}ms {reading / unit:>8.3f}x"
+                f"{n:>8} {label:>7} {t.first * 1e3:>9.2f}ms {t.first_min * 1e3:>9.2f}ms"
+                f" {t.rebalance * 1e3:>12.2f}ms {unit * 1e3:>12.2f}ms {t.first / unit:>9.3f}x"
+                f" {t.rebalance / unit:>13.3f}x {t.rows * 1e3:>8.2f}ms {t.rows / unit:>8.3f}x"
+                f" {t.read * 1e3:>8.2f}ms {t.read / unit:>8.3f}x"
             )
             if n == 10_000:
-                ok = ok and max(med, rebalance) < TARGET_10K_S
+                alone = alone and max(t.first, t.rebalance) < TARGET_10K_S
+                with_rows = with_rows and max(t.first, t.rebalance) + t.rows < TARGET_10K_S
+    ok = alone
     verdict = "meets" if ok else "MISSES"
+    verdict += f"; with its rows read: {'meets' if with_rows else 'misses'}"
     if 10_000 not in args.sizes:
         verdict = "not judged (10000 not among --sizes)"
     print(f"target: 10,000 tenants < {TARGET_10K_S * 1e3:.0f} ms -> {verdict}")
@@ -273,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "read: the metrics table from the parsed query answers (tenant_metrics, and the fleet"
         " curves added), once per rebalance before allocating; not in first/rebalance"
+    )
+    print(
+        "rows: every tenant's row of a rebalance's result, made when first read (the"
+        " reconciler reads them); not in first/rebalance"
     )
     return 0 if ok else 1
 

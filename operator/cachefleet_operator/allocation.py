@@ -313,21 +313,59 @@ class TenantAllocation(NamedTuple):
         return not isinstance(self.why_not, str)
 
 
-@dataclass(frozen=True, slots=True)
 class Allocation:
     """The whole result; ``tenants`` in spec order.
 
-    Reasons are worded on demand (:meth:`reason`): they are for status and
-    Events, not for the allocation itself.
+    :func:`allocate` computes columns (one array or list per field, over all
+    tenants); the rows (:class:`TenantAllocation`) are made from them when
+    first read, and reasons are worded on demand (:meth:`reason`): both are
+    for quotas, status and Events, not for the allocation itself. (For
+    10,000 tenants, making the rows and the young-generation collection that
+    then walks them and all they hold took a sixth of an allocation.)
     """
 
-    tenants: tuple[TenantAllocation, ...]
-    l1_capacity: int
-    l2_capacity: int
-    demands: tuple[TenantDemand, ...] = ()
-    metrics: Mapping[str, TenantMetrics] = field(default_factory=dict)
+    __slots__ = ("_columns", "_rows", "demands", "l1_capacity", "l2_capacity", "metrics")
+
+    def __init__(
+        self,
+        tenants: Sequence[TenantAllocation] | _Result,
+        l1_capacity: int,
+        l2_capacity: int,
+        demands: tuple[TenantDemand, ...] = (),
+        metrics: Mapping[str, TenantMetrics] | None = None,
+    ) -> None:
+        self._columns = tenants if isinstance(tenants, _Result) else None
+        self._rows = None if isinstance(tenants, _Result) else tuple(tenants)
+        self.l1_capacity = l1_capacity
+        self.l2_capacity = l2_capacity
+        self.demands = demands
+        self.metrics: Mapping[str, TenantMetrics] = {} if metrics is None else metrics
+
+    @property
+    def tenants(self) -> tuple[TenantAllocation, ...]:
+        """Every tenant's row, in spec order (made once, when first read)."""
+        if self._rows is None:
+            assert self._columns is not None
+            self._rows = self._columns.rows()
+        return self._rows
+
+    def _key(self) -> tuple[object, ...]:
+        return (self.tenants, self.l1_capacity, self.l2_capacity, self.demands, self.metrics)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Allocation) and self._key() == other._key()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"Allocation(tenants={self.tenants!r}, l1_capacity={self.l1_capacity!r}, "
+            f"l2_capacity={self.l2_capacity!r})"
+        )
 
     def shares(self) -> dict[str, float]:
+        if self._rows is None and self._columns is not None:  # without making the rows
+            return dict(zip(self._columns.names, self._columns.shares.tolist(), strict=True))
         return {t.name: t.share for t in self.tenants}
 
     def by_name(self) -> dict[str, TenantAllocation]:
@@ -1193,9 +1231,90 @@ class _Plans:
     table: CurveTable
     #: Every tenant's miss latency (upstream).
     misses: LatencyTable
-    #: Why no share within bounds meets the tenant's SLA ("" when one does), as
-    #: :attr:`TenantAllocation.why_not` keeps it.
-    cannot_meet: list[str | OutOfReach]
+    #: Why no share within bounds meets the tenant's SLA ("" when one does, or when no
+    #: size does: those are in ``beyond``).
+    cannot_meet: list[str]
+    #: The tenants whose SLA no cache size meets, and why (None: none).
+    beyond: _Beyond | None = None
+
+
+class _Beyond(NamedTuple):
+    """The tenants (``rows``) whose SLA no cache size meets, with what their
+    :data:`OutOfReach` is made of (NaN, or ``miss_known`` False: not set or not known)."""
+
+    rows: IntArray
+    p95_target: FloatArray
+    min_hit: FloatArray
+    miss_mean: FloatArray
+    miss_known: BoolArray
+    cold: FloatArray
+    best: FloatArray
+    fleet_wide: BoolArray
+
+    def why_not(self) -> list[OutOfReach]:
+        return list(
+            zip(
+                _or_none(self.p95_target, ~np.isnan(self.p95_target)),
+                _or_none(self.min_hit, ~np.isnan(self.min_hit)),
+                _or_none(self.miss_mean, self.miss_known),
+                self.cold.tolist(),
+                self.best.tolist(),
+                self.fleet_wide.tolist(),
+                strict=True,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Result:
+    """An allocation's columns (spec order), from which :attr:`Allocation.tenants` is made."""
+
+    names: list[str]
+    priority_classes: list[PriorityClass]
+    shares: FloatArray
+    targets: FloatArray
+    weights: FloatArray
+    l1: list[int]
+    l2: list[int]
+    met: list[bool | None]
+    #: Each row's index in :data:`_NOTES`.
+    notes: IntArray
+    cannot_meet: list[str]
+    beyond: _Beyond | None
+    #: The curves, read at each share for the predicted hit ratios (None: not measured).
+    table: CurveTable
+    measured: BoolArray
+    l1_capacity: int
+
+    def rows(self) -> tuple[TenantAllocation, ...]:
+        why: list[str | OutOfReach] = list(self.cannot_meet)
+        if self.beyond is not None:
+            for i, out_of_reach in zip(
+                self.beyond.rows.tolist(), self.beyond.why_not(), strict=True
+            ):
+                why[i] = out_of_reach
+        predicted = _rounded(self.table.at(self.shares * self.l1_capacity), self.measured)
+        # tuple.__new__ over rows: what TenantAllocation._make does, without a call per tenant
+        return tuple(
+            map(
+                tuple.__new__,
+                repeat(TenantAllocation),
+                zip(
+                    self.names,
+                    self.priority_classes,
+                    self.shares.tolist(),
+                    self.targets.tolist(),
+                    self.weights.tolist(),
+                    self.l1,
+                    self.l2,
+                    self.met,
+                    list(map(_NOTES.__getitem__, self.notes.tolist())),
+                    why,
+                    predicted,
+                    strict=True,
+                ),
+            )
+        )
 
 
 def _plans(cols: _Columns, pressure: FloatArray) -> _Plans:
@@ -1306,9 +1425,7 @@ def _meet_slas(
         wanted = np.full(len(shares), np.nan)
     cannot = plans.cannot_meet
     beyond = np.flatnonzero(asks & np.isnan(wanted))  # has a curve: asks
-    if beyond.size:  # worded on demand, from numbers (rows that hold no tenant objects)
-        p95_target, min_hit = cols.p95_target[beyond], cols.min_hit[beyond]
-        miss_mean = plans.misses.mean[beyond]
+    if beyond.size:  # kept as numbers, made into rows' OutOfReach (and words) on demand
         cold = plans.table.cold[beyond]
         best = plans.table.max_hit[beyond]
         fleet_wide = np.zeros(beyond.size, dtype=bool)
@@ -1317,18 +1434,16 @@ def _meet_slas(
             more = cols.fleet.present[beyond] & (cols.fleet.max_hit[beyond] > best)
             best[more], cold[more] = cols.fleet.max_hit[beyond][more], cols.fleet.cold[beyond][more]
             fleet_wide = more
-        whys = zip(
-            _or_none(p95_target, ~np.isnan(p95_target)),
-            _or_none(min_hit, ~np.isnan(min_hit)),
-            _or_none(miss_mean, plans.misses.present[beyond]),
-            cold.tolist(),
-            best.tolist(),
-            fleet_wide.tolist(),
-            strict=True,
+        plans.beyond = _Beyond(
+            beyond,
+            cols.p95_target[beyond],
+            cols.min_hit[beyond],
+            plans.misses.mean[beyond],
+            plans.misses.present[beyond],
+            cold,
+            best,
+            fleet_wide,
         )
-        table = np.fromiter(cannot, dtype=object, count=len(cannot))
-        table[beyond] = np.fromiter(whys, dtype=object, count=beyond.size)
-        cannot[:] = table.tolist()
     with np.errstate(invalid="ignore"):
         above_cap = asks & (wanted > caps + EPS)
     for i in np.flatnonzero(above_cap).tolist():
@@ -1345,9 +1460,7 @@ def _meet_slas(
         _grant(shares, idx[order], extra[order], cannot)
 
 
-def _grant(
-    shares: FloatArray, idx: IntArray, extra: FloatArray, cannot: list[str | OutOfReach]
-) -> None:
+def _grant(shares: FloatArray, idx: IntArray, extra: FloatArray, cannot: list[str]) -> None:
     """Grant ``extra`` to tenants ``idx`` in that order while capacity is left (in place).
 
     What is left is the capacity minus the sum of shares, as summed before
@@ -1649,6 +1762,8 @@ def _allocate(
         gain = target_u - now_u
         # An SLA that the target meets and the shares in force do not is always worth a move.
         meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
+        if plans.beyond is not None:
+            meetable[plans.beyond.rows] = False
         sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
         worth = (
             not metrics
@@ -1689,29 +1804,23 @@ def _allocate(
     at_cap = (caps < 1.0) & (shares >= caps - EPS)
     # the note's index in _NOTES (the same four strings for every row, not one each)
     notes = np.where(at_floor, 1, np.where(at_cap, 2, np.where(held, 3, 0)))
-    predicted = _rounded(plans.table.at(shares * l1_capacity), measured)
-    # tuple.__new__ over rows: what TenantAllocation._make does, without a call per tenant
-    out = tuple(
-        map(
-            tuple.__new__,
-            repeat(TenantAllocation),
-            zip(
-                names,
-                cols.priority_classes,
-                shares.tolist(),
-                targets.tolist(),
-                plans.values.tolist(),
-                l1,
-                l2,
-                met,
-                list(map(_NOTES.__getitem__, notes.tolist())),
-                plans.cannot_meet,
-                predicted,
-                strict=True,
-            ),
-        )
+    result = _Result(
+        names,
+        cols.priority_classes,
+        shares,
+        targets,
+        plans.values,
+        l1,
+        l2,
+        met,
+        notes,
+        plans.cannot_meet,
+        plans.beyond,
+        plans.table,
+        measured,
+        l1_capacity,
     )
-    return Allocation(out, l1_capacity, l2_capacity, tenants, metrics)
+    return Allocation(result, l1_capacity, l2_capacity, tenants, metrics)
 
 
 def hold(
