@@ -37,12 +37,10 @@ scaling every tenant's traffic by k changes nothing.
 from __future__ import annotations
 
 import copy
-import gc
 import heapq
 import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import repeat
@@ -1281,7 +1279,7 @@ class _Result:
     notes: IntArray
     cannot_meet: list[str]
     beyond: _Beyond | None
-    #: The curves, read at each share for the predicted hit ratios (None: not measured).
+    #: The curves, read at each share for the predicted hit ratios of the rows ``measured``.
     table: CurveTable
     measured: BoolArray
     l1_capacity: int
@@ -1694,26 +1692,7 @@ def allocate(
     tenants = tuple(tenants)
     if not tenants:
         return Allocation((), l1_capacity, l2_capacity, tenants, metrics)
-    with _collector_paused():
-        return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params, previous_l2)
-
-
-@contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused for the block (as it was after).
-
-    An allocation makes tens of thousands of objects that hold no cycles
-    (rows, lists, tuples): refcounting frees them, and a collector triggered
-    by their number would only walk every object of the process again and
-    again (a fifth of the time of 10,000 tenants).
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    return _allocate(tenants, metrics, previous, l1_capacity, l2_capacity, params, previous_l2)
 
 
 def _allocate(
