@@ -1057,8 +1057,8 @@ def _fill(
     chords[outside] = -np.inf
     reach = np.argmax(chords, axis=1)  # the first steepest chord's candidate
     chord = chords[rows, reach]
-    with np.errstate(invalid="ignore"):
-        steepest = np.fmax(np.max(chords, axis=1, initial=0.0), slopes)
+    with np.errstate(invalid="ignore"):  # (each row's steepest chord: the one argmax found)
+        steepest = np.fmax(np.maximum(chord, 0.0), slopes)
 
     def keeps_lo() -> float:
         """A level where every tenant keeps ``lo``: twice the steepest step from it (the top
