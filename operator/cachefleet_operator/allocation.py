@@ -1079,7 +1079,7 @@ def _fill(
                 lower = mid
         return lower, upper
 
-    segments = _Segments(gains, xs, reach, chord, last, lo, work)
+    segments = _Segments(gains, xs, reach, chord, lo, work)
     guess = segments.guess(1.0 - float(lo.sum()))
     if math.isfinite(guess):
         predicted = bracket(lambda at: at >= guess)
@@ -1103,9 +1103,9 @@ class _Segments:
     :func:`_fill_level` fit.
 
     A tenant's segments: the chord from ``lo`` to its steepest point (``reach``, with
-    slope ``chord``), then from point to point up to its last candidate (``last`` - 1);
-    a segment is taken at every level below its slope. Exact where a curve is concave
-    past its steepest chord (but for rounding).
+    slope ``chord``), then from point to point up to its last candidate (``gains`` is
+    -inf past it); a segment is taken at every level below its slope. Exact where a
+    curve is concave past its steepest chord (but for rounding).
     """
 
     def __init__(
@@ -1114,7 +1114,6 @@ class _Segments:
         xs: FloatArray,
         reach: IntArray,
         chord: FloatArray,
-        last: IntArray,
         lo: FloatArray,
         work: FloatArray,
     ) -> None:
@@ -1124,31 +1123,28 @@ class _Segments:
             gaps = np.diff(xs[:1] if xs.strides[0] == 0 else xs, axis=1)  # a row when shared
             np.subtract(gains[:, 1:], gains[:, :-1], out=steps)  # -inf - -inf: outside
             steps /= gaps
-        ends = np.arange(1, width)  # segment k ends at column k + 1
-        self.after = (ends > reach[:, None]) & (ends < last[:, None])
+        # segment k ends at column k + 1; one ending past the last candidate is never
+        # steeper than a level (-inf - x is -inf, -inf - -inf NaN)
+        self.after = np.arange(1, width) > reach[:, None]
         self.steps, self.gaps = steps, np.broadcast_to(gaps, steps.shape)
         with np.errstate(invalid="ignore"):
             chorded = (chord > 0.0) & np.isfinite(chord)
         self.chord = chord[chorded]
         self.reached = (xs[np.arange(n), reach] - lo)[chorded]
 
-    def taken(self, slope: float) -> float:
-        """The width of every segment steeper than ``slope``."""
+    def around(self, lower: float, upper: float) -> tuple[float, FloatArray, FloatArray]:
+        """The width of every segment steeper than ``upper``, and the (slopes, widths) of
+        those with a slope in (lower, upper]: one look at every segment."""
         with np.errstate(invalid="ignore"):
-            steeper = (self.steps > slope) & self.after
-        return float(np.sum(self.gaps, where=steeper)) + float(
-            self.reached[self.chord > slope].sum()
-        )
-
-    def between(self, lower: float, upper: float) -> tuple[FloatArray, FloatArray]:
-        """(slopes, widths) of the segments with a slope in (lower, upper]."""
-        with np.errstate(invalid="ignore"):
-            inside = (self.steps > lower) & (self.steps <= upper) & self.after
+            steeper = (self.steps > upper) & self.after
+            inside = (self.steps > lower) & self.after & ~steeper
         chords = (self.chord > lower) & (self.chord <= upper)
-        return (
-            np.concatenate([self.steps[inside], self.chord[chords]]),
-            np.concatenate([self.gaps[inside], self.reached[chords]]),
+        taken = float(np.sum(self.gaps, where=steeper)) + float(
+            self.reached[self.chord > upper].sum()
         )
+        slopes = np.concatenate([self.steps[inside], self.chord[chords]])
+        widths = np.concatenate([self.gaps[inside], self.reached[chords]])
+        return taken, slopes, widths
 
     def guess(self, need: float) -> float:
         """The log of the slope of the segment whose taking makes the widths taken exceed
@@ -1162,16 +1158,16 @@ class _Segments:
         sample.steps, sample.gaps = self.steps[::step], self.gaps[::step]
         sample.after = self.after[::step]
         sample.chord, sample.reached = self.chord[::step], self.reached[::step]
-        near = _overflowing(*sample.between(0.0, math.inf), need / step, 0.0)
+        near = _overflowing(*sample.around(0.0, math.inf)[1:], need / step, 0.0)
         for spread in _GUESS_SPREADS:
-            upper, lower = near * spread, near / spread
-            taken = self.taken(upper)
-            if taken > need or self.taken(lower) <= need:
+            taken, slopes, widths = self.around(near / spread, near * spread)
+            if taken > need or taken + float(widths.sum()) <= need:
                 continue
-            return math.log(_overflowing(*self.between(lower, upper), need, taken))
-        if self.taken(0.0) <= need:
+            return math.log(_overflowing(slopes, widths, need, taken))
+        _, slopes, widths = self.around(0.0, math.inf)
+        if float(widths.sum()) <= need:
             return -math.inf
-        return math.log(_overflowing(*self.between(0.0, math.inf), need, 0.0))
+        return math.log(_overflowing(slopes, widths, need, 0.0))
 
 
 #: Rows :meth:`_Segments.guess` reads first, to estimate where to look among all.
@@ -1186,7 +1182,7 @@ def _overflowing(slopes: FloatArray, widths: FloatArray, need: float, taken: flo
     ``need``, steepest first (the last one when none does)."""
     if slopes.size == 0:
         return 1.0
-    order = np.argsort(-slopes, kind="stable")
+    order = np.argsort(-slopes)  # (ties in any order: the same slope)
     k = int(np.searchsorted(taken + np.cumsum(widths[order]), need, side="right"))
     return float(slopes[order[min(k, order.size - 1)]])
 
