@@ -1373,11 +1373,13 @@ def _protected(
     names = cols.names
     if not previous:
         return np.zeros(len(names))
-    class_targets = _class_shares(floors, caps, cols.classes)
     known = np.array(list(map(previous.__contains__, names)))
     prev = np.where(known, in_force, 0.0)
     known &= cols.rows >= 0
     keep = known & _undecided(plans, prev, capacity)
+    if not keep.any():  # (every tenant shows its reuse: no class shares to weigh)
+        return np.zeros(len(names))
+    class_targets = _class_shares(floors, caps, cols.classes)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
 
