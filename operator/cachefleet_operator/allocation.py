@@ -872,10 +872,12 @@ def _settle_l2(
     # the spec's bounds or the L2 capacity moved a share in force: applied, not held
     bounds_moved = bool(np.any(known & (np.abs(prev - in_force) > EPS)))
     _trim_overbooking(prev, floors, classes)
-    now_u = _utility_of(values, table, prev, capacity)
-    target_u = _utility_of(values, table, targets, capacity)
-    new = bool(np.any(has & ~known))
-    if new or bounds_moved or target_u - now_u > params.min_gain * max(now_u, EPS):
+    moves = bounds_moved or bool(np.any(has & ~known))  # or a tenant is new: no gain to weigh
+    if not moves:
+        now_u = _utility_of(values, table, prev, capacity)
+        target_u = _utility_of(values, table, targets, capacity)
+        moves = target_u - now_u > params.min_gain * max(now_u, EPS)
+    if moves:
         shares, _ = _move(targets, prev, floors, classes, params, has)
     else:
         shares = prev.copy()
