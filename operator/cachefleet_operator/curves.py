@@ -527,14 +527,14 @@ class CurveTable:
         src = np.maximum(index, 0)
         empty = (index < 0) | ~source.present[src]
         out.length = np.where(empty, 0, source.length[src])
-        out.ys = source.ys[src]
+        out.ys = np.take(source.ys, src, axis=0)  # (rows by take: faster than by [src])
         out.ys[empty] = 0.0
         if source.shared_xs is not None and not empty.any():
             out.shared_xs = source.shared_xs
             out.xs = np.broadcast_to(source.shared_xs, (n, source.shared_xs.size))
         else:
             out.shared_xs = None
-            out.xs = source.xs[src]  # a copy, also of a broadcast row
+            out.xs = np.take(source.xs, src, axis=0)  # a copy, also of a broadcast row
             out.xs[empty] = np.inf
         out.rows = np.arange(n)
         out.present = out.length > 0
@@ -801,9 +801,9 @@ class LatencyTable:
         out.length = np.where(empty, 0, source.length[src])
         out.present = out.length > 0
         out.rows = np.arange(index.size)
-        out.bounds = source.bounds[src]
+        out.bounds = np.take(source.bounds, src, axis=0)  # (as CurveTable.take)
         out.bounds[empty] = np.inf
-        out.counts = source.counts[src]
+        out.counts = np.take(source.counts, src, axis=0)
         out.counts[empty] = 0.0
         out.mean = np.where(empty, np.nan, source.mean[src])
         return out
