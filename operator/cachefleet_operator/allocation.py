@@ -971,7 +971,8 @@ def _fill(
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
     gain_lo, gain_hi = values * at_lo, values * at_hi
     flat_gains = gains.ravel()
-    work = np.empty_like(gains)  # one matrix for the scores, the chords and the steps
+    # one matrix for the scores, the chords and the steps (C order: read flat too)
+    work = np.empty(gains.shape)
 
     def size(at: IntArray, col: IntArray) -> FloatArray:
         """The sizes of rows ``at`` in columns ``col``."""
@@ -1131,7 +1132,10 @@ class _Segments:
         steps = work[:, : width - 1]
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             gaps = np.diff(xs[:1] if xs.strides[0] == 0 else xs, axis=1)  # a row when shared
-            np.subtract(gains[:, 1:], gains[:, :-1], out=steps)  # -inf - -inf: outside
+            # every neighbours' difference in one run over the flat matrices (-inf - -inf:
+            # outside); the one across the end of each row falls outside ``steps``
+            flat = gains.reshape(-1)
+            np.subtract(flat[1:], flat[:-1], out=work.reshape(-1)[:-1])
             steps /= gaps
         # segment k (ending at column k + 1) from k = reach on; one ending past the last
         # candidate is never steeper than a level (-inf - x is -inf, -inf - -inf NaN)
