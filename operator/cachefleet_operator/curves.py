@@ -651,41 +651,40 @@ class CurveTable:
         scale = 1.0 + 1e-9
 
         def offer(
-            at: IntArray | slice,
+            at: slice,
             to: FloatArray,
             hit: FloatArray,
             of: tuple[FloatArray, ...] = (values, lo, base, best_per, best_to),
         ) -> None:
             """Offer ``to`` (at ``hit``) to rows ``at`` of ``of`` (values, lo, base, and
-            the best utility per share and new share so far, updated)."""
+            the best utility per share and new share so far, updated in place)."""
             value, low, base_hit, per_best, to_best = of
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                gap = to - low[at]
-                per = value[at] * (hit - base_hit[at]) / gap
-                better = ~(gap <= eps) & (per > per_best[at] * scale)
-            per_best[at] = np.where(better, per, per_best[at])
-            to_best[at] = np.where(better, to, to_best[at])
+            gap = to - low[at]
+            per = value[at] * (hit - base_hit[at]) / gap
+            better = ~(gap <= eps) & (per > per_best[at] * scale)
+            np.copyto(per_best[at], per, where=better)
+            np.copyto(to_best[at], to, where=better)
 
         # a row's k-th candidate point is its column first + k: the rows with more than k
         # candidates take it together (fewer and fewer, as few rows span many points)
         count = np.where(ok & (first < last), last - first, 0)
         most = int(count.max(initial=0))
-        if most:
-            # the rows by count, most first: those with more than k candidates are the
-            # first ``more[k]``, so each step reads slices of arrays in that order, not gathers
-            by = np.argsort(-count, kind="stable")
-            more = np.searchsorted(-count[by], -np.arange(most), side="left").tolist()
-            ranked = (values[by], lo[by], base[by], best_per[by], best_to[by])
-            ranked_rows, ranked_first = rows[by], first[by]
-            shared = self.shared_xs
-            for k in range(most):
-                at = slice(0, more[k])
-                row, col = ranked_rows[at], ranked_first[at] + k
-                xs = self.xs[row, col] if shared is None else shared[col]  # every row's
-                offer(at, xs / capacity, self._hit_at(row, col), ranked)
-            best_per[by], best_to[by] = ranked[3], ranked[4]
-        done = np.flatnonzero(ok)
-        offer(done, hi[done], self._at(rows[done], hi[done] * capacity))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            if most:
+                # the rows by count, most first: those with more than k candidates are the
+                # first ``more[k]``, so each step reads slices of arrays in that order, not gathers
+                by = np.argsort(-count, kind="stable")
+                more = np.searchsorted(-count[by], -np.arange(most), side="left").tolist()
+                ranked = (values[by], lo[by], base[by], best_per[by], best_to[by])
+                ranked_rows, ranked_first = rows[by], first[by]
+                for k in range(most):
+                    at = slice(0, more[k])
+                    row, col = ranked_rows[at], ranked_first[at] + k
+                    xs = self._size_at(row, col)
+                    offer(at, xs / capacity, self._hit_at(row, col), ranked)
+                best_per[by], best_to[by] = ranked[3], ranked[4]
+            # then hi, to every row (one where ``hi - lo`` is too small takes nothing)
+            offer(slice(None), hi, self._at(rows, hi * capacity))
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
 
 
