@@ -1376,14 +1376,15 @@ def _protected(
 
     ``in_force`` is every tenant's share in ``previous`` (NaN: none).
     """
-    names = cols.names
-    if not previous:
+    names, table = cols.names, plans.table
+    # only a tenant with metrics and no curve or no reuse may be undecided: most often none
+    may = (cols.rows >= 0) & (~table.present | (table.max_hit < NO_REUSE_HIT_RATIO))
+    if not previous or not may.any():
         return np.zeros(len(names))
     known = np.array(list(map(previous.__contains__, names)))
     prev = np.where(known, in_force, 0.0)
-    known &= cols.rows >= 0
-    keep = known & _undecided(plans, prev, capacity)
-    if not keep.any():  # (every tenant shows its reuse: no class shares to weigh)
+    keep = known & may & _undecided(plans, prev, capacity)
+    if not keep.any():  # (no class shares to weigh)
         return np.zeros(len(names))
     class_targets = _class_shares(floors, caps, cols.classes)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
