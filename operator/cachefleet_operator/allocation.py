@@ -1773,11 +1773,15 @@ def _allocate(
         bounds_moved = bool(np.any(has_prev & (np.abs(prev - raw_prev) > EPS)))
         now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
         gain = target_u - now_u
-        # An SLA that the target meets and the shares in force do not is always worth a move.
-        meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
-        if plans.beyond is not None:
-            meetable[plans.beyond.rows] = False
-        sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
+        # An SLA that the target meets and the shares in force do not is always worth a move
+        # (whether it can be met is read only when some tenant raised misses: most often none).
+        raised = measured & (targets > prev + EPS) & missed
+        sla_fix = False
+        if raised.any():
+            meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
+            if plans.beyond is not None:
+                meetable[plans.beyond.rows] = False
+            sla_fix = bool(np.any(raised & meetable))
         worth = (
             not metrics
             or sla_fix
