@@ -870,10 +870,12 @@ def _settle_l2(
     # the spec's bounds or the L2 capacity moved a share in force: applied, not held
     bounds_moved = bool(np.any(known & (np.abs(prev - in_force) > EPS)))
     _trim_overbooking(prev, floors, classes)
-    now_u = _utility_of(values, table, prev, capacity)
-    target_u = _utility_of(values, table, targets, capacity)
-    new = bool(np.any(has & ~known))
-    if new or bounds_moved or target_u - now_u > params.min_gain * max(now_u, EPS):
+    moves = bounds_moved or bool(np.any(has & ~known))  # or a tenant is new: no gain to weigh
+    if not moves:
+        now_u = _utility_of(values, table, prev, capacity)
+        target_u = _utility_of(values, table, targets, capacity)
+        moves = target_u - now_u > params.min_gain * max(now_u, EPS)
+    if moves:
         shares, _ = _move(targets, prev, floors, classes, params, has)
     else:
         shares = prev.copy()
@@ -892,6 +894,15 @@ FILL_LEVEL_STEPS = 20
 #: How far (log of the level) :func:`_fill_level` looks on either side of its estimate when
 #: the estimate's bracket misses the level: each a full pass over every row.
 _LEVEL_WIDENING = (1e-4, 1e-2, 1.0)
+
+
+def _prefixes(counts: IntArray, width: int) -> BoolArray:
+    """``np.arange(width) < counts[:, None]`` (every count in 0..width): each row copied
+    from a table of the width + 1 such rows, not compared column by column (numpy
+    compares short rows broadcast against a column at a tenth of the speed)."""
+    table = np.arange(width) < np.arange(width + 1)[:, None]
+    out: BoolArray = np.take(table, counts, axis=0)
+    return out
 
 
 class _Level(NamedTuple):
@@ -951,15 +962,15 @@ def _fill(
         xs = table.xs / cap
         first = np.count_nonzero(xs <= lo[:, None], axis=1)
         last = np.count_nonzero(xs < hi[:, None], axis=1)
-    columns = np.arange(width)
-    outside = (columns < first[:, None]) | (columns >= last[:, None])
+    outside = _prefixes(first, width) | ~_prefixes(last, width)
     # values x hit ratio of every candidate, the part of each score no level changes
     gains = values[:, None] * table.ys
     gains[outside] = -np.inf  # never chosen
     at_lo, at_hi = table.at(lo * cap), table.at(hi * cap)
     gain_lo, gain_hi = values * at_lo, values * at_hi
     flat_gains = gains.ravel()
-    work = np.empty_like(gains)  # one matrix for the scores, the chords and the steps
+    # one matrix for the scores, the chords and the steps (C order: read flat too)
+    work = np.empty(gains.shape)
 
     def size(at: IntArray, col: IntArray) -> FloatArray:
         """The sizes of rows ``at`` in columns ``col``."""
@@ -1055,8 +1066,8 @@ def _fill(
     chords[outside] = -np.inf
     reach = np.argmax(chords, axis=1)  # the first steepest chord's candidate
     chord = chords[rows, reach]
-    with np.errstate(invalid="ignore"):
-        steepest = np.fmax(np.max(chords, axis=1, initial=0.0), slopes)
+    with np.errstate(invalid="ignore"):  # (each row's steepest chord: the one argmax found)
+        steepest = np.fmax(np.maximum(chord, 0.0), slopes)
 
     def keeps_lo() -> float:
         """A level where every tenant keeps ``lo``: twice the steepest step from it (the top
@@ -1077,7 +1088,7 @@ def _fill(
                 lower = mid
         return lower, upper
 
-    segments = _Segments(gains, xs, reach, chord, last, lo, work)
+    segments = _Segments(gains, xs, reach, chord, lo, work)
     guess = segments.guess(1.0 - float(lo.sum()))
     if math.isfinite(guess):
         predicted = bracket(lambda at: at >= guess)
@@ -1101,9 +1112,9 @@ class _Segments:
     :func:`_fill_level` fit.
 
     A tenant's segments: the chord from ``lo`` to its steepest point (``reach``, with
-    slope ``chord``), then from point to point up to its last candidate (``last`` - 1);
-    a segment is taken at every level below its slope. Exact where a curve is concave
-    past its steepest chord (but for rounding).
+    slope ``chord``), then from point to point up to its last candidate (``gains`` is
+    -inf past it); a segment is taken at every level below its slope. Exact where a
+    curve is concave past its steepest chord (but for rounding).
     """
 
     def __init__(
@@ -1112,7 +1123,6 @@ class _Segments:
         xs: FloatArray,
         reach: IntArray,
         chord: FloatArray,
-        last: IntArray,
         lo: FloatArray,
         work: FloatArray,
     ) -> None:
@@ -1120,33 +1130,33 @@ class _Segments:
         steps = work[:, : width - 1]
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
             gaps = np.diff(xs[:1] if xs.strides[0] == 0 else xs, axis=1)  # a row when shared
-            np.subtract(gains[:, 1:], gains[:, :-1], out=steps)  # -inf - -inf: outside
+            # every neighbours' difference in one run over the flat matrices (-inf - -inf:
+            # outside); the one across the end of each row falls outside ``steps``
+            flat = gains.reshape(-1)
+            np.subtract(flat[1:], flat[:-1], out=work.reshape(-1)[:-1])
             steps /= gaps
-        ends = np.arange(1, width)  # segment k ends at column k + 1
-        self.after = (ends > reach[:, None]) & (ends < last[:, None])
+        # segment k (ending at column k + 1) from k = reach on; one ending past the last
+        # candidate is never steeper than a level (-inf - x is -inf, -inf - -inf NaN)
+        self.after = ~_prefixes(reach, width - 1)
         self.steps, self.gaps = steps, np.broadcast_to(gaps, steps.shape)
         with np.errstate(invalid="ignore"):
             chorded = (chord > 0.0) & np.isfinite(chord)
         self.chord = chord[chorded]
         self.reached = (xs[np.arange(n), reach] - lo)[chorded]
 
-    def taken(self, slope: float) -> float:
-        """The width of every segment steeper than ``slope``."""
+    def around(self, lower: float, upper: float) -> tuple[float, FloatArray, FloatArray]:
+        """The width of every segment steeper than ``upper``, and the (slopes, widths) of
+        those with a slope in (lower, upper]: one look at every segment."""
         with np.errstate(invalid="ignore"):
-            steeper = (self.steps > slope) & self.after
-        return float(np.sum(self.gaps, where=steeper)) + float(
-            self.reached[self.chord > slope].sum()
-        )
-
-    def between(self, lower: float, upper: float) -> tuple[FloatArray, FloatArray]:
-        """(slopes, widths) of the segments with a slope in (lower, upper]."""
-        with np.errstate(invalid="ignore"):
-            inside = (self.steps > lower) & (self.steps <= upper) & self.after
+            steeper = (self.steps > upper) & self.after
+            inside = (self.steps > lower) & self.after & ~steeper
         chords = (self.chord > lower) & (self.chord <= upper)
-        return (
-            np.concatenate([self.steps[inside], self.chord[chords]]),
-            np.concatenate([self.gaps[inside], self.reached[chords]]),
+        taken = float(np.sum(self.gaps, where=steeper)) + float(
+            self.reached[self.chord > upper].sum()
         )
+        slopes = np.concatenate([self.steps[inside], self.chord[chords]])
+        widths = np.concatenate([self.gaps[inside], self.reached[chords]])
+        return taken, slopes, widths
 
     def guess(self, need: float) -> float:
         """The log of the slope of the segment whose taking makes the widths taken exceed
@@ -1160,16 +1170,16 @@ class _Segments:
         sample.steps, sample.gaps = self.steps[::step], self.gaps[::step]
         sample.after = self.after[::step]
         sample.chord, sample.reached = self.chord[::step], self.reached[::step]
-        near = _overflowing(*sample.between(0.0, math.inf), need / step, 0.0)
+        near = _overflowing(*sample.around(0.0, math.inf)[1:], need / step, 0.0)
         for spread in _GUESS_SPREADS:
-            upper, lower = near * spread, near / spread
-            taken = self.taken(upper)
-            if taken > need or self.taken(lower) <= need:
+            taken, slopes, widths = self.around(near / spread, near * spread)
+            if taken > need or taken + float(widths.sum()) <= need:
                 continue
-            return math.log(_overflowing(*self.between(lower, upper), need, taken))
-        if self.taken(0.0) <= need:
+            return math.log(_overflowing(slopes, widths, need, taken))
+        _, slopes, widths = self.around(0.0, math.inf)
+        if float(widths.sum()) <= need:
             return -math.inf
-        return math.log(_overflowing(*self.between(0.0, math.inf), need, 0.0))
+        return math.log(_overflowing(slopes, widths, need, 0.0))
 
 
 #: Rows :meth:`_Segments.guess` reads first, to estimate where to look among all.
@@ -1184,7 +1194,7 @@ def _overflowing(slopes: FloatArray, widths: FloatArray, need: float, taken: flo
     ``need``, steepest first (the last one when none does)."""
     if slopes.size == 0:
         return 1.0
-    order = np.argsort(-slopes, kind="stable")
+    order = np.argsort(-slopes)  # (ties in any order: the same slope)
     k = int(np.searchsorted(taken + np.cumsum(widths[order]), need, side="right"))
     return float(slopes[order[min(k, order.size - 1)]])
 
@@ -1364,14 +1374,17 @@ def _protected(
 
     ``in_force`` is every tenant's share in ``previous`` (NaN: none).
     """
-    names = cols.names
-    if not previous:
+    names, table = cols.names, plans.table
+    # only a tenant with metrics and no curve or no reuse may be undecided: most often none
+    may = (cols.rows >= 0) & (~table.present | (table.max_hit < NO_REUSE_HIT_RATIO))
+    if not previous or not may.any():
         return np.zeros(len(names))
-    class_targets = _class_shares(floors, caps, cols.classes)
     known = np.array(list(map(previous.__contains__, names)))
     prev = np.where(known, in_force, 0.0)
-    known &= cols.rows >= 0
-    keep = known & _undecided(plans, prev, capacity)
+    keep = known & may & _undecided(plans, prev, capacity)
+    if not keep.any():  # (no class shares to weigh)
+        return np.zeros(len(names))
+    class_targets = _class_shares(floors, caps, cols.classes)
     return np.where(keep, np.minimum(prev, class_targets), 0.0)
 
 
@@ -1739,11 +1752,15 @@ def _allocate(
         bounds_moved = bool(np.any(has_prev & (np.abs(prev - raw_prev) > EPS)))
         now_u, target_u = _utility(plans, prev, l1_capacity), _utility(plans, targets, l1_capacity)
         gain = target_u - now_u
-        # An SLA that the target meets and the shares in force do not is always worth a move.
-        meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
-        if plans.beyond is not None:
-            meetable[plans.beyond.rows] = False
-        sla_fix = bool(np.any(measured & meetable & (targets > prev + EPS) & missed))
+        # An SLA that the target meets and the shares in force do not is always worth a move
+        # (whether it can be met is read only when some tenant raised misses: most often none).
+        raised = measured & (targets > prev + EPS) & missed
+        sla_fix = False
+        if raised.any():
+            meetable = ~np.fromiter(map(bool, plans.cannot_meet), dtype=bool, count=len(names))
+            if plans.beyond is not None:
+                meetable[plans.beyond.rows] = False
+            sla_fix = bool(np.any(raised & meetable))
         worth = (
             not metrics
             or sla_fix

@@ -367,12 +367,13 @@ def _bisect(
     step over every cell.
     """
     n, width = matrix.shape
-    rows = np.arange(n)
+    # each row's cells from the flat matrix (faster than by two indices)
+    flat, starts = matrix.ravel(), np.arange(0, n * width, width)
     lo = np.zeros(n, dtype=np.int64)
     hi = np.full(n, width, dtype=np.int64) if ends is None else ends.astype(np.int64)
     for _ in range(width.bit_length()):
         mid = (lo + hi) >> 1
-        cell = matrix[rows, np.minimum(mid, width - 1)]
+        cell = flat[starts + np.minimum(mid, width - 1)]
         searching = lo < hi
         go_right = (cell <= values if right else cell < values) & searching
         lo = np.where(go_right, mid + 1, lo)
@@ -526,14 +527,14 @@ class CurveTable:
         src = np.maximum(index, 0)
         empty = (index < 0) | ~source.present[src]
         out.length = np.where(empty, 0, source.length[src])
-        out.ys = source.ys[src]
+        out.ys = np.take(source.ys, src, axis=0)  # (rows by take: faster than by [src])
         out.ys[empty] = 0.0
         if source.shared_xs is not None and not empty.any():
             out.shared_xs = source.shared_xs
             out.xs = np.broadcast_to(source.shared_xs, (n, source.shared_xs.size))
         else:
             out.shared_xs = None
-            out.xs = source.xs[src]  # a copy, also of a broadcast row
+            out.xs = np.take(source.xs, src, axis=0)  # a copy, also of a broadcast row
             out.xs[empty] = np.inf
         out.rows = np.arange(n)
         out.present = out.length > 0
@@ -650,41 +651,40 @@ class CurveTable:
         scale = 1.0 + 1e-9
 
         def offer(
-            at: IntArray | slice,
+            at: slice,
             to: FloatArray,
             hit: FloatArray,
             of: tuple[FloatArray, ...] = (values, lo, base, best_per, best_to),
         ) -> None:
             """Offer ``to`` (at ``hit``) to rows ``at`` of ``of`` (values, lo, base, and
-            the best utility per share and new share so far, updated)."""
+            the best utility per share and new share so far, updated in place)."""
             value, low, base_hit, per_best, to_best = of
-            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-                gap = to - low[at]
-                per = value[at] * (hit - base_hit[at]) / gap
-                better = ~(gap <= eps) & (per > per_best[at] * scale)
-            per_best[at] = np.where(better, per, per_best[at])
-            to_best[at] = np.where(better, to, to_best[at])
+            gap = to - low[at]
+            per = value[at] * (hit - base_hit[at]) / gap
+            better = ~(gap <= eps) & (per > per_best[at] * scale)
+            np.copyto(per_best[at], per, where=better)
+            np.copyto(to_best[at], to, where=better)
 
         # a row's k-th candidate point is its column first + k: the rows with more than k
         # candidates take it together (fewer and fewer, as few rows span many points)
         count = np.where(ok & (first < last), last - first, 0)
         most = int(count.max(initial=0))
-        if most:
-            # the rows by count, most first: those with more than k candidates are the
-            # first ``more[k]``, so each step reads slices of arrays in that order, not gathers
-            by = np.argsort(-count, kind="stable")
-            more = np.searchsorted(-count[by], -np.arange(most), side="left").tolist()
-            ranked = (values[by], lo[by], base[by], best_per[by], best_to[by])
-            ranked_rows, ranked_first = rows[by], first[by]
-            shared = self.shared_xs
-            for k in range(most):
-                at = slice(0, more[k])
-                row, col = ranked_rows[at], ranked_first[at] + k
-                xs = self.xs[row, col] if shared is None else shared[col]  # every row's
-                offer(at, xs / capacity, self.ys[row, col], ranked)
-            best_per[by], best_to[by] = ranked[3], ranked[4]
-        done = np.flatnonzero(ok)
-        offer(done, hi[done], self._at(rows[done], hi[done] * capacity))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            if most:
+                # the rows by count, most first: those with more than k candidates are the
+                # first ``more[k]``, so each step reads slices of arrays in that order, not gathers
+                by = np.argsort(-count, kind="stable")
+                more = np.searchsorted(-count[by], -np.arange(most), side="left").tolist()
+                ranked = (values[by], lo[by], base[by], best_per[by], best_to[by])
+                ranked_rows, ranked_first = rows[by], first[by]
+                for k in range(most):
+                    at = slice(0, more[k])
+                    row, col = ranked_rows[at], ranked_first[at] + k
+                    xs = self._size_at(row, col)
+                    offer(at, xs / capacity, self._hit_at(row, col), ranked)
+                best_per[by], best_to[by] = ranked[3], ranked[4]
+            # then hi, to every row (one where ``hi - lo`` is too small takes nothing)
+            offer(slice(None), hi, self._at(rows, hi * capacity))
         return np.where(best_per == -np.inf, np.nan, best_per), best_to
 
 
@@ -800,23 +800,25 @@ class LatencyTable:
         out.length = np.where(empty, 0, source.length[src])
         out.present = out.length > 0
         out.rows = np.arange(index.size)
-        out.bounds = source.bounds[src]
+        out.bounds = np.take(source.bounds, src, axis=0)  # (as CurveTable.take)
         out.bounds[empty] = np.inf
-        out.counts = source.counts[src]
+        out.counts = np.take(source.counts, src, axis=0)
         out.counts[empty] = 0.0
         out.mean = np.where(empty, np.nan, source.mean[src])
         return out
 
     def cdf(self, seconds: FloatArray) -> FloatArray:
         """:meth:`LatencyDist.cdf` of every row at its ``seconds`` (NaN where unknown)."""
-        rows, bounds, counts = self.rows, self.bounds, self.counts
+        bounds, counts = self.bounds, self.counts
         total = counts[:, -1]
         stop = np.isinf(bounds) | (seconds[:, None] < bounds)
         j = np.argmax(stop, axis=1)  # the +inf column guarantees a stop
         prev = np.maximum(j - 1, 0)
-        prev_bound = np.where(j > 0, bounds[rows, prev], 0.0)
-        prev_count = np.where(j > 0, counts[rows, prev], 0.0)
-        bound, count = bounds[rows, j], counts[rows, j]
+        # cells of the flat matrices (faster than by two indices)
+        flat_bounds, flat_counts, starts = bounds.ravel(), counts.ravel(), self.rows * stop.shape[1]
+        prev_bound = np.where(j > 0, flat_bounds[starts + prev], 0.0)
+        prev_count = np.where(j > 0, flat_counts[starts + prev], 0.0)
+        bound, count = flat_bounds[starts + j], flat_counts[starts + j]
         with np.errstate(divide="ignore", invalid="ignore"):
             frac = np.maximum(0.0, seconds - prev_bound) / (bound - prev_bound)
             inside = (prev_count + frac * (count - prev_count)) / total
