@@ -867,8 +867,9 @@ def _settle_l2(
     has = table.present
     known = has & ~np.isnan(in_force)
     prev = np.where(known, np.clip(np.nan_to_num(in_force), floors, caps), targets)
-    # the spec's bounds or the L2 capacity moved a share in force: applied, not held
-    bounds_moved = bool(np.any(known & (np.abs(prev - in_force) > EPS)))
+    # the spec's bounds or the L2 capacity moved a share in force: applied, not held (bytes
+    # are whole: one at a floor or cap of no whole byte count is up to a byte off it)
+    bounds_moved = bool(np.any(known & (np.abs(prev - in_force) > EPS + 1.0 / capacity)))
     _trim_overbooking(prev, floors, classes)
     moves = bounds_moved or bool(np.any(has & ~known))  # or a tenant is new: no gain to weigh
     if not moves:

@@ -420,6 +420,25 @@ def test_a_wobble_of_the_fleet_curves_moves_no_l2_byte_a_real_change_does() -> N
     assert scan.by_name()["t0"].l2_bytes == pytest.approx(0.05 * L2, abs=1)
 
 
+def test_l2_bytes_in_force_at_a_floor_of_no_whole_byte_count_do_not_move_the_rest() -> None:
+    """L2 bytes are whole: a tenant held at a floor of 3 % of L2 (2,061,584,302.08 bytes)
+    has 2,061,584,302 in force, a fraction of a byte below it. That is rounding, not a
+    bound that moved: a wobble of the fleet curves still moves no byte of anyone."""
+    tenants = [TenantDemand(f"t{i}", PriorityClass.STANDARD, 0.05, 1.0) for i in range(4)]
+    tenants.append(TenantDemand("floor", PriorityClass.STANDARD, 0.03, 1.0))
+
+    def with_floor_tenant(metrics: dict[str, TenantMetrics]) -> dict[str, TenantMetrics]:
+        slow = replace(metrics["t1"], rps=0.01)  # worth too little to get past its floor
+        return {**metrics, "floor": slow}
+
+    first = allocate(tenants, with_floor_tenant(fleet_metrics()), None, L1, L2)
+    in_force = {t.name: t.l2_bytes for t in first.tenants}
+    assert in_force["floor"] == math.floor(0.03 * L2) < 0.03 * L2
+    wobbled = with_floor_tenant(fleet_metrics(wobble=0.01))
+    held = allocate(tenants, wobbled, first.shares(), L1, L2, previous_l2=in_force)
+    assert {t.name: t.l2_bytes for t in held.tenants} == in_force
+
+
 def test_l2_bytes_in_force_outside_the_bounds_are_brought_in_at_once() -> None:
     """A share of L2 in force above a tenant's maxShare (the spec changed, or L2 shrank)
     is not held: the bytes move, within bounds, as the L1 shares do when bounds move."""
