@@ -318,8 +318,8 @@ class Allocation:
     tenants); the rows (:class:`TenantAllocation`) are made from them when
     first read, and reasons are worded on demand (:meth:`reason`): both are
     for quotas, status and Events, not for the allocation itself. (For
-    10,000 tenants, making the rows and the young-generation collection that
-    then walks them and all they hold took a sixth of an allocation.)
+    10,000 tenants, making the rows and the garbage collections that walk
+    them take about half as long as the allocation.)
     """
 
     __slots__ = ("_columns", "_rows", "demands", "l1_capacity", "l2_capacity", "metrics")
