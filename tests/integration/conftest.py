@@ -3,7 +3,9 @@ Redis standalone and clustered (``any_redis``)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -14,6 +16,11 @@ from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
+
+#: L2 operation budget of a patient sidecar, seconds (the default is 50 ms).
+PATIENT_L2_S = 5.0
+#: Bound on waiting for a sidecar's background work in these tests, seconds.
+SETTLE_BOUND_S = 20.0
 
 
 @pytest.fixture
@@ -45,6 +52,31 @@ class RunningSidecar:
         headers.update(fields.pop("headers", {}))
         return await self.client.post("/v1/chat/completions", json=body, headers=headers)
 
+    def patient(self) -> RunningSidecar:
+        """Give its L2 operations 5 s: a loaded machine must not turn a write into a drop or
+        a hit into a miss where the test is about something else."""
+        if self.sidecar.l2 is not None:
+            self.sidecar.l2.op_timeout_s = PATIENT_L2_S
+        return self
+
+    async def stored(self, n: int = 1) -> None:
+        """Wait (bounded) until its L2 has stored ``n`` entries in all: L2 writes are in the
+        background, so the next pod's hit is certain only then."""
+        l2 = self.sidecar.l2
+        assert l2 is not None, "this sidecar has no L2"
+        deadline = time.monotonic() + SETTLE_BOUND_S
+        while l2.counters.stores < n:
+            assert time.monotonic() < deadline, f"{l2.counters.stores} of {n} L2 writes stored"
+            await asyncio.sleep(0.02)
+
+    async def settled(self) -> None:
+        """Wait (bounded) until its background work (L2 writes, L3 comparisons) has ended."""
+        tasks = self.sidecar.background.tasks
+        deadline = time.monotonic() + SETTLE_BOUND_S
+        while tasks:
+            assert time.monotonic() < deadline, f"{len(tasks)} background tasks still running"
+            await asyncio.sleep(0.02)
+
     async def aclose(self) -> None:
         await self.client.aclose()
         await self.admin.aclose()
@@ -58,7 +90,7 @@ SidecarFactory = Callable[..., Awaitable[RunningSidecar]]
 async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactory]:
     running: list[RunningSidecar] = []
 
-    async def make(**overrides: Any) -> RunningSidecar:
+    async def make(*, patient: bool = False, **overrides: Any) -> RunningSidecar:
         base = SidecarConfig(
             listen=("127.0.0.1", 0),
             admin_listen=("127.0.0.1", 0),
@@ -73,7 +105,7 @@ async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactor
         await server.start()
         sc = RunningSidecar(server)
         running.append(sc)
-        return sc
+        return sc.patient() if patient else sc
 
     yield make
     for sc in running:

@@ -241,10 +241,10 @@ async def test_keys_file_takes_digests_and_is_reloaded_without_logging_keys(
 async def test_l2_forged_identities_never_read_the_victims_entries(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
 ) -> None:
-    pod_a = await sidecar_factory(api_keys=KEYS, redis_url=redis_url)
+    pod_a = await sidecar_factory(api_keys=KEYS, redis_url=redis_url, patient=True)
     first = await pod_a.chat("in L2", tenant=None, headers=BETA)
-    await asyncio.sleep(0.3)  # the L2 write is in the background
-    pod_b = await sidecar_factory(api_keys=KEYS, redis_url=redis_url, pod="pod-b")
+    await pod_a.stored()
+    pod_b = await sidecar_factory(api_keys=KEYS, redis_url=redis_url, pod="pod-b", patient=True)
     owner = await pod_b.chat("in L2", tenant=None, headers=BETA)
     assert owner.headers["x-cache"] == "HIT-L2"  # the entry is really in L2
     secret = answer(first)

@@ -77,8 +77,13 @@ async def invalidator(url: str) -> AsyncIterator[Invalidator]:
         await inv.aclose()
 
 
-async def fleet(factory: SidecarFactory, url: str, upstream: str, n: int) -> list[RunningSidecar]:
-    pods = [await factory(redis_url=url, upstream=upstream, pod=f"pod-{i}") for i in range(n)]
+async def fleet(
+    factory: SidecarFactory, url: str, upstream: str, n: int, *, patient: bool = False
+) -> list[RunningSidecar]:
+    pods = [
+        await factory(redis_url=url, upstream=upstream, pod=f"pod-{i}", patient=patient)
+        for i in range(n)
+    ]
     for sc in pods:
         await until_acked(sc)
     return pods
@@ -106,9 +111,9 @@ async def test_concurrent_invalidators_never_lose_a_step(any_redis: str) -> None
 async def test_acknowledged_invalidation_hides_old_answers_on_every_pod(
     sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
-    a, b = await fleet(sidecar_factory, any_redis, truth.url, 2)
+    a, b = await fleet(sidecar_factory, any_redis, truth.url, 2, patient=True)
     assert await ask(a, "q") == (1, "MISS")
-    await asyncio.sleep(0.2)  # the L2 write is in the background
+    await a.stored()
     assert await ask(b, "q") == (1, "HIT-L2")
     assert await ask(a, "q") == (1, "HIT-L1")
     truth.bump()
@@ -175,7 +180,7 @@ async def test_l2_refuses_a_reader_behind_the_fence(any_redis: str) -> None:
 async def test_no_read_after_an_acknowledged_invalidation_is_older(
     sidecar_factory: SidecarFactory, truth: VersionedUpstream, any_redis: str
 ) -> None:
-    pods = await fleet(sidecar_factory, any_redis, truth.url, 2)
+    pods = await fleet(sidecar_factory, any_redis, truth.url, 2, patient=True)
     reads: list[Read] = []
     # (acknowledged at, scope, truth version it guarantees within that scope)
     done: list[tuple[float, str, int]] = []

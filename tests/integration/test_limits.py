@@ -374,14 +374,14 @@ async def test_redis_gets_only_entries_up_to_its_own_limit(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
 ) -> None:
     limits = {"redis_url": redis_url, "l2_max_entry_bytes": 16 * 1024}
-    pod_a = await sidecar_factory(pod="pod-a", **limits)
+    pod_a = await sidecar_factory(pod="pod-a", patient=True, **limits)
     upstream.pad_bytes = 50_000
     await pod_a.chat("medium")
     assert (await pod_a.chat("medium")).headers["x-cache"] == "HIT-L1"  # L1 keeps it
     upstream.pad_bytes = 0
     await pod_a.chat("tiny")
-    await asyncio.sleep(0.2)  # L2 writes are asynchronous
-    pod_b = await sidecar_factory(pod="pod-b", **limits)
+    await pod_a.stored()  # L2 writes are in the background
+    pod_b = await sidecar_factory(pod="pod-b", patient=True, **limits)
     assert (await pod_b.chat("medium")).headers["x-cache"] == "MISS"  # never in Redis
     assert (await pod_b.chat("tiny")).headers["x-cache"] == "HIT-L2"
 

@@ -63,7 +63,11 @@ async def until_acked(sc: RunningSidecar) -> None:
 
 
 async def fleet(factory: SidecarFactory, url: str, upstream: str, n: int) -> list[RunningSidecar]:
-    pods = [await factory(redis_url=url, upstream=upstream, pod=f"pod-{i}") for i in range(n)]
+    # patient: a loaded machine must not turn an L2 hit the test expects into a miss
+    pods = [
+        await factory(redis_url=url, upstream=upstream, pod=f"pod-{i}", patient=True)
+        for i in range(n)
+    ]
     for sc in pods:
         await until_acked(sc)
     return pods

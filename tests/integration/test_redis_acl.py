@@ -98,10 +98,10 @@ async def test_sidecar_and_operator_work_under_least_privilege(
     sidecar_url = as_user(redis_url, "cf-sidecar", SIDECAR_PASSWORD)
     operator = redis_from_url(as_user(redis_url, "cf-operator", OPERATOR_PASSWORD))
     try:
-        pod_a = await sidecar_factory(redis_url=sidecar_url, cache=CACHE)
+        pod_a = await sidecar_factory(redis_url=sidecar_url, cache=CACHE, patient=True)
         first = await pod_a.chat("under ACL")
-        await asyncio.sleep(0.3)  # the L2 write is in the background
-        pod_b = await sidecar_factory(redis_url=sidecar_url, cache=CACHE, pod="pod-b")
+        await pod_a.stored()
+        pod_b = await sidecar_factory(redis_url=sidecar_url, cache=CACHE, pod="pod-b", patient=True)
         second = await pod_b.chat("under ACL")
         assert second.headers["x-cache"] == "HIT-L2"
         assert answer(second) == answer(first)

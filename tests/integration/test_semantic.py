@@ -275,14 +275,14 @@ async def test_invalidation_epochs_drop_l3_and_l2_answers_serve_it(
     from cachefleet_operator.invalidation import Invalidator
     from cachefleet_sidecar.epochs import tenant_scope
 
-    sc = await semantic_sidecar(sidecar_factory, redis_url=redis_url)
+    sc = await semantic_sidecar(sidecar_factory, redis_url=redis_url, patient=True)
     for _ in range(250):  # bounded: until the epochs are confirmed (L1/L3 serve only then)
         if sc.server.control.acks_written > 0 and sc.sidecar.tracker.fresh():
             break
         await asyncio.sleep(0.02)
     first = await sc.chat(Q)
     assert first.headers["x-cache"] == "MISS"
-    await asyncio.sleep(0.3)  # the L2 write is in the background
+    await sc.stored()  # the L2 write is in the background
     # The answer leaves L1: an L3 hit reads it from L2, epochs checked there.
     sc.sidecar.l1.set_quotas({"acme": (0, "lru")})
     sc.sidecar.l1.set_quotas(None)

@@ -278,7 +278,7 @@ async def test_guests_never_write_redis(sidecar_factory: SidecarFactory, redis_u
     await fill(sc, "alpha", 3)
     answers = await flood(sc, 30)
     assert {r.status_code for r in answers} == {200}
-    await asyncio.sleep(0.3)  # L2 writes are in the background
+    await sc.settled()  # L2 writes are in the background
     client = redis_from_url(redis_url)
     try:
         found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
@@ -300,7 +300,7 @@ async def test_tenants_under_defaults_stay_out_of_redis(
     for i in range(20):
         assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "MISS"
         assert (await sc.chat("hello", tenant=f"junk-{i}")).headers["x-cache"] == "HIT-L1"
-    await asyncio.sleep(0.3)  # L2 writes are in the background
+    await sc.settled()  # L2 writes are in the background
     client = redis_from_url(redis_url)
     try:
         found = [k async for k in client.scan_iter(match="cf:*", count=1000)]
