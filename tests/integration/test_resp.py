@@ -137,11 +137,12 @@ async def test_killed_server_fails_fast_and_restart_is_picked_up(own_redis: Redi
     try:
         assert await client.run_script(script, ["n"], [1]) == 1
         own_redis.kill()
-        started = time.monotonic()
-        with pytest.raises(resp.ConnectionLost):
+        with pytest.raises(resp.ConnectionLost) as lost:
             await client.execute("GET", "n")
-        # refused at once, not after the 5 s deadline (generous: a loaded CI box)
-        assert time.monotonic() - started < 2.0
+        # refused at once, not after the 5 s deadline: that would be a CommandTimeout, or
+        # a connect that "timed out" (the outcome says which, however loaded the machine)
+        assert not isinstance(lost.value, resp.CommandTimeout)
+        assert "timed out" not in str(lost.value)
         own_redis.restart()
 
         async def back() -> bool:
