@@ -251,10 +251,16 @@ def test_l3_through_a_sidecar_process(upstream: FakeUpstream) -> None:
         body = {"model": "m1", "temperature": 0}
         headers = {"X-Tenant-ID": "acme"}
         first = httpx.post(
-            url, json=body | {"messages": [{"role": "user", "content": Q}]}, headers=headers
+            url,
+            json=body | {"messages": [{"role": "user", "content": Q}]},
+            headers=headers,
+            timeout=30,  # a loaded machine: the default 5 s is not the point here
         )
         para = httpx.post(
-            url, json=body | {"messages": [{"role": "user", "content": PARA}]}, headers=headers
+            url,
+            json=body | {"messages": [{"role": "user", "content": PARA}]},
+            headers=headers,
+            timeout=30,  # a loaded machine: the default 5 s is not the point here
         )
         assert (first.headers["x-cache"], para.headers["x-cache"]) == ("MISS", "HIT-L3")
         assert para.json() == first.json()
