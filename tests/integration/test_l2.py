@@ -23,6 +23,8 @@ MakeL2 = Callable[..., RedisL2]
 #: Bound on waiting for an outcome (an expiry, a recovery), seconds: generous, a slow
 #: machine only makes the test wait longer.
 WAIT_S = 20.0
+#: The L2 budget where a test needs Redis to answer (the default is 50 ms), seconds.
+PATIENT_S = 5.0
 #: A short TTL for the expiry tests, seconds.
 SHORT_TTL_S = 0.5
 
@@ -55,7 +57,7 @@ async def make_l2(backend_url: str) -> AsyncIterator[MakeL2]:
     made: list[RedisL2] = []
 
     def make(**options: object) -> RedisL2:
-        options.setdefault("op_timeout_s", 1.0)  # generous: this is not the fault test
+        options.setdefault("op_timeout_s", PATIENT_S)  # generous: this is not the fault test
         tier = RedisL2.from_url(backend_url, CACHE, **options)  # type: ignore[arg-type]
         made.append(tier)
         return tier
@@ -373,10 +375,12 @@ async def _until_works(l2: RedisL2, deadline_s: float) -> None:
 @pytest.mark.redis
 async def test_redis_killed_fails_fast_then_recovers_by_itself(own_redis: RedisServer) -> None:
     breaker = CircuitBreaker(failure_threshold=3, cooldown_s=0.3)
-    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    # 50 ms only while Redis is down: a loaded machine must not fail the healthy calls
+    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=PATIENT_S, breaker=breaker)
     try:
         assert await l2.connect()
         assert await l2.put("alice", digest("q"), b"v")
+        l2.op_timeout_s = 0.05
         own_redis.kill()
 
         breaker.cooldown_s = 3600.0  # no half-open probe mid-test, however slow the machine
@@ -396,6 +400,7 @@ async def test_redis_killed_fails_fast_then_recovers_by_itself(own_redis: RedisS
         breaker.cooldown_s = 0.3
         own_redis.restart()
         await _until_works(l2, deadline_s=WAIT_S)
+        l2.op_timeout_s = PATIENT_S
         assert await l2.get("alice", digest("back")) == b"again"
         assert state_of(l2) == "ok"
     finally:
@@ -405,10 +410,12 @@ async def test_redis_killed_fails_fast_then_recovers_by_itself(own_redis: RedisS
 @pytest.mark.redis
 async def test_hung_redis_costs_at_most_the_op_timeout(own_redis: RedisServer) -> None:
     breaker = CircuitBreaker(failure_threshold=2, cooldown_s=0.3)
-    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    # 50 ms only while Redis hangs: a loaded machine must not fail the healthy calls
+    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=PATIENT_S, breaker=breaker)
     try:
         assert await l2.connect()
         assert await l2.put("alice", digest("q"), b"v")
+        l2.op_timeout_s = 0.05
         own_redis.pause()
         breaker.cooldown_s = 3600.0  # no half-open probe mid-test, however slow the machine
         for _ in range(2):
@@ -425,6 +432,7 @@ async def test_hung_redis_costs_at_most_the_op_timeout(own_redis: RedisServer) -
         breaker.cooldown_s = 0.3
         own_redis.resume()
         await _until_works(l2, deadline_s=WAIT_S)
+        l2.op_timeout_s = PATIENT_S
         assert await l2.get("alice", digest("q")) == b"v"  # data survived the pause
     finally:
         await l2.aclose()
@@ -479,12 +487,14 @@ def test_keys_of_one_tenant_share_a_slot() -> None:
 @pytest.mark.slow
 async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> None:
     with RedisCluster() as cluster:
-        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05)
+        # 50 ms only while the node is dead: a loaded machine must not fail the set-up
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=PATIENT_S)
         try:
             assert await l2.connect()
             tenants = [f"tenant-{i}" for i in range(12)]
             for tenant in tenants:
                 assert await l2.put(tenant, digest("q"), b"v")
+            l2.op_timeout_s = 0.05
             cluster.nodes[0].kill()
 
             served = 0
@@ -514,7 +524,9 @@ async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> 
 async def test_breaker_is_per_node_healthy_nodes_do_not_reset_a_dead_ones() -> None:
     with RedisCluster() as cluster:
         breaker = CircuitBreaker(failure_threshold=2, cooldown_s=60.0)
-        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+        # patient: the healthy nodes' calls must succeed however loaded the machine (the
+        # dead node refuses at once, its failures are errors either way)
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=PATIENT_S, breaker=breaker)
         try:
             assert await l2.connect()
             tenants = [f"tenant-{i}" for i in range(24)]
