@@ -46,7 +46,7 @@ async def test_l2_serves_another_pod_and_survives_a_restart(
     # Outcomes, not timing: wait for the (asynchronous) L2 write and for the epochs to be
     # confirmed, with a staleness bound a loaded machine cannot lapse mid-test.
     bound = {"staleness_bound_s": 60.0}
-    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a", **bound)
+    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a", patient=True, **bound)
     first = await pod_a.chat("shared across pods")
     assert first.headers["x-cache"] == "MISS"
     l2_a = pod_a.sidecar.l2
@@ -269,7 +269,7 @@ async def test_pipelined_l2_hit_l1_hit_and_miss_are_answered_in_order(
     pipelined behind it wait for it, and an L2 miss asks Redis once, not again
     on the way upstream."""
     bound = {"staleness_bound_s": 60.0}
-    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a", **bound)
+    pod_a = await sidecar_factory(redis_url=redis_url, pod="pod-a", patient=True, **bound)
     ((tier, in_l2),) = await _exchange(pod_a.url, _raw_chat("kept in L2"))
     assert tier == "MISS"
     l2_a = pod_a.sidecar.l2

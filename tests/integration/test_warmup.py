@@ -56,7 +56,8 @@ async def l2_entries(url: str, tenant: str) -> int:
 
 async def filled(factory: SidecarFactory, url: str, upstream: str) -> RunningSidecar:
     """Sidecar A, with every prompt answered once and written to L2."""
-    a = await factory(redis_url=url, upstream=upstream, pod="pod-a")
+    # patient: a loaded machine must not drop an L2 write (50 ms budget) the test waits for
+    a = await factory(redis_url=url, upstream=upstream, pod="pod-a", patient=True)
     for _ in range(500):  # bounded: 10 s
         if a.sidecar.tracker.fresh():
             break
@@ -209,7 +210,10 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     client = redis_from_url(redis_url)
     try:
         await publish_quotas(client, CACHE, quotas)
-        a = await sidecar_factory(redis_url=redis_url, upstream=truth.url, pod="pod-a")
+        # patient: a loaded machine must not drop an L2 write (50 ms budget) waited for below
+        a = await sidecar_factory(
+            redis_url=redis_url, upstream=truth.url, pod="pod-a", patient=True
+        )
         a.sidecar.quotas.apply(quotas)
         asked = [("cust-1", "q1"), ("cust-1", "q2"), ("cust-1", "q3"), ("cust-2", "q1")]
         # one after the other, so cust-2's entry is the pool's most recent
