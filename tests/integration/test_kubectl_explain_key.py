@@ -25,7 +25,7 @@ from cachefleet_operator.kubectl_plugin import cli
 from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
-ACK_TIMEOUT_S = 5.0
+ACK_TIMEOUT_S = 20.0  # generous: a loaded machine only waits longer
 BODY: dict[str, Any] = {
     "model": "m1",
     "messages": [{"role": "user", "content": "What is our refund policy?"}],
