@@ -392,7 +392,9 @@ async def test_a_silent_upstream_gets_one_call_and_one_timeout(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await sidecar_factory(upstream_timeout_s=0.5)
+    sc.sidecar.upstream.read_timeout_s = 20.0  # the warm-up: a loaded machine must not time it out
     assert (await sc.chat("warm the keep-alive connection")).status_code == 200
+    sc.sidecar.upstream.read_timeout_s = 0.5
     upstream.default_latency_s = 4.0
     resp = await sc.chat("silent")
     # Answered on the sidecar's deadline, not the upstream's (which would be a 200):
