@@ -105,7 +105,7 @@ async def test_a_new_sidecar_answers_warmed_entries_from_l1(
     truth.bump()
     async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
         epoch, at = await inv.purge(digest)
-        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=5.0, started_at=at)
+        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=20.0, started_at=at)
     assert result.completed
     answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS]
     assert answers.count("MISS") == 1
@@ -132,7 +132,7 @@ async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
     assert warm["skipped"]["over_budget"] == len(PROMPTS) - warm["entries"]
     # the tenant's entries are invalidated: a newcomer warms none of them
     async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
-        assert (await inv.invalidate("tenant:acme", timeout_s=5.0)).completed
+        assert (await inv.invalidate("tenant:acme", timeout_s=20.0)).completed
     c = await sidecar_factory(
         redis_url=redis_url,
         upstream=truth.url,
