@@ -80,13 +80,22 @@ async def invalidator(url: str) -> AsyncIterator[Invalidator]:
 
 
 async def fleet(
-    factory: SidecarFactory, url: str, upstream: str, n: int, *, patient: bool = False
+    factory: SidecarFactory,
+    url: str,
+    upstream: str,
+    n: int,
+    *,
+    patient: bool = False,
+    steady: bool = True,
 ) -> list[RunningSidecar]:
+    """``n`` acknowledged pods; steady (a 60 s staleness bound) unless the test is about it."""
     pods = [
         await factory(redis_url=url, upstream=upstream, pod=f"pod-{i}", patient=patient)
         for i in range(n)
     ]
     for sc in pods:
+        if steady:
+            sc.steady()
         await until_acked(sc)
     return pods
 
@@ -288,7 +297,7 @@ async def test_redis_restart_never_sends_epochs_back_and_l1_stops_when_unconfirm
     sidecar_factory: SidecarFactory, truth: VersionedUpstream
 ) -> None:
     with RedisServer() as redis:
-        (a,) = await fleet(sidecar_factory, redis.url, truth.url, 1)
+        (a,) = await fleet(sidecar_factory, redis.url, truth.url, 1, steady=False)
         async with invalidator(redis.url) as inv:
             for _ in range(2):
                 assert (await inv.invalidate("cache", timeout_s=ACK_TIMEOUT_S)).completed

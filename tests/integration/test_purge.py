@@ -69,6 +69,7 @@ async def fleet(factory: SidecarFactory, url: str, upstream: str, n: int) -> lis
         for i in range(n)
     ]
     for sc in pods:
+        sc.steady()  # a loaded machine must not lapse the staleness bound mid-test
         await until_acked(sc)
     return pods
 
