@@ -84,6 +84,7 @@ async def test_a_new_sidecar_answers_warmed_entries_from_l1(
         tenants=("acme",),
         warm_bytes=1024 * 1024,
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert warm["state"] == "done"
@@ -125,6 +126,7 @@ async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
         tenants=("acme",),
         warm_bytes=3 * size,
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert 1 <= warm["entries"] < len(PROMPTS)
@@ -187,6 +189,7 @@ async def test_the_warm_up_keeps_to_each_tenant_l1_share(
     b = await sidecar_factory(
         redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     status = (await b.admin.get("/status")).json()
     assert status["quota_generation"] == 1  # the share was known before the warm-up
@@ -229,6 +232,7 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     b = await sidecar_factory(
         redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert (warm["state"], warm["entries"], warm["guests"]) == ("done", len(asked), 2)
@@ -240,6 +244,7 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     c = await sidecar_factory(
         redis_url=redis_url, upstream=truth.url, pod="pod-c", warm_bytes=1 << 20, max_tenants=1
     )
+    c.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(c)).status_code == 200
     warm = (await c.admin.get("/status")).json()["warmup"]
     assert (warm["entries"], warm["guests"]) == (1, 1)
