@@ -69,7 +69,7 @@ class Fleet:
         assert self.gate.shedding
 
     async def until(self, predicate: Any, what: str) -> None:
-        for _ in range(500):
+        for _ in range(2000):  # bounded: 20 s and more (a loaded machine only waits longer)
             if predicate():
                 return
             await asyncio.sleep(0.01)

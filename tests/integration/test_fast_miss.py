@@ -169,11 +169,15 @@ async def test_a_silent_upstream_times_out_a_begun_miss_with_504(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await sidecar_factory(upstream_timeout_s=0.3)
+    pool = sc.sidecar.upstream
+    pool.read_timeout_s = 20.0  # the healthy calls: a loaded machine must not time them out
     await warm(sc)
+    pool.read_timeout_s = 0.3
     upstream.default_latency_s = 1.5
     resp = await sc.chat("slow")
     assert resp.status_code == 504
     assert "silent" in resp.json()["error"]["message"]
     assert sc.sidecar.handler.inflight == {}
+    pool.read_timeout_s = 20.0
     upstream.default_latency_s = 0
     assert (await sc.chat("slow")).status_code == 200

@@ -249,7 +249,8 @@ async def test_l2_forged_identities_never_read_the_victims_entries(
     assert owner.headers["x-cache"] == "HIT-L2"  # the entry is really in L2
     secret = answer(first)
 
-    pod_c = await sidecar_factory(api_keys=KEYS, redis_url=redis_url, pod="pod-c")
+    # patient: the forged read really reaches L2 (a 50 ms timeout would also be a MISS)
+    pod_c = await sidecar_factory(api_keys=KEYS, redis_url=redis_url, pod="pod-c", patient=True)
     forged = await pod_c.chat("in L2", tenant="beta", headers=ALPHA)
     assert forged.headers["x-cache"] == "MISS"
     assert answer(forged) != secret

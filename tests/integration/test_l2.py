@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
@@ -19,6 +19,14 @@ from cachefleet_sidecar.contract.versioned import entry_head
 CACHE = "team-a/chat"
 
 MakeL2 = Callable[..., RedisL2]
+
+#: Bound on waiting for an outcome (an expiry, a recovery), seconds: generous, a slow
+#: machine only makes the test wait longer.
+WAIT_S = 20.0
+#: The L2 budget where a test needs Redis to answer (the default is 50 ms), seconds.
+PATIENT_S = 5.0
+#: A short TTL for the expiry tests, seconds.
+SHORT_TTL_S = 0.5
 
 
 def digest(text: str) -> str:
@@ -49,7 +57,7 @@ async def make_l2(backend_url: str) -> AsyncIterator[MakeL2]:
     made: list[RedisL2] = []
 
     def make(**options: object) -> RedisL2:
-        options.setdefault("op_timeout_s", 1.0)  # generous: this is not the fault test
+        options.setdefault("op_timeout_s", PATIENT_S)  # generous: this is not the fault test
         tier = RedisL2.from_url(backend_url, CACHE, **options)  # type: ignore[arg-type]
         made.append(tier)
         return tier
@@ -77,21 +85,55 @@ async def test_overwrite_is_counted_once(make_l2: MakeL2) -> None:
     assert used == 40
 
 
+async def _until(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    """Wait (bounded, generously) until ``await check()`` is truthy."""
+    deadline = time.monotonic() + WAIT_S
+    while not await check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
 async def test_entries_expire_after_ttl(make_l2: MakeL2) -> None:
-    l2 = make_l2(ttl_s=0.2)
-    assert await l2.put("alice", digest("q"), b"short-lived")
-    assert await l2.get("alice", digest("q")) == b"short-lived"
-    await asyncio.sleep(0.35)
-    assert await l2.get("alice", digest("q")) is None
+    l2 = make_l2(ttl_s=SHORT_TTL_S)
+    # The entry is live while its TTL runs: checked only in a round that took less than
+    # the TTL (a slow machine retries the round, with a fresh key, instead of failing).
+    for attempt in range(20):
+        key = digest(f"q{attempt}")
+        started = time.monotonic()
+        assert await l2.put("alice", key, b"short-lived")
+        got = await l2.get("alice", key)
+        if time.monotonic() - started < SHORT_TTL_S:
+            assert got == b"short-lived"
+            break
+    else:
+        pytest.fail("no put-then-get round finished within the TTL")
+
+    async def expired() -> bool:
+        return await l2.get("alice", key) is None
+
+    await _until(expired, "the entry outlived its TTL")
 
 
 async def test_usage_drops_when_entries_expire(make_l2: MakeL2) -> None:
-    l2 = make_l2(ttl_s=0.2, default_limit_bytes=1000)
-    for i in range(3):
-        assert await l2.put("alice", digest(f"q{i}"), b"v" * 100)
-    assert await l2.usage("alice") == (300, 1000)
-    await asyncio.sleep(0.35)
-    assert await l2.usage("alice") == (0, 1000)
+    l2 = make_l2(ttl_s=SHORT_TTL_S, default_limit_bytes=1000)
+
+    async def drained() -> bool:
+        return await l2.usage("alice") == (0, 1000)
+
+    # Usage counts the live entries: checked only in a round that took less than the TTL
+    # (a slow machine lets the round expire and retries it instead of failing).
+    for attempt in range(20):
+        await _until(drained, "usage did not drop to 0 as the entries expired")
+        started = time.monotonic()
+        for i in range(3):
+            assert await l2.put("alice", digest(f"q{attempt}-{i}"), b"v" * 100)
+        used = await l2.usage("alice")
+        if time.monotonic() - started < SHORT_TTL_S:
+            assert used == (300, 1000)
+            break
+    else:
+        pytest.fail("no round of puts finished within the TTL")
+    await _until(drained, "usage did not drop to 0 as the entries expired")
     # The whole limit is available again and nothing live had to be evicted.
     assert await l2.put("alice", digest("big"), b"b" * 1000)
     assert l2.counters.evictions == 0
@@ -100,16 +142,25 @@ async def test_usage_drops_when_entries_expire(make_l2: MakeL2) -> None:
 async def test_put_reclaims_expired_entries_before_evicting_live_ones(make_l2: MakeL2) -> None:
     short = make_l2(ttl_s=0.2, default_limit_bytes=300)
     long = make_l2(ttl_s=60, default_limit_bytes=300)
-    assert await long.put("alice", digest("keep"), b"k" * 100)
-    assert await short.put("alice", digest("gone1"), b"g" * 100)
-    assert await short.put("alice", digest("gone2"), b"g" * 100)
-    await asyncio.sleep(0.35)
-    assert await long.put("alice", digest("new"), b"n" * 200)
+    # Both short-lived entries must be live together (else the second put reclaims the
+    # first): a round slower than their TTL is retried with a fresh tenant, not failed.
+    for attempt in range(20):
+        tenant = f"alice-{attempt}"
+        assert await long.put(tenant, digest("keep"), b"k" * 100)
+        started = time.monotonic()
+        assert await short.put(tenant, digest("gone1"), b"g" * 100)
+        assert await short.put(tenant, digest("gone2"), b"g" * 100)
+        if time.monotonic() - started < 0.2:
+            break
+    else:
+        pytest.fail("no two puts finished within the 0.2 s TTL")
+    await asyncio.sleep(0.35)  # both expired (a slow machine only sleeps longer)
+    assert await long.put(tenant, digest("new"), b"n" * 200)
     # The LRU-oldest entry ("keep") survived: the expired ones made the room.
-    assert await long.get("alice", digest("keep")) == b"k" * 100
+    assert await long.get(tenant, digest("keep")) == b"k" * 100
     assert long.counters.evictions == 0
     assert long.counters.reclaimed_expired == 2
-    assert await long.usage("alice") == (300, 300)
+    assert await long.usage(tenant) == (300, 300)
 
 
 async def test_quota_evicts_least_recently_used_of_that_tenant_only(make_l2: MakeL2) -> None:
@@ -333,32 +384,32 @@ async def _until_works(l2: RedisL2, deadline_s: float) -> None:
 @pytest.mark.redis
 async def test_redis_killed_fails_fast_then_recovers_by_itself(own_redis: RedisServer) -> None:
     breaker = CircuitBreaker(failure_threshold=3, cooldown_s=0.3)
-    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    # 50 ms only while Redis is down: a loaded machine must not fail the healthy calls
+    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=PATIENT_S, breaker=breaker)
     try:
         assert await l2.connect()
         assert await l2.put("alice", digest("q"), b"v")
+        l2.op_timeout_s = 0.05
         own_redis.kill()
 
-        costs = []
+        breaker.cooldown_s = 3600.0  # no half-open probe mid-test, however slow the machine
         for _ in range(3):  # the failures that open the breaker
-            started = time.perf_counter()
-            assert await l2.get("alice", digest("q")) is None
-            costs.append(time.perf_counter() - started)
-        assert sorted(costs)[1] < 0.2  # median: about the 50 ms timeout at most
-        assert max(costs) < 1.0
+            # Each is cut short (error or the op timeout), never a hang.
+            assert await asyncio.wait_for(l2.get("alice", digest("q")), WAIT_S) is None
+        assert l2.counters.errors + l2.counters.timeouts == 3
         assert state_of(l2) == "down"
 
-        started = time.perf_counter()
         for _ in range(200):
             assert await l2.get("alice", digest("q")) is None
             assert not await l2.put("alice", digest("q"), b"v")
-        per_call = (time.perf_counter() - started) / 400
-        assert per_call < 0.002, f"{per_call * 1000:.2f} ms per call with the breaker open"
-        assert l2.counters.short_circuited >= 399
-        assert l2.counters.errors + l2.counters.timeouts >= 3
+        # The breaker is open: Redis is not tried again, every call returns at once.
+        assert l2.counters.short_circuited == 400
+        assert l2.counters.errors + l2.counters.timeouts == 3
 
+        breaker.cooldown_s = 0.3
         own_redis.restart()
-        await _until_works(l2, deadline_s=3.0)
+        await _until_works(l2, deadline_s=WAIT_S)
+        l2.op_timeout_s = PATIENT_S
         assert await l2.get("alice", digest("back")) == b"again"
         assert state_of(l2) == "ok"
     finally:
@@ -368,27 +419,29 @@ async def test_redis_killed_fails_fast_then_recovers_by_itself(own_redis: RedisS
 @pytest.mark.redis
 async def test_hung_redis_costs_at_most_the_op_timeout(own_redis: RedisServer) -> None:
     breaker = CircuitBreaker(failure_threshold=2, cooldown_s=0.3)
-    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+    # 50 ms only while Redis hangs: a loaded machine must not fail the healthy calls
+    l2 = RedisL2.from_url(own_redis.url, CACHE, op_timeout_s=PATIENT_S, breaker=breaker)
     try:
         assert await l2.connect()
         assert await l2.put("alice", digest("q"), b"v")
+        l2.op_timeout_s = 0.05
         own_redis.pause()
-        costs = []
+        breaker.cooldown_s = 3600.0  # no half-open probe mid-test, however slow the machine
         for _ in range(2):
-            started = time.perf_counter()
-            assert await l2.get("alice", digest("q")) is None
-            costs.append(time.perf_counter() - started)
-        assert min(costs) < 0.15  # the 50 ms timeout, not the hang
-        assert max(costs) < 1.0
+            # The op timeout cuts it short, not the hang (which would outlast WAIT_S).
+            assert await asyncio.wait_for(l2.get("alice", digest("q")), WAIT_S) is None
         assert state_of(l2) == "down"
         assert l2.counters.timeouts == 2
-        started = time.perf_counter()
         for _ in range(50):
             assert await l2.get("alice", digest("q")) is None
-        assert (time.perf_counter() - started) / 50 < 0.002  # breaker open: no waiting
+        # Breaker open: no waiting, Redis is not tried again.
+        assert l2.counters.short_circuited == 50
+        assert l2.counters.timeouts == 2
 
+        breaker.cooldown_s = 0.3
         own_redis.resume()
-        await _until_works(l2, deadline_s=3.0)
+        await _until_works(l2, deadline_s=WAIT_S)
+        l2.op_timeout_s = PATIENT_S
         assert await l2.get("alice", digest("q")) == b"v"  # data survived the pause
     finally:
         await l2.aclose()
@@ -397,12 +450,11 @@ async def test_hung_redis_costs_at_most_the_op_timeout(own_redis: RedisServer) -
 async def test_unreachable_redis_at_start_up_is_not_an_error_for_callers() -> None:
     l2 = RedisL2.from_url(f"redis://127.0.0.1:{free_port()}/0", CACHE, op_timeout_s=0.05)
     try:
-        started = time.perf_counter()
-        assert not await l2.connect(timeout_s=0.5)
-        assert await l2.get("alice", digest("q")) is None
-        assert not await l2.put("alice", digest("q"), b"v")
-        assert await l2.usage("alice") == (0, 0)
-        assert time.perf_counter() - started < 1.0
+        # Nothing hangs (each call is cut short; WAIT_S is only a net against a hang).
+        assert not await asyncio.wait_for(l2.connect(timeout_s=0.5), WAIT_S)
+        assert await asyncio.wait_for(l2.get("alice", digest("q")), WAIT_S) is None
+        assert not await asyncio.wait_for(l2.put("alice", digest("q"), b"v"), WAIT_S)
+        assert await asyncio.wait_for(l2.usage("alice"), WAIT_S) == (0, 0)
         assert state_of(l2) != "ok"
         assert l2.last_error is not None
     finally:
@@ -444,28 +496,28 @@ def test_keys_of_one_tenant_share_a_slot() -> None:
 @pytest.mark.slow
 async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> None:
     with RedisCluster() as cluster:
-        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05)
+        # 50 ms only while the node is dead: a loaded machine must not fail the set-up
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=PATIENT_S)
         try:
             assert await l2.connect()
             tenants = [f"tenant-{i}" for i in range(12)]
             for tenant in tenants:
                 assert await l2.put(tenant, digest("q"), b"v")
+            l2.op_timeout_s = 0.05
             cluster.nodes[0].kill()
 
             served = 0
-            costs = []
             for tenant in tenants:
-                started = time.perf_counter()
-                served += await l2.get(tenant, digest("q")) == b"v"
-                costs.append(time.perf_counter() - started)
-            # Each call is bounded by the 50 ms timeout; the median must show it, and
-            # no call may hang (a 2-core CI machine can stall the loop once, briefly).
-            assert sorted(costs)[len(costs) // 2] < 0.15
-            assert max(costs) < 1.0
+                # Each call is cut short (error or the 50 ms timeout), never a hang.
+                got = await asyncio.wait_for(l2.get(tenant, digest("q")), WAIT_S)
+                served += got == b"v"
             assert 0 < served < len(tenants)  # the other nodes still serve
+            # The dead node's calls failed (errors, timeouts) or were cut short by its breaker.
+            failed = l2.counters.errors + l2.counters.timeouts + l2.counters.short_circuited
+            assert failed + l2.counters.not_ready >= len(tenants) - served
 
             cluster.nodes[0].restart()  # rejoins from its nodes.conf, data lost
-            deadline = time.monotonic() + 10.0
+            deadline = time.monotonic() + WAIT_S
             while time.monotonic() < deadline:
                 results = [await l2.put(tenant, digest("q2"), b"w") for tenant in tenants]
                 if all(results):
@@ -481,7 +533,9 @@ async def test_cluster_node_killed_costs_at_most_the_timeout_then_recovers() -> 
 async def test_breaker_is_per_node_healthy_nodes_do_not_reset_a_dead_ones() -> None:
     with RedisCluster() as cluster:
         breaker = CircuitBreaker(failure_threshold=2, cooldown_s=60.0)
-        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=0.05, breaker=breaker)
+        # patient: the healthy nodes' calls must succeed however loaded the machine (the
+        # dead node refuses at once, its failures are errors either way)
+        l2 = RedisL2.from_url(cluster.url, CACHE, op_timeout_s=PATIENT_S, breaker=breaker)
         try:
             assert await l2.connect()
             tenants = [f"tenant-{i}" for i in range(24)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 from typing import Any
 
 import pytest
@@ -162,7 +161,7 @@ async def test_request_bodies_share_one_memory_budget(
     resp = await sc.client.post("/echo", content=b"c" * 40_000, headers={"X-Tenant-ID": "acme"})
     assert resp.status_code == 200
     assert resp.json()["body"] == "c" * 40_000
-    for _ in range(100):
+    for _ in range(400):
         if sc.server.limiter.body_bytes == 0:
             break
         await asyncio.sleep(0.05)
@@ -207,7 +206,7 @@ async def test_a_large_body_is_charged_for_both_copies_it_holds(
         async with asyncio.timeout(SAFETY_S):
             assert status(await reader.readuntil(b"\r\n\r\n")) == 200
         writer.close()
-    for _ in range(100):
+    for _ in range(400):
         if sc.server.limiter.body_bytes == 0:
             break
         await asyncio.sleep(0.05)
@@ -308,7 +307,9 @@ async def test_slow_headers_get_408_even_when_bytes_keep_trickling(
 async def test_half_sent_requests_do_not_hold_connections(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
-    sc = await sidecar_factory(**TIMEOUTS)
+    # The idle timeout is not what this is about: a loaded machine may take longer than
+    # 0.5 s to open the 20 connections, and an idle one is closed without a 408.
+    sc = await sidecar_factory(**{**TIMEOUTS, "idle_timeout_s": SAFETY_S * 4})
     idle = [await connect(sc) for _ in range(20)]
     for i, (_, w) in enumerate(idle):
         # Half a head, or a head and half a body.
@@ -321,7 +322,7 @@ async def test_half_sent_requests_do_not_hold_connections(
     assert all(status(raw) == 408 for raw in results)
     for _, w in idle:
         w.close()
-    for _ in range(100):
+    for _ in range(400):
         if not sc.server.connections:
             break
         await asyncio.sleep(0.05)
@@ -374,7 +375,7 @@ async def test_redis_gets_only_entries_up_to_its_own_limit(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
 ) -> None:
     limits = {"redis_url": redis_url, "l2_max_entry_bytes": 16 * 1024}
-    pod_a = await sidecar_factory(pod="pod-a", patient=True, **limits)
+    pod_a = (await sidecar_factory(pod="pod-a", patient=True, **limits)).steady()
     upstream.pad_bytes = 50_000
     await pod_a.chat("medium")
     assert (await pod_a.chat("medium")).headers["x-cache"] == "HIT-L1"  # L1 keeps it
@@ -391,14 +392,15 @@ async def test_a_silent_upstream_gets_one_call_and_one_timeout(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await sidecar_factory(upstream_timeout_s=0.5)
+    sc.sidecar.upstream.read_timeout_s = 20.0  # the warm-up: a loaded machine must not time it out
     assert (await sc.chat("warm the keep-alive connection")).status_code == 200
+    sc.sidecar.upstream.read_timeout_s = 0.5
     upstream.default_latency_s = 4.0
-    t0 = time.monotonic()
     resp = await sc.chat("silent")
-    elapsed = time.monotonic() - t0
+    # Answered on the sidecar's deadline, not the upstream's (which would be a 200):
+    # the outcome says so, however long a loaded machine took to get there.
     assert resp.status_code == 504
     assert "upstream timeout" in resp.json()["error"]["message"]
-    assert elapsed < 4.0  # answered on the sidecar's deadline, not the upstream's
     await asyncio.sleep(1.5)  # long enough for a resend to have arrived
     assert upstream.calls[CHAT] == 2  # the warm-up and the silent one: never resent
 
@@ -523,7 +525,7 @@ async def test_an_answered_body_is_not_held_by_its_idle_connection(
                 assert status(answer) == 200
                 length = int(answer.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
                 await reader.readexactly(length)
-        for _ in range(100):  # the budget comes back once each answer is written
+        for _ in range(400):  # the budget comes back once each answer is written
             if sidecar.server.limiter.body_bytes == 0:
                 break
             await asyncio.sleep(0.05)

@@ -150,7 +150,7 @@ async def test_sidecar_and_operator_work_under_least_privilege(
         operator_url = as_user(redis_url, "cf-operator", OPERATOR_PASSWORD)
         async with Invalidator.from_url(operator_url, CACHE, poll_s=0.05) as inv:
             purged, at = await inv.purge(digest)
-            result = await inv.await_acks("purge", purged, timeout_s=5.0, started_at=at)
+            result = await inv.await_acks("purge", purged, timeout_s=20.0, started_at=at)
         assert (result.completed, result.acks) == (True, 3)
         assert (await pod_c.chat("under ACL")).headers["x-cache"] == "MISS"
         assert await refusals(admin) == []

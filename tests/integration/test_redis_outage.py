@@ -69,9 +69,13 @@ async def test_strict_stops_l1_hits_and_serve_stale_keeps_them_within_its_bound(
         redis.kill()
         await l1_stops(strict, "warm")  # strict: past the 2 s bound, everything goes upstream
         calls = upstream.calls[CHAT]
-        # The lenient pod still answers from L1 at that point: no upstream call.
-        assert (await lenient.chat("warm")).headers["x-cache"] == "HIT-L1"
-        assert upstream.calls[CHAT] == calls
+        # The lenient pod still answers from L1 at that point: no upstream call. (Checked
+        # only if the answer came within its 6 s bound: a loaded machine may take longer
+        # to get here, and then the bound rightly stops the hit.)
+        still = (await lenient.chat("warm")).headers["x-cache"]
+        if time.monotonic() < lenient.sidecar.tracker.valid_until:
+            assert still == "HIT-L1"
+            assert upstream.calls[CHAT] == calls
         # ...but not forever: its stated bound holds too.
         await l1_stops(lenient, "warm")
         confirmed_at = lenient.sidecar.tracker.confirmed_at

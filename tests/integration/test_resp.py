@@ -137,11 +137,12 @@ async def test_killed_server_fails_fast_and_restart_is_picked_up(own_redis: Redi
     try:
         assert await client.run_script(script, ["n"], [1]) == 1
         own_redis.kill()
-        started = time.monotonic()
-        with pytest.raises(resp.ConnectionLost):
+        with pytest.raises(resp.ConnectionLost) as lost:
             await client.execute("GET", "n")
-        # refused at once, not after the 5 s deadline (generous: a loaded CI box)
-        assert time.monotonic() - started < 2.0
+        # refused at once, not after the 5 s deadline: that would be a CommandTimeout, or
+        # a connect that "timed out" (the outcome says which, however loaded the machine)
+        assert not isinstance(lost.value, resp.CommandTimeout)
+        assert "timed out" not in str(lost.value)
         own_redis.restart()
 
         async def back() -> bool:
@@ -156,8 +157,13 @@ async def test_killed_server_fails_fast_and_restart_is_picked_up(own_redis: Redi
 
 
 @pytest.mark.redis
-async def test_paused_server_times_out_then_replies_stay_matched(own_redis: RedisServer) -> None:
-    client = resp_client(own_redis.url)
+async def test_paused_server_times_out_then_replies_stay_matched(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not about stalls: a loaded machine may keep the server paused past the 1 s stall
+    # bound, and the connection made again would not show the late reply being dropped.
+    monkeypatch.setattr(resp, "STALL_S", 60.0)
+    client = resp_client(own_redis.url, command_timeout_s=5.0)
     try:
         await client.execute("SET", "a", "A")
         await client.execute("SET", "b", "B")
@@ -173,10 +179,14 @@ async def test_paused_server_times_out_then_replies_stay_matched(own_redis: Redi
 
 
 @pytest.mark.redis
-async def test_each_waiting_command_keeps_its_own_deadline(own_redis: RedisServer) -> None:
+async def test_each_waiting_command_keeps_its_own_deadline(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # One timer per connection: a short deadline behind a long one still fires on time,
-    # and the long one is still answered once the server is back.
-    client = resp_client(own_redis.url)
+    # and the long one is still answered once the server is back. (Not about stalls: a
+    # loaded machine may keep the server paused past the 1 s stall bound.)
+    monkeypatch.setattr(resp, "STALL_S", 60.0)
+    client = resp_client(own_redis.url, command_timeout_s=5.0)
     try:
         await client.execute("SET", "a", "A")
         own_redis.pause()
@@ -228,7 +238,7 @@ async def test_subscriber_receives_and_resubscribes_after_restart(own_redis: Red
     )
     try:
         assert await sub.start()
-        await asyncio.wait_for(subscribed.wait(), 5.0)
+        await asyncio.wait_for(subscribed.wait(), 20.0)
         assert await client.execute("PUBLISH", "chan", "one") == 1
         await until(lambda: _true(got == [b"one"]))
         own_redis.restart()

@@ -45,7 +45,7 @@ def counter(metrics: str, name: str, **labels: str) -> float:
 async def shadow_counts(sc: RunningSidecar, total: int) -> dict[str, float]:
     """The tenant's comparison counts once ``total`` have been made (they run in the background)."""
     counts: dict[str, float] = {}
-    for _ in range(200):  # bounded
+    for _ in range(1000):  # bounded: 20 s and more (a loaded machine only waits longer)
         metrics = (await sc.admin.get("/metrics")).text
         counts = {
             outcome: counter(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -351,10 +352,14 @@ async def test_graceful_shutdown_finishes_in_flight(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     sc = await sidecar_factory()
-    upstream.default_latency_s = 0.4
+    upstream.default_latency_s = 1.0
     pending = asyncio.create_task(sc.chat("slow"))
-    await asyncio.sleep(0.1)
-    await sc.server.stop(grace_s=5.0)
+    # in flight: it reached the upstream (bounded; a sleep could stop the server first)
+    deadline = time.monotonic() + 20.0
+    while upstream.calls[CHAT] < 1:
+        assert time.monotonic() < deadline, "the request never reached the upstream"
+        await asyncio.sleep(0.01)
+    await sc.server.stop(grace_s=20.0)
     resp = await pending
     assert resp.status_code == 200
     with pytest.raises(httpx.ConnectError):
@@ -391,5 +396,7 @@ async def test_a_silent_upstream_times_out_with_504(
     resp = await sc.chat("slow")
     assert resp.status_code == 504
     assert "silent" in resp.json()["error"]["message"]
+    # the healthy call: a loaded machine must not time it out
+    sc.sidecar.upstream.read_timeout_s = 20.0
     upstream.default_latency_s = 0
     assert (await sc.chat("fast")).status_code == 200

@@ -56,14 +56,15 @@ async def l2_entries(url: str, tenant: str) -> int:
 
 async def filled(factory: SidecarFactory, url: str, upstream: str) -> RunningSidecar:
     """Sidecar A, with every prompt answered once and written to L2."""
-    a = await factory(redis_url=url, upstream=upstream, pod="pod-a")
-    for _ in range(500):  # bounded: 10 s
+    # patient: a loaded machine must not drop an L2 write (50 ms budget) the test waits for
+    a = await factory(redis_url=url, upstream=upstream, pod="pod-a", patient=True)
+    for _ in range(1000):  # bounded: 20 s and more
         if a.sidecar.tracker.fresh():
             break
         await asyncio.sleep(0.02)
     for prompt in PROMPTS:
         assert (await a.chat(prompt)).headers["x-cache"] == "MISS"
-    for _ in range(500):  # the L2 writes are in the background (bounded: 10 s)
+    for _ in range(1000):  # the L2 writes are in the background (bounded: 20 s and more)
         if await l2_entries(url, "acme") >= len(PROMPTS):
             break
         await asyncio.sleep(0.02)
@@ -83,6 +84,7 @@ async def test_a_new_sidecar_answers_warmed_entries_from_l1(
         tenants=("acme",),
         warm_bytes=1024 * 1024,
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert warm["state"] == "done"
@@ -104,7 +106,7 @@ async def test_a_new_sidecar_answers_warmed_entries_from_l1(
     truth.bump()
     async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
         epoch, at = await inv.purge(digest)
-        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=5.0, started_at=at)
+        result = await inv.await_acks(PURGE_SCOPE, epoch, timeout_s=20.0, started_at=at)
     assert result.completed
     answers = [(await b.chat(p)).headers["x-cache"] for p in PROMPTS]
     assert answers.count("MISS") == 1
@@ -124,6 +126,7 @@ async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
         tenants=("acme",),
         warm_bytes=3 * size,
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert 1 <= warm["entries"] < len(PROMPTS)
@@ -131,7 +134,7 @@ async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
     assert warm["skipped"]["over_budget"] == len(PROMPTS) - warm["entries"]
     # the tenant's entries are invalidated: a newcomer warms none of them
     async with Invalidator.from_url(redis_url, CACHE, poll_s=0.05) as inv:
-        assert (await inv.invalidate("tenant:acme", timeout_s=5.0)).completed
+        assert (await inv.invalidate("tenant:acme", timeout_s=20.0)).completed
     c = await sidecar_factory(
         redis_url=redis_url,
         upstream=truth.url,
@@ -186,6 +189,7 @@ async def test_the_warm_up_keeps_to_each_tenant_l1_share(
     b = await sidecar_factory(
         redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     status = (await b.admin.get("/status")).json()
     assert status["quota_generation"] == 1  # the share was known before the warm-up
@@ -209,13 +213,16 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     client = redis_from_url(redis_url)
     try:
         await publish_quotas(client, CACHE, quotas)
-        a = await sidecar_factory(redis_url=redis_url, upstream=truth.url, pod="pod-a")
+        # patient: a loaded machine must not drop an L2 write (50 ms budget) waited for below
+        a = await sidecar_factory(
+            redis_url=redis_url, upstream=truth.url, pod="pod-a", patient=True
+        )
         a.sidecar.quotas.apply(quotas)
         asked = [("cust-1", "q1"), ("cust-1", "q2"), ("cust-1", "q3"), ("cust-2", "q1")]
         # one after the other, so cust-2's entry is the pool's most recent
         for n, (tenant, prompt) in enumerate(asked, 1):
             assert (await a.chat(prompt, tenant=tenant)).headers["x-cache"] == "MISS"
-            for _ in range(500):  # the L2 writes are in the background (bounded: 10 s)
+            for _ in range(1000):  # the L2 writes are in the background (bounded: 20 s and more)
                 if await client.zcard(lru_key(CACHE, GUESTS)) >= n:
                     break
                 await asyncio.sleep(0.02)
@@ -225,6 +232,7 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     b = await sidecar_factory(
         redis_url=redis_url, upstream=truth.url, pod="pod-b", warm_bytes=1024 * 1024
     )
+    b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert (warm["state"], warm["entries"], warm["guests"]) == ("done", len(asked), 2)
@@ -236,6 +244,7 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     c = await sidecar_factory(
         redis_url=redis_url, upstream=truth.url, pod="pod-c", warm_bytes=1 << 20, max_tenants=1
     )
+    c.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(c)).status_code == 200
     warm = (await c.admin.get("/status")).json()["warmup"]
     assert (warm["entries"], warm["guests"]) == (1, 1)

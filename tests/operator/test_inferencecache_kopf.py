@@ -29,7 +29,7 @@ from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, Operator
 pytestmark = [pytest.mark.k8s_emulator, pytest.mark.redis]
 
 #: Bound on waiting for the operator to act, seconds.
-ACT_TIMEOUT_S = 15.0
+ACT_TIMEOUT_S = 30.0  # generous: a loaded machine only waits longer
 L1 = 100 * 2**20
 L2 = 1000 * 2**20
 
