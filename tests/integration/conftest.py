@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -64,9 +65,23 @@ class RunningSidecar:
     def steady(self) -> RunningSidecar:
         """Keep confirmed epochs valid for 60 s (the poll keeps its pace, a quarter of the
         2 s default): a loaded machine must not lapse the staleness bound, and so stop the
-        L1 hits a test expects, where the test is about something else."""
-        self.sidecar.tracker.bound_s = STEADY_BOUND_S
+        L1 hits a test expects, where the test is about something else. A confirmation
+        already made is stretched to the new bound too (its ``valid_until`` was its send
+        time + the old bound)."""
+        tracker = self.sidecar.tracker
+        if math.isfinite(tracker.valid_until):
+            tracker.valid_until += STEADY_BOUND_S - tracker.bound_s
+        tracker.bound_s = STEADY_BOUND_S
         return self
+
+    async def confirmed(self) -> None:
+        """Wait (bounded) until its epochs are confirmed: with Redis, L1 serves only then
+        (readiness does not wait for it: L2 checks its own fences)."""
+        tracker = self.sidecar.tracker
+        deadline = time.monotonic() + SETTLE_BOUND_S
+        while not tracker.fresh():
+            assert time.monotonic() < deadline, "the sidecar never confirmed its epochs"
+            await asyncio.sleep(0.02)
 
     async def stored(self, n: int = 1) -> None:
         """Wait (bounded) until its L2 has stored ``n`` entries in all: L2 writes are in the

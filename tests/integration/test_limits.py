@@ -376,6 +376,7 @@ async def test_redis_gets_only_entries_up_to_its_own_limit(
 ) -> None:
     limits = {"redis_url": redis_url, "l2_max_entry_bytes": 16 * 1024}
     pod_a = (await sidecar_factory(pod="pod-a", patient=True, **limits)).steady()
+    await pod_a.confirmed()  # L1 serves only once the epochs are confirmed
     upstream.pad_bytes = 50_000
     await pod_a.chat("medium")
     assert (await pod_a.chat("medium")).headers["x-cache"] == "HIT-L1"  # L1 keeps it

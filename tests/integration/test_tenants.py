@@ -296,6 +296,7 @@ async def test_tenants_under_defaults_stay_out_of_redis(
     # tenantDefaults with no tenant listed: every tenant is unlisted, L1 only.
     # steady: L1 hits are asserted, a loaded machine must not lapse the staleness bound
     sc = (await sidecar_factory(redis_url=redis_url, l1_bytes=1 << 20)).steady()
+    await sc.confirmed()
     unlisted = TenantQuota(l1_bytes=1 << 20, l2_bytes=0)
     sc.sidecar.quotas.apply(QuotaAssignment(generation=1, default_tenant=unlisted))
     for i in range(20):

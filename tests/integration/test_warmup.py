@@ -86,6 +86,7 @@ async def test_a_new_sidecar_answers_warmed_entries_from_l1(
     )
     b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
+    await b.confirmed()  # and L1 serves only once the epochs are confirmed
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert warm["state"] == "done"
     assert (warm["entries"], warm["tenants"]) == (len(PROMPTS), 1)
@@ -128,6 +129,7 @@ async def test_the_warm_up_keeps_to_its_bytes_and_skips_invalidated_entries(
     )
     b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
+    await b.confirmed()  # and L1 serves only once the epochs are confirmed
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert 1 <= warm["entries"] < len(PROMPTS)
     assert warm["bytes"] <= 3 * size
@@ -191,6 +193,7 @@ async def test_the_warm_up_keeps_to_each_tenant_l1_share(
     )
     b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
+    await b.confirmed()  # and L1 serves only once the epochs are confirmed
     status = (await b.admin.get("/status")).json()
     assert status["quota_generation"] == 1  # the share was known before the warm-up
     assert status["warmup"]["entries"] == 2
@@ -234,6 +237,7 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     )
     b.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(b)).status_code == 200
+    await b.confirmed()  # and L1 serves only once the epochs are confirmed
     warm = (await b.admin.get("/status")).json()["warmup"]
     assert (warm["state"], warm["entries"], warm["guests"]) == ("done", len(asked), 2)
     calls = truth.calls
@@ -246,6 +250,7 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     )
     c.steady()  # L1 hits are asserted: the staleness bound must not lapse
     assert (await ready(c)).status_code == 200
+    await c.confirmed()  # and L1 serves only once the epochs are confirmed
     warm = (await c.admin.get("/status")).json()["warmup"]
     assert (warm["entries"], warm["guests"]) == (1, 1)
     assert warm["skipped"] == {"guest_slots": 3}
