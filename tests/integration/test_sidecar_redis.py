@@ -132,7 +132,10 @@ async def test_redis_killed_mid_test_requests_keep_flowing(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream
 ) -> None:
     with RedisServer() as redis:
-        pod = await sidecar_factory(redis_url=redis.url)
+        # the L1 hit below is served on the last confirmation: it must not lapse (2 s) on a
+        # loaded machine, and must have been made before Redis goes
+        pod = await sidecar_factory(redis_url=redis.url, staleness_bound_s=60.0)
+        await pod.confirmed()
         await pod.chat("before")
         redis.kill()
         # L1 still hits; misses go upstream; nothing becomes a user-visible error.
