@@ -321,6 +321,37 @@ async def test_an_entry_of_other_epochs_is_dropped_unless_rewritten_meanwhile(
     assert await l2.get("acme", digest("q"), new) == b"new answer"
 
 
+async def test_a_new_tenants_first_writes_register_it_once_and_keep_their_order(
+    make_l2: MakeL2, backend_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import cachefleet_sidecar.cache.l2 as l2_module
+
+    registered: list[str] = []
+    real = l2_module.register_tenant
+
+    async def counted(client: object, cache: str, tenant: str) -> None:
+        registered.append(tenant)
+        await real(client, cache, tenant)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(l2_module, "register_tenant", counted)
+    vector = (("cache", 0), ("tenant:acme", 0))
+    l2 = make_l2()
+    names = [digest(f"q{i}") for i in range(6)]
+    # six first writes of a tenant at once, as six answers' background writes are
+    stored = await asyncio.gather(*(l2.put("acme", d, b"answer", vector) for d in names))
+    assert stored == [True] * 6
+    assert registered == ["acme"]  # one registration, shared
+    client = redis_from_url(backend_url)
+    try:
+        lru = [m.decode() for m in await client.zrange(lru_key(CACHE, "acme"), 0, -1)]
+    finally:
+        await client.aclose()
+    # least recent first: the order the writes were made in
+    assert lru == [entry_key(CACHE, "acme", d) for d in names]
+    assert await l2.put("acme", digest("later"), b"answer", vector)
+    assert registered == ["acme"]
+
+
 async def test_a_reader_is_refused_once_the_fence_it_was_served_under_moves_ahead(
     make_l2: MakeL2, backend_url: str
 ) -> None:

@@ -307,6 +307,8 @@ class RedisL2:
         self.counters = L2Counters()
         self._last_error: str | None = None
         self._registered: set[str] = set()
+        #: Tenants whose registration is under way, shared by their first writes.
+        self._registering: dict[str, asyncio.Future[bool]] = {}
         self._tails: dict[str, list[str]] = {}
         self._vector_args: dict[EpochVector, list[str]] = {}
         #: per tenant: what its reads under the vector it was last read under share
@@ -662,10 +664,9 @@ class RedisL2:
         if vector is not None:
             args += self._args_of(vector)
 
-        if versioned and tenant not in self._registered:
-            if not await self._register(tenant, keys[0]):
-                return False
-            self._registered.add(tenant)
+        registering = versioned and tenant not in self._registered
+        if registering and not await self._registered_once(tenant, keys[0]):
+            return False
 
         if tenant in self._touches:  # this sidecar's own eviction sees its own reads
             await self._send_touches(tenant)
@@ -688,8 +689,27 @@ class RedisL2:
         self.counters.refused += 1
         return False
 
+    async def _registered_once(self, tenant: str, data_key: str) -> bool:
+        """:meth:`_register` ``tenant`` once however many first writes wait for it.
+
+        Each would otherwise register on its own set-up connection and write in
+        the order those finished, not the order the answers came in, so the
+        tenant's LRU (what a warm-up reads as "most recent") would start out of
+        order. The waiters resume in the order they came: their writes go out
+        in that order on the pipelined client.
+        """
+        pending = self._registering.get(tenant)
+        if pending is None:
+            pending = asyncio.ensure_future(self._register(tenant, data_key))
+            self._registering[tenant] = pending
+            pending.add_done_callback(lambda _: self._registering.pop(tenant, None))
+            self._tasks.add(pending)  # cancelled by aclose like the other background work
+            pending.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(pending)  # one waiter cancelled cancels not the others'
+
     async def _register(self, tenant: str, data_key: str) -> bool:
-        """Register ``tenant`` for fencing (once per tenant, off the request path)."""
+        """Register ``tenant`` for fencing (once per tenant, off the request path); known
+        as registered before its waiters resume."""
         setup = self._setup
         if setup is None:
             return False
@@ -706,6 +726,7 @@ class RedisL2:
             self._fail(breaker, f"register {tenant}: {type(exc).__name__}: {exc}")
             return False
         breaker.success()
+        self._registered.add(tenant)
         return True
 
     async def set_limit(
