@@ -26,6 +26,14 @@ STEADY_BOUND_S = 60.0
 SETTLE_BOUND_S = 20.0
 
 
+async def until(done: Callable[[], bool], what: Callable[[], str]) -> None:
+    """Wait, within :data:`SETTLE_BOUND_S`, until ``done()``; else fail saying ``what()``."""
+    deadline = time.monotonic() + SETTLE_BOUND_S
+    while not done():
+        assert time.monotonic() < deadline, what()
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture
 def upstream() -> Iterator[FakeUpstream]:
     with FakeUpstream() as up:
@@ -77,29 +85,22 @@ class RunningSidecar:
     async def confirmed(self) -> None:
         """Wait (bounded) until its epochs are confirmed: with Redis, L1 serves only then
         (readiness does not wait for it: L2 checks its own fences)."""
-        tracker = self.sidecar.tracker
-        deadline = time.monotonic() + SETTLE_BOUND_S
-        while not tracker.fresh():
-            assert time.monotonic() < deadline, "the sidecar never confirmed its epochs"
-            await asyncio.sleep(0.02)
+        await until(self.sidecar.tracker.fresh, lambda: "the sidecar never confirmed its epochs")
 
     async def stored(self, n: int = 1) -> None:
         """Wait (bounded) until its L2 has stored ``n`` entries in all: L2 writes are in the
         background, so the next pod's hit is certain only then."""
         l2 = self.sidecar.l2
         assert l2 is not None, "this sidecar has no L2"
-        deadline = time.monotonic() + SETTLE_BOUND_S
-        while l2.counters.stores < n:
-            assert time.monotonic() < deadline, f"{l2.counters.stores} of {n} L2 writes stored"
-            await asyncio.sleep(0.02)
+        counters = l2.counters
+        await until(
+            lambda: counters.stores >= n, lambda: f"{counters.stores} of {n} L2 writes stored"
+        )
 
     async def settled(self) -> None:
         """Wait (bounded) until its background work (L2 writes, L3 comparisons) has ended."""
         tasks = self.sidecar.background.tasks
-        deadline = time.monotonic() + SETTLE_BOUND_S
-        while tasks:
-            assert time.monotonic() < deadline, f"{len(tasks)} background tasks still running"
-            await asyncio.sleep(0.02)
+        await until(lambda: not tasks, lambda: f"{len(tasks)} background tasks still running")
 
     async def aclose(self) -> None:
         await self.client.aclose()
