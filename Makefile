@@ -1,5 +1,5 @@
 # cachefleet — the two entry points of the README: `make demo` and `make test`.
-# Both create .venv/ (editable install) and install Debian's redis-server,
+# Both create .venv/ (editable install) from the lock and install Debian's redis-server,
 # prometheus, nginx and wrk when they are missing.
 
 PY      ?= python3
@@ -8,7 +8,14 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 DEBS    := redis-server:redis-server prometheus:prometheus promtool:prometheus nginx:nginx-light wrk:wrk
 
-.PHONY: demo test lint unit integration bench crds deps venv clean image
+LOCK    := requirements/lock.txt
+BUILD   := requirements/build.txt
+# The lock covers every extra the Makefile installs; `make lock` refreshes it on purpose.
+EXTRAS  := --extra dev --extra demo --extra semantic
+# The CPU build of torch that the semantic tier needs lies in /opt/wheels on these machines.
+FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: demo test lint unit integration bench crds deps venv clean image lock lock-check
 
 deps:
 	@missing=""; for pair in $(DEBS); do \
@@ -21,11 +28,22 @@ deps:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
 
-$(STAMP): pyproject.toml
+# Exact versions and hashes from the lock; then the project itself, editable, with no
+# dependency resolution and the locked build backend (no build isolation).
+$(STAMP): pyproject.toml $(LOCK) $(BUILD)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,demo]'
+	$(BIN)/python -m pip install -q --require-hashes -r $(BUILD)
+	$(BIN)/python -m pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
+
+# Refresh the lock on purpose (new releases of everything pyproject.toml allows), then
+# run the whole suite before committing it: `make lock test`.
+lock: venv
+	$(BIN)/uv pip compile pyproject.toml $(EXTRAS) --generate-hashes --python-version 3.11 \
+	  $(FIND) --no-emit-find-links --upgrade -o $(LOCK)
+	$(BIN)/uv pip compile requirements/build.in --generate-hashes --python-version 3.11 \
+	  --upgrade -o $(BUILD)
 
 venv: $(STAMP)
 
