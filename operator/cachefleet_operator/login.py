@@ -57,28 +57,31 @@ class CredentialSource:
 def client_configuration(source: CredentialSource) -> Any:
     """A fresh ``kubernetes.client.Configuration`` for ``source`` (reads the files now)."""
     from kubernetes import client, config
-    from kubernetes.config.incluster_config import InClusterConfigLoader
+    from kubernetes.config import incluster_config
+
+    # kubernetes' loaders are unannotated behind a py.typed marker: called through
+    # Any-typed handles, so no stub release can change what mypy says of these lines.
+    loaders: Any = config
+    in_cluster_loader: Any = incluster_config.InClusterConfigLoader
 
     cfg = client.Configuration()
     try:
         if source.kubeconfig:
             if not os.path.isfile(os.path.expanduser(source.kubeconfig)):
                 raise CredentialsUnavailable(f"--kubeconfig {source.kubeconfig}: no such file")
-            config.load_kube_config(  # type: ignore[no-untyped-call]
+            loaders.load_kube_config(
                 config_file=os.path.expanduser(source.kubeconfig), client_configuration=cfg
             )
         elif source.in_cluster():
             sa = source.service_account_dir
-            loader = InClusterConfigLoader(  # type: ignore[no-untyped-call]
+            loader = in_cluster_loader(
                 token_filename=os.path.join(sa, "token"),
                 cert_filename=os.path.join(sa, "ca.crt"),
             )
-            loader.load_and_set(cfg)  # type: ignore[no-untyped-call]
+            loader.load_and_set(cfg)
         else:
             path = os.environ.get("KUBECONFIG") or os.path.expanduser(DEFAULT_KUBECONFIG)
-            config.load_kube_config(  # type: ignore[no-untyped-call]
-                config_file=path, client_configuration=cfg
-            )
+            loaders.load_kube_config(config_file=path, client_configuration=cfg)
     except CredentialsUnavailable:
         raise
     except (config.ConfigException, OSError, ValueError, KeyError, TypeError) as exc:

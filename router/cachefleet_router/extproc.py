@@ -217,7 +217,7 @@ class _Stream:
         return self.request_mode is None or self.request_mode == _DUPLEX
 
 
-class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` answering with the picker's choice."""
 
     def __init__(

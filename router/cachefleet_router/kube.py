@@ -76,9 +76,12 @@ def own_namespace(service_account_dir: str = SERVICE_ACCOUNT_DIR) -> str | None:
 def _from_kubeconfig(path: str) -> dict[str, Any]:
     from kubernetes import client, config
 
+    # kubernetes' loaders are unannotated behind a py.typed marker: called through an
+    # Any-typed handle, so no stub release can change what mypy says of this call.
+    loaders: Any = config
     cfg = client.Configuration()
     try:
-        config.load_kube_config(config_file=path, client_configuration=cfg)  # type: ignore[no-untyped-call]
+        loaders.load_kube_config(config_file=path, client_configuration=cfg)
     except (config.ConfigException, OSError, ValueError, KeyError, TypeError) as exc:
         raise KubeCredentialsError(f"cannot use kubeconfig {path}: {exc}") from exc
     kwargs: dict[str, Any] = {"base_url": cfg.host}

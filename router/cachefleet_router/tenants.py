@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
@@ -125,8 +126,11 @@ class TenantSync:
                     await self.read_once(client)
             finally:
                 self.subscribed.clear()
+                # PubSub.aclose is annotated in some redis-py releases and not in others:
+                # called through an Any-typed handle so mypy's verdict cannot flip.
+                close: Any = pubsub.aclose
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await close()
         finally:
             with contextlib.suppress(RedisError, OSError):
                 await client.aclose()
