@@ -27,6 +27,7 @@ from cachefleet_operator.allocation import (
     DEFAULT_SMOOTHING,
     PriorityClass,
 )
+from cachefleet_operator.quantity import ByteQuantity
 from cachefleet_sidecar.adapt import admission as sidecar_admission
 from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
 from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE
@@ -183,8 +184,12 @@ class ModelRef(_Model):
 class Capacity(_Model):
     """How many bytes the cache may use, split among tenants by the operator."""
 
-    l1_bytes_per_pod: int = Field(ge=0, description="In-process (L1) bytes on every pod.")
-    l2_bytes: int = Field(ge=0, description="Redis (L2) bytes for the whole fleet.")
+    l1_bytes_per_pod: ByteQuantity = Field(
+        ge=0, description="In-process (L1) bytes on every pod: an integer or a quantity (512Mi)."
+    )
+    l2_bytes: ByteQuantity = Field(
+        ge=0, description="Redis (L2) bytes for the whole fleet: an integer or a quantity (8Gi)."
+    )
 
 
 class SecretKeyRef(_Model):
@@ -556,12 +561,13 @@ class TenantDefaults(_Model):
 class WarmupSpec(_Model):
     """L1 warm-up of starting sidecars from L2 (a rollout or scale-out does not start cold)."""
 
-    bytes: int = Field(
+    bytes: ByteQuantity = Field(
         ge=0,
         le=1 << 40,
         description=(
             "Bytes of L1 a starting sidecar fills from L2 with its tenants' most recently "
-            "used entries (each tenant within its L1 share) before it reports ready; 0: off."
+            "used entries (each tenant within its L1 share) before it reports ready, an "
+            "integer or a quantity (64Mi); 0: off."
         ),
     )
     timeout_seconds: float = Field(

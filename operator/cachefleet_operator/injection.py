@@ -34,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cachefleet_operator.api import SavingsSpec
+from cachefleet_operator.quantity import parse_bytes
 from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
 from cachefleet_sidecar.observe.savings import format_price_table
 
@@ -143,6 +144,20 @@ class CacheInfo:
         return f"{self.namespace}/{self.name}"
 
 
+def _bytes(value: Any) -> int | None:
+    """A size from a stored spec (integer or quantity); None when absent or unreadable.
+
+    The CRD schema admits only quantities, so unreadable means an object written around
+    it: the sidecar then keeps its own default rather than failing the pod's admission.
+    """
+    if value is None:
+        return None
+    try:
+        return parse_bytes(value)
+    except ValueError:
+        return None
+
+
 def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
     """Read the parts of an InferenceCache object (as the API returns it) the sidecar uses."""
     meta = obj.get("metadata") or {}
@@ -160,7 +175,7 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
         redis_url=redis.get("url") or None,
         redis_secret=None if secret is None else (secret["name"], secret.get("key", "url")),
         model_version=(spec.get("model") or {}).get("version") or None,
-        l1_bytes_per_pod=int(l1) if l1 is not None else None,
+        l1_bytes_per_pod=_bytes(l1),
         policy=spec.get("defaultPolicy") or None,
         outage_staleness_s=int(redis.get("outageStalenessSeconds") or 0),
         admission=admission_flags(spec.get("admission")),
@@ -177,8 +192,9 @@ def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     if spec.get("namespaceHeader"):
         flags.append(("namespace-header", str(spec["namespaceHeader"])))
     warmup = spec.get("warmup")
-    if isinstance(warmup, Mapping) and warmup.get("bytes"):
-        flags.append(("warm-bytes", str(int(warmup["bytes"]))))
+    warm_bytes = _bytes(warmup.get("bytes")) if isinstance(warmup, Mapping) else None
+    if isinstance(warmup, Mapping) and warm_bytes:
+        flags.append(("warm-bytes", str(warm_bytes)))
         if warmup.get("timeoutSeconds") is not None:
             flags.append(("warm-timeout", str(warmup["timeoutSeconds"])))
     prices = price_table(spec.get("savings"))
