@@ -15,7 +15,7 @@ EXTRAS  := --extra dev --extra demo --extra semantic
 # The CPU build of torch that the semantic tier needs lies in /opt/wheels on these machines.
 FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test lint unit integration bench crds deps venv clean image lock lock-check
+.PHONY: demo test lint unit integration bench crds docs deps venv clean image lock
 
 deps:
 	@missing=""; for pair in $(DEBS); do \
@@ -55,6 +55,12 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy operator/cachefleet_operator sidecar/cachefleet_sidecar e2e/cachefleet_e2e router/cachefleet_router
 	$(BIN)/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/build/site
+
+# The documentation site, into site/ (mkdocs.yml; the reference pages come from
+# `cachefleet docs`, and a test fails when they drift from the code).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 crds: venv
 	$(BIN)/cachefleet crds

@@ -20,6 +20,11 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
         "run the endpoint picker (Gateway API Inference Extension, ext_proc)",
     ),
     "crds": ("cachefleet_operator.crdgen", "main", "write crds/*.yaml from the models"),
+    "docs": (
+        "cachefleet_operator.docgen",
+        "main",
+        "write docs/reference/*.md (flags, CRD fields) from the code",
+    ),
     "demo": ("cachefleet_e2e.demo", "main", "run the whole fleet locally"),
     "bench": ("cachefleet_bench.__main__", "main", "run a benchmark (proxy, ...)"),
     "simulate": (

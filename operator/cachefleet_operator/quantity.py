@@ -40,8 +40,10 @@ def parse_bytes(value: Any) -> int:
         return int(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a byte count or a quantity such as 512Mi, got {value!r}")
-    from kubernetes.utils.quantity import parse_quantity
+    from kubernetes.utils import quantity
 
+    # unannotated in the kubernetes package: called through an Any-typed handle
+    parse_quantity: Any = quantity.parse_quantity
     try:
         number = Decimal(parse_quantity(value.strip()))
     except (ValueError, TypeError, InvalidOperation) as exc:
