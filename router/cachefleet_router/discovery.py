@@ -255,6 +255,9 @@ class MetricsScraper:
             return Reading(error=f"no complete answer within {self.timeout_s:g} s")
         except httpx.HTTPError as exc:
             return Reading(error=str(exc) or type(exc).__name__)
+        except Exception as exc:  # whatever a hostile server provokes is a failed reading
+            log.debug("metrics of %s", address, exc_info=True)
+            return Reading(error=type(exc).__name__)
 
     async def _read(self, address: str) -> Reading:
         request = self._http().stream(

@@ -81,6 +81,8 @@ without response headers is reported as failed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -118,6 +120,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_BODY_MEMORY = 256 * 1024 * 1024
 #: ext_proc streams (HTTP requests through the gateway) open at once
 DEFAULT_MAX_STREAMS = 10_000
+#: how long a stream refused by the cap waits for the gateway's first message, seconds
+REFUSED_WAIT_S = 5.0
 #: conformance mode (GIE's conformance suite): the request header naming the allowed
 #: endpoints (``ip`` or ``ip:port``, comma-separated) and the response header reporting
 #: the endpoint the gateway says served the request
@@ -454,8 +458,11 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):  # type: ignore[
                 log.debug("stream refused: %d streams open", self.streams)
                 if self._fails_open(st, REFUSED_STREAMS):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "too many streams")
-                async for _ in request_iterator:  # answer the first message, then end
-                    break
+                # answer the gateway's first message (bounded: a refused stream holds nothing)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(REFUSED_WAIT_S):
+                        async for _ in request_iterator:
+                            break
                 yield unavailable(REFUSED_STREAMS)
                 return
             self.streams += 1
