@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from cachefleet_router.discovery import (
     EndpointPool,
     KubeDiscovery,
     MetricsScraper,
+    Reading,
     matches,
     pod_members,
     pool_target,
@@ -96,6 +98,22 @@ async def test_an_error_answer_is_a_failure_and_other_servers_are_routed_by_load
         assert by_name["html"].metrics is not None
     finally:
         await scraper.aclose()
+
+
+def test_why_an_endpoint_is_not_ready_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    pool = EndpointPool()
+    pool.set_members({"10.0.0.1:8000": "a"})
+    caplog.set_level(logging.INFO, logger="cachefleet_router.discovery")
+    for _ in range(5):
+        pool.record_reading("10.0.0.1:8000", Reading(error="HTTP 500"))
+    said = [r.getMessage() for r in caplog.records if "not ready" in r.getMessage()]
+    assert said == ["endpoint 10.0.0.1:8000 not ready: reading its /metrics failed: HTTP 500"]
+    assert [r.levelno for r in caplog.records if "not ready" in r.getMessage()] == [logging.INFO]
+    pool.record_reading("10.0.0.1:8000", Reading(missing=True))
+    pool.record_reading("10.0.0.1:8000", Reading(missing=True))
+    by_load = [r.getMessage() for r in caplog.records if "by load" in r.getMessage()]
+    assert len(by_load) == 1
+    assert [e.name for e in pool.ready()] == ["a"]
 
 
 async def test_members_leave_at_once_and_their_series_go() -> None:

@@ -8,6 +8,7 @@ served), never timings: every wait is a bounded poll with a generous deadline.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -21,7 +22,7 @@ from cachefleet_router.picking import LeastLoadedPicker
 from cachefleet_router.server import RouterConfig, RouterServer
 from cachefleet_sidecar.adapt.modelserver import parse_metrics
 
-from .conftest import VLLM_METRICS, Gateway, headers_message
+from .conftest import VLLM_METRICS, Gateway, body_message, headers_message
 
 #: how long a poll may wait for the router to reach a state (generous: a loaded machine)
 DEADLINE_S = 20.0
@@ -258,3 +259,45 @@ def test_tensorrt_llm_names_of_the_gie_protocol_are_read() -> None:
         "trtllm_kv_cache_max_blocks 1e300\n"
     )
     assert hostile_capacity.kv_capacity_tokens is None  # an infinite product is no capacity
+
+
+async def test_a_server_without_metrics_takes_its_share_beside_vllm(
+    hostile: Callable[[str], Any],
+) -> None:
+    vllm = await hostile("ok")
+    app = web.Application()  # a plain OpenAI-compatible server: /metrics is a 404
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    bare = f"127.0.0.1:{runner.addresses[0][1]}"
+    router = RouterServer(  # the default scoring picker
+        RouterConfig(
+            grpc_listen=("127.0.0.1", 0),
+            metrics_listen=None,
+            endpoints=(vllm.address, bare),
+            scrape_interval_s=0.2,
+        )
+    )
+    await router.start()
+    try:
+        await until(lambda: len(router.pool.ready()) == 2)
+        chosen: list[str] = []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+            gateway = Gateway(channel)
+            calls = []
+            for i in range(8):  # distinct prompts, all in flight at once
+                call = gateway.open()
+                calls.append(call)
+                prompt = f"conversation {i}: " + "words " * 2000
+                body = json.dumps({"model": "m", "prompt": prompt}).encode()
+                await call.write(headers_message(CHAT))
+                await call.write(body_message(body, end_of_stream=True))
+                answer = await asyncio.wait_for(call.read(), DEADLINE_S)
+                sets = answer.request_headers.response.header_mutation.set_headers
+                chosen.append(sets[0].header.raw_value.decode())
+            for call in calls:
+                call.cancel()
+        assert set(chosen) == {vllm.address, bare}, chosen
+    finally:
+        await router.stop(0)
+        await runner.cleanup()
