@@ -15,6 +15,8 @@ import os
 import signal
 from typing import Any
 
+from .discovery import MAX_METRICS_BYTES, SCRAPE_TIMEOUT_S
+from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_STREAMS
 from .kube import KubeCredentialsError, own_namespace
 from .scoring import ScoringConfig
 from .server import DEFAULT_GRACE_S, RouterConfig, serve
@@ -56,6 +58,18 @@ def endpoint_list(value: str) -> tuple[str, ...]:
     if not out:
         raise ValueError("no endpoint given")
     return tuple(dict.fromkeys(out))
+
+
+def byte_count(value: str) -> int:
+    """``4194304``, ``4Mi`` or ``4M`` (binary units: Ki, Mi, Gi) -> a number."""
+    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+    text = value.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
+            return int(text[: -len(suffix)]) * units[suffix]
+    if text.isdigit():
+        return int(text)
+    raise ValueError(f"expected a count such as 4194304 or 4Mi, got {value!r}")
 
 
 def label_selector(value: str) -> dict[str, str]:
@@ -134,6 +148,43 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(ScoringConfig().epsilon),
     )
     add("log-level", "debug | info | warning | error", default="info")
+    # -- hostile model servers and gateways (limits; GIE conformance hooks) ----------------
+    add(
+        "scrape-timeout",
+        "seconds one /metrics reading may take, all of it (a slower one is a failed reading)",
+        default=str(SCRAPE_TIMEOUT_S),
+    )
+    add(
+        "max-metrics-bytes",
+        "largest /metrics answer read (e.g. 4Mi); a longer one is a failed reading",
+        default=str(MAX_METRICS_BYTES),
+    )
+    add(
+        "max-body-bytes",
+        "request body bytes read for routing; past them the request is routed by load",
+        default=str(DEFAULT_MAX_BODY_BYTES),
+    )
+    add(
+        "max-body-memory",
+        "request body bytes held at once across all streams; past them a request is routed "
+        "by load on what was read",
+        default=str(DEFAULT_MAX_BODY_MEMORY),
+    )
+    add(
+        "max-streams",
+        "ext_proc streams (requests through the gateway) open at once; one more gets a 503",
+        default=str(DEFAULT_MAX_STREAMS),
+    )
+    env_conformance = (_env("conformance") or "").lower() in {"1", "true", "yes"}
+    p.add_argument(
+        "--conformance",
+        action="store_true",
+        default=env_conformance,
+        help="GIE's conformance hooks: the test-epp-endpoint-selection request header picks "
+        "among the endpoints it names, x-conformance-test-served-endpoint reports the served "
+        f"one; any client could steer its request: for test clusters only "
+        f"[env {ENV_PREFIX}CONFORMANCE=true]",
+    )
     fail = p.add_mutually_exclusive_group()
     env_fail = (_env("fail-open") or "").lower() in {"1", "true", "yes"}
     fail.add_argument(
@@ -141,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="fail_open",
         action="store_true",
         default=env_fail,
-        help="no ready endpoint: end the ext_proc stream with gRPC UNAVAILABLE so the gateway "
-        "(InferencePool failureMode: FailOpen) picks an endpoint itself "
+        help="no ready endpoint (or the stream cap): end the ext_proc stream with gRPC "
+        "UNAVAILABLE so the gateway (InferencePool failureMode: FailOpen) picks an endpoint "
+        "itself, while it still can (no body message yet; a 503 after) "
         f"[env {ENV_PREFIX}FAIL_OPEN=true]",
     )
     fail.add_argument(
@@ -182,6 +234,12 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         out = number(flag, value)
         if out == 0:
             parser.error(f"--{flag}: expected a number > 0, got {value!r}")
+        return out
+
+    def count(flag: str, value: Any) -> int:
+        out = int(conv(flag, value, byte_count))
+        if out < 1:
+            parser.error(f"--{flag}: expected a count > 0, got {value!r}")
         return out
 
     sources = [
@@ -246,6 +304,12 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         grace_s=seconds("shutdown-grace", ns.shutdown_grace, zero_ok=True),
         default_prefill_rate=positive("default-prefill-rate", ns.default_prefill_rate),
         epsilon=number("epsilon", ns.epsilon),
+        scrape_timeout_s=seconds("scrape-timeout", ns.scrape_timeout),
+        max_metrics_bytes=count("max-metrics-bytes", ns.max_metrics_bytes),
+        max_body_bytes=count("max-body-bytes", ns.max_body_bytes),
+        max_body_memory=count("max-body-memory", ns.max_body_memory),
+        max_streams=count("max-streams", ns.max_streams),
+        conformance=bool(ns.conformance),
     )
     return config, level
 

@@ -2,14 +2,21 @@
 
 * :class:`EndpointPool` holds the endpoints. Membership comes from a source
   (:meth:`EndpointPool.set_members`); readiness from the scraper. An endpoint
-  is ready once a read of its ``/metrics`` succeeded, and out after
-  :data:`FAILURES_OUT` failed reads in a row (two scrape periods), back at
-  the next good one. With scraping off, members are ready as they arrive.
+  is ready once a reading of its ``/metrics`` succeeded, and out after
+  :data:`FAILURES_OUT` failed readings in a row, back at the next good one.
+  A good reading is an answer with a known model server's series (vLLM,
+  SGLang, TensorRT-LLM: parsed by
+  :func:`cachefleet_sidecar.adapt.modelserver.parse_metrics`), or a clean
+  answer without any (another server: TGI, llama.cpp...), or a 404 (no
+  ``/metrics`` at all): those last two are ready and routed by load alone,
+  the requests this router has in flight there. A failed reading is an error
+  status other than 404, a connection fault, an answer not complete within
+  :data:`SCRAPE_TIMEOUT_S` (however slowly its bytes trickle) or longer than
+  :data:`MAX_METRICS_BYTES`. Why an endpoint is not ready is logged once (at
+  info), not every period. With scraping off, members are ready as they arrive.
 * :class:`MetricsScraper` reads every member's ``/metrics`` on its own
-  address each period (httpx, concurrently, each read bounded) and parses it
-  with :func:`cachefleet_sidecar.adapt.modelserver.parse_metrics`; an answer that is
-  not a model server's metrics is a failure (an endpoint that says nothing
-  about its load must not look idle).
+  address, each member on its own schedule (a stalled endpoint delays no other
+  endpoint's readings), with httpx, streaming the answer up to the cap.
 * :class:`KubeDiscovery` lists and watches, on the event loop, the pods of a
   label selector — given directly, or an ``InferencePool``'s
   (``inference.networking.k8s.io/v1``: ``spec.selector.matchLabels`` and
@@ -31,12 +38,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import orjson
 
-from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
+from cachefleet_sidecar.adapt.modelserver import (
+    MetricsParseError,
+    ModelServerMetrics,
+    parse_metrics,
+)
 
 from .endpoints import Endpoint
 from .metrics import RouterMetrics
@@ -45,8 +57,10 @@ log = logging.getLogger(__name__)
 
 #: failed ``/metrics`` reads in a row after which an endpoint is out
 FAILURES_OUT = 2
-#: longest wait for one ``/metrics`` answer, seconds
+#: the longest one ``/metrics`` reading may take, all of it (connect to last byte), seconds
 SCRAPE_TIMEOUT_S = 1.0
+#: the largest ``/metrics`` answer read; a longer one is a failed reading (4 MiB)
+MAX_METRICS_BYTES = 4 * 1024 * 1024
 #: the watch asks the API server to end the stream after this many seconds (then resumes)
 WATCH_TIMEOUT_S = 300
 WATCH_BACKOFF_MIN_S = 0.5
@@ -55,6 +69,18 @@ WATCH_BACKOFF_MAX_S = 30.0
 WATCH_MIN_LIFE_S = 10.0
 
 POOL_GROUP_VERSION = "inference.networking.k8s.io/v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """What one read of an endpoint's ``/metrics`` gave."""
+
+    #: the answer's text (HTTP 200)
+    text: str | None = None
+    #: the server has no ``/metrics`` (HTTP 404): ready, routed by load alone
+    missing: bool = False
+    #: why the reading failed (empty: it did not)
+    error: str = ""
 
 
 class EndpointPool:
@@ -66,6 +92,8 @@ class EndpointPool:
         self.require_metrics = require_metrics
         self._endpoints: dict[str, Endpoint] = {}
         self._failures: dict[str, int] = {}
+        #: the last state logged per endpoint, so that each reason is logged once
+        self._said: dict[str, str] = {}
         #: the source has said at least once what the members are (readiness of the router)
         self.synced = False
         self._changed: list[Callable[[], None]] = []
@@ -85,6 +113,7 @@ class EndpointPool:
             if address not in members:
                 del self._endpoints[address]
                 self._failures.pop(address, None)
+                self._said.pop(address, None)
                 if self.metrics is not None:
                     self.metrics.forget_endpoint(address)
                 log.info("endpoint %s left the pool", address)
@@ -100,32 +129,73 @@ class EndpointPool:
         self.synced = True
         self._update_gauges()
 
-    def record_scrape(self, address: str, text: str | None) -> bool:
-        """One read of ``address``'s ``/metrics`` (None: it failed); True if it parsed."""
+    def _say(self, address: str, state: str, level: int, message: str, *args: object) -> None:
+        """Log ``message`` when ``address``'s state is new (each reason once, not every period)."""
+        if self._said.get(address) != state:
+            self._said[address] = state
+            log.log(level, message, *args)
+
+    def record_reading(self, address: str, reading: Reading) -> bool:
+        """One read of ``address``'s ``/metrics``; True if it gave a model server's metrics.
+
+        A failed reading counts towards :data:`FAILURES_OUT`. A clean answer without
+        any known series, or a 404, is a good reading without metrics: the endpoint is
+        ready and routed by load alone (the router's own requests in flight there).
+        """
         endpoint = self._endpoints.get(address)
         if endpoint is None:  # left the pool while it was being read
             return False
-        parsed = None
-        if text is not None:
+        parsed: ModelServerMetrics | None = None
+        by_load = ""
+        if reading.missing:
+            by_load = "its /metrics answers 404"
+        elif reading.text is not None and not reading.error:
             try:
-                parsed = parse_metrics(text)
+                parsed = parse_metrics(reading.text)
             except MetricsParseError:
-                parsed = None
-        if parsed is None:
+                by_load = "its /metrics has no vLLM, SGLang or TensorRT-LLM series"
+        if reading.error or (parsed is None and not by_load):
             failures = self._failures.get(address, 0) + 1
             self._failures[address] = failures
             if self.metrics is not None:
                 self.metrics.scrape_failures.labels(address).inc()
+            why = reading.error or "failed"
             if failures >= FAILURES_OUT and endpoint.ready:
                 endpoint.ready = False
-                log.warning("endpoint %s out: %d failed metrics reads", address, failures)
+                self._say(
+                    address,
+                    f"out:{why}",
+                    logging.WARNING,
+                    "endpoint %s out: %d failed metrics reads (last: %s)",
+                    address,
+                    failures,
+                    why,
+                )
+            elif not endpoint.ready:
+                self._say(
+                    address,
+                    f"unready:{why}",
+                    logging.INFO,
+                    "endpoint %s not ready: reading its /metrics failed: %s",
+                    address,
+                    why,
+                )
         else:
             self._failures[address] = 0
             endpoint.metrics = parsed
             endpoint.scraped_at = time.monotonic()
-            if not endpoint.ready:
-                log.info("endpoint %s ready", address)
             endpoint.ready = True
+            if parsed is not None:
+                self._say(address, "ready", logging.INFO, "endpoint %s ready", address)
+            else:
+                self._say(
+                    address,
+                    "by-load",
+                    logging.INFO,
+                    "endpoint %s ready, routed by load alone: %s",
+                    address,
+                    by_load,
+                )
         self._update_gauges()
         return parsed is not None
 
@@ -136,7 +206,15 @@ class EndpointPool:
 
 
 class MetricsScraper:
-    """Reads every member's ``/metrics`` each ``interval_s`` (``http://<address>/metrics``)."""
+    """Reads every member's ``/metrics`` (``http://<address>/metrics``), each on its own.
+
+    :meth:`run` keeps one reading per member going at a time, a new one every
+    ``interval_s`` after the last began (or as soon as it ends, when it took
+    longer): a slow endpoint delays nobody else's readings. Each reading is
+    bounded in total time (``timeout_s``, connection to last byte, however the
+    bytes trickle) and in size (``max_bytes``, read as a stream and abandoned
+    past the cap); either is a failed reading.
+    """
 
     def __init__(
         self,
@@ -145,45 +223,111 @@ class MetricsScraper:
         *,
         client: httpx.AsyncClient | None = None,
         timeout_s: float = SCRAPE_TIMEOUT_S,
+        max_bytes: int = MAX_METRICS_BYTES,
     ) -> None:
         self.pool = pool
         self.interval_s = interval_s
         self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
         self._client = client
         self._own_client = client is None
+        self._reading: dict[str, asyncio.Task[None]] = {}
         self.rounds = 0
+        #: answer bytes received, all readings together (for tests and logs)
+        self.bytes_read = 0
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s, trust_env=False)
+            self._client = httpx.AsyncClient(
+                timeout=self.timeout_s,
+                trust_env=False,
+                # one connection per endpoint; never wait for a slot behind a stalled one
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            )
         return self._client
 
-    async def _read(self, address: str) -> str | None:
+    async def read(self, address: str) -> Reading:
+        """One reading of ``address``'s ``/metrics``, bounded in time and size; never raises."""
         try:
-            response = await self._http().get(f"http://{address}/metrics", timeout=self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                return await self._read(address)
+        except TimeoutError:
+            return Reading(error=f"no complete answer within {self.timeout_s:g} s")
         except httpx.HTTPError as exc:
-            log.debug("metrics of %s: %s", address, str(exc) or type(exc).__name__)
-            return None
-        if response.status_code != 200:
-            log.debug("metrics of %s: HTTP %d", address, response.status_code)
-            return None
-        return response.text
+            return Reading(error=str(exc) or type(exc).__name__)
+        except Exception as exc:  # whatever a hostile server provokes is a failed reading
+            log.debug("metrics of %s", address, exc_info=True)
+            return Reading(error=type(exc).__name__)
+
+    async def _read(self, address: str) -> Reading:
+        request = self._http().stream(
+            "GET",
+            f"http://{address}/metrics",
+            headers={"Accept-Encoding": "identity"},
+            timeout=self.timeout_s,
+        )
+        async with request as response:
+            if response.status_code == 404:
+                return Reading(missing=True)
+            if response.status_code != 200:
+                return Reading(error=f"HTTP {response.status_code}")
+            encoding = response.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in {"", "identity"}:
+                return Reading(error=f"answer in {encoding!r}, not the identity asked for")
+            if response.headers.get("content-type", "").lower().startswith("text/html"):
+                return Reading(error="an HTML page, not Prometheus text")
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                return Reading(error=f"answer over {self.max_bytes} bytes")
+            body = bytearray()
+            async for chunk in response.aiter_raw():
+                self.bytes_read += len(chunk)
+                body += chunk
+                if len(body) > self.max_bytes:
+                    return Reading(error=f"answer over {self.max_bytes} bytes")
+        return Reading(text=body.decode("utf-8", "replace"))
+
+    async def _scrape(self, address: str) -> None:
+        reading = await self.read(address)
+        if reading.error:
+            log.debug("metrics of %s: %s", address, reading.error)
+        self.pool.record_reading(address, reading)
 
     async def scrape_once(self) -> None:
-        """Read every member once, concurrently; each read is bounded by ``timeout_s``."""
-        addresses = [e.address for e in self.pool.endpoints()]
-        texts = await asyncio.gather(*(self._read(a) for a in addresses))
-        for address, text in zip(addresses, texts, strict=True):
-            self.pool.record_scrape(address, text)
+        """Read every member once, concurrently; each reading is bounded by ``timeout_s``."""
+        await asyncio.gather(*(self._scrape(e.address) for e in self.pool.endpoints()))
         self.rounds += 1
 
+    def _start_readings(self) -> None:
+        """A reading for every member that has none going; those of gone members are dropped."""
+        members = {e.address for e in self.pool.endpoints()}
+        for address, task in list(self._reading.items()):
+            if task.done():
+                del self._reading[address]
+                if not task.cancelled() and task.exception() is not None:
+                    log.error("metrics of %s", address, exc_info=task.exception())
+            elif address not in members:
+                task.cancel()
+                del self._reading[address]
+        for address in members - self._reading.keys():
+            self._reading[address] = asyncio.ensure_future(self._scrape(address))
+
     async def run(self) -> None:
-        while True:
-            try:
-                await self.scrape_once()
-            except Exception:  # the loop must outlive any fault
-                log.exception("metrics scrape round failed")
-            await asyncio.sleep(self.interval_s)
+        try:
+            while True:
+                try:
+                    self._start_readings()
+                    self.rounds += 1
+                except Exception:  # the loop must outlive any fault
+                    log.exception("metrics scrape round failed")
+                await asyncio.sleep(self.interval_s)
+        finally:
+            for task in self._reading.values():
+                task.cancel()
+            for task in self._reading.values():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            self._reading.clear()
 
     async def aclose(self) -> None:
         if self._own_client and self._client is not None:

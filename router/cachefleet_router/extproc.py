@@ -37,6 +37,19 @@ JSON or has no prompt is still routed: the picker sees a request with no
 blocks and places it by load alone; so is a body past ``max_body_bytes``,
 which is then passed through unread.
 
+Memory: in full-duplex mode a body is held until its ``end_of_stream``. The
+bytes held across all streams are kept under ``max_body_memory``
+(:class:`BodyBudget`); a chunk that does not fit routes its request at once,
+by load on what was read, and the body goes on unread (``body-memory``), as
+past ``max_body_bytes`` for one request (``body-size``). At most
+``max_streams`` streams are open at once; one more gets a 503 (or, with
+``fail_open``, the stream ends with gRPC ``UNAVAILABLE`` before anything was
+answered, so the gateway picks). Each is counted in
+``cachefleet_router_refusals_total{reason}``.
+
+A request body message after the body's ``end_of_stream`` (newer Envoy
+re-sends the final chunk of a large body) is dropped, not forwarded twice.
+
 The gateway may narrow the choice with the filter metadata
 ``envoy.lb.subset_hint`` -> ``x-gateway-destination-endpoint-subset`` (a list of
 ``ip:port``, or one comma-separated string); when none of them is ready the
@@ -46,7 +59,19 @@ When no endpoint is ready at all: ``fail_open=False`` (the default, as an
 InferencePool's ``FailClose``) answers an ``ImmediateResponse`` 503 Service
 Unavailable, the protocol's answer; ``fail_open=True`` ends the stream with
 gRPC ``UNAVAILABLE`` instead, so a gateway whose InferencePool says
-``failureMode: FailOpen`` sends the request to an endpoint of its own choosing.
+``failureMode: FailOpen`` sends the request to an endpoint of its own
+choosing, but only while the gateway still holds the whole request (no body
+message has come): after that a gateway cannot fail open (its client would
+get a 500), so the answer is the 503.
+
+Conformance mode (``conformance=True``, off by default: any client could steer
+its request): GIE's conformance hooks. The request header
+``test-epp-endpoint-selection`` (``ip`` or ``ip:port``, comma-separated)
+narrows the choice to the ready endpoints it names, a 429 when it names none
+(as GIE's own picker answers); the response headers get
+``x-conformance-test-served-endpoint`` with the gateway's
+``x-gateway-destination-endpoint-served`` report (or GIE's ``fail: ...`` text
+when the gateway gave none).
 
 Response phase: the response headers' ``:status`` and the gateway's
 ``envoy.lb`` -> ``x-gateway-destination-endpoint-served`` report end the
@@ -56,6 +81,8 @@ without response headers is reported as failed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -89,17 +116,56 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 
 #: body bytes read for routing; past this the request is routed by load, its body passed on
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+#: request body bytes held at once, all streams together (as the sidecar's --max-body-memory)
+DEFAULT_MAX_BODY_MEMORY = 256 * 1024 * 1024
+#: ext_proc streams (HTTP requests through the gateway) open at once
+DEFAULT_MAX_STREAMS = 10_000
+#: how long a stream refused by the cap waits for the gateway's first message, seconds
+REFUSED_WAIT_S = 5.0
+#: conformance mode (GIE's conformance suite): the request header naming the allowed
+#: endpoints (``ip`` or ``ip:port``, comma-separated) and the response header reporting
+#: the endpoint the gateway says served the request
+CONFORMANCE_SELECTION = "test-epp-endpoint-selection"
+CONFORMANCE_SERVED = "x-conformance-test-served-endpoint"
 #: largest ext_proc message the server takes (a buffered body up to the limit, and headers)
 MAX_MESSAGE_BYTES = DEFAULT_MAX_BODY_BYTES + 1024 * 1024
 
 REASON_NO_ENDPOINT = "no-endpoint"
 REASON_SUBSET_EMPTY = "subset-empty"
+#: conformance mode: the selection header names no ready endpoint (GIE's EPP answers 429)
+REASON_SELECTION_EMPTY = "selection-empty"
+#: the stream cap refused a stream (``refusals_total{reason}``)
+REFUSED_STREAMS = "streams"
+#: a body routed by load on what was read: past the stream's limit, or past the global budget
+REFUSED_BODY_SIZE = "body-size"
+REFUSED_BODY_MEMORY = "body-memory"
 
 _Mode = processing_mode_pb2.ProcessingMode
 _DUPLEX = _Mode.FULL_DUPLEX_STREAMED
 _BUFFERED = {_Mode.BUFFERED, _Mode.BUFFERED_PARTIAL}
 _HEADERS_ONLY = {_Mode.STREAMED, _Mode.NONE}
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+class BodyBudget:
+    """Request body bytes held across all streams, under one limit (the router's accounting)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        #: the most ever held at once (tests, and a sanity check)
+        self.peak = 0
+
+    def take(self, n: int) -> bool:
+        """Hold ``n`` more bytes if the budget allows; False (nothing held) if not."""
+        if self.held + n > self.limit:
+            return False
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        return True
+
+    def give(self, n: int) -> None:
+        self.held = max(0, self.held - n)
 
 
 class NoEndpoint(Exception):
@@ -171,14 +237,46 @@ def destination_metadata(address: str) -> struct_pb2.Struct:
 
 
 def unavailable(reason: str) -> pb.ProcessingResponse:
-    """The protocol's answer when no endpoint may take the request: 503 Service Unavailable."""
+    """The protocol's answer when no endpoint may take the request: 503 Service Unavailable.
+
+    In conformance mode a selection header that names no ready endpoint is a 429,
+    as GIE's own picker answers (its conformance suite expects it).
+    """
+    if reason == REASON_SELECTION_EMPTY:
+        code, text = http_status_pb2.TooManyRequests, f"no ready endpoint ({reason})"
+    elif reason == REFUSED_STREAMS:
+        code, text = http_status_pb2.ServiceUnavailable, "too many requests in flight"
+    else:
+        code, text = http_status_pb2.ServiceUnavailable, f"no ready endpoint ({reason})"
     return pb.ProcessingResponse(
         immediate_response=pb.ImmediateResponse(
-            status=http_status_pb2.HttpStatus(code=http_status_pb2.ServiceUnavailable),
-            body=f"no ready endpoint ({reason})\n".encode(),
+            status=http_status_pb2.HttpStatus(code=code),
+            body=f"{text}\n".encode(),
             details=f"cachefleet_router_{reason}",
         )
     )
+
+
+def selection(value: str) -> frozenset[str]:
+    """The items of a conformance selection header (``ip`` or ``ip:port``), brackets dropped."""
+    out: set[str] = set()
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if sep and port.isdigit() and (host.startswith("[") or ":" not in host):
+            out.add(f"{host.strip('[]')}:{port}")
+        else:
+            out.add(item.strip("[]"))  # a bare IP (v4, or v6 with or without brackets)
+    return frozenset(out)
+
+
+def _selected(endpoint: Endpoint, chosen: frozenset[str]) -> bool:
+    """An endpoint named by ``ip:port``, or by its bare IP (every port of it)."""
+    host, _, port = endpoint.address.rpartition(":")
+    host = host.strip("[]")
+    return f"{host}:{port}" in chosen or host in chosen
 
 
 def _streamed_body(body: bytes, end_of_stream: bool, *, request: bool) -> pb.ProcessingResponse:
@@ -211,6 +309,16 @@ class _Stream:
     request: RouteRequest | None = None
     picker: Picker | None = None
     finished: bool = False
+    #: a request body message has arrived (the gateway no longer holds the whole body)
+    body_seen: bool = False
+    #: the request body's end_of_stream has been handed back (a repeat is dropped)
+    body_ended: bool = False
+    #: body bytes charged to the global budget
+    held: int = 0
+    #: conformance mode: the endpoints the selection header allows (None: no header)
+    selected: frozenset[str] | None = None
+    #: the stream was counted against the stream cap
+    counted: bool = False
 
     @property
     def duplex(self) -> bool:
@@ -231,6 +339,9 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         fail_open: bool = False,
         metrics: RouterMetrics | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_body_memory: int = DEFAULT_MAX_BODY_MEMORY,
+        max_streams: int = DEFAULT_MAX_STREAMS,
+        conformance: bool = False,
     ) -> None:
         self.picker = picker
         self.fallback: Picker = fallback if fallback is not None else LeastLoadedPicker()
@@ -240,6 +351,13 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         self.fail_open = fail_open
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.max_body_bytes = max_body_bytes
+        self.budget = BodyBudget(max_body_memory)
+        self.max_streams = max_streams
+        #: streams open now
+        self.streams = 0
+        #: request body bytes received, all streams together (for tests and logs)
+        self.body_bytes_read = 0
+        self.conformance = conformance
 
     # ------------------------------------------------------------------ deciding
 
@@ -261,6 +379,10 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
             subset = st.subset
             candidates = [e for e in candidates if _in_subset(e, subset)]
             reason = REASON_SUBSET_EMPTY
+        if st.selected is not None:
+            chosen = st.selected
+            candidates = [e for e in candidates if _selected(e, chosen)]
+            reason = REASON_SELECTION_EMPTY
         # A body that could not be read has no blocks and no token count: the picker places
         # it by load alone, and still counts it (its own bookkeeping sees every request).
         picker = self.picker
@@ -303,6 +425,25 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         """fail-open: end the stream so that the gateway picks; subset faults are always a 503."""
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"no ready endpoint ({reason})")
 
+    def _fails_open(self, st: _Stream, reason: str) -> bool:
+        """End the stream (the gateway then picks) rather than answer 503?
+
+        Only with ``fail_open``, only when no endpoint is ready (or the stream cap
+        refused the stream), and only while the gateway still holds the whole
+        request: once a body message has come, the gateway cannot fail open any
+        more (the client would get a 500), so the answer is the 503.
+        """
+        return (
+            self.fail_open and reason in {REASON_NO_ENDPOINT, REFUSED_STREAMS} and not st.body_seen
+        )
+
+    def _release(self, st: _Stream) -> None:
+        """The stream's body is no longer held: give its bytes back to the budget."""
+        if st.held:
+            self.budget.give(st.held)
+            st.held = 0
+            self.metrics.body_bytes_held.set(self.budget.held)
+
     # ------------------------------------------------------------------ the stream
 
     async def Process(  # the gRPC method's name
@@ -312,6 +453,21 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
     ) -> AsyncIterator[pb.ProcessingResponse]:
         st = _Stream()
         try:
+            if self.streams >= self.max_streams:
+                self.metrics.refusals.labels(REFUSED_STREAMS).inc()
+                log.debug("stream refused: %d streams open", self.streams)
+                if self._fails_open(st, REFUSED_STREAMS):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "too many streams")
+                # answer the gateway's first message (bounded: a refused stream holds nothing)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(REFUSED_WAIT_S):
+                        async for _ in request_iterator:
+                            break
+                yield unavailable(REFUSED_STREAMS)
+                return
+            self.streams += 1
+            st.counted = True
+            self.metrics.streams.set(self.streams)
             async for message in request_iterator:
                 if message.HasField("protocol_config"):
                     st.request_mode = message.protocol_config.request_body_mode
@@ -319,13 +475,17 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
                 try:
                     answers = self._handle(st, message)
                 except NoEndpoint as exc:
-                    if self.fail_open and exc.reason == REASON_NO_ENDPOINT:
+                    if self._fails_open(st, exc.reason):
                         await self._refuse(exc.reason, context)
                     yield unavailable(exc.reason)
                     return
                 for answer in answers:
                     yield answer
         finally:
+            self._release(st)
+            if st.counted:
+                self.streams -= 1
+                self.metrics.streams.set(self.streams)
             self._finish(st, ok=False)
 
     def _handle(self, st: _Stream, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
@@ -359,6 +519,9 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
     ) -> list[pb.ProcessingResponse]:
         st.headers = _header_map(message.request_headers)
         st.subset = subset_hint(message)
+        if self.conformance and CONFORMANCE_SELECTION in st.headers:
+            named = selection(st.headers[CONFORMANCE_SELECTION])
+            st.selected = named or None  # an empty header selects nothing: ignored, as GIE's
         if message.request_headers.end_of_stream or st.request_mode in _HEADERS_ONLY:
             return [self._headers_answer(self._route(st))]
         if st.request_mode in _BUFFERED:
@@ -369,6 +532,8 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         """Route on what has come; in duplex mode, answer the headers and hand the body back."""
         decision = self._route(st)
         held, st.chunks = st.chunks, []
+        self._release(st)
+        st.body_ended = end_of_stream
         if st.request_mode in _BUFFERED:
             return [
                 pb.ProcessingResponse(
@@ -385,17 +550,32 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         return out
 
     def _request_body(self, st: _Stream, chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
+        st.body_seen = True
+        self.body_bytes_read += len(chunk.body)
         if st.routed:  # decided already: pass the body on
             if st.duplex:
+                if st.body_ended:
+                    # the body has ended already: a repeated final chunk (newer Envoy
+                    # re-sends it on large bodies) is dropped, not forwarded twice
+                    log.debug("request body chunk after end_of_stream dropped")
+                    return []
+                st.body_ended = chunk.end_of_stream
                 return [_streamed_body(chunk.body, chunk.end_of_stream, request=True)]
             return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
         st.chunks.append(chunk.body)
         st.size += len(chunk.body)
+        final = chunk.end_of_stream or st.request_mode in _BUFFERED
         if st.size > self.max_body_bytes:
             st.truncated = True
-        final = chunk.end_of_stream or st.request_mode in _BUFFERED
-        if not (final or st.truncated):
-            return []  # full duplex: hold the chunk until the body is complete
+            self.metrics.refusals.labels(REFUSED_BODY_SIZE).inc()
+        elif not final:
+            # full duplex: hold the chunk until the body is complete, within the budget
+            if self.budget.take(len(chunk.body)):
+                st.held += len(chunk.body)
+                self.metrics.body_bytes_held.set(self.budget.held)
+                return []
+            st.truncated = True  # no room: route by load on what was read, hold nothing
+            self.metrics.refusals.labels(REFUSED_BODY_MEMORY).inc()
         return self._decide_now(st, end_of_stream=chunk.end_of_stream)
 
     def _response_headers(
@@ -415,4 +595,31 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
             self.metrics.served_mismatch.inc()
             log.info("picked %s, the gateway says %s served", st.decision.address, served)
         self._finish(st, ok=status < 500)
+        if self.conformance:
+            return [_served_header(message)]
         return [pb.ProcessingResponse(response_headers=pb.HeadersResponse())]
+
+
+def _served_header(message: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    """Conformance mode: the gateway's served endpoint as a response header (GIE's wording
+    when it did not say)."""
+    if DESTINATION_NAMESPACE not in message.metadata_context.filter_metadata:
+        value = "fail: missing envoy lb metadata"
+    else:
+        served = _metadata(message, DESTINATION_NAMESPACE).get(SERVED_ENDPOINT)
+        value = (
+            served
+            if isinstance(served, str)
+            else "fail: missing destination endpoint served metadata"
+        )
+    mutation = pb.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=CONFORMANCE_SERVED, raw_value=value.encode()),
+                append_action=_OVERWRITE,
+            )
+        ]
+    )
+    return pb.ProcessingResponse(
+        response_headers=pb.HeadersResponse(response=pb.CommonResponse(header_mutation=mutation))
+    )

@@ -9,7 +9,8 @@ The endpoint-picker protocol asks for it, with three service names:
 * ``""`` (the whole server, what kubelet's gRPC probe asks by default): as readiness.
 
 An unknown name gets NOT_FOUND from ``Check`` and SERVICE_UNKNOWN from
-``Watch``, as the protocol says. The two messages are declared here from
+``Watch``, as the protocol says; ``List`` answers every name above with its
+status. The four messages are declared here from
 their ``.proto`` definition (grpcio-health-checking is not a dependency),
 in a descriptor pool of their own so they never clash with another copy.
 """
@@ -33,7 +34,7 @@ UNKNOWN, SERVING, NOT_SERVING, SERVICE_UNKNOWN = 0, 1, 2, 3
 WATCH_POLL_S = 1.0
 
 
-def _messages() -> tuple[Any, Any]:
+def _messages() -> tuple[Any, ...]:
     proto = descriptor_pb2.FileDescriptorProto(
         name="cachefleet/grpc/health/v1/health.proto", package="grpc.health.v1", syntax="proto3"
     )
@@ -60,19 +61,46 @@ def _messages() -> tuple[Any, Any]:
         type_name=".grpc.health.v1.HealthCheckResponse.ServingStatus",
         label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
     )
+    proto.message_type.add(name="HealthListRequest")
+    listing = proto.message_type.add(name="HealthListResponse")
+    entry = listing.nested_type.add(name="StatusesEntry")
+    entry.options.map_entry = True
+    entry.field.add(
+        name="key",
+        number=1,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+    )
+    entry.field.add(
+        name="value",
+        number=2,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+        type_name=".grpc.health.v1.HealthCheckResponse",
+        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL,
+    )
+    listing.field.add(
+        name="statuses",
+        number=1,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_MESSAGE,
+        type_name=".grpc.health.v1.HealthListResponse.StatusesEntry",
+        label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.Add(proto)
-    return (
-        message_factory.GetMessageClass(
-            pool.FindMessageTypeByName("grpc.health.v1.HealthCheckRequest")
-        ),
-        message_factory.GetMessageClass(
-            pool.FindMessageTypeByName("grpc.health.v1.HealthCheckResponse")
-        ),
+    return tuple(
+        message_factory.GetMessageClass(pool.FindMessageTypeByName(f"grpc.health.v1.{name}"))
+        for name in (
+            "HealthCheckRequest",
+            "HealthCheckResponse",
+            "HealthListRequest",
+            "HealthListResponse",
+        )
     )
 
 
-HealthCheckRequest, HealthCheckResponse = _messages()
+HealthCheckRequest, HealthCheckResponse, HealthListRequest, HealthListResponse = _messages()
+#: the service names this server knows (``List`` answers each)
+SERVICES = ("", LIVENESS, READINESS, EXT_PROC)
 
 
 class HealthService:
@@ -98,6 +126,12 @@ class HealthService:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
         return HealthCheckResponse(status=status)
 
+    async def list(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        answer = HealthListResponse()
+        for name in SERVICES:
+            answer.statuses[name].status = self.status(name)
+        return answer
+
     async def watch(
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
@@ -117,6 +151,11 @@ class HealthService:
                     self.check,
                     request_deserializer=HealthCheckRequest.FromString,
                     response_serializer=HealthCheckResponse.SerializeToString,
+                ),
+                "List": grpc.unary_unary_rpc_method_handler(
+                    self.list,
+                    request_deserializer=HealthListRequest.FromString,
+                    response_serializer=HealthListResponse.SerializeToString,
                 ),
                 "Watch": grpc.unary_stream_rpc_method_handler(
                     self.watch,

@@ -11,8 +11,15 @@
 * ``cachefleet_router_scrape_failures_total{endpoint}``: failed ``/metrics`` reads.
 * ``cachefleet_router_served_mismatch_total``: the gateway reported a served
   endpoint other than the one picked (a retry or a gateway ignoring the pick).
+* ``cachefleet_router_refusals_total{reason}``: a limit applied to a request:
+  ``streams`` (refused: too many ext_proc streams open), ``body-size`` (its body
+  is past the per-request limit) or ``body-memory`` (the bodies held across
+  streams are at their budget); the last two are routed by load on what was
+  read, their body passed on unread.
+* ``cachefleet_router_streams``: ext_proc streams open; ``..._body_bytes_held``:
+  request body bytes held across them, waiting for their ``end_of_stream``.
 
-Label sets are bounded by the pool's size.
+Label sets are bounded by the pool's size, and ``reason`` by the code.
 """
 
 from __future__ import annotations
@@ -59,6 +66,23 @@ class RouterMetrics:
         self.served_mismatch = Counter(
             "cachefleet_router_served_mismatch_total",
             "Responses the gateway says another endpoint than the picked one served",
+            registry=self.registry,
+        )
+
+        self.refusals = Counter(
+            "cachefleet_router_refusals_total",
+            "Requests a limit applied to: refused (streams) or routed by load unread (body-*)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "cachefleet_router_streams",
+            "ext_proc streams open (HTTP requests through the gateway)",
+            registry=self.registry,
+        )
+        self.body_bytes_held = Gauge(
+            "cachefleet_router_body_bytes_held",
+            "Request body bytes held across streams until their end_of_stream, bytes",
             registry=self.registry,
         )
 

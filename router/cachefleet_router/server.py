@@ -32,9 +32,21 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .discovery import EndpointPool, KubeDiscovery, MetricsScraper
+from .discovery import (
+    MAX_METRICS_BYTES,
+    SCRAPE_TIMEOUT_S,
+    EndpointPool,
+    KubeDiscovery,
+    MetricsScraper,
+)
 from .endpoints import Picker
-from .extproc import MAX_MESSAGE_BYTES, EndpointPickerService
+from .extproc import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_BODY_MEMORY,
+    DEFAULT_MAX_STREAMS,
+    MAX_MESSAGE_BYTES,
+    EndpointPickerService,
+)
 from .health import HealthService
 from .kube import make_client
 from .metrics import RouterMetrics
@@ -70,6 +82,16 @@ class RouterConfig:
     default_prefill_rate: float = _SCORING.default_rate
     #: the scoring picker's bounded-load parameter
     epsilon: float = _SCORING.epsilon
+    # -- hostile model servers and gateways (limits; GIE conformance hooks) ----------------
+    #: one /metrics reading, all of it, seconds; and its largest answer, bytes
+    scrape_timeout_s: float = SCRAPE_TIMEOUT_S
+    max_metrics_bytes: int = MAX_METRICS_BYTES
+    #: one request's body read for routing; all bodies held across streams; streams open
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_body_memory: int = DEFAULT_MAX_BODY_MEMORY
+    max_streams: int = DEFAULT_MAX_STREAMS
+    #: GIE's conformance hooks (a client could steer its request: tests only)
+    conformance: bool = False
 
     def scoring(self) -> ScoringConfig:
         """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
@@ -102,6 +124,10 @@ class RouterServer:
             class_of=self.tenants.class_of,
             fail_open=config.fail_open,
             metrics=self.metrics,
+            max_body_bytes=config.max_body_bytes,
+            max_body_memory=config.max_body_memory,
+            max_streams=config.max_streams,
+            conformance=config.conformance,
         )
         self.health = HealthService(lambda: self.pool.synced)
         self.scraper: MetricsScraper | None = None
@@ -152,7 +178,12 @@ class RouterServer:
             )
             self._tasks.append(asyncio.ensure_future(self.discovery.run()))
         if cfg.scrape_interval_s > 0:
-            self.scraper = MetricsScraper(self.pool, cfg.scrape_interval_s)
+            self.scraper = MetricsScraper(
+                self.pool,
+                cfg.scrape_interval_s,
+                timeout_s=cfg.scrape_timeout_s,
+                max_bytes=cfg.max_metrics_bytes,
+            )
             self._tasks.append(asyncio.ensure_future(self.scraper.run()))
         if cfg.redis_url and cfg.cache:
             self.tenant_sync = TenantSync(
@@ -160,7 +191,9 @@ class RouterServer:
             )
             self._tasks.append(asyncio.ensure_future(self.tenant_sync.run()))
 
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        # a buffered body comes in one message: room for the largest read, and its headers
+        largest = max(MAX_MESSAGE_BYTES, cfg.max_body_bytes + 1024 * 1024)
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", largest)])
         pb_grpc.add_ExternalProcessorServicer_to_server(self.service, server)
         server.add_generic_rpc_handlers((self.health.handler(),))
         host, port = cfg.grpc_listen

@@ -137,6 +137,7 @@ class MetricsServer:
         self.waiting, self.running = waiting, running
         self.body: str | None = None  # replaces the vLLM text when set
         self.status = 200
+        self.content_type = "text/plain"
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -146,7 +147,7 @@ class MetricsServer:
             if self.body is not None
             else VLLM_METRICS.format(waiting=self.waiting, running=self.running)
         )
-        return web.Response(text=text, status=self.status)
+        return web.Response(text=text, status=self.status, content_type=self.content_type)
 
     async def start(self, port: int = 0) -> MetricsServer:
         app = web.Application()

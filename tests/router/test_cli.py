@@ -50,6 +50,10 @@ WAIT_S = 20.0
         (["--endpoints", "a:1", "--fail-open", "--fail-closed"], "not allowed with argument"),
         (["--endpoints", "a:1", "--log-level", "loud"], "--log-level: expected debug"),
         (["--endpoints", "a:1", "--kubeconfig", "k"], "--kubeconfig is for --pool-name"),
+        (["--endpoints", "a:1", "--max-body-memory", "lots"], "--max-body-memory: expected a"),
+        (["--endpoints", "a:1", "--max-streams", "0"], "--max-streams: expected a count > 0"),
+        (["--endpoints", "a:1", "--max-metrics-bytes", "-4Mi"], "--max-metrics-bytes: expec"),
+        (["--endpoints", "a:1", "--scrape-timeout", "0"], "--scrape-timeout: expected a pos"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
@@ -83,6 +87,38 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.fail_open
     config, _ = parse_args(["--fail-closed"])  # a flag wins over the environment
     assert not config.fail_open
+
+
+def test_limit_and_conformance_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    config, _ = parse_args(["--endpoints", "a:1"])
+    assert (config.scrape_timeout_s, config.max_metrics_bytes) == (1.0, 4 * 1024 * 1024)
+    assert (config.max_body_bytes, config.max_body_memory) == (16 * 1024**2, 256 * 1024**2)
+    assert (config.max_streams, config.conformance) == (10_000, False)
+    config, _ = parse_args(
+        [
+            "--endpoints",
+            "a:1",
+            "--scrape-timeout",
+            "2.5",
+            "--max-metrics-bytes",
+            "1Mi",
+            "--max-body-bytes",
+            "64Ki",
+            "--max-body-memory",
+            "32M",
+            "--max-streams",
+            "500",
+            "--conformance",
+        ]
+    )
+    assert (config.scrape_timeout_s, config.max_metrics_bytes) == (2.5, 1024 * 1024)
+    assert (config.max_body_bytes, config.max_body_memory) == (64 * 1024, 32 * 1024**2)
+    assert (config.max_streams, config.conformance) == (500, True)
+    monkeypatch.setenv("CACHEFLEET_MAX_BODY_MEMORY", "1Gi")
+    monkeypatch.setenv("CACHEFLEET_MAX_STREAMS", "7")
+    monkeypatch.setenv("CACHEFLEET_CONFORMANCE", "true")
+    config, _ = parse_args(["--endpoints", "a:1"])
+    assert (config.max_body_memory, config.max_streams, config.conformance) == (1024**3, 7, True)
 
 
 def test_registered_as_a_cachefleet_command(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from cachefleet_router.discovery import (
     EndpointPool,
     KubeDiscovery,
     MetricsScraper,
+    Reading,
     matches,
     pod_members,
     pool_target,
@@ -67,25 +69,51 @@ async def test_endpoints_are_ready_once_read_and_out_after_two_failed_reads(
         await scraper.aclose()
 
 
-async def test_an_answer_that_is_not_model_server_metrics_is_a_failure(
+async def test_an_error_answer_is_a_failure_and_other_servers_are_routed_by_load(
     metrics_servers: MakeServer,
 ) -> None:
-    wrong = await metrics_servers()
-    wrong.body = "# just some other exporter\nprocess_cpu_seconds_total 1.0\n"
+    other = await metrics_servers()  # a server with metrics, none of them known (TGI, llama.cpp)
+    other.body = "# just some other exporter\ntgi_queue_size 3\nprocess_cpu_seconds_total 1.0\n"
     broken = await metrics_servers()
     broken.status = 500
+    html = await metrics_servers()  # a proxy's page, even with 200, says nothing about load
+    html.body = "<html>upstream connect error</html>"
+    html.content_type = "text/html"
     pool = EndpointPool()
-    pool.set_members({wrong.address: "wrong", broken.address: "broken"})
+    pool.set_members({other.address: "other", broken.address: "broken", html.address: "html"})
     scraper = MetricsScraper(pool, 0.5)
     try:
         for _ in range(3):
             await scraper.scrape_once()
-        assert pool.ready() == []
-        wrong.body = None  # now it answers like vLLM
+        assert [e.name for e in pool.ready()] == ["other"]
+        read = pool.get(other.address)
+        assert read is not None
+        assert read.metrics is None  # ready, by load alone
+        broken.status = 404  # no /metrics at all: ready, by load
+        html.body, html.content_type = None, "text/plain"  # now it answers like vLLM
         await scraper.scrape_once()
-        assert [e.name for e in pool.ready()] == ["wrong"]
+        assert sorted(e.name for e in pool.ready()) == ["broken", "html", "other"]
+        by_name = {e.name: e for e in pool.ready()}
+        assert by_name["broken"].metrics is None
+        assert by_name["html"].metrics is not None
     finally:
         await scraper.aclose()
+
+
+def test_why_an_endpoint_is_not_ready_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    pool = EndpointPool()
+    pool.set_members({"10.0.0.1:8000": "a"})
+    caplog.set_level(logging.INFO, logger="cachefleet_router.discovery")
+    for _ in range(5):
+        pool.record_reading("10.0.0.1:8000", Reading(error="HTTP 500"))
+    said = [r.getMessage() for r in caplog.records if "not ready" in r.getMessage()]
+    assert said == ["endpoint 10.0.0.1:8000 not ready: reading its /metrics failed: HTTP 500"]
+    assert [r.levelno for r in caplog.records if "not ready" in r.getMessage()] == [logging.INFO]
+    pool.record_reading("10.0.0.1:8000", Reading(missing=True))
+    pool.record_reading("10.0.0.1:8000", Reading(missing=True))
+    by_load = [r.getMessage() for r in caplog.records if "by load" in r.getMessage()]
+    assert len(by_load) == 1
+    assert [e.name for e in pool.ready()] == ["a"]
 
 
 async def test_members_leave_at_once_and_their_series_go() -> None:

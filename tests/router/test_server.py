@@ -5,7 +5,12 @@ from __future__ import annotations
 import grpc
 import httpx
 
-from cachefleet_router.health import HealthCheckRequest, HealthCheckResponse
+from cachefleet_router.health import (
+    HealthCheckRequest,
+    HealthCheckResponse,
+    HealthListRequest,
+    HealthListResponse,
+)
 from cachefleet_router.server import RouterConfig, RouterServer
 
 from .conftest import Gateway, headers_message
@@ -82,3 +87,35 @@ async def test_health_watch_streams_the_status() -> None:
     finally:
         await channel.close()
         await router.stop(0)
+
+
+async def test_health_list_names_every_service_with_its_status() -> None:
+    unreachable = httpx.AsyncClient(base_url="http://127.0.0.1:1", timeout=1.0)
+    router = RouterServer(
+        RouterConfig(
+            grpc_listen=("127.0.0.1", 0),
+            metrics_listen=None,
+            pool_name="llm",
+            scrape_interval_s=0,
+        ),
+        kube_client=unreachable,
+    )
+    await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}")
+    try:
+        listing = channel.unary_unary(
+            "/grpc.health.v1.Health/List",
+            request_serializer=HealthListRequest.SerializeToString,
+            response_deserializer=HealthListResponse.FromString,
+        )
+        answer = await listing(HealthListRequest())
+        assert {name: s.status for name, s in answer.statuses.items()} == {
+            "": NOT_SERVING,  # the pool cannot be read: not ready
+            "liveness": SERVING,
+            "readiness": NOT_SERVING,
+            "envoy.service.ext_proc.v3.ExternalProcessor": NOT_SERVING,
+        }
+    finally:
+        await channel.close()
+        await router.stop(0)
+        await unreachable.aclose()

@@ -29,6 +29,20 @@ KV capacity            ``vllm:cache_config_info``          ``sglang:max_total_nu
                        labels ``num_gpu_blocks``,
                        ``block_size``
 =====================  ==================================  =============================
+
+TensorRT-LLM, with the names of the Gateway API Inference Extension's
+model-server protocol (``server`` is ``triton`` for Triton's TensorRT-LLM
+backend, ``trtllm`` for ``trtllm-serve``):
+
+* waiting: ``nv_trt_llm_request_metrics{request_type=waiting}``,
+  ``trtllm_num_requests_waiting``;
+* running: ``nv_trt_llm_request_metrics{request_type=scheduled}``,
+  ``trtllm_num_requests_running``;
+* kv_usage: ``nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=fraction}``,
+  ``trtllm_kv_cache_utilization``;
+* KV capacity: blocks (``kv_cache_block_type=max``, ``trtllm_kv_cache_max_blocks``)
+  times tokens per block (``kv_cache_block_type=tokens_per``,
+  ``trtllm_kv_cache_tokens_per_block``).
 """
 
 from __future__ import annotations
@@ -64,7 +78,7 @@ class ModelServerMetrics:
     prefill_requests_total: float | None = None
     #: KV capacity in tokens, when the server says
     kv_capacity_tokens: int | None = None
-    #: which server family the names came from: ``vllm``, ``sglang`` or ``""`` (neither)
+    #: which server family the names came from: ``vllm``, ``sglang``, ``triton``, ``trtllm``
     server: str = ""
 
 
@@ -86,10 +100,35 @@ _SERIES: dict[str, tuple[str, str]] = {
     "sglang:prompt_tokens_total": ("prompt_tokens_total", "sglang"),
     "sglang:max_total_num_tokens": ("kv_capacity_tokens", "sglang"),
 }
+#: TensorRT-LLM (GIE's model-server protocol): trtllm-serve's series, as above
+_SERIES.update(
+    {
+        "trtllm_num_requests_waiting": ("waiting", "trtllm"),
+        "trtllm_num_requests_running": ("running", "trtllm"),
+        "trtllm_kv_cache_utilization": ("kv_usage", "trtllm"),
+        "trtllm_kv_cache_tokens_per_block": ("_block_tokens", "trtllm"),
+        "trtllm_kv_cache_max_blocks": ("_blocks", "trtllm"),
+    }
+)
+#: series name -> (label, label value -> (field, server)): one family, fields told apart by a label
+_BY_LABEL: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
+    "nv_trt_llm_request_metrics": (
+        "request_type",
+        {"waiting": ("waiting", "triton"), "scheduled": ("running", "triton")},
+    ),
+    "nv_trt_llm_kv_cache_block_metrics": (
+        "kv_cache_block_type",
+        {
+            "fraction": ("kv_usage", "triton"),
+            "tokens_per": ("_block_tokens", "triton"),
+            "max": ("_blocks", "triton"),
+        },
+    ),
+}
 #: gauges that are ratios or capacities: averaged / taken once, not summed
-_NOT_SUMMED = frozenset({"kv_usage", "prefix_hit_ratio", "kv_capacity_tokens"})
+_NOT_SUMMED = frozenset({"kv_usage", "prefix_hit_ratio", "kv_capacity_tokens", "_block_tokens"})
 _VLLM_CACHE_INFO = "vllm:cache_config_info"
-_PREFIXES = ("vllm:", "sglang:")
+_PREFIXES = ("vllm:", "sglang:", "nv_trt_llm_", "trtllm_")
 
 
 class MetricsParseError(ValueError):
@@ -110,7 +149,7 @@ def _label(labels: str, name: str) -> str | None:
 def parse_metrics(text: str) -> ModelServerMetrics:
     """The fields of :class:`ModelServerMetrics` from a ``/metrics`` body.
 
-    Raises :class:`MetricsParseError` when no vLLM or SGLang series is present
+    Raises :class:`MetricsParseError` when no series of a known server is present
     (a wrong port, a proxy's error page): an endpoint that says nothing about
     its load must not look idle.
     """
@@ -147,6 +186,9 @@ def parse_metrics(text: str) -> ModelServerMetrics:
                 server = server or "vllm"
             continue
         known = _SERIES.get(name)
+        if known is None and name in _BY_LABEL:
+            label, fields = _BY_LABEL[name]
+            known = fields.get(_label(labels, label) or "")
         if known is None:
             continue
         field, family = known
@@ -154,8 +196,14 @@ def parse_metrics(text: str) -> ModelServerMetrics:
         sums[field] = sums.get(field, 0.0) + value
         counts[field] = counts.get(field, 0) + 1
     if not server:
-        raise MetricsParseError("no vLLM or SGLang metrics in the answer")
+        raise MetricsParseError("no vLLM or SGLang metrics in the answer (nor TensorRT-LLM's)")
     out = ModelServerMetrics(server=server)
+    # TensorRT-LLM gives its KV capacity as blocks and tokens per block (two series)
+    trt_blocks, block_tokens = sums.pop("_blocks", None), sums.pop("_block_tokens", None)
+    if trt_blocks is not None and block_tokens is not None and capacity is None:
+        tokens = trt_blocks * (block_tokens / counts["_block_tokens"])
+        if math.isfinite(tokens) and tokens > 0:
+            capacity = int(tokens)
     for field, total in sums.items():
         value = total / counts[field] if field in _NOT_SUMMED else total
         if field == "kv_capacity_tokens":
