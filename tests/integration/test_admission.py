@@ -358,6 +358,17 @@ async def test_a_parked_request_gets_its_answer_when_its_own_wait_runs_out() -> 
         try:
             await gate.poll_once()  # saturated; no reading comes after this one
             assert gate.shedding
+            # a client that leaves while parked leaves the queue
+            left = asyncio.get_running_loop().create_task(gate.admit("silver", "Standard"))
+            for _ in range(1000):  # bounded: 10 s and more
+                if gate.core.queued:
+                    break
+                await asyncio.sleep(0.01)
+            assert gate.core.queued == 1
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            assert gate.core.queued == 0
             answer = await asyncio.wait_for(gate.admit("silver", "Standard"), 10.0)
             assert status_of(answer) == 503
             assert answer is not None
