@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -216,3 +217,183 @@ async def test_an_unlisted_tenant_is_admitted_by_the_class_of_the_tenant_default
     assert shed.json()["error"]["reason"] == "saturated_queue"
     hit = await fleet.chat("customer-17", "asked before the rush")
     assert (hit.status_code, hit.headers["x-cache"]) == (200, "HIT-L1")  # a hit is never refused
+
+
+# ------------------------------------------------------------- hostile model servers
+
+SATURATED = b"vllm:num_requests_waiting 50\n"
+#: Two lines whose sum is infinite (issue 34, 2), and a mean prefill time to multiply it by.
+OVERFLOWING = (
+    b'vllm:num_requests_waiting{m="a"} 1e308\n'
+    b'vllm:num_requests_waiting{m="b"} 1e308\n'
+    b"vllm:request_prefill_time_seconds_sum 1.5\n"
+    b"vllm:request_prefill_time_seconds_count 3\n"
+)
+FLOOD_BYTES = 64 * 1024 * 1024
+CHUNK = b"# " + b"x" * (64 * 1024 - 3) + b"\n"
+
+
+class HostileMetrics:
+    """A ``/metrics`` server on loopback that answers as ``mode`` says: ``body`` (whole),
+    ``trickle`` (headers, then a byte every 0.3 s: at most 100, the bound of its loop) or
+    ``flood`` (:data:`FLOOD_BYTES` without a length, until the reader hangs up)."""
+
+    def __init__(self) -> None:
+        self.mode = "body"
+        self.body = SATURATED
+        self.sent = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> HostileMetrics:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:  # a trickle still going ends here
+            writer.close()
+        await self._server.wait_closed()
+
+    @property
+    def url(self) -> str:
+        assert self._server is not None
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}/metrics"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if self.mode == "body":
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+                    % len(self.body)
+                )
+                writer.write(self.body)
+            elif self.mode == "trickle":
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 1000\r\n\r\n"
+                )
+                for _ in range(100):
+                    writer.write(b"#")
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n")
+                while self.sent < FLOOD_BYTES:
+                    writer.write(CHUNK)
+                    await writer.drain()
+                    self.sent += len(CHUNK)
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+def hostile_gate(url: str, **admission: Any) -> AdmissionGate:
+    """A gate reading ``url``; a reading's deadline is 2 s here (1 s by default), so that a
+    loaded machine does not fail the readings that must succeed."""
+    config = AdmissionConfig(**{"max_waiting": 2, "standard_max_wait_s": 0.5, **admission})
+    return AdmissionGate(config, url, poll_s=0.05, read_timeout_s=2.0)
+
+
+def status_of(answer: bytes | None) -> int:
+    return 0 if answer is None else int(answer.split(b" ", 2)[1])
+
+
+async def test_an_overflowing_reading_is_refused_cleanly_and_the_poller_lives(
+    make_fleet: Any,
+) -> None:
+    """Issue 34 (2): two ``1e308`` lines raised OverflowError in ``Retry-After``: BestEffort
+    lost its connection, /status failed, the poller died and parked requests hung."""
+    fleet: Fleet = await make_fleet(standard_max_wait_s=0.5)
+    async with HostileMetrics() as hostile:
+        hostile.body = OVERFLOWING
+        fleet.gate.metrics_url = hostile.url
+        await fleet.gate.poll_once()
+        assert fleet.gate.shedding
+        shed = await fleet.chat("free", "a new question")
+        assert shed.status_code == 429
+        assert 1 <= int(shed.headers["retry-after"]) <= 60
+        status = await fleet.admin.get("/status")
+        assert status.status_code == 200
+        assert status.json()["admission"]["shedding"] is True
+        # a parked Standard request is answered when its wait runs out, by the poller or
+        # by its own deadline; the poller goes on reading after that
+        fleet.gate.start()
+        waited = await asyncio.wait_for(fleet.chat("silver", "patient"), 20.0)
+        assert waited.status_code == 503
+        assert waited.json()["error"]["reason"] == "queue_timeout"
+        polls = fleet.gate.polls
+        await fleet.until(lambda: fleet.gate.polls >= polls + 3, "the poller reads on")
+        assert fleet.gate._task is not None
+        assert not fleet.gate._task.done()
+
+
+async def test_a_trickling_metrics_answer_is_a_failed_reading_within_its_deadline() -> None:
+    """Issue 34 (2): a ``/metrics`` that trickles a byte every 0.3 s never timed out (the 1 s
+    bound was per read), so shedding stayed frozen. Now a reading has a deadline in all."""
+    async with HostileMetrics() as hostile:
+        gate = hostile_gate(hostile.url)
+        try:
+            await gate.poll_once()
+            assert gate.shedding
+            hostile.mode = "trickle"
+            # generous: the reading's own deadline is 2 s; the trickle lasts 30 s
+            await asyncio.wait_for(gate.poll_once(), 15.0)
+            assert gate.core.faults == 1
+            assert not gate.shedding
+            assert await gate.admit("free", "BestEffort") is None
+        finally:
+            await gate.aclose()
+
+
+async def test_a_parked_request_gets_its_answer_when_its_own_wait_runs_out() -> None:
+    """Issue 34 (2): with readings stalled, a parked Standard request waited forever (its
+    maximum wait was checked only when a reading arrived)."""
+    async with HostileMetrics() as hostile:
+        gate = hostile_gate(hostile.url)
+        try:
+            await gate.poll_once()  # saturated; no reading comes after this one
+            assert gate.shedding
+            # a client that leaves while parked leaves the queue
+            left = asyncio.get_running_loop().create_task(gate.admit("silver", "Standard"))
+            for _ in range(1000):  # bounded: 10 s and more
+                if gate.core.queued:
+                    break
+                await asyncio.sleep(0.01)
+            assert gate.core.queued == 1
+            left.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await left
+            assert gate.core.queued == 0
+            answer = await asyncio.wait_for(gate.admit("silver", "Standard"), 10.0)
+            assert status_of(answer) == 503
+            assert answer is not None
+            assert b"queue_timeout" in answer
+            assert gate.core.queued == 0
+        finally:
+            await gate.aclose()
+
+
+async def test_a_huge_metrics_answer_is_read_only_up_to_the_cap() -> None:
+    """Issue 34 (4): the body was read whole before its 4 MiB check (two 200 MiB answers:
+    +622 MiB). Now reading stops at the cap: a failed reading, memory near the cap."""
+    async with HostileMetrics() as hostile:
+        hostile.mode = "flood"
+        gate = hostile_gate(hostile.url)
+        try:
+            tracemalloc.start()
+            try:
+                await asyncio.wait_for(gate.poll_once(), 30.0)
+                _, peak = tracemalloc.get_traced_memory()
+            finally:
+                tracemalloc.stop()
+            assert gate.core.faults == 1
+            assert peak < 16 * 1024 * 1024, f"{peak / 2**20:.1f} MiB held for one reading"
+            await asyncio.sleep(0.2)  # the server notices the hang-up at its next write
+            assert hostile.sent < FLOOD_BYTES // 2
+        finally:
+            await gate.aclose()

@@ -316,3 +316,72 @@ async def test_l3_serves_a_neighbour_only_within_the_ttl_and_counts_its_savings(
         assert time.monotonic() < deadline
         await asyncio.sleep(0.2)
     assert resp.headers["x-cache"] == "MISS"
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1//chat/completions", "/v1/chat/completions/", "/V1/chat/completions", "/v1/models"],
+)
+async def test_only_if_cached_on_a_path_nothing_is_cached_for_is_504(
+    sidecar: RunningSidecar, upstream: FakeUpstream, path: str
+) -> None:
+    """Issue 34 (7): a variant of a cached path was forwarded to the model despite
+    ``only-if-cached``; nothing is ever cached there, so the answer is 504."""
+    body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    headers = {"X-Tenant-ID": "acme", "Cache-Control": "only-if-cached"}
+    if path == "/v1/models":
+        resp = await sidecar.client.get(path, headers=headers)
+    else:
+        resp = await sidecar.client.post(path, json=body, headers=headers)
+    assert resp.status_code == 504
+    assert resp.json()["error"]["type"] == "cachefleet_not_cached"
+    assert sum(upstream.calls.values()) == 0
+    # without the directive the same request still goes through
+    del headers["Cache-Control"]
+    if path != "/v1/models":
+        assert (await sidecar.client.post(path, json=body, headers=headers)).status_code == 200
+        assert sum(upstream.calls.values()) == 1
+
+
+async def test_cache_control_field_lines_combine(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    """Issue 34 (7): only the first ``Cache-Control`` line was read, so ``only-if-cached``
+    on a second line went to the model. Field lines are one list (RFC 9110 5.3)."""
+    body = {"model": "m1", "messages": [{"role": "user", "content": "two lines"}]}
+    headers = [
+        ("X-Tenant-ID", "acme"),
+        ("Cache-Control", "max-age=600"),
+        ("Cache-Control", "only-if-cached"),
+    ]
+    resp = await sidecar.client.post("/v1/chat/completions", json=body, headers=headers)
+    assert resp.status_code == 504
+    assert upstream.calls[CHAT] == 0
+    await sidecar.chat("two lines bypassed")
+    split = [("X-Tenant-ID", "acme"), ("Cache-Control", "private"), ("Cache-Control", "no-cache")]
+    body["messages"][0]["content"] = "two lines bypassed"  # type: ignore[index]
+    body["temperature"] = 0
+    again = await sidecar.client.post("/v1/chat/completions", json=body, headers=split)
+    assert again.headers["x-cache"] == "MISS"  # the second line's no-cache is obeyed
+    assert upstream.calls[CHAT] == 2
+
+
+async def test_max_age_zero_follows_the_bypass_allowance(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    """Issue 34 (7): a tenant with ``allowBypass: false`` (and freshness allowed) bypassed
+    the cache with ``max-age=0`` (3 model calls for 3 requests)."""
+    sidecar.sidecar.quotas.apply(quotas(acme=quota(allow_bypass=False), free=quota()))
+    await sidecar.chat("q")
+    for _ in range(3):
+        resp = await sidecar.chat("q", headers={"Cache-Control": "max-age=0"})
+        assert resp.headers["x-cache"] == "HIT-L1"
+    assert upstream.calls[CHAT] == 1
+    text = (await sidecar.admin.get("/metrics")).text
+    name = "cachefleet_cache_control_ignored_total"
+    assert metric(text, name, tenant="acme", directive="max-age") == 3
+    # a tenant that may bypass refreshes the entry with it, as with no-cache
+    await sidecar.chat("q", tenant="free")
+    resp = await sidecar.chat("q", tenant="free", headers={"Cache-Control": "max-age=0"})
+    assert resp.headers["x-cache"] == "MISS"
+    assert upstream.calls[CHAT] == 3

@@ -8,6 +8,7 @@ and a 3-node cluster.
 from __future__ import annotations
 
 import asyncio
+import tracemalloc
 from collections.abc import AsyncIterator
 
 import orjson
@@ -23,6 +24,7 @@ from cachefleet_sidecar.contract.names import (
     entry_key,
     guest,
     l2_keys,
+    purge_log_key,
     tenant_epochs_key,
 )
 from cachefleet_sidecar.contract.ops import (
@@ -160,3 +162,27 @@ async def test_key_purges_delete_fence_announce_and_are_logged(
     assert await purges_since(client, CACHE, 1, 1) == ([], True)
     # a number the log does not hold: the caller must drop everything
     assert await purges_since(client, CACHE, 0, 2) == ([DIGEST], False)
+
+
+async def test_reading_the_purge_log_costs_the_log_not_the_purge_counter(
+    client: AnyClient, admin: RedisClient
+) -> None:
+    """Issue 34 (5): a new pod asks for every purge since 0; checking that the log held them
+    built a set of every number in the range (counter 12,000,000: 1.15 GiB at start-up).
+    Now the check costs what the log holds, whatever the counter."""
+    counter = 2_000_000
+    assert await log_purge(admin, CACHE, DIGEST, floor=counter - 2) == counter - 1
+    assert await log_purge(admin, CACHE, OTHER) == counter
+    tracemalloc.start()
+    try:
+        found = await purges_since(client, CACHE, 0, counter)  # a new pod's first read
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert found == ([DIGEST, OTHER], False)  # the log lost the numbers before the floor
+    assert peak < 4 * 1024 * 1024, f"{peak / 2**20:.1f} MiB to check the purge log"
+    # a range the log holds whole, and one with a number missing in its middle
+    assert await purges_since(client, CACHE, counter - 2, counter) == ([DIGEST, OTHER], True)
+    assert await purges_since(client, CACHE, counter - 1, counter) == ([OTHER], True)
+    await admin.zrem(purge_log_key(CACHE), f"{counter - 1}:{DIGEST}")
+    assert await purges_since(client, CACHE, counter - 2, counter) == ([OTHER], False)

@@ -172,7 +172,7 @@ async def test_guests_never_read_each_others_entries(any_redis: str) -> None:
         assert await l2.get(guest("cust-2"), digest, VECTOR) is None
         assert await l2.get("cust-1", digest, VECTOR) is None  # nor a listed namesake
         assert await l2.get(guest("cust-1"), digest, VECTOR) == b"cust-1's answer"
-        recent = await l2.recent(guest("cust-2"), 10, 1.0)
+        recent = await l2.recent(guest("cust-2"), 10, 1.0, 1 << 20)
         assert recent is not None
         assert recent[0] == []
 

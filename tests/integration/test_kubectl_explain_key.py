@@ -112,3 +112,20 @@ async def test_with_redis_the_epochs_are_part_of_it_and_the_digest_purges_the_en
         assert (await ask(sc)).headers["x-cache"] == "HIT-L1"  # the other entry stays
     finally:
         await inv.aclose()
+
+
+async def test_explain_key_refuses_exactly_the_tenant_names_the_sidecar_refuses(
+    sidecar: RunningSidecar, tmp_path: Path
+) -> None:
+    """Issue 34 (8): one rule for a tenant name, the sidecar's: what it answers 400 to,
+    ``explain-key --tenant`` refuses with a usage error, and nothing else."""
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps(BODY))
+    for name in ("acme", "a/b", "x" * 70, "x" * 63, "-a", "a b", "a.b_c-d", "_guests"):
+        resp = await sidecar.client.post(
+            "/v1/chat/completions", json=BODY, headers={"X-Tenant-ID": name}
+        )
+        out, err = io.StringIO(), io.StringIO()
+        code = cli.main(["explain-key", "-o", "key", str(path), "--tenant", name], out=out, err=err)
+        assert (resp.status_code == 400) == (code == cli.EXIT_USAGE), (name, resp.text, code)
+        assert code in (0, cli.EXIT_USAGE), err.getvalue()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tracemalloc
 
 import httpx
 import pytest
@@ -20,12 +21,14 @@ import pytest
 from cachefleet_e2e.services import free_port
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar.cache.entry import L1_OVERHEAD_BYTES
+from cachefleet_sidecar.cache.entry import L1_OVERHEAD_BYTES, Entry
+from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.contract.names import GUESTS, lru_key
 from cachefleet_sidecar.contract.ops import publish_quotas
-from cachefleet_sidecar.epochs import PURGE_SCOPE
+from cachefleet_sidecar.control.warm import WarmReport, warm_l1
+from cachefleet_sidecar.epochs import PURGE_SCOPE, EpochTracker
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]
@@ -34,6 +37,8 @@ CACHE = "test/cache"
 #: Bound on waiting for acks, background writes and readiness, seconds.
 WAIT_S = 10.0
 PROMPTS = [f"popular {i}" for i in range(6)]
+#: Entries of 0.45 MB in L2 for the warm-up's read bound: 36 MB, nine times its budget.
+BIG_ENTRIES = 80
 
 
 async def ready(sc: RunningSidecar) -> httpx.Response:
@@ -255,3 +260,50 @@ async def test_a_new_sidecar_warms_the_guests_most_recent_entries(
     assert (warm["entries"], warm["guests"]) == (1, 1)
     assert warm["skipped"] == {"guest_slots": 3}
     assert (await c.chat("q1", tenant="cust-2")).headers["x-cache"] == "HIT-L1"
+
+
+async def test_the_warm_up_reads_in_batches_and_stops_at_its_bytes(any_redis: str) -> None:
+    """Issue 34 (6): the warm-up fetched up to 512 entries per tenant in one MGET whatever
+    ``--warm-bytes`` said (``4Mi`` with 301 entries of 0.45 MB: the new pod peaked at
+    212 MiB). Now it asks each value's length first and reads only what fits, in batches."""
+    budget = 4 * 1024 * 1024
+    tracker = EpochTracker()
+    vector = tracker.vector("acme", "m1", "")
+    body = b'{"answer": "' + b"x" * 450_000 + b'"}'  # a stored answer is whole JSON
+    entry = Entry(200, b"content-type: application/json\r\n", body, stream=False, tenant="acme")
+    async with RedisL2.from_url(any_redis, CACHE, op_timeout_s=5.0) as l2:
+        assert await l2.set_limit("acme", 128 << 20)
+        for i in range(BIG_ENTRIES):
+            assert await l2.put("acme", f"{i:064x}", entry.dumps(), vector, l1_id=i)
+        warmed: dict[int, int] = {}
+
+        def put(tenant: str, digest: str, l1_key: int, got: Entry) -> int:
+            assert got.body == body
+            warmed[l1_key] = got.l1_bytes(digest)
+            return warmed[l1_key]
+
+        report = WarmReport()
+        tracemalloc.start()
+        try:
+            await warm_l1(
+                l2,
+                ["acme"],
+                tracker,
+                put,
+                budget_bytes=budget,
+                share=lambda _: None,
+                resident=lambda _, key: key in warmed,
+                report=report,
+                read_timeout_s=20.0,
+            )
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    # the values read and the entries made of them (the L1 would hold those anyway)
+    assert peak < 4 * budget, f"{peak / 2**20:.1f} MiB held to warm {budget / 2**20:.0f} MiB"
+    assert report.read_bytes <= budget
+    assert 1 <= report.entries == len(warmed) <= budget // len(body)
+    assert report.bytes <= budget
+    # the most recent were read and warmed; the rest counted, not read
+    assert sorted(warmed) == list(range(BIG_ENTRIES - report.entries, BIG_ENTRIES))
+    assert report.entries + report.skipped["over_budget"] == BIG_ENTRIES

@@ -212,6 +212,44 @@ def test_no_cluster_reachable(tmp_path: Path) -> None:
     assert "(contexts: emulator)" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("invalidate", "chat", "--scope", "key", "--key", "abc"),
+            "error: --key: 'abc' is not 64 hex digits",
+        ),
+        (("invalidate", "chat", "--scope", "tenant"), "error: --scope tenant needs --tenant\n"),
+        (("invalidate", "chat", "--scope", "tenant", "--tenant", "a/b"), "error: --tenant: "),
+        (
+            ("invalidate", "chat", "--scope", "cache", "--model", "m"),
+            "error: --model goes with --scope model",
+        ),
+        (("invalidate", "chat", "--scope", "cache", "--timeout", "2d"), "error: --timeout "),
+        (("top", "chat", "--redis-url", "garbage://"), "error: --redis-url: not a Redis URL"),
+        (("top", "chat", "--redis-url", "redis://"), "error: --redis-url: no host"),
+    ],
+)
+def test_bad_flags_are_usage_errors_even_with_the_api_down(
+    tmp_path: Path, argv: tuple[str, ...], message: str
+) -> None:
+    """Issue 34 (8): the flags were checked only after the first API call, so with the API
+    down a usage error read "cannot reach the API" (exit 1). They are checked first."""
+    sock = socket.socket()  # a port nothing listens on: bind, then close
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    path = str(tmp_path / "kubeconfig")
+    write_kubeconfig(path, f"http://127.0.0.1:{port}", "t")
+    code, out, err = _run(*argv, "--kubeconfig", path)
+    assert (code, out) == (cli.EXIT_USAGE, ""), err
+    assert err.startswith(message), err
+    # good flags go on to the API (here: unreachable); --scope model takes the cache's model
+    code, _, err = _run("invalidate", "chat", "--scope", "model", "--kubeconfig", path)
+    assert code == cli.EXIT_ERROR
+    assert "cannot reach the Kubernetes API" in err
+
+
 def _operator_stand_in(
     emulator: EmulatorHandle, outcome: dict[str, Any]
 ) -> tuple[threading.Thread, dict[str, Any]]:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 
 from cachefleet_sidecar.adapt.admission import (
     BEST_EFFORT,
     GUARANTEED,
     MAX_RETRY_AFTER_S,
+    MIN_RETRY_AFTER_S,
     STANDARD,
     Admission,
     AdmissionConfig,
@@ -205,3 +209,42 @@ def test_running_threshold_saturates_only_when_set() -> None:
     # room for two more running requests: two parked requests go, oldest first
     on.observe(ModelServerMetrics(waiting=0, running=2, kv_usage=0.1, server="vllm"), 1.0)
     assert on.release() == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        ModelServerMetrics(waiting=math.inf, server="vllm"),
+        ModelServerMetrics(waiting=math.nan, running=math.nan, kv_usage=math.nan, server="vllm"),
+        ModelServerMetrics(waiting=-1e308, running=-5, kv_usage=-1, server="vllm"),
+        ModelServerMetrics(
+            waiting=1e308,
+            running=1e308,
+            kv_usage=1e308,
+            prefill_seconds_total=1e308,
+            prefill_requests_total=1e-300,
+            server="vllm",
+        ),
+        ModelServerMetrics(
+            waiting=50, prefill_seconds_total=math.inf, prefill_requests_total=1, server="vllm"
+        ),
+    ],
+)
+def test_any_reading_leaves_decisions_and_status_working(hostile: ModelServerMetrics) -> None:
+    """Issue 34 (2): no number a model server sends breaks a refusal, a timeout or /status
+    (the OverflowError of ``ceil(inf)`` dropped BestEffort connections and killed the poller)."""
+    a = Admission(AdmissionConfig(max_waiting=4, standard_queue=2))
+    a.observe(hostile, 0.0)
+    for value in (a.waiting, a.running, a.kv_usage, a.prefill_s or 0.0, a.drain_s()):
+        assert math.isfinite(value)
+        assert value >= 0
+    assert 0 <= a.kv_usage <= 1
+    shed = a.decide(BEST_EFFORT, 0.0)
+    if a.saturated:
+        assert shed.action == "refuse"
+        assert MIN_RETRY_AFTER_S <= shed.retry_after_s <= MAX_RETRY_AFTER_S
+    assert a.decide(STANDARD, 0.0, ticket="t").action in ("admit", "wait")
+    timeout = a.timeout_decision()
+    assert (timeout.status, timeout.reason) == (503, "queue_timeout")
+    assert MIN_RETRY_AFTER_S <= timeout.retry_after_s <= MAX_RETRY_AFTER_S
+    json.dumps(a.describe(), allow_nan=False)  # /status is JSON

@@ -28,14 +28,37 @@ def test_directives(header: bytes, expected: Directives) -> None:
 
 
 def test_disallowed_directives_are_dropped_and_named() -> None:
-    header = b"no-cache, no-store, max-age=0, only-if-cached"
+    header = b"no-cache, no-store, max-age=30, only-if-cached"
     assert parse(header, Allowed(bypass=False)) == Directives(
-        max_age=0, only_if_cached=True, ignored=("no-cache", "no-store")
+        max_age=30, only_if_cached=True, ignored=("no-cache", "no-store")
     )
     assert parse(header, Allowed(max_age=False)) == Directives(
         no_cache=True, no_store=True, only_if_cached=True, ignored=("max-age",)
     )
     assert parse(b"only-if-cached", Allowed(False, False)).ignored == ()
+
+
+@pytest.mark.parametrize(
+    ("header", "allowed", "expected"),
+    [
+        (b"max-age=0", Allowed(), Directives(no_cache=True)),
+        (b"max-age=0", Allowed(max_age=False), Directives(no_cache=True)),
+        (b"max-age=0", Allowed(bypass=False), Directives(ignored=("max-age",))),
+        (b'max-age="0", max-age=60', Allowed(bypass=False), Directives(ignored=("max-age",))),
+        (b"max-age=1", Allowed(bypass=False), Directives(max_age=1)),
+        (
+            b"only-if-cached, max-age=0",
+            Allowed(bypass=False),
+            Directives(only_if_cached=True, ignored=("max-age",)),
+        ),
+    ],
+)
+def test_max_age_zero_is_a_bypass_under_the_bypass_allowance(
+    header: bytes, allowed: Allowed, expected: Directives
+) -> None:
+    """Issue 34 (7): no entry is 0 s old when read, so ``max-age=0`` is ``no-cache``: a
+    tenant that may not bypass had it obeyed anyway (3 model calls for 3 requests)."""
+    assert parse(header, allowed) == expected
 
 
 def test_price_table() -> None:

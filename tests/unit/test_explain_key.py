@@ -210,3 +210,18 @@ def test_namespace_epochs_and_bad_namespaces(tmp_path: Path) -> None:
         code, _, err = _run([a, f"--namespace-value={bad}"])
         assert code == cli.EXIT_USAGE
         assert err.startswith(f"error: --namespace-value {bad!r}: 1-63 of [A-Za-z0-9._-]")
+
+
+def test_a_tenant_the_sidecar_would_refuse_is_a_usage_error(tmp_path: Path) -> None:
+    """Issue 34 (8): ``--tenant 'a/b'`` (also ``''`` and 70 characters) printed a digest, and
+    ``a/b`` the same one as tenant ``a`` in namespace ``b``. The sidecar's own rule
+    (:func:`cachefleet_sidecar.contract.names.valid_name`) decides, as for its header."""
+    a = _write(tmp_path, "a.json", CHAT)
+    for bad in ("a/b", "", "x" * 70, "x" * 64, "-a", "a b", "a\n", "ténant"):
+        code, out, err = _run([a, "-o", "key", f"--tenant={bad}"])
+        assert (code, out) == (cli.EXIT_USAGE, ""), bad
+        assert err == f"error: --tenant {bad!r}: {cli.NAME_RULE}\n"
+    for good in ("a", "x" * 63, "Team_1.prod-2"):
+        code, out, _ = _run([a, "-o", "key", f"--tenant={good}"])
+        assert code == 0, good
+        assert out.strip() == keys.make_key(CHAT, "chat", keys.Scope(good, "", ())).sha256_hex

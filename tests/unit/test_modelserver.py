@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
+from cachefleet_sidecar.adapt.modelserver import MAX_VALUE, MetricsParseError, parse_metrics
 
 VLLM = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.
@@ -78,3 +80,33 @@ def test_garbage_lines_are_skipped_and_usage_is_clamped() -> None:
 def test_an_answer_without_model_server_series_is_refused(text: str) -> None:
     with pytest.raises(MetricsParseError, match="no vLLM or SGLang metrics"):
         parse_metrics(text)
+
+
+def test_every_number_is_finite_and_clamped_whatever_the_server_says() -> None:
+    """Issue 34 (2): two ``1e308`` lines sum to infinity; negatives, infinities, NaN and
+    huge labels are an answer's too. Each field comes out finite, within [0, MAX_VALUE]."""
+    text = (
+        'vllm:num_requests_waiting{model_name="a"} 1e308\n'
+        'vllm:num_requests_waiting{model_name="b"} 1e308\n'
+        "vllm:num_requests_running -5\n"
+        "vllm:kv_cache_usage_perc -inf\n"
+        "vllm:prompt_tokens_total +Inf\n"
+        "vllm:request_prefill_time_seconds_sum 1e308\n"
+        "vllm:request_prefill_time_seconds_count 1e-300\n"
+        'vllm:cache_config_info{block_size="16",num_gpu_blocks="' + "9" * 5000 + '"} 1\n'
+        'vllm:cache_config_info{block_size="\u00b2",num_gpu_blocks="4"} 1\n'
+    )
+    m = parse_metrics(text)
+    assert m.waiting == MAX_VALUE
+    assert m.running == 0.0
+    assert m.kv_usage == 0.0
+    assert m.prompt_tokens_total is None  # an infinite value is not read
+    assert m.prefill_seconds_total == MAX_VALUE
+    assert m.kv_capacity_tokens is None  # neither label pair is a number we take
+    for value in (m.waiting, m.running, m.prefill_seconds_total, m.prefill_requests_total):
+        assert value is not None
+        assert math.isfinite(value)
+        assert 0 <= value <= MAX_VALUE
+    # many large lines of one series: the sum stops at the bound, never overflows
+    many = "".join(f'vllm:num_requests_running{{m="{i}"}} 1e300\n' for i in range(2000))
+    assert parse_metrics(many).running == MAX_VALUE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cachefleet_sidecar.cache.entry import Entry
+from cachefleet_sidecar.cache.l2 import plan_reads
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.contract.versioned import entry_head, judge_versioned_read, l1_id_line
 from cachefleet_sidecar.control.warm import judge
@@ -53,3 +54,22 @@ def test_the_purge_index_takes_what_it_names_and_sweeps_to_what_l1_holds() -> No
     assert len(index) == 2  # d3 is not resident
     assert index.take(["d2", "nope"]) == [("a", 2)]
     assert index.take(["d2"]) == []
+
+
+def test_warm_up_reads_are_planned_within_the_budget_in_bounded_batches() -> None:
+    """Issue 34 (6): what a warm-up reads is chosen by length before anything is read."""
+    mib = 1024 * 1024
+    # most recent first: what fits in what is left is read; a smaller one after a skipped
+    # one may still fit; a gone value (0) is not read nor counted
+    batches, unread = plan_reads([3 * mib, 2 * mib, 0, mib // 2], 4 * mib)
+    assert (batches, unread) == ([[0], [3]], 1)
+    # batches of at most batch_entries values and batch_bytes bytes (a larger one alone)
+    lengths = [100] * 10 + [5000] + [100] * 3
+    batches, unread = plan_reads(lengths, 10**6, batch_bytes=1000, batch_entries=4)
+    assert unread == 0
+    assert [i for b in batches for i in b] == list(range(14))
+    assert all(len(b) <= 4 for b in batches)
+    assert all(sum(lengths[i] for i in b) <= 1000 or len(b) == 1 for b in batches)
+    assert [10] in batches
+    assert plan_reads([], 10) == ([], 0)
+    assert plan_reads([5, 5], 0) == ([], 2)

@@ -38,7 +38,7 @@ from cachefleet_operator.kubectl_plugin.cluster import (
 )
 from cachefleet_sidecar.cache import keys
 from cachefleet_sidecar.contract.names import cache_ref, valid_name
-from cachefleet_sidecar.contract.urls import redact_url
+from cachefleet_sidecar.contract.urls import parse_redis_url, redact_url
 
 PROG = "kubectl cachefleet"
 #: Exit statuses (1 is any error talking to the cluster, as kubectl's).
@@ -189,9 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
             "tenant (--tenant), model (--model), namespace (one cache namespace of a tenant: "
             "--tenant and --namespace-value, the X-Cache-Namespace header's value; -n/--namespace "
             "stays the Kubernetes namespace) or key (one entry: --key, the X-Cache-Key header "
-            "of a response, optionally --tenant). The flags are checked before anything is "
-            "created. With --wait, follows it like "
-            "kubectl rollout status, printing each change, until Completed (exit 0), Failed "
+            "of a response, optionally --tenant). The flags are checked before the API is "
+            "asked (a bad one exits 2 even when the cluster is out of reach). With --wait, "
+            "follows it like kubectl rollout status, printing each change, until Completed "
+            "(exit 0), Failed "
             f"(exit {EXIT_INVALIDATION_FAILED}, lagging pods named) or no outcome within "
             f"--timeout plus {RESULT_GRACE_S:.0f}s for the operator to write it "
             f"(exit {EXIT_TIMEOUT})."
@@ -259,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--path", default=explain.DEFAULT_PATH, help="endpoint and query (default %(default)s)"
     )
     key.add_argument(
-        "--tenant", default=explain.DEFAULT_TENANT, help="tenant (default %(default)s)"
+        "--tenant",
+        default=explain.DEFAULT_TENANT,
+        help=f"tenant ({NAME_RULE}, as the sidecar accepts; default %(default)s)",
     )
     key.add_argument(
         "--namespace-value",
@@ -344,6 +347,11 @@ def _only_cache(cluster: Cluster, name: str | None) -> dict[str, Any]:
 
 
 def cmd_top(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    if args.redis_url is not None:
+        try:
+            parse_redis_url(args.redis_url)
+        except ValueError as exc:
+            raise UsageError(f"--redis-url: {exc}") from exc
     cluster = _cluster(args)
     cache = _only_cache(cluster, args.name)
     ns, name = (
@@ -397,6 +405,11 @@ def _redis_url(cluster: Cluster, namespace: str, spec: Mapping[str, Any]) -> str
     return cluster.secret_value(namespace, str(ref["name"]), str(ref.get("key") or "url"))
 
 
+#: Stands for the cache's ``spec.model.name`` while the flags are checked before the API
+#: is asked (``--scope model`` without ``--model`` takes it from the cache).
+_MODEL_OF_THE_CACHE = object()
+
+
 def invalidation_body(
     cache: Mapping[str, Any],
     scope: str,
@@ -410,7 +423,28 @@ def invalidation_body(
     ``model``, ``namespace``, ``key``); a flag the scope does not take, or a
     missing one it needs, is an error naming the flag.
     """
-    name = str(cache["metadata"]["name"])
+    default = ((cache.get("spec") or {}).get("model") or {}).get("name")
+    return _invalidation(
+        str(cache["metadata"]["name"]), scope, reason, timeout_s, default or None, given
+    )
+
+
+def check_invalidation_flags(
+    name: str, scope: str, reason: str | None, timeout_s: int, **given: str | None
+) -> None:
+    """:func:`invalidation_body`'s checks of the flags alone, before any API call: a usage
+    error is one whatever the cluster (the cache adds only ``--scope model``'s default)."""
+    _invalidation(name, scope, reason, timeout_s, _MODEL_OF_THE_CACHE, given)
+
+
+def _invalidation(
+    name: str,
+    scope: str,
+    reason: str | None,
+    timeout_s: int,
+    default_model: object,
+    given: Mapping[str, str | None],
+) -> dict[str, Any]:
     if scope not in SCOPE_FLAGS:
         raise UsageError(f"--scope {scope!r}: one of {', '.join(SCOPE_FLAGS)}")
     needed, optional = SCOPE_FLAGS[scope]
@@ -423,10 +457,10 @@ def invalidation_body(
                 f"not --scope {scope}"
             )
     if scope == "model" and "model" not in values:
-        default = ((cache.get("spec") or {}).get("model") or {}).get("name")
-        if not default:
+        if default_model is None:
             raise UsageError("--scope model needs --model (the cache's spec names no model)")
-        values["model"] = str(default)
+        # checked before the API is asked: any name stands for the cache's (no rule on it)
+        values["model"] = "model" if default_model is _MODEL_OF_THE_CACHE else str(default_model)
     missing = [FIELD_FLAGS[f] for f in needed if f not in values]
     if missing:
         hint = KEY_HINT if "--key" in missing else ""
@@ -497,19 +531,17 @@ def wait_for_outcome(
 
 def cmd_invalidate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     timeout_s = parse_duration(args.timeout, "--timeout")
+    flags = {
+        "tenant": args.tenant,
+        "model": args.model,
+        "namespace": args.namespace_value,
+        "key": args.key,
+    }
+    check_invalidation_flags(args.name, args.scope, args.reason, timeout_s, **flags)
     cluster = _cluster(args)
     ns = cluster.target.namespace
     cache = cluster.get(CACHES, ns, args.name)
-    body = invalidation_body(
-        cache,
-        args.scope,
-        args.reason,
-        timeout_s,
-        tenant=args.tenant,
-        model=args.model,
-        namespace=args.namespace_value,
-        key=args.key,
-    )
+    body = invalidation_body(cache, args.scope, args.reason, timeout_s, **flags)
     # as a manifest names it (the API server would fill it in from the path anyway)
     body["metadata"]["namespace"] = ns
     created = cluster.create(INVALIDATIONS, ns, body)
@@ -570,6 +602,9 @@ def cmd_explain_key(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: A
         raise UsageError("explain-key takes one or two files")
     if files.count("-") > 1:
         raise UsageError("stdin (-) can be read once")
+    if not valid_name(args.tenant):
+        # what the sidecar answers 400 to (``a/b`` would also read as tenant a, namespace b)
+        raise UsageError(f"--tenant {args.tenant!r}: {NAME_RULE}")
     namespace = args.namespace_value
     if namespace and not valid_name(namespace):
         # what the sidecar answers 400 to

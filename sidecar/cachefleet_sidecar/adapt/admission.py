@@ -11,7 +11,9 @@ The rules (docs/admission.md):
 * the server is *saturated* while its prefill queue holds at least
   ``max_waiting`` requests, its KV cache is at least ``max_kv_usage`` full, or
   (when ``max_running`` is set) at least that many requests run;
-  a reading that failed counts as not saturated (and is counted);
+  a reading that failed counts as not saturated (and is counted); the numbers of
+  one that did not are taken within bounds (NaN and negatives as 0, no count
+  above 2**53, no mean prefill above an hour), so no answer can break the arithmetic;
 * between two readings, every request this sidecar sent upstream counts as
   one more waiting (and running) request: the reading cannot show it yet, and
   without it every request until the next reading would see the old room;
@@ -55,6 +57,11 @@ DEFAULT_STANDARD_MAX_WAIT_S = 10.0
 #: Bounds of ``Retry-After``, seconds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
+#: Largest count a reading's field is taken as (requests waiting or running).
+MAX_READ_COUNT = 2.0**53
+#: Largest mean prefill time per request believed, seconds (the estimate only feeds
+#: ``Retry-After``, which stops at :data:`MAX_RETRY_AFTER_S` anyway).
+MAX_PREFILL_S = 3600.0
 
 #: Refusal reasons (the ``reason`` label of the refusal counter and the error body).
 REASON_SATURATED_QUEUE = "saturated_queue"
@@ -122,6 +129,15 @@ ADMIT = Decision("admit")
 WAIT = Decision("wait")
 
 
+def _bounded(value: float, top: float) -> float:
+    """``value`` within [0, ``top``]: NaN, a negative number or no number is 0."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return min(top, number) if number > 0 else 0.0  # NaN > 0 is False
+
+
 def normal_class(priority_class: str | None) -> str:
     """The class admission applies: a tenant without one (or an unknown name) is Standard."""
     return priority_class if priority_class in (GUARANTEED, BEST_EFFORT) else STANDARD
@@ -165,10 +181,14 @@ class Admission:
             self.faults += 1
             self.waiting = self.running = self.kv_usage = 0.0
         else:
-            self.waiting, self.running = metrics.waiting, metrics.running
-            self.kv_usage = metrics.kv_usage
-            if metrics.prefill_seconds_total and metrics.prefill_requests_total:
-                self.prefill_s = metrics.prefill_seconds_total / metrics.prefill_requests_total
+            # a reading is a model server's word: finite and within bounds, whatever it says
+            self.waiting = _bounded(metrics.waiting, MAX_READ_COUNT)
+            self.running = _bounded(metrics.running, MAX_READ_COUNT)
+            self.kv_usage = _bounded(metrics.kv_usage, 1.0)
+            seconds = _bounded(metrics.prefill_seconds_total or 0.0, MAX_READ_COUNT)
+            count = _bounded(metrics.prefill_requests_total or 0.0, MAX_READ_COUNT)
+            if seconds > 0 and count >= 1:
+                self.prefill_s = min(MAX_PREFILL_S, seconds / count)
         self._assess()
         was = self.shedding_since is not None
         if self.saturated and not was:
@@ -218,7 +238,10 @@ class Admission:
 
     def retry_after_s(self) -> int:
         """``Retry-After`` in whole seconds: the drain estimate, within its bounds."""
-        return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, math.ceil(self.drain_s())))
+        drain = self.drain_s()
+        if not drain < MAX_RETRY_AFTER_S:  # NaN and infinity included
+            return MAX_RETRY_AFTER_S
+        return max(MIN_RETRY_AFTER_S, math.ceil(drain))
 
     # -------------------------------------------------------------- decisions
     def decide(

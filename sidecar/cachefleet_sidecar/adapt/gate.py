@@ -2,9 +2,11 @@
 
 The decisions are :mod:`cachefleet_sidecar.adapt.admission`'s (pure); this adapter
 feeds it a reading every :data:`METRICS_POLL_S` (parsed by
-:func:`modelserver.parse_metrics`; a reading that fails, times out or names no
-model server counts as "not saturated" and is counted), turns parked Standard
-requests into futures the request waits on, and renders refusals (429 / 503
+:func:`modelserver.parse_metrics`; a reading that fails, takes longer than
+:data:`METRICS_TIMEOUT_S` in all, is larger than :data:`MAX_METRICS_BYTES` or
+names no model server counts as "not saturated" and is counted; the poller
+outlives any answer), turns parked Standard requests into futures the request
+waits on (each up to its own maximum wait, readings or not), and renders refusals (429 / 503
 with ``Retry-After`` and a JSON body that gives the reason). The sidecar asks
 it for every request about to go upstream (it counts them until a reading can
 show them): a cache hit never meets it.
@@ -28,7 +30,11 @@ from cachefleet_sidecar.adapt.admission import (
     Decision,
     normal_class,
 )
-from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
+from cachefleet_sidecar.adapt.modelserver import (
+    MetricsParseError,
+    ModelServerMetrics,
+    parse_metrics,
+)
 from cachefleet_sidecar.contract.urls import redact_url
 from cachefleet_sidecar.http.server import error_response
 
@@ -36,7 +42,8 @@ log = logging.getLogger("cachefleet.admission")
 
 #: How often the model server's /metrics is read, seconds.
 METRICS_POLL_S = 0.5
-#: How long one read may take before it counts as a fault, seconds.
+#: How long one reading may take in all (connect, headers, body) before it counts as a
+#: fault, seconds.
 METRICS_TIMEOUT_S = 1.0
 #: Largest /metrics answer read (a model server's is tens of kB).
 MAX_METRICS_BYTES = 4 * 1024 * 1024
@@ -69,10 +76,14 @@ class AdmissionGate:
         on_wait: Callable[[str], None] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         poll_s: float = METRICS_POLL_S,
+        read_timeout_s: float = METRICS_TIMEOUT_S,
     ) -> None:
         self.core = Admission(config)
         self.metrics_url = metrics_url
         self.poll_s = poll_s
+        self.read_timeout_s = read_timeout_s
+        #: Readings taken (failed ones included).
+        self.polls = 0
         self._on_refusal = on_refusal
         self._on_wait = on_wait
         self._transport = transport
@@ -97,31 +108,65 @@ class AdmissionGate:
 
     async def _run(self) -> None:
         while True:
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # never: poll_once takes any answer; the poller must not die
+                log.exception("admission poll failed")
             await asyncio.sleep(self.poll_s)
 
-    async def read_metrics(self) -> Any:
-        """One reading of the model server (None when it failed)."""
+    async def read_metrics(self) -> ModelServerMetrics | None:
+        """One reading of the model server (None when it failed).
+
+        Bounded in time as a whole (:data:`METRICS_TIMEOUT_S`, however slowly the
+        answer trickles in) and in size (:data:`MAX_METRICS_BYTES`, read as it
+        streams in: a larger answer is a failed reading, the rest is never read).
+        """
         if self._client is None:
             self._client = httpx.AsyncClient(
                 timeout=METRICS_TIMEOUT_S, transport=self._transport, follow_redirects=False
             )
         try:
-            resp = await self._client.get(self.metrics_url)
-            resp.raise_for_status()
-            if len(resp.content) > MAX_METRICS_BYTES:
-                raise MetricsParseError("answer too large")
-            return parse_metrics(resp.text)
-        except (httpx.HTTPError, MetricsParseError, UnicodeDecodeError) as exc:
-            log.debug("model server metrics unreadable: %s", exc)
+            async with asyncio.timeout(self.read_timeout_s):
+                body = await self._read_body(self._client)
+            return parse_metrics(body.decode("utf-8"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any answer, or none in time, is a failed reading
+            log.debug("model server metrics unreadable: %s", str(exc) or type(exc).__name__)
             return None
+
+    async def _read_body(self, client: httpx.AsyncClient) -> bytes:
+        """The answer's body, as sent (identity), up to :data:`MAX_METRICS_BYTES`."""
+        headers = {"accept-encoding": "identity"}
+        async with client.stream("GET", self.metrics_url, headers=headers) as resp:
+            resp.raise_for_status()
+            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):  # its expanded size is unknown: not read
+                raise MetricsParseError(f"answer encoded as {encoding!r}")
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > MAX_METRICS_BYTES:
+                raise MetricsParseError(f"answer of {declared} bytes")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in resp.aiter_raw():
+                size += len(chunk)
+                if size > MAX_METRICS_BYTES:
+                    raise MetricsParseError(f"answer over {MAX_METRICS_BYTES} bytes")
+                chunks.append(chunk)
+            return b"".join(chunks)
 
     async def poll_once(self) -> None:
         """Read once, update the core, let parked requests go or time them out."""
         reading = await self.read_metrics()
+        self.polls += 1
         now = time.monotonic()
         core = self.core
-        if core.observe(reading, now):
+        try:
+            changed = core.observe(reading, now)
+        except Exception:  # a reading the core cannot take is a failed reading
+            log.exception("admission could not take a reading")
+            changed = core.observe(None, now)
+        if changed:
             if self.shedding:
                 log.warning(
                     "shedding started: model server saturated (%s; waiting %g, KV %.0f%%)",
@@ -156,16 +201,28 @@ class AdmissionGate:
             assert ticket is not None
             if self._on_wait is not None:
                 self._on_wait(tenant)
-            try:
-                decision = await ticket
-            except asyncio.CancelledError:
-                core.abandon(ticket)
-                raise
+            decision = await self._wait(ticket)
         if decision.action == "admit":
             return None
         if self._on_refusal is not None:
             self._on_refusal(tenant, normal_class(priority_class), decision.reason)
         return refusal_response(decision)
+
+    async def _wait(self, ticket: asyncio.Future[Decision]) -> Decision:
+        """A parked request's answer: what a reading decides, or, once its own maximum wait
+        has passed without one (readings stalled or still saturated), the timeout's."""
+        core = self.core
+        try:
+            return await asyncio.wait_for(asyncio.shield(ticket), core.config.standard_max_wait_s)
+        except TimeoutError:
+            if ticket.done():  # a reading settled it as the wait ran out
+                return ticket.result()
+            core.abandon(ticket)
+            ticket.cancel()
+            return core.timeout_decision()
+        except asyncio.CancelledError:
+            core.abandon(ticket)
+            raise
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -6,7 +6,9 @@ it, so vLLM's and SGLang's names are spelled here and nowhere else.
 
 Only the few series routing and admission need are read; every other line is
 skipped without being parsed. A series exported once per label set (one per
-model or LoRA adapter) is summed. Names, by server:
+model or LoRA adapter) is summed. A value that is not finite is skipped; every
+value, and every sum, is clamped into ``[0, MAX_VALUE]`` (an answer is not
+trusted: no reading can make its reader's arithmetic overflow). Names, by server:
 
 =====================  ==================================  =============================
 field                  vLLM                                SGLang
@@ -129,6 +131,10 @@ _BY_LABEL: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
 _NOT_SUMMED = frozenset({"kv_usage", "prefix_hit_ratio", "kv_capacity_tokens", "_block_tokens"})
 _VLLM_CACHE_INFO = "vllm:cache_config_info"
 _PREFIXES = ("vllm:", "sglang:", "nv_trt_llm_", "trtllm_")
+#: Largest number a field takes (2**53: every integer below it is exact as a float). A
+#: model server's answer is not trusted: each value, and each field's sum over label
+#: sets, is clamped into [0, MAX_VALUE], so no arithmetic on a reading can overflow.
+MAX_VALUE = float(2**53)
 
 
 class MetricsParseError(ValueError):
@@ -144,6 +150,17 @@ def _label(labels: str, name: str) -> str | None:
     start += len(key)
     end = labels.find('"', start)
     return labels[start:end] if end >= 0 else None
+
+
+def _small_int(text: str | None) -> int | None:
+    """A label's non-negative integer of at most 15 ASCII digits (None: anything else)."""
+    if text and len(text) <= 15 and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
+def _clamped(value: float) -> float:
+    return min(MAX_VALUE, max(-MAX_VALUE, value))
 
 
 def parse_metrics(text: str) -> ModelServerMetrics:
@@ -179,10 +196,12 @@ def parse_metrics(text: str) -> ModelServerMetrics:
             continue
         if not math.isfinite(value):
             continue
+        value = _clamped(value)
         if name == _VLLM_CACHE_INFO:
-            blocks, size = _label(labels, "num_gpu_blocks"), _label(labels, "block_size")
-            if blocks and size and blocks.isdigit() and size.isdigit():
-                capacity = int(blocks) * int(size)
+            blocks = _small_int(_label(labels, "num_gpu_blocks"))
+            size = _small_int(_label(labels, "block_size"))
+            if blocks is not None and size is not None:
+                capacity = min(int(MAX_VALUE), blocks * size)
                 server = server or "vllm"
             continue
         known = _SERIES.get(name)
@@ -203,9 +222,10 @@ def parse_metrics(text: str) -> ModelServerMetrics:
     if trt_blocks is not None and block_tokens is not None and capacity is None:
         tokens = trt_blocks * (block_tokens / counts["_block_tokens"])
         if math.isfinite(tokens) and tokens > 0:
-            capacity = int(tokens)
+            capacity = int(min(MAX_VALUE, tokens))
     for field, total in sums.items():
         value = total / counts[field] if field in _NOT_SUMMED else total
+        value = min(MAX_VALUE, max(0.0, value))  # a sum of many clamped values, or negative
         if field == "kv_capacity_tokens":
             out.kv_capacity_tokens = int(value)
         else:

@@ -10,8 +10,11 @@ The sidecar honours four request directives:
 
 Which of them a tenant may use is the InferenceCache's per-tenant
 ``cacheControl`` (:class:`Allowed`): a tenant that may not bypass the cache
-has its ``no-cache`` / ``no-store`` ignored, one that may not choose
-freshness its ``max-age``; each ignored directive is counted.
+has its ``no-cache`` / ``no-store`` ignored, and ``max-age=0`` too (no entry
+is 0 s old when read: it is a bypass, taken as ``no-cache`` where bypassing is
+allowed); one that may not choose freshness has its ``max-age`` ignored; each
+ignored directive is counted. Several ``Cache-Control`` field lines are one
+list (RFC 9110 5.3): the caller joins them before :func:`parse`.
 ``only-if-cached`` never costs the model anything and is always obeyed.
 Unknown directives and malformed values are ignored, as RFC 9111 asks.
 """
@@ -84,6 +87,13 @@ def parse(header: bytes | None, allowed: Allowed = ALL_ALLOWED) -> Directives:
             seconds = _delta_seconds(value)
             if seconds is not None:  # the smallest of repeated max-ages wins
                 max_age = seconds if max_age is None else min(max_age, seconds)
+    if max_age == 0:
+        # no entry is 0 s old when it is read: a bypass, under the bypass allowance
+        max_age = None
+        if allowed.bypass:
+            no_cache = True
+        else:
+            ignored.append(MAX_AGE)
     if not allowed.bypass:
         if no_cache:
             ignored.append("no-cache")

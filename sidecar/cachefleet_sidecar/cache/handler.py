@@ -246,17 +246,22 @@ class Keying:
         return self._lookup_of(tenant, key, cc, version, namespace, True)
 
     def _scan(self, headers: list[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
-        """The first namespace and ``Cache-Control`` header values (None when absent),
-        in one pass over the (lowercased) headers."""
+        """The first namespace header value and the ``Cache-Control`` field (None when
+        absent), in one pass over the (lowercased) headers. ``Cache-Control`` field lines
+        combine into one list, in order (RFC 9110 5.3)."""
         ns_name = self.namespace_header
         ns: bytes | None = None
         cc: bytes | None = None
         for name, value in headers:
             if name == ns_name and ns is None:
                 ns = value
-            if name == b"cache-control" and cc is None:
-                cc = value
+            if name == b"cache-control":
+                cc = value if cc is None else cc + b"," + value
         return ns, cc
+
+    def only_if_cached(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Whether the request's ``Cache-Control`` says ``only-if-cached`` (any tenant may)."""
+        return directives.parse(self._scan(headers)[1]).only_if_cached
 
     def _lookup_of(
         self,
@@ -658,6 +663,9 @@ class Handler:
                 tenant = self._resolve(request.headers, request.peer)
             except Refusal as exc:
                 conn.write(exc.response())
+                return
+            if self.keying.only_if_cached(request.headers):
+                conn.write(_not_cached())  # nothing on this path is ever cached
                 return
             await self.relay.passthrough(
                 request, conn, tenant=tenant, reason=keys.NOT_CACHED_ENDPOINT

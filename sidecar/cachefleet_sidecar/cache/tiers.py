@@ -36,7 +36,7 @@ from cachefleet_sidecar.tasks import Background
 if TYPE_CHECKING:
     from cachefleet_sidecar.adapt.switching import SwitchingEngine
     from cachefleet_sidecar.cache.handler import Keying, Lookup
-    from cachefleet_sidecar.cache.l2 import L2Counters, L2Read
+    from cachefleet_sidecar.cache.l2 import L2Counters, L2Read, Recent
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -83,12 +83,12 @@ class L2(Protocol):
     async def usage(self, tenant: str) -> tuple[int, int]: ...
 
     async def recent(
-        self, tenant: str, limit: int, timeout_s: float
-    ) -> tuple[list[tuple[str, bytes | None]], dict[str, int]] | None: ...
+        self, tenant: str, limit: int, timeout_s: float, budget_bytes: int
+    ) -> Recent | None: ...
 
     async def recent_guests(
-        self, limit: int, timeout_s: float
-    ) -> tuple[list[tuple[str, str, bytes | None]], dict[str, int]] | None: ...
+        self, limit: int, timeout_s: float, budget_bytes: int
+    ) -> Recent | None: ...
 
     def forget_registrations(self) -> None: ...
 

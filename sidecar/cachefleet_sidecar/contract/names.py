@@ -31,8 +31,9 @@ class Policy(StrEnum):
 
 
 def valid_name(value: str) -> bool:
-    """True if ``value`` may be used as a tenant or pod name in keys and labels."""
-    return bool(NAME_RE.match(value))
+    """True if ``value`` may be used as a tenant or pod name in keys and labels (the whole
+    of it: ``$`` alone would let a trailing newline through)."""
+    return NAME_RE.fullmatch(value) is not None
 
 
 def cache_ref(namespace: str, name: str) -> str:

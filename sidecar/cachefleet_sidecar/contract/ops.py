@@ -574,7 +574,13 @@ async def purge_fence(
 async def purges_since(
     client: AnyClient, cache: str, after: int, upto: int, *, timeout_s: float | None = None
 ) -> tuple[list[str], bool]:
-    """(digests purged with sequence numbers in (after, upto], whether the log held them all)."""
+    """(digests purged with sequence numbers in (after, upto], whether the log held them all).
+
+    What it holds costs memory in proportion to the log (at most :data:`PURGE_LOG_MAX`
+    members), never to the range: a new pod asks from 0 up to a counter that may be
+    in the tens of millions. The log held them all when it holds as many distinct
+    numbers in the range as the range has.
+    """
     if upto <= after:
         return [], True
     (raw,) = await run(
@@ -585,11 +591,14 @@ async def purges_since(
     for member in raw:
         seq, _, digest = _text(member).partition(":")
         try:
-            seen.add(int(seq))
+            number = int(seq)
         except ValueError:
             continue
+        if not after < number <= upto:
+            continue
+        seen.add(number)
         digests.append(digest)
-    return digests, seen >= set(range(after + 1, upto + 1))
+    return digests, len(seen) == upto - after
 
 
 # ------------------------------------------------------------------- fleet samples

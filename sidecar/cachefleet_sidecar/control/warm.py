@@ -9,8 +9,13 @@ LRU sorted set, :func:`cachefleet_sidecar.contract.names.lru_key`: a fine proxy 
 
 * bounded in bytes (``--warm-bytes`` over all tenants, and each tenant's own
   L1 share, which the L1 enforces), in entries per tenant
-  (:data:`WARM_ENTRIES_PER_TENANT`) and in round trips (two per tenant:
-  :meth:`cachefleet_sidecar.cache.l2.RedisL2.recent`);
+  (:data:`WARM_ENTRIES_PER_TENANT`), and in what it reads: each value's length
+  is asked first, and only values that fit in what is left of the budget (and
+  of the tenant's share) are read, in batches of at most
+  :data:`~cachefleet_sidecar.cache.l2.WARM_BATCH_BYTES` /
+  :data:`~cachefleet_sidecar.cache.l2.WARM_BATCH_ENTRIES`
+  (:meth:`cachefleet_sidecar.cache.l2.RedisL2.recent`): a warm-up never holds
+  much more than ``--warm-bytes`` of values, however large the entries;
 * bounded in time (``--warm-timeout``): a Redis that is down or slow ends the
   warm-up, never readiness;
 * every value is judged as a versioned read would judge it (:func:`judge`):
@@ -67,6 +72,8 @@ class WarmReport:
     #: Tenants with an entry warmed, and of them the unlisted ones (guests).
     tenants: int = 0
     guests: int = 0
+    #: Bytes of values read from L2 (at most the budget).
+    read_bytes: int = 0
     #: Values read but not warmed, by reason.
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: float | None = None
@@ -81,6 +88,7 @@ class WarmReport:
             "bytes": self.bytes,
             "tenants": self.tenants,
             "guests": self.guests,
+            "read_bytes": self.read_bytes,
             "skipped": dict(sorted(self.skipped.items())),
             "seconds": None if self.seconds is None else round(self.seconds, 3),
         }
@@ -160,11 +168,14 @@ async def warm_l1(
             if left <= 0:
                 break
             version = tracker.version
-            got = await l2.recent(tenant, per_tenant, read_timeout_s)
+            cap = share(tenant)
+            room = left if cap is None else min(left, cap)
+            got = await l2.recent(tenant, per_tenant, read_timeout_s, room)
             if got is None:
                 report.skip("redis")
                 continue
-            values, fence = got
+            values, fence, unread = got
+            _read(report, unread, (v for _, v in values))
             if tracker.version != version:
                 report.skip("epochs_moved")
                 continue
@@ -195,11 +206,12 @@ async def _warm_guests(
 ) -> None:
     """:func:`warm_l1`'s guests: the pool's most recent entries, by guest, ``left`` bytes."""
     version = tracker.version
-    got = await l2.recent_guests(limit, read_timeout_s)
+    got = await l2.recent_guests(limit, read_timeout_s, left)
     if got is None:
         report.skip("redis")
         return
-    pool, fence = got
+    pool, fence, unread = got
+    _read(report, unread, (v for _, _, v in pool))
     if tracker.version != version:
         report.skip("epochs_moved")
         return
@@ -223,6 +235,13 @@ async def _warm_guests(
     before = report.tenants
     _count(report, resident, stored)
     report.guests += report.tenants - before
+
+
+def _read(report: WarmReport, unread: int, values: Iterable[bytes | None]) -> None:
+    """Count what one read took from L2, and what it left unread for the budget."""
+    report.read_bytes += sum(len(v) for v in values if v is not None)
+    if unread:
+        report.skipped["over_budget"] = report.skipped.get("over_budget", 0) + unread
 
 
 def _fill(
