@@ -221,8 +221,8 @@ def parse_metrics(text: str) -> ModelServerMetrics:
     trt_blocks, block_tokens = sums.pop("_blocks", None), sums.pop("_block_tokens", None)
     if trt_blocks is not None and block_tokens is not None and capacity is None:
         tokens = trt_blocks * (block_tokens / counts["_block_tokens"])
-        if math.isfinite(tokens) and tokens > 0:
-            capacity = int(min(MAX_VALUE, tokens))
+        if 0 < tokens < MAX_VALUE:  # beyond it (or inf, NaN): no capacity at all
+            capacity = int(tokens)
     for field, total in sums.items():
         value = total / counts[field] if field in _NOT_SUMMED else total
         value = min(MAX_VALUE, max(0.0, value))  # a sum of many clamped values, or negative
