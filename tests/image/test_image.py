@@ -7,7 +7,8 @@ image` first), then checks the image's metadata (numeric non-root user,
 `cachefleet` entry point), runs `cachefleet --help` in it, checks the final
 stage carries no compiler, runs the sidecar from the image in front of a
 stand-in model server on the host's loopback, answering a request through it (a
-miss, then the same request as an L1 hit), and checks the release: the OCI
+miss, then the same request as an L1 hit), checks it holds exactly the
+distributions of requirements/runtime.txt, and checks the release: the OCI
 archive holds this image under NAME:VERSION and the packaged chart asks for
 exactly that reference.
 """
@@ -30,6 +31,7 @@ import helm_python
 import httpx
 import pytest
 import yaml
+from packaging.utils import canonicalize_name
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import free_port
@@ -271,3 +273,22 @@ def test_release_archive_is_the_image_and_the_chart_asks_for_it(dist: Path) -> N
     ]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["image"] == ref_name
+
+
+FREEZE = (
+    "import importlib.metadata as m\n"
+    "for d in m.distributions(): print(d.metadata['Name'], d.version)"
+)
+
+
+def test_the_image_holds_exactly_the_runtime_lock(container: Container) -> None:
+    installed = {}
+    for line in container.run("python3", "-c", FREEZE).splitlines():
+        name, version = line.split()
+        installed[canonicalize_name(name)] = version
+    locked = {}
+    for line in (ROOT / "requirements" / "runtime.txt").read_text().splitlines():
+        if found := re.match(r"^([A-Za-z0-9._-]+)==(\S+)", line):
+            locked[canonicalize_name(found.group(1))] = found.group(2)
+    assert installed.pop("cachefleet") == VERSION
+    assert installed == locked
