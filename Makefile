@@ -10,12 +10,14 @@ DEBS    := redis-server:redis-server prometheus:prometheus promtool:prometheus n
 
 LOCK    := requirements/lock.txt
 BUILD   := requirements/build.txt
+# What the image installs: pyproject.toml without extras, at the lock's versions.
+RUNTIME := requirements/runtime.txt
 # The lock covers every extra the Makefile installs; `make lock` refreshes it on purpose.
 EXTRAS  := --extra dev --extra demo --extra semantic
 # The CPU build of torch that the semantic tier needs lies in /opt/wheels on these machines.
 FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test lint unit integration bench crds docs deps venv clean image lock
+.PHONY: demo test lint unit integration bench crds docs deps venv clean image release lock
 
 deps:
 	@missing=""; for pair in $(DEBS); do \
@@ -44,6 +46,8 @@ lock: venv
 	  $(FIND) --no-emit-find-links --upgrade -o $(LOCK)
 	$(BIN)/uv pip compile requirements/build.in --generate-hashes --python-version 3.11 \
 	  --upgrade -o $(BUILD)
+	$(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
+	  --no-emit-find-links -c $(LOCK) -o $(RUNTIME)
 
 venv: $(STAMP)
 
@@ -68,11 +72,25 @@ crds: venv
 test: deps venv lint
 	$(BIN)/pytest -q
 
-# The container image, tagged localhost/cachefleet:<version> (IMAGE=... to change) in the
-# local store of docker, podman or buildah, whichever is here (buildah and mmdebstrap are
-# installed with apt when none is); BASE=... picks the base image. See scripts/build-image.sh.
+# The one version (pyproject.toml): the image's tag, the chart's version and appVersion.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+# The image's name without a tag (the tag is always VERSION): what `make image` builds, what
+# `make release` saves and stamps into the packaged chart's image.repository. The default is
+# the chart's default (tests/chart/test_release.py holds them equal); nothing publishes it
+# from this repository, so set IMAGE=<your registry>/cachefleet for a cluster (docs/install.md).
+IMAGE   ?= ghcr.io/cachefleet/cachefleet
+DIST    := dist
+
+# The container image $(IMAGE):$(VERSION) in the local store of docker, podman or buildah,
+# whichever is here (buildah and mmdebstrap are installed with apt when none is); BASE=...
+# picks the base image. Its Python packages come from $(RUNTIME). See scripts/build-image.sh.
 image: venv
-	./scripts/build-image.sh
+	IMAGE=$(IMAGE) ./scripts/build-image.sh
+
+# The release artefacts under dist/: the image as an OCI archive, the chart packaged, the
+# CRDs as one manifest, SHA256SUMS (scripts/release.sh; installing them: docs/install.md).
+release: image
+	IMAGE=$(IMAGE) DIST=$(DIST) ./scripts/release.sh
 
 bench: deps venv
 	$(BIN)/cachefleet bench all

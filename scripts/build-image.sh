@@ -2,32 +2,34 @@
 # Build the cachefleet image (Containerfile) with whichever builder is here:
 # docker (with a running daemon), podman, or buildah. `make image` runs this.
 #
-#   IMAGE    tag to build (default localhost/cachefleet:<version in pyproject.toml>)
+#   IMAGE    the image's name without a tag (the Makefile's IMAGE; default: the chart's
+#            image.repository); the tag is always the version in pyproject.toml
 #   BASE     base image of both stages (default: python:3.11-slim-bookworm for
 #            docker/podman; for buildah without BASE, a Debian bookworm base made
 #            from Debian packages by mmdebstrap, as no registry image may be reachable)
 #   BUILDER  force docker | podman | buildah
 #
-# The wheelhouse (build/wheels) is made on the host with pip and installed in
-# the image with --no-index: the build itself needs no network.
+# The wheelhouse (build/wheels) is made on the host with pip: the project's wheel and
+# requirements/runtime.txt's exact versions, checked against its hashes; the image installs
+# it with --no-index --require-hashes, so the build itself needs no network and installs
+# what the lock says. Prints the image reference NAME:VERSION.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PY:-.venv/bin/python}
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
-IMAGE=${IMAGE:-localhost/cachefleet:$VERSION}
+NAME=${IMAGE:-$(sed -n 's/^  repository: //p' charts/cachefleet/values.yaml | head -1)}
+case "${NAME##*/}" in
+  *:* | *@*) echo "IMAGE=$NAME: give the name without a tag; the tag is the version ($VERSION)" >&2; exit 2 ;;
+esac
+IMAGE=$NAME:$VERSION
+RUNTIME=requirements/runtime.txt
 LOCAL_BASE=localhost/cachefleet-base:bookworm
 WHEELS=build/wheels
 
+# shellcheck source=scripts/builder.sh
+. scripts/builder.sh
 log() { printf '[image] %3ss %s\n' "$SECONDS" "$*" >&2; }
-
-pick_builder() {
-  if [ -n "${BUILDER:-}" ]; then echo "$BUILDER"; return; fi
-  if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then echo docker; return; fi
-  if command -v podman >/dev/null 2>&1; then echo podman; return; fi
-  if command -v buildah >/dev/null 2>&1; then echo buildah; return; fi
-  echo none
-}
 
 apt_install() {
   local sudo=""
@@ -88,9 +90,12 @@ mkdir -p "$WHEELS"
 quiet() { grep -v "^WARNING: Location" >&2 || true; }
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps --wheel-dir "$WHEELS" . 2>&1 | quiet
 wheel=$(ls "$WHEELS"/cachefleet-*.whl)
-"$PY" scripts/pip-for-python.py "$pyver" download -q --disable-pip-version-check \
-  --only-binary=:all: --python-version "$pyver" --dest "$WHEELS" "$wheel" 2>&1 | quiet
+# The lock is resolved for Python 3.11 with no environment markers left in it, so
+# --python-version only picks the wheels' ABI tags.
+"$PY" -m pip download -q --disable-pip-version-check --no-deps --require-hashes \
+  --only-binary=:all: --python-version "$pyver" --dest "$WHEELS" -r "$RUNTIME" 2>&1 | quiet
 ls "$WHEELS"/redis-*.whl >/dev/null  # the download worked (its output is filtered)
+cp "$RUNTIME" "$WHEELS/runtime.txt"
 
 log "building $IMAGE with $builder on $BASE"
 previous=""

@@ -42,10 +42,11 @@ import json
 import threading
 import time
 from collections import Counter
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from cachefleet_e2e.httpserver import StandInHTTPServer
 from cachefleet_sidecar.cache.semantic import hashed_ngrams
 
 #: Characters of an input the stand-in embeds (a real model truncates at its sequence length).
@@ -81,8 +82,7 @@ class FakeUpstream:
         self._lock = threading.Lock()
         self._counter = 0
         handler = type("Handler", (_Handler,), {"upstream": self})
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
+        self.server = StandInHTTPServer((host, port), handler)
         self._thread: threading.Thread | None = None
 
     @property

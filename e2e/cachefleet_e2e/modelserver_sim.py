@@ -46,9 +46,11 @@ import time
 from bisect import bisect_left
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
+
+from cachefleet_e2e.httpserver import StandInHTTPServer
 
 #: Tokens per KV block (vLLM's default block size).
 DEFAULT_BLOCK_TOKENS = 16
@@ -181,8 +183,7 @@ class ModelServerSim:
         self.prefill_hist = _Histogram()
         self.ttft_hist = _Histogram()
         handler = type("Handler", (_Handler,), {"sim": self})
-        self.server = ThreadingHTTPServer((host, port), handler)
-        self.server.daemon_threads = True
+        self.server = StandInHTTPServer((host, port), handler)
         self._threads: list[threading.Thread] = []
 
     # ---------------------------------------------------------------- lifecycle

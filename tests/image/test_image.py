@@ -1,27 +1,37 @@
-"""The container image as a user gets it: `make image`, then the image run for real.
+"""The container image as a user gets it: `make release`, then the image run for real.
 
 Builds with whichever builder `make image` picks (here buildah with the vfs
 driver and chroot isolation, on a Debian base made by mmdebstrap; both are
-installed with apt when missing), then checks the image's metadata (numeric
-non-root user, `cachefleet` entry point), runs `cachefleet --help` in it,
-checks the final stage carries no compiler, and runs the sidecar from the
-image in front of a stand-in model server on the host's loopback, answering
-a request through it (a miss, then the same request as an L1 hit).
+installed with apt when missing), through `make release` (which runs `make
+image` first), then checks the image's metadata (numeric non-root user,
+`cachefleet` entry point), runs `cachefleet --help` in it, checks the final
+stage carries no compiler, runs the sidecar from the image in front of a
+stand-in model server on the host's loopback, answering a request through it (a
+miss, then the same request as an L1 hit), checks it holds exactly the
+distributions of requirements/runtime.txt, and checks the release: the OCI
+archive holds this image under NAME:VERSION and the packaged chart asks for
+exactly that reference.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import helm_python
 import httpx
 import pytest
+import yaml
+from packaging.utils import canonicalize_name
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import free_port
@@ -29,8 +39,11 @@ from cachefleet_e2e.services import free_port
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
-VERSION = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
-IMAGE = f"localhost/cachefleet:{VERSION.group(1) if VERSION else 'dev'}"
+FOUND = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+VERSION = FOUND.group(1) if FOUND else "dev"
+#: `make release IMAGE=...`: the name without a tag; the tag is the version.
+NAME = "localhost/cachefleet"
+IMAGE = f"{NAME}:{VERSION}"
 #: Safety net on the whole build (a cold build is a few minutes on a loaded 2-core box).
 BUILD_TIMEOUT_S = 840
 #: Bound on one command run in the image.
@@ -57,18 +70,24 @@ ENV = {**os.environ, "STORAGE_DRIVER": "vfs", "BUILDAH_ISOLATION": "chroot"}
 
 
 @pytest.fixture(scope="module")
-def image() -> str:
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
     result = subprocess.run(
-        ["make", "image"],
+        ["make", "release", f"IMAGE={NAME}", f"DIST={out}"],
         cwd=ROOT,
-        env={**ENV, "IMAGE": IMAGE},
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=BUILD_TIMEOUT_S,
         check=False,
     )
     if result.returncode != 0:
-        pytest.fail(f"make image failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+        pytest.fail(f"make release failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def image(dist: Path) -> str:
     return IMAGE
 
 
@@ -209,3 +228,67 @@ def test_sidecar_from_the_image_answers_through_the_cache(container: Container) 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+
+
+def blob(archive: tarfile.TarFile, digest: str) -> dict[str, object]:
+    member = archive.extractfile("blobs/" + digest.replace(":", "/"))
+    assert member is not None
+    data = member.read()
+    assert "sha256:" + hashlib.sha256(data).hexdigest() == digest
+    return dict(json.loads(data))
+
+
+def test_release_archive_is_the_image_and_the_chart_asks_for_it(dist: Path) -> None:
+    names = {p.name for p in dist.iterdir()}
+    assert names == {
+        f"cachefleet-{VERSION}.oci.tar",
+        f"cachefleet-{VERSION}.tgz",
+        f"cachefleet-crds-{VERSION}.yaml",
+        "SHA256SUMS",
+    }
+    sums = (dist / "SHA256SUMS").read_text()
+    assert f"  cachefleet-{VERSION}.oci.tar\n" in sums
+    check = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=dist, capture_output=True)
+    assert check.returncode == 0, check.stdout
+    with tarfile.open(dist / f"cachefleet-{VERSION}.oci.tar") as archive:
+        index_file = archive.extractfile("index.json")
+        assert index_file is not None
+        index = json.load(io.TextIOWrapper(index_file))
+        (manifest_ref,) = index["manifests"]
+        ref_name = manifest_ref["annotations"]["org.opencontainers.image.ref.name"]
+        manifest = blob(archive, manifest_ref["digest"])
+        config = blob(archive, manifest["config"]["digest"])  # type: ignore[index]
+    assert ref_name == IMAGE
+    assert config["config"]["User"] == "10001:10001"  # type: ignore[index]
+    assert config["config"]["Entrypoint"] == ["cachefleet"]  # type: ignore[index]
+    # the packaged chart, rendered with its defaults, runs that reference
+    chart = helm_python.Chart.load(str(dist / f"cachefleet-{VERSION}.tgz"))
+    out = chart.render({}, name="cf", namespace="cf", is_install=True)
+    (deployment,) = [
+        d
+        for path, text in out.items()
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if isinstance(d, dict) and d.get("kind") == "Deployment"
+    ]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == ref_name
+
+
+FREEZE = (
+    "import importlib.metadata as m\n"
+    "for d in m.distributions(): print(d.metadata['Name'], d.version)"
+)
+
+
+def test_the_image_holds_exactly_the_runtime_lock(container: Container) -> None:
+    installed = {}
+    for line in container.run("python3", "-c", FREEZE).splitlines():
+        name, version = line.split()
+        installed[canonicalize_name(name)] = version
+    locked = {}
+    for line in (ROOT / "requirements" / "runtime.txt").read_text().splitlines():
+        if found := re.match(r"^([A-Za-z0-9._-]+)==(\S+)", line):
+            locked[canonicalize_name(found.group(1))] = found.group(2)
+    assert installed.pop("cachefleet") == VERSION
+    assert installed == locked
