@@ -20,14 +20,14 @@ policies that read metrics see, as a router would, up to one period late.
 
 Policies:
 
-* ``round-robin``; ``least-loaded`` (fewest requests routed and not done, as
-  Envoy's least-request balancer); ``session-hash`` (the first block's hash);
-* ``gie-like``: the Gateway API Inference Extension's default scorers, score
-  = 3 x matched-prefix fraction (its own LRU index of B blocks per pod) + 2 x
-  (1 - queue / max queue) from the scraped queue depths, ties broken by a
-  seeded random choice;
-* ``cachefleet``: :class:`cachefleet_router.scoring.ScoringPicker`, the real
-  scoring code, fed the simulated metrics and the simulated clock;
+* ``round-robin``, ``least-loaded`` (fewest requests routed and not done, as
+  Envoy's least-request balancer) and ``gie-like`` (the Gateway API Inference
+  Extension's default profile: queue x2, KV-cache utilisation x2, prefix x3, its
+  own LRU index of what it routed, ties at random, seeded): the router's own
+  profiles of those names (:mod:`cachefleet_router.profiles`), fed the simulated
+  metrics and clock; ``session-hash`` (the first block's hash);
+* ``cachefleet``: the router's ``default`` profile
+  (:class:`cachefleet_router.scoring.ScoringPicker`), the real scoring code;
 * ``precise``: the least expected TTFT knowing every pod's real cache (and the
   blocks of its queued requests) and real queue: an oracle of the same model.
 
@@ -74,6 +74,7 @@ from cachefleet_bench.mooncake import (
 )
 from cachefleet_router.endpoints import Decision, Endpoint, EndpointMetrics, Picker, RouteRequest
 from cachefleet_router.prefix import PrefixIndex
+from cachefleet_router.profiles import build as build_profile
 from cachefleet_router.scoring import ScoringConfig, ScoringPicker
 
 #: Defaults (docs/routing.md says how they were chosen): 8 pods of 2,000 blocks
@@ -204,37 +205,6 @@ class _Baseline:
         return None
 
 
-class RoundRobin(_Baseline):
-    def __init__(self, addresses: Sequence[str]) -> None:
-        super().__init__(addresses)
-        self._next = 0
-
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        if not endpoints:
-            return None
-        chosen = endpoints[self._next % len(endpoints)]
-        self._next += 1
-        return Decision(chosen.address)
-
-
-class LeastLoaded(_Baseline):
-    """Fewest requests in flight (routed, not done); ties to the lowest slot."""
-
-    def __init__(self, addresses: Sequence[str]) -> None:
-        super().__init__(addresses)
-        self._inflight = dict.fromkeys(addresses, 0)
-
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        if not endpoints:
-            return None
-        chosen = min(endpoints, key=lambda e: (self._inflight[e.address], self.slot[e.address]))
-        self._inflight[chosen.address] += 1
-        return Decision(chosen.address)
-
-    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
-        self._inflight[decision.address] -= 1
-
-
 class SessionHash(_Baseline):
     """The first block's hash picks the pod (a session's system prompt sticks to one pod)."""
 
@@ -244,35 +214,6 @@ class SessionHash(_Baseline):
         first = request.blocks[0] if request.blocks else 0
         mixed = (first * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
         return Decision(endpoints[(mixed >> 17) % len(endpoints)].address)
-
-
-class GieLike(_Baseline):
-    """3 x matched-prefix fraction + 2 x (1 - queue / max queue); its own LRU index per pod."""
-
-    def __init__(self, addresses: Sequence[str], kv_blocks: int) -> None:
-        super().__init__(addresses)
-        self._index = {a: PrefixIndex(kv_blocks) for a in addresses}
-        self._random = random.Random(0)
-
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        if not endpoints:
-            return None
-        n = max(len(request.blocks), 1)
-
-        def queue(e: Endpoint) -> float:
-            return 0.0 if e.metrics is None else e.metrics.waiting + e.metrics.running
-
-        longest = max(queue(e) for e in endpoints)
-        scores = []
-        for e in endpoints:
-            prefix = self._index[e.address].matched(request.blocks) / n
-            load = 1.0 - queue(e) / longest if longest > 0 else 1.0
-            scores.append(3.0 * prefix + 2.0 * load)
-        best = max(scores)
-        tied = [e for e, s in zip(endpoints, scores, strict=True) if s >= best - 1e-12]
-        chosen = tied[0] if len(tied) == 1 else self._random.choice(tied)
-        self._index[chosen.address].insert(request.blocks)
-        return Decision(chosen.address)
 
 
 class Precise(_Baseline):
@@ -357,16 +298,12 @@ def make_policy(
         return Replicas(
             [make_policy(name, addresses, pods, clock, kv_blocks, config) for _ in range(replicas)]
         )
-    if name == "round-robin":
-        return RoundRobin(addresses)
-    if name == "least-loaded":
-        return LeastLoaded(addresses)
+    if name in ("round-robin", "least-loaded", "gie-like"):
+        return build_profile(name, config, clock=clock)
     if name == "session-hash":
         return SessionHash(addresses)
-    if name == "gie-like":
-        return GieLike(addresses, kv_blocks)
     if name == "cachefleet":
-        return ScoringPicker(config, clock=clock)
+        return build_profile("default", config, clock=clock)
     if name == "precise":
         return Precise(addresses, pods, clock)
     raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")

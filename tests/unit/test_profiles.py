@@ -1,0 +1,105 @@
+"""The scheduling seam: the router's named profiles, built from registered parts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cachefleet_router.endpoints import Endpoint, EndpointMetrics, RouteRequest
+from cachefleet_router.profiles import PROFILES, build
+from cachefleet_router.schedule import Profile, ProfilePicker
+from cachefleet_router.scoring import ScoringConfig, ScoringPicker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet(n: int, **metrics: float) -> list[Endpoint]:
+    return [
+        Endpoint(f"10.0.0.{i}:8000", metrics=EndpointMetrics(**metrics), scraped_at=9.9)  # type: ignore[arg-type]
+        for i in range(n)
+    ]
+
+
+def test_the_profiles_the_router_offers() -> None:
+    assert set(PROFILES) == {"default", "least-loaded", "round-robin", "gie-like"}
+    with pytest.raises(ValueError, match="unknown profile 'nope'.*gie-like"):
+        build("nope")
+
+
+def test_a_profile_naming_a_missing_part_is_refused() -> None:
+    bad = Profile("bad", scorers=(("no-such-scorer", 1.0),))
+    with pytest.raises(ValueError, match="no scorer named 'no-such-scorer'"):
+        ProfilePicker(bad, {}, clock=Clock())
+
+
+def test_default_profile_decides_exactly_as_the_scoring_picker() -> None:
+    """Same requests, same clock, same metrics: the same decisions, float for float."""
+    rng = random.Random(3)
+    clock_a, clock_b = Clock(), Clock()
+    a = build("default", ScoringConfig(default_rate=2000.0), clock=clock_a)
+    b = ScoringPicker(ScoringConfig(default_rate=2000.0), clock=clock_b)
+    endpoints = fleet(4, waiting=1.0, running=1.0)
+    pending = []
+    for i in range(300):
+        conv = rng.randrange(12)
+        blocks = tuple(range(conv * 100, conv * 100 + rng.randint(1, 8)))
+        request = RouteRequest(blocks=blocks, tokens=512 * len(blocks), answer_key=f"k{i % 7}")
+        clock_a.now = clock_b.now = 10.0 + i * 0.05
+        da, db = a.pick(request, endpoints), b.pick(request, endpoints)
+        assert da is not None and db is not None
+        assert (da.address, da.expected_ttft_s, da.matched_blocks, da.reason) == (
+            db.address,
+            db.expected_ttft_s,
+            db.matched_blocks,
+            db.reason,
+        )
+        pending.append((da, db, request))
+        if len(pending) > 5:
+            pa, pb, pr = pending.pop(0)
+            a.done(pa, pr, ok=True)
+            b.done(pb, pr, ok=True)
+
+
+def test_round_robin_takes_each_endpoint_in_turn() -> None:
+    picker = build("round-robin")
+    endpoints = fleet(3)
+    picks = [picker.pick(RouteRequest(), endpoints) for _ in range(6)]
+    assert [d.address for d in picks if d] == [e.address for e in endpoints] * 2
+    assert all(d is not None and d.reason == "round-robin" for d in picks)
+
+
+def test_least_loaded_counts_requests_in_flight_until_done() -> None:
+    picker = build("least-loaded")
+    endpoints = fleet(2)
+    first = picker.pick(RouteRequest(), endpoints)
+    second = picker.pick(RouteRequest(), endpoints)
+    assert first is not None and second is not None
+    assert (first.address, second.address) == (endpoints[0].address, endpoints[1].address)
+    picker.done(second, RouteRequest(), ok=True)
+    third = picker.pick(RouteRequest(), endpoints)
+    assert third is not None and third.address == endpoints[1].address  # 1 in flight vs 0
+
+
+def test_gie_like_weighs_prefix_3_against_queue_2_and_kv_cache_2() -> None:
+    """GIE's default weights: a full prefix match (3) beats the shortest queue (2) alone,
+    but not the shortest queue and the emptiest KV cache together (2 + 2)."""
+    request = RouteRequest(blocks=(1, 2, 3, 4), tokens=2048)
+    holder, other = (
+        Endpoint("10.0.0.1:8000", metrics=EndpointMetrics(waiting=5.0, kv_usage=0.0)),
+        Endpoint("10.0.0.2:8000", metrics=EndpointMetrics(waiting=0.0, kv_usage=0.0)),
+    )
+    picker = build("gie-like")
+    warm = picker.pick(request, [holder])  # the holder's index now has the prompt
+    assert warm is not None and warm.address == holder.address
+    chosen = picker.pick(request, [holder, other])
+    assert chosen is not None and chosen.address == holder.address  # 3 x 1 > 2 x 1
+    holder.metrics = EndpointMetrics(waiting=5.0, kv_usage=1.0)
+    chosen = picker.pick(request, [holder, other])
+    assert chosen is not None and chosen.address == other.address  # 2 + 2 > 3
