@@ -29,7 +29,7 @@ def fleet(n: int, **metrics: float) -> list[Endpoint]:
 
 def test_the_profiles_the_router_offers() -> None:
     assert set(PROFILES) == {"default", "least-loaded", "round-robin", "gie-like"}
-    with pytest.raises(ValueError, match="unknown profile 'nope'.*gie-like"):
+    with pytest.raises(ValueError, match=r"unknown profile 'nope'.*gie-like"):
         build("nope")
 
 
@@ -53,7 +53,8 @@ def test_default_profile_decides_exactly_as_the_scoring_picker() -> None:
         request = RouteRequest(blocks=blocks, tokens=512 * len(blocks), answer_key=f"k{i % 7}")
         clock_a.now = clock_b.now = 10.0 + i * 0.05
         da, db = a.pick(request, endpoints), b.pick(request, endpoints)
-        assert da is not None and db is not None
+        assert da is not None
+        assert db is not None
         assert (da.address, da.expected_ttft_s, da.matched_blocks, da.reason) == (
             db.address,
             db.expected_ttft_s,
@@ -80,11 +81,13 @@ def test_least_loaded_counts_requests_in_flight_until_done() -> None:
     endpoints = fleet(2)
     first = picker.pick(RouteRequest(), endpoints)
     second = picker.pick(RouteRequest(), endpoints)
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert (first.address, second.address) == (endpoints[0].address, endpoints[1].address)
     picker.done(second, RouteRequest(), ok=True)
     third = picker.pick(RouteRequest(), endpoints)
-    assert third is not None and third.address == endpoints[1].address  # 1 in flight vs 0
+    assert third is not None
+    assert third.address == endpoints[1].address
 
 
 def test_gie_like_weighs_prefix_3_against_queue_2_and_kv_cache_2() -> None:
@@ -97,9 +100,12 @@ def test_gie_like_weighs_prefix_3_against_queue_2_and_kv_cache_2() -> None:
     )
     picker = build("gie-like")
     warm = picker.pick(request, [holder])  # the holder's index now has the prompt
-    assert warm is not None and warm.address == holder.address
+    assert warm is not None
+    assert warm.address == holder.address
     chosen = picker.pick(request, [holder, other])
-    assert chosen is not None and chosen.address == holder.address  # 3 x 1 > 2 x 1
+    assert chosen is not None
+    assert chosen.address == holder.address
     holder.metrics = EndpointMetrics(waiting=5.0, kv_usage=1.0)
     chosen = picker.pick(request, [holder, other])
-    assert chosen is not None and chosen.address == other.address  # 2 + 2 > 3
+    assert chosen is not None
+    assert chosen.address == other.address
