@@ -16,7 +16,9 @@ the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
 * ``queue(e)``: what the model server says when its metrics are fresh (scraped
   within ``stale_after_s``): ``(waiting + running_weight * running)`` requests
   of the mean work this picker routes per request. It covers what other router
-  replicas sent; ``routed_since_scrape`` adds what this one sent since.
+  replicas sent; ``routed_since_scrape`` adds what this one sent since and has
+  not seen done (a request that finished before the next scrape is no longer
+  queued anywhere: counting it would push a conversation's quick turns away).
 * ``rate(e)``: uncached prompt tokens per second of prefill, measured between
   scrapes from ``prompt_tokens_total`` minus prefix hits over
   ``prefill_seconds_total`` (decayed sums); until measured, the mean of the
@@ -167,6 +169,8 @@ class _Routed:
     seq: int
     tokens: float  # predicted uncached tokens
     at: float
+    #: the scrape count of its endpoint when it was routed (routed since the last scrape)
+    epoch: int = 0
 
 
 @dataclass(slots=True)
@@ -181,8 +185,10 @@ class _EndpointState:
     outstanding_tokens: float = 0.0
     #: when the endpoint last finished a request of ours (the head's start, at the earliest)
     last_done_at: float = 0.0
-    #: uncached tokens routed here since the last scrape this picker saw
+    #: uncached tokens routed here since the last scrape this picker saw, not done yet
     routed_since_scrape: float = 0.0
+    #: scrapes this picker has learned from (the epoch of what is routed now)
+    scrapes: int = 0
     #: the scrape the counters below come from
     scraped_at: float = 0.0
     prev: EndpointMetrics | None = None
@@ -274,10 +280,11 @@ class TtftModel:
             return
         routed = state.outstanding.pop(seq, None)
         if routed is not None:
-            state.outstanding_tokens = max(0.0, state.outstanding_tokens - routed.tokens)
+            _forget(state, routed)
             state.last_done_at = max(state.last_done_at, self._clock())
         if not state.outstanding:
             state.outstanding_tokens = 0.0
+            state.routed_since_scrape = 0.0
 
     # -- introspection (metrics, logs, tests) ----------------------------------------------
 
@@ -392,6 +399,7 @@ class TtftModel:
         state.prev = metrics
         state.scraped_at = scraped_at
         state.routed_since_scrape = 0.0
+        state.scrapes += 1
 
     def _wait(self, state: _EndpointState, endpoint: Endpoint, now: float) -> float:
         cfg = self.config
@@ -438,7 +446,7 @@ class TtftModel:
         seq = self._seq
         if not state.outstanding:
             state.last_done_at = now
-        state.outstanding[seq] = _Routed(seq, chosen.uncached, now)
+        state.outstanding[seq] = _Routed(seq, chosen.uncached, now, state.scrapes)
         state.outstanding_tokens += chosen.uncached
         state.routed_since_scrape += chosen.uncached
         tokens = float(max(request.tokens, 0))
@@ -476,7 +484,7 @@ class TtftModel:
                 if now - head.at <= cfg.outstanding_ttl_s:
                     break
                 state.outstanding.popitem(last=False)
-                state.outstanding_tokens = max(0.0, state.outstanding_tokens - head.tokens)
+                _forget(state, head)
         live = {(a, seq) for a, s in self._states.items() for seq in s.outstanding}
         for key, (_decision, address, seq) in list(self._pending.items()):
             if (address, seq) not in live:
@@ -662,6 +670,13 @@ class ScoringPicker(ProfilePicker):
     def expected_wait(self, endpoint: Endpoint) -> float:
         """Seconds a request sent to ``endpoint`` now would queue before its prefill."""
         return self.model.expected_wait(endpoint)
+
+
+def _forget(state: _EndpointState, routed: _Routed) -> None:
+    """``routed`` no longer weighs on its endpoint (done, or never reported and expired)."""
+    state.outstanding_tokens = max(0.0, state.outstanding_tokens - routed.tokens)
+    if routed.epoch == state.scrapes:  # routed since the last scrape: the metrics miss it
+        state.routed_since_scrape = max(0.0, state.routed_since_scrape - routed.tokens)
 
 
 _ADDRESS_HASHES: dict[str, int] = {}
