@@ -51,7 +51,7 @@ class RouteRequest:
     tokens: int = 0
     #: the prompt's token ids as the model server's tokenizer makes them (empty: not
     #: tokenized); the precise prefix index matches them against the servers' KV events
-    token_ids: tuple[int, ...] = ()
+    token_ids: Sequence[int] = ()
     model: str | None = None
     tenant: str | None = None
     #: ``Guaranteed`` / ``Standard`` / ``BestEffort``; None: Standard

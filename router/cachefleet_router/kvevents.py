@@ -219,3 +219,66 @@ def encode_frame(topic: str, seq: int, events: Sequence[Any], ts: float = 0.0) -
         seq.to_bytes(8, "big", signed=True),
         msgpack.packb([ts, list(events)], use_bin_type=True),
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """A publisher a subscriber connects to."""
+
+    #: ``tcp://host:port``
+    address: str
+    #: the topic prefix to subscribe to ("" = all)
+    topic: str = ""
+    rank: int | None = None
+
+
+_WILDCARDS = {"*", "0.0.0.0", "::", "[::]", ""}
+
+
+def event_sources(doc: Any, host: str) -> list[Source]:
+    """The ZMQ publishers a ``GET /kv_event_sources`` answer names, as ``host`` reaches them.
+
+    vLLM 0.32 answers ``{"<rank>": <its KV events config>}``; other versions a list of
+    ``{"endpoint", "topic", "data_parallel_rank", ...}`` (bare or under ``"sources"``).
+    An endpoint bound on a wildcard (``tcp://*:5557``) is reached at ``host`` on that
+    port; one naming a host is taken as given. Only data-parallel rank 0 (or unsaid) is
+    kept: each rank publishes its own sequence. Non-ZMQ publishers are skipped.
+    """
+    entries: list[tuple[Any, Any]] = []
+    if isinstance(doc, dict) and isinstance(doc.get("sources"), list):
+        doc = doc["sources"]
+    if isinstance(doc, list):
+        entries = [(None, e) for e in doc]
+    elif isinstance(doc, dict):
+        entries = list(doc.items())
+    out: list[Source] = []
+    for key, entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        if entry.get("enable_kv_cache_events") is False:
+            continue
+        publisher = entry.get("publisher", entry.get("transport", "zmq"))
+        if publisher not in ("zmq", None):
+            continue
+        rank = entry.get("data_parallel_rank")
+        if rank is None and isinstance(key, str) and key.isdigit():
+            rank = int(key)
+        if isinstance(rank, int) and rank != 0:
+            continue
+        endpoint = entry.get("endpoint")
+        if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+            continue
+        where, sep, port = endpoint[len("tcp://") :].rpartition(":")
+        if not sep or not port.isdigit():
+            continue
+        if where in _WILDCARDS:
+            where = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        topic = entry.get("topic")
+        out.append(
+            Source(
+                f"tcp://{where}:{port}",
+                topic if isinstance(topic, str) else "",
+                rank if isinstance(rank, int) else None,
+            )
+        )
+    return out
