@@ -111,6 +111,14 @@ class KvEventSubscriber:
         self.frames = 0
         self.bad_frames = 0
 
+    @property
+    def bound(self) -> str | None:
+        """The address the central socket is bound to (``tcp://host:*`` picks a port)."""
+        if self._central is None:
+            return None
+        value = self._central.getsockopt(zmq.LAST_ENDPOINT)
+        return value.decode() if isinstance(value, bytes) else str(value)
+
     def subscribed(self) -> dict[str, str]:
         """Endpoint -> the publisher address its subscription connects to."""
         return {address: sub.source.address for address, sub in self._subs.items()}

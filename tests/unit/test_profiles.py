@@ -109,3 +109,42 @@ def test_gie_like_weighs_prefix_3_against_queue_2_and_kv_cache_2() -> None:
     chosen = picker.pick(request, [holder, other])
     assert chosen is not None
     assert chosen.address == other.address
+
+
+def test_precise_prefix_wins_where_known_and_the_estimate_serves_elsewhere() -> None:
+    """The approximate index believes a holds the prompt (it was routed there); the
+    servers' own KV events say b does. Known: b. After a gap on b: a again."""
+    from cachefleet_router.kvevents import BlockStored, EventBatch
+    from cachefleet_router.kvindex import KvIndex
+
+    tokens = tuple(range(64))
+    index = KvIndex(resync_blocks=1000)
+    clock = Clock()
+    picker = ScoringPicker(
+        ScoringConfig(block_tokens=16, default_rate=100.0, home_block=-1),
+        clock=clock,
+        precise=index,
+    )
+    a, b = Endpoint("a:8000"), Endpoint("b:8000")
+    request = RouteRequest(blocks=(1, 2, 3, 4), tokens=64, token_ids=tokens)
+    first = picker.pick(request, [a])  # only a was there: its approximate index has the prompt
+    assert first is not None
+    clock.now += 5.0
+    picker.done(first, request, ok=True)
+    index.apply("b:8000", 0, EventBatch(0.0, (BlockStored((11, 12, 13, 14), None, tokens, 16),)))
+    index.apply("a:8000", 0, EventBatch(0.0, ()))  # a's server: known, holds nothing
+    chosen = picker.pick(request, [a, b])
+    assert chosen is not None
+    assert (chosen.address, chosen.matched_blocks, chosen.expected_ttft_s) == ("b:8000", 4, 0.0)
+    clock.now += 5.0
+    picker.done(chosen, request, ok=True)
+    # a alone: its server says it holds nothing, whatever the approximate index believes
+    alone = picker.pick(request, [a])
+    assert alone is not None
+    assert alone.matched_blocks == 0
+    clock.now += 5.0
+    picker.done(alone, request, ok=True)
+    index.lost("a:8000")  # a gap: a's state is not known, the approximate index serves it
+    alone = picker.pick(request, [a])
+    assert alone is not None
+    assert alone.matched_blocks == 4
