@@ -65,7 +65,44 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}\n{% endif %}"
 )
 
-_WORDS = ["cache", "prefix", "token", "block", "route", "endpoint", "server", "model", "latency", "queue", "prompt", "answer", "tenant", "policy", "memory", "eviction", "replica", "gateway", "request", "stream", "header", "metric", "scrape", "event", "index", "chain", "hash", "decode", "prefill", "batch", "window", "budget", "quota", "limit", "ratio", "trace"]
+_WORDS = [
+    "cache",
+    "prefix",
+    "token",
+    "block",
+    "route",
+    "endpoint",
+    "server",
+    "model",
+    "latency",
+    "queue",
+    "prompt",
+    "answer",
+    "tenant",
+    "policy",
+    "memory",
+    "eviction",
+    "replica",
+    "gateway",
+    "request",
+    "stream",
+    "header",
+    "metric",
+    "scrape",
+    "event",
+    "index",
+    "chain",
+    "hash",
+    "decode",
+    "prefill",
+    "batch",
+    "window",
+    "budget",
+    "quota",
+    "limit",
+    "ratio",
+    "trace",
+]
 
 
 @dataclass(frozen=True, slots=True)
