@@ -1,9 +1,13 @@
 """Choosing an endpoint by expected time to first token (the router's scoring core).
 
-Pure: no I/O, no asyncio; the clock is injected. :class:`ScoringPicker`
-implements :class:`cachefleet_router.endpoints.Picker`. For each ready
-endpoint ``e`` and a request of ``T`` prompt tokens whose first ``m`` blocks
-the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
+Pure: no I/O, no asyncio; the clock is injected. The router's ``default``
+profile on the scheduling seam (:mod:`cachefleet_router.schedule`):
+:class:`TtftModel` keeps what is known of each endpoint, the scorers
+:class:`QueueWait` (``wait``) and :class:`PrefixPrefill` (``work``) give
+seconds, the filter :class:`BoundedLoad` and the picker :class:`LeastTtft`
+choose; :class:`ScoringPicker` runs them (:data:`DEFAULT_PROFILE`). For each
+ready endpoint ``e`` and a request of ``T`` prompt tokens whose first ``m``
+blocks the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
 
     uncached(e)  = T - min(T, trust(e) * block_tokens * m)
     work(e)      = uncached(e) / rate(e)                       seconds of prefill
@@ -27,6 +31,10 @@ the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
   hits / queries`` between scrapes, or SGLang's own ratio) agrees with what the
   index predicted for the requests routed there; bounded to
   ``[trust_min, trust_max]``.
+* precise: where a :class:`PreciseIndex` (the servers' own KV events,
+  :mod:`cachefleet_router.kvindex`) knows ``e``'s state and the request carries
+  its token ids, the matched tokens are what ``e`` holds, exactly: no trust
+  factor, no home credit.
 
 Bounded load: an endpoint whose ``wait`` is above ``(1 + epsilon)`` times the
 mean ``wait`` over the endpoints is not a candidate (when every endpoint is
