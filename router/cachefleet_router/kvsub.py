@@ -191,6 +191,7 @@ class KvEventSubscriber:
             self._retry_at[address] = self._clock() + NO_SOURCE_RETRY_S
             log.debug("%s names no KV event source; routing it on the approximate index", address)
             return
+        self.index.lost(address)  # whatever came before this subscription is not known
         await self._capacity(address)
         source = sources[0]
         sock = self.context.socket(zmq.SUB)
@@ -203,7 +204,6 @@ class KvEventSubscriber:
             self._retry_at[address] = self._clock() + NO_SOURCE_RETRY_S
             log.info("%s: cannot connect to its KV events at %s: %s", address, source.address, exc)
             return
-        self.index.lost(address)  # whatever came before this subscription is not known
         task = asyncio.ensure_future(self._read(sock, address))
         self._subs[address] = _Subscription(source, sock, task)
         log.info("%s: subscribed to its KV events at %s", address, source.address)

@@ -98,6 +98,7 @@ async def test_a_bound_publisher_is_found_subscribed_and_applied(zctx: zmq.async
             await pub.send_multipart(encode_frame("kv-events", 0, [CLEAR]))
 
         await until(lambda: index.known(address), probe)
+        assert index.gaps(address) == 0  # a fresh subscription to a fresh server: no gap
         await pub.send_multipart(encode_frame("kv-events", 1, [stored([11, 12], None, PROMPT[:8])]))
         # an older server's positional encoding, chained onto block 12
         await pub.send_multipart(
