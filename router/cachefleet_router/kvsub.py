@@ -155,6 +155,8 @@ class KvEventSubscriber:
             if address not in members:
                 await self._drop(address)
                 self.index.forget(address)
+        for address in [a for a in self._retry_at if a not in members]:
+            del self._retry_at[address]  # bounded by the members
         now = self._clock()
         todo = [a for a in members if a not in self._subs and self._retry_at.get(a, 0.0) <= now]
         if todo:

@@ -222,14 +222,14 @@ class Tokenization:
         self.cache_tokens = cache_tokens
         self._cache: OrderedDict[bytes, array[int]] = OrderedDict()
         self._cached = 0
-        self._keys: OrderedDict[int, bytes | None] = OrderedDict()
+        self._keys: OrderedDict[bytes, bytes | None] = OrderedDict()
         self.hits = 0
         self.misses = 0
         self.failures = 0
 
     def _key(self, body: bytes) -> tuple[bytes | None, dict[str, Any] | None]:
         """The body's prompt key (None: nothing to tokenize), and its parsed document."""
-        memo = hash(body)
+        memo = xxhash.xxh3_128_digest(body)
         if memo in self._keys:
             return self._keys[memo], None
         try:

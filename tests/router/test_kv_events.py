@@ -148,13 +148,27 @@ async def test_a_bound_publisher_is_found_subscribed_and_applied(zctx: zmq.async
 async def test_an_endpoint_without_event_sources_is_left_to_the_estimate(
     zctx: zmq.asyncio.Context,
 ) -> None:
-    runner, address = await serve({})
+    asked: list[str] = []
+
+    async def none(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({}, status=404)  # an older vLLM, another server
+
+    runner, address = await serve({"/kv_event_sources": none})
     index = KvIndex()
-    sub = KvEventSubscriber(index, lambda: [Endpoint(address)], context=zctx)
+    members = [Endpoint(address)]
+    sub = KvEventSubscriber(index, lambda: members, context=zctx)
     try:
         await sub.refresh()
         assert sub.subscribed() == {}
         assert index.matched(address, PROMPT) is None
+        await sub.refresh()
+        assert asked == ["/kv_event_sources"]  # not asked again at once
+        members = []
+        await sub.refresh()
+        members = [Endpoint(address)]  # a new pod on the same address: asked at once
+        await sub.refresh()
+        assert asked == ["/kv_event_sources"] * 2
     finally:
         await sub.aclose()
         await runner.cleanup()
