@@ -73,6 +73,8 @@ from cachefleet_bench.mooncake import (
     load_trace,
 )
 from cachefleet_router.endpoints import Decision, Endpoint, EndpointMetrics, Picker, RouteRequest
+from cachefleet_router.kvevents import BlockRemoved, BlockStored, EventBatch, KvEvent
+from cachefleet_router.kvindex import KvIndex
 from cachefleet_router.prefix import PrefixIndex
 from cachefleet_router.profiles import build as build_profile
 from cachefleet_router.scoring import ScoringConfig, ScoringPicker
@@ -87,7 +89,15 @@ DEFAULT_SPEED = 2.0
 DEFAULT_SCRAPE_INTERVAL = 0.5
 DEFAULT_DECISION_PICKS = 5000
 DECISION_ENDPOINTS = 64
-POLICIES = ("round-robin", "least-loaded", "session-hash", "gie-like", "cachefleet", "precise")
+POLICIES = (
+    "round-robin",
+    "least-loaded",
+    "session-hash",
+    "gie-like",
+    "cachefleet",
+    "cachefleet-kv",
+    "precise",
+)
 #: the issue's targets: cachefleet against these rows
 TARGET_TTFT_VS_GIE = 0.95
 TARGET_TTFT_VS_RR = 0.6
@@ -141,6 +151,8 @@ class Pod:
     prefix_queries_total: float = 0.0
     prefix_hits_total: float = 0.0
     prefill_seconds_total: float = 0.0
+    #: told the blocks each insert stored and evicted, as a server's KV events say it
+    publish: Callable[[Sequence[int], list[int], list[int]], None] | None = None
 
     def matched(self, blocks: Sequence[int]) -> int:
         n = 0
@@ -160,6 +172,9 @@ class Pod:
         return n
 
     def insert(self, blocks: Sequence[int]) -> None:
+        if self.publish is not None:
+            self._insert_published(blocks, self.publish)
+            return
         for block in reversed(blocks):
             if block in self.cache:
                 self.cache.move_to_end(block)
@@ -167,6 +182,22 @@ class Pod:
                 self.cache[block] = None
         while len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
+
+    def _insert_published(
+        self, blocks: Sequence[int], publish: Callable[[Sequence[int], list[int], list[int]], None]
+    ) -> None:
+        """:meth:`insert`, telling ``publish`` what was stored and what was evicted."""
+        stored: list[int] = []
+        for block in reversed(blocks):
+            if block in self.cache:
+                self.cache.move_to_end(block)
+            else:
+                self.cache[block] = None
+                stored.append(block)
+        evicted: list[int] = []
+        while len(self.cache) > self.capacity:
+            evicted.append(self.cache.popitem(last=False)[0])
+        publish(blocks, stored, evicted)
 
     def metrics(self) -> EndpointMetrics:
         return EndpointMetrics(
@@ -241,6 +272,60 @@ class Precise(_Baseline):
         return Decision(best[2])
 
 
+class BlockScaled:
+    """The precise index as the simulation sees it: one token id per 512-token block.
+
+    The simulated pods publish real KV events (``BlockStored`` / ``BlockRemoved``,
+    one sequence per pod) into a :class:`~cachefleet_router.kvindex.KvIndex`, a
+    block's "token ids" being its trace hash id (block size 1); this turns the
+    matched blocks back into tokens.
+    """
+
+    def __init__(self, index: KvIndex, block_tokens: int = BLOCK_TOKENS) -> None:
+        self.index = index
+        self.block_tokens = block_tokens
+
+    def matched(self, address: str, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        found = self.index.matched(address, token_ids)
+        return None if found is None else (found[0], found[0] * self.block_tokens)
+
+
+def kv_events(pods: dict[str, Pod], index: KvIndex) -> None:
+    """Make every simulated pod publish its cache's changes into ``index``, as vLLM does."""
+    for address, pod in pods.items():
+        seq = [0]
+
+        def publish(
+            blocks: Sequence[int],
+            stored: list[int],
+            evicted: list[int],
+            address: str = address,
+            seq: list[int] = seq,
+        ) -> None:
+            events: list[KvEvent] = []
+            if stored:
+                new = set(stored)
+                run: list[int] = []
+                parent: int | None = None
+                for i, block in enumerate(blocks):
+                    if block in new:
+                        if not run:
+                            parent = blocks[i - 1] if i > 0 else None
+                        run.append(block)
+                    elif run:
+                        events.append(BlockStored(tuple(run), parent, tuple(run), 1))
+                        run = []
+                if run:
+                    events.append(BlockStored(tuple(run), parent, tuple(run), 1))
+            if evicted:
+                events.append(BlockRemoved(tuple(evicted)))
+            if events:
+                index.apply(address, seq[0], EventBatch(0.0, tuple(events)))
+                seq[0] += 1
+
+        pod.publish = publish
+
+
 class Replicas:
     """Several independent pickers, as several router replicas: requests dealt in turn.
 
@@ -294,6 +379,14 @@ def make_policy(
     replicas: int = 1,
 ) -> Picker:
     """The picker of policy ``name`` over the simulated pods, as ``replicas`` replicas."""
+    if name == "cachefleet-kv":
+        index = KvIndex(max_blocks=kv_blocks)
+        kv_events(pods, index)  # every replica sees every pod's events
+        precise = BlockScaled(index)
+        pickers = [
+            build_profile("default", config, clock=clock, precise=precise) for _ in range(replicas)
+        ]
+        return pickers[0] if replicas == 1 else Replicas(pickers)
     if replicas > 1:
         return Replicas(
             [make_policy(name, addresses, pods, clock, kv_blocks, config) for _ in range(replicas)]
@@ -390,7 +483,8 @@ def replay(
             else:
                 scrape(when)
         clock.now = req.arrival
-        route = RouteRequest(blocks=req.blocks, tokens=req.input_length)
+        # token ids: one per block (its hash id), what the pods' KV events carry here
+        route = RouteRequest(blocks=req.blocks, tokens=req.input_length, token_ids=req.blocks)
         decision = picker.pick(route, endpoints)
         if decision is None:
             raise RuntimeError(f"policy {policy} chose no endpoint")

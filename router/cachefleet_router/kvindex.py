@@ -29,12 +29,13 @@ is a restarted server: its cache is empty, the state known. A repeated or
 older sequence (a replay) is ignored.
 
 **Bounded memory.** At most ``max_blocks`` blocks per endpoint (the
-endpoint's ``num_gpu_blocks`` when :meth:`KvIndex.set_capacity` is told it,
-else :data:`DEFAULT_MAX_BLOCKS`): past that the oldest stored block is
-dropped (a server never holds more than its capacity, so overflowing means
-removals were lost). Per block: one entry of an ordered map (vLLM hash ->
-key) and one of a counted set of keys; ``tests/unit/test_kvindex.py``
-measures the bytes.
+endpoint's ``num_gpu_blocks`` and 10 % when :meth:`KvIndex.set_capacity` is
+told it, else :data:`DEFAULT_MAX_BLOCKS`), checked once per message: past
+that the oldest stored block is dropped (a server never holds more than its
+capacity, so overflowing means removals were lost; the oldest stored is not
+the least recently used, which the events do not say, hence the slack).
+Per block: one entry of an ordered map (vLLM hash -> key) and one of a
+counted set of keys; ``tests/unit/test_kvindex.py`` measures the bytes.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ ROOT = 0x9E3779B97F4A7C15
 #: blocks kept per endpoint when its capacity is not known (262,144 blocks of 16 tokens:
 #: 4 M tokens, more than one GPU's KV cache holds)
 DEFAULT_MAX_BLOCKS = 262_144
+#: the bound of an endpoint whose capacity is known: its capacity and this share more
+CAPACITY_SLACK = 0.1
 #: stored blocks after a gap that make the endpoint's state known again
 DEFAULT_RESYNC_BLOCKS = 1024
 #: endpoints tracked at most (a publisher naming endpoints by topic must not grow it forever)
@@ -144,6 +147,9 @@ class KvIndex:
             elif isinstance(event, AllBlocksCleared):
                 self._clear(state)
                 state.known = True
+        # bounded once the whole message is applied: a step that stores new blocks and
+        # evicts old ones may say so in either order
+        self._bound(state)
 
     def lost(self, endpoint: str) -> None:
         """The subscription to ``endpoint`` broke (reconnect): its state is not known."""
@@ -157,11 +163,12 @@ class KvIndex:
         self._endpoints.pop(endpoint, None)
 
     def set_capacity(self, endpoint: str, blocks: int) -> None:
-        """The endpoint's KV capacity in blocks (``num_gpu_blocks``): the bound of its state."""
+        """The endpoint's KV capacity in blocks (``num_gpu_blocks``): the bound of its state,
+        with :data:`CAPACITY_SLACK` to spare (removals may be reported a message late)."""
         if blocks <= 0:
             return
         state = self._of(endpoint)
-        state.max_blocks = blocks
+        state.max_blocks = blocks + max(1, int(blocks * CAPACITY_SLACK))
         self._bound(state)
 
     # -- what the scorer asks --------------------------------------------------------------
@@ -256,7 +263,6 @@ class KvIndex:
             state.relearned += stored
             if state.relearned >= self.resync_blocks:
                 state.known = True
-        self._bound(state)
 
     def _remove(self, state: _Endpoint, event: BlockRemoved) -> None:
         if event.medium not in (None, MEDIUM_GPU) or event.group_idx not in (None, 0):

@@ -179,6 +179,9 @@ class _Routed:
     at: float
     #: the scrape count of its endpoint when it was routed (routed since the last scrape)
     epoch: int = 0
+    #: its prompt's blocks, counted in the endpoint's ``pending`` while in flight
+    #: (kept only when a precise index is in use)
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -191,6 +194,9 @@ class _EndpointState:
     trust: float = 1.0
     outstanding: OrderedDict[int, _Routed] = field(default_factory=OrderedDict)
     outstanding_tokens: float = 0.0
+    #: blocks of the prompts in flight here (routed, not done): the server will hold them by
+    #: the time a request sent now runs, though its KV events cannot say so yet
+    pending: dict[int, int] = field(default_factory=dict)
     #: when the endpoint last finished a request of ours (the head's start, at the earliest)
     last_done_at: float = 0.0
     #: uncached tokens routed here since the last scrape this picker saw, not done yet
@@ -256,6 +262,9 @@ class TtftModel:
         #: sum and number of the measured prefill rates (an unmeasured endpoint gets the mean)
         self._measured_sum = 0.0
         self._measured_count = 0
+        #: keep the blocks of the prompts in flight per endpoint (the precise scorer's bridge
+        #: between routing a prompt and the server's events saying it holds it)
+        self.track_pending = False
 
     # -- the seam's hooks ------------------------------------------------------------------
 
@@ -326,6 +335,18 @@ class TtftModel:
         """Seconds a request sent to ``endpoint`` now would queue before its prefill."""
         now = self._clock()
         return self._wait(self._state(endpoint, now), endpoint, now)
+
+    def in_flight_matched(self, address: str, blocks: Sequence[int]) -> int:
+        """Leading ``blocks`` that a prompt in flight to ``address`` shares (0: none)."""
+        state = self._states.get(address)
+        if state is None or not state.pending:
+            return 0
+        n = 0
+        for block in blocks:
+            if block not in state.pending:
+                break
+            n += 1
+        return n
 
     def mean_request_tokens(self) -> float:
         """The smoothed uncached tokens of a routed request (a typical request's prefill)."""
@@ -454,7 +475,10 @@ class TtftModel:
         seq = self._seq
         if not state.outstanding:
             state.last_done_at = now
-        state.outstanding[seq] = _Routed(seq, chosen.uncached, now, state.scrapes)
+        pending = request.blocks if self.track_pending else ()
+        state.outstanding[seq] = _Routed(seq, chosen.uncached, now, state.scrapes, pending)
+        for block in pending:
+            state.pending[block] = state.pending.get(block, 0) + 1
         state.outstanding_tokens += chosen.uncached
         state.routed_since_scrape += chosen.uncached
         tokens = float(max(request.tokens, 0))
@@ -514,7 +538,11 @@ class PrefixPrefill:
 
     The prefix the endpoint holds comes from its own KV events when a
     :class:`PreciseIndex` is given and knows the endpoint's state (the request
-    then carries its token ids): exact, so no trust factor. Otherwise from the
+    then carries its token ids): exact, so no trust factor; the prompts this
+    router sent there and has not seen done count too (a queued prompt's blocks
+    are not in the server's events until it runs), and the home keeps its
+    ``home_block + 1`` blocks of credit (where a family nobody holds settles).
+    Otherwise from the
     approximate :class:`~cachefleet_router.prefix.PrefixIndex` of what this
     router sent there, with the home's credit, times the trust factor.
     """
@@ -522,6 +550,8 @@ class PrefixPrefill:
     def __init__(self, model: TtftModel, precise: PreciseIndex | None = None) -> None:
         self.model = model
         self.precise = precise
+        if precise is not None:
+            model.track_pending = True
 
     def score(self, cycle: Cycle, candidates: Sequence[Candidate]) -> list[float]:
         cfg = self.model.config
@@ -543,8 +573,18 @@ class PrefixPrefill:
             if self.precise is not None and request.token_ids:
                 exact = self.precise.matched(c.endpoint.address, request.token_ids)
             if exact is not None:
+                # what the server holds, or will hold once the prompts in flight there ran
+                flying = self.model.in_flight_matched(c.endpoint.address, request.blocks)
+                if c.endpoint.address == cycle.home:
+                    # not a belief about its cache: where a family nobody holds settles,
+                    # the same in every replica (docs/routing.md: measured with and without)
+                    flying = max(flying, cfg.home_block + 1)
+                held = float(exact[1])
                 c.matched = exact[0]
-                hit = min(tokens, float(exact[1]))
+                if cfg.block_tokens * flying > held:
+                    held = float(cfg.block_tokens * flying)
+                    c.matched = flying
+                hit = min(tokens, held)
             else:
                 hit = min(tokens, state.trust * cfg.block_tokens * matched)
             c.uncached = tokens - hit
@@ -685,6 +725,12 @@ def _forget(state: _EndpointState, routed: _Routed) -> None:
     state.outstanding_tokens = max(0.0, state.outstanding_tokens - routed.tokens)
     if routed.epoch == state.scrapes:  # routed since the last scrape: the metrics miss it
         state.routed_since_scrape = max(0.0, state.routed_since_scrape - routed.tokens)
+    for block in routed.blocks:
+        left = state.pending.get(block, 0) - 1
+        if left > 0:
+            state.pending[block] = left
+        else:
+            state.pending.pop(block, None)
 
 
 _ADDRESS_HASHES: dict[str, int] = {}

@@ -225,8 +225,26 @@ def test_an_endpoint_holds_at_most_its_capacity_oldest_out() -> None:
     apply(index, "a", 0, stored_map([11, 12, 13], None, PROMPT))
     assert index.blocks("a") == 2
     assert index.matched("a", PROMPT) == (0, 0)  # the first block went first
-    index.set_capacity("a", 1)
-    assert index.blocks("a") == 1
+    index.set_capacity("a", 10)  # num_gpu_blocks 10: 10 and 10 % held at most
+    apply(index, "a", 1, stored_map([11], None, PROMPT[:4]))
+    apply(index, "a", 2, stored_map([21 + i for i in range(12)], None, [5] * 48))
+    assert index.blocks("a") == 11
+
+
+def test_the_bound_holds_per_message_not_per_event() -> None:
+    """A full server's step stores new blocks and evicts old ones in one message, in
+    either order: the hot first block it keeps must not be dropped on the way."""
+    index = KvIndex(max_blocks=3)
+    apply(index, "a", 0, stored_map([11, 12, 13], None, PROMPT))
+    apply(
+        index,
+        "a",
+        1,
+        stored_map([31, 32], 11, [7] * 8),  # a new branch after the shared first block
+        ["BlockRemoved", [12, 13], "GPU"],  # ... and what made room for it
+    )
+    assert index.matched("a", PROMPT) == (1, 4)
+    assert index.matched("a", PROMPT[:4] + [7] * 8) == (3, 12)
 
 
 def test_endpoints_tracked_are_bounded() -> None:

@@ -148,3 +148,37 @@ def test_precise_prefix_wins_where_known_and_the_estimate_serves_elsewhere() -> 
     alone = picker.pick(request, [a])
     assert alone is not None
     assert alone.matched_blocks == 4
+
+
+def test_a_prompt_in_flight_counts_until_the_servers_events_can_say_so() -> None:
+    """Routed to a and queued there, a prompt is in no server's events yet: the next
+    request of its family still goes to a; once done, only the events speak."""
+    from cachefleet_router.kvevents import EventBatch
+    from cachefleet_router.kvindex import KvIndex
+
+    index = KvIndex()
+    for name in ("a:8000", "b:8000"):
+        index.apply(name, 0, EventBatch(0.0, ()))  # known, empty
+    clock = Clock()
+    picker = ScoringPicker(
+        ScoringConfig(block_tokens=16, default_rate=100.0, home_block=-1, tie_abs_s=0.0),
+        clock=clock,
+        precise=index,
+    )
+    a, b = Endpoint("a:8000"), Endpoint("b:8000")
+    first = RouteRequest(blocks=(1, 2, 3, 4), tokens=64, token_ids=tuple(range(64)))
+    second = RouteRequest(blocks=(1, 2, 3, 9), tokens=64, token_ids=(*range(48), 7, *range(15)))
+    sent = picker.pick(first, [b, a])
+    assert sent is not None
+    assert sent.address == "a:8000"  # a tie: the address
+    clock.now += 0.5  # a is running it: 0.14 s of its 0.64 s left
+    follow = picker.pick(second, [a, b])
+    assert follow is not None
+    assert (follow.address, follow.matched_blocks) == ("a:8000", 3)  # in flight on a
+    picker.done(sent, first, ok=True)
+    picker.done(follow, second, ok=True)
+    clock.now += 10.0
+    # done, and a's events never said it holds them (say it evicted them): nothing held
+    again = picker.pick(second, [a, b])
+    assert again is not None
+    assert again.matched_blocks == 0
