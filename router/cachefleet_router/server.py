@@ -117,7 +117,9 @@ class RouterServer:
         if config.kv_events != "off" or config.kv_events_listen:
             self.kv_index = KvIndex()
         self.kv_events: KvEventSubscriber | None = None
-        self.tokenization: Tokenization | None = make_tokenization(config.tokenizer)
+        self.tokenization: Tokenization | None = None
+        if config.profile == "default":  # the only profile whose scorers read token ids
+            self.tokenization = make_tokenization(config.tokenizer)
         if picker is None:
             picker = build_profile(config.profile, config.scoring(), precise=self.kv_index)
         self.service = EndpointPickerService(

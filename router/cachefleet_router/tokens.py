@@ -271,6 +271,9 @@ class Tokenization:
             )
         except TimeoutError:
             tokens = None
+        except Exception:  # a tokenizer fault must not fail the request: the estimate
+            log.exception("tokenization failed; routing on the estimate")
+            tokens = None
         if tokens is None:
             self.failures += 1
             return

@@ -65,6 +65,7 @@ def test_the_router_runs_the_profile_it_is_given() -> None:
     assert isinstance(picker, ProfilePicker)
     assert picker.profile is GIE_LIKE
     assert router.kv_index is None
+    assert router.tokenization is None  # its scorers read no token ids
     config, _ = parse_args(["--endpoints", "a:1", "--tokenizer", "approx"])
     router = RouterServer(config)
     assert isinstance(router.service.picker, ScoringPicker)  # default, with the KV index

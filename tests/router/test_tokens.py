@@ -125,3 +125,15 @@ async def test_bodies_without_a_prompt_are_left_alone() -> None:
     for raw in (b"", b"not json", b"[1]", body(input="x")):
         await tok.warm(raw, [])
         assert tok.apply(RouteRequest(tokens=3), raw) == RouteRequest(tokens=3)
+
+
+async def test_a_tokenizer_that_breaks_leaves_the_estimate() -> None:
+    class Broken:
+        async def tokenize(self, *args: Any) -> list[int]:
+            raise RuntimeError("template exploded")
+
+    tok = Tokenization(Broken())
+    plain = body(prompt="hello")
+    await tok.warm(plain, [])
+    assert tok.apply(RouteRequest(tokens=2), plain) == RouteRequest(tokens=2)
+    assert tok.failures == 1
