@@ -258,4 +258,12 @@ class KvEventSubscriber:
             if target is None:
                 continue
             self.frames += 1
+            gaps = self.index.gaps(target)
             self.index.apply(target, frame.seq, frame.batch)
+            if self.index.gaps(target) > gaps:
+                log.info(
+                    "%s: KV events lost (sequence %d); its state is not known: routed on the "
+                    "approximate index until a clear or enough new blocks",
+                    target,
+                    frame.seq,
+                )
