@@ -68,6 +68,11 @@ BENCHMARKS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "KV-prefix-aware routing on a Mooncake trace: cachefleet vs round-robin / gie-like / ...",
         ("--quick",),
     ),
+    "decision": (
+        "cachefleet_bench.decision",
+        "router decision latency incl. tokenization: 16 endpoints, precise KV index",
+        ("--conversations", "16", "--turns", "4"),
+    ),
 }
 
 #: Exit code of a benchmark that is not implemented yet (and of usage errors).

@@ -20,14 +20,14 @@ policies that read metrics see, as a router would, up to one period late.
 
 Policies:
 
-* ``round-robin``; ``least-loaded`` (fewest requests routed and not done, as
-  Envoy's least-request balancer); ``session-hash`` (the first block's hash);
-* ``gie-like``: the Gateway API Inference Extension's default scorers, score
-  = 3 x matched-prefix fraction (its own LRU index of B blocks per pod) + 2 x
-  (1 - queue / max queue) from the scraped queue depths, ties broken by a
-  seeded random choice;
-* ``cachefleet``: :class:`cachefleet_router.scoring.ScoringPicker`, the real
-  scoring code, fed the simulated metrics and the simulated clock;
+* ``round-robin``, ``least-loaded`` (fewest requests routed and not done, as
+  Envoy's least-request balancer) and ``gie-like`` (the Gateway API Inference
+  Extension's default profile: queue x2, KV-cache utilisation x2, prefix x3, its
+  own LRU index of what it routed, ties at random, seeded): the router's own
+  profiles of those names (:mod:`cachefleet_router.profiles`), fed the simulated
+  metrics and clock; ``session-hash`` (the first block's hash);
+* ``cachefleet``: the router's ``default`` profile
+  (:class:`cachefleet_router.scoring.ScoringPicker`), the real scoring code;
 * ``precise``: the least expected TTFT knowing every pod's real cache (and the
   blocks of its queued requests) and real queue: an oracle of the same model.
 
@@ -73,7 +73,10 @@ from cachefleet_bench.mooncake import (
     load_trace,
 )
 from cachefleet_router.endpoints import Decision, Endpoint, EndpointMetrics, Picker, RouteRequest
+from cachefleet_router.kvevents import BlockRemoved, BlockStored, EventBatch, KvEvent
+from cachefleet_router.kvindex import KvIndex
 from cachefleet_router.prefix import PrefixIndex
+from cachefleet_router.profiles import build as build_profile
 from cachefleet_router.scoring import ScoringConfig, ScoringPicker
 
 #: Defaults (docs/routing.md says how they were chosen): 8 pods of 2,000 blocks
@@ -86,7 +89,15 @@ DEFAULT_SPEED = 2.0
 DEFAULT_SCRAPE_INTERVAL = 0.5
 DEFAULT_DECISION_PICKS = 5000
 DECISION_ENDPOINTS = 64
-POLICIES = ("round-robin", "least-loaded", "session-hash", "gie-like", "cachefleet", "precise")
+POLICIES = (
+    "round-robin",
+    "least-loaded",
+    "session-hash",
+    "gie-like",
+    "cachefleet",
+    "cachefleet-kv",
+    "precise",
+)
 #: the issue's targets: cachefleet against these rows
 TARGET_TTFT_VS_GIE = 0.95
 TARGET_TTFT_VS_RR = 0.6
@@ -140,6 +151,8 @@ class Pod:
     prefix_queries_total: float = 0.0
     prefix_hits_total: float = 0.0
     prefill_seconds_total: float = 0.0
+    #: told the blocks each insert stored and evicted, as a server's KV events say it
+    publish: Callable[[Sequence[int], list[int], list[int]], None] | None = None
 
     def matched(self, blocks: Sequence[int]) -> int:
         n = 0
@@ -159,6 +172,9 @@ class Pod:
         return n
 
     def insert(self, blocks: Sequence[int]) -> None:
+        if self.publish is not None:
+            self._insert_published(blocks, self.publish)
+            return
         for block in reversed(blocks):
             if block in self.cache:
                 self.cache.move_to_end(block)
@@ -166,6 +182,22 @@ class Pod:
                 self.cache[block] = None
         while len(self.cache) > self.capacity:
             self.cache.popitem(last=False)
+
+    def _insert_published(
+        self, blocks: Sequence[int], publish: Callable[[Sequence[int], list[int], list[int]], None]
+    ) -> None:
+        """:meth:`insert`, telling ``publish`` what was stored and what was evicted."""
+        stored: list[int] = []
+        for block in reversed(blocks):
+            if block in self.cache:
+                self.cache.move_to_end(block)
+            else:
+                self.cache[block] = None
+                stored.append(block)
+        evicted: list[int] = []
+        while len(self.cache) > self.capacity:
+            evicted.append(self.cache.popitem(last=False)[0])
+        publish(blocks, stored, evicted)
 
     def metrics(self) -> EndpointMetrics:
         return EndpointMetrics(
@@ -204,37 +236,6 @@ class _Baseline:
         return None
 
 
-class RoundRobin(_Baseline):
-    def __init__(self, addresses: Sequence[str]) -> None:
-        super().__init__(addresses)
-        self._next = 0
-
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        if not endpoints:
-            return None
-        chosen = endpoints[self._next % len(endpoints)]
-        self._next += 1
-        return Decision(chosen.address)
-
-
-class LeastLoaded(_Baseline):
-    """Fewest requests in flight (routed, not done); ties to the lowest slot."""
-
-    def __init__(self, addresses: Sequence[str]) -> None:
-        super().__init__(addresses)
-        self._inflight = dict.fromkeys(addresses, 0)
-
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        if not endpoints:
-            return None
-        chosen = min(endpoints, key=lambda e: (self._inflight[e.address], self.slot[e.address]))
-        self._inflight[chosen.address] += 1
-        return Decision(chosen.address)
-
-    def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
-        self._inflight[decision.address] -= 1
-
-
 class SessionHash(_Baseline):
     """The first block's hash picks the pod (a session's system prompt sticks to one pod)."""
 
@@ -244,35 +245,6 @@ class SessionHash(_Baseline):
         first = request.blocks[0] if request.blocks else 0
         mixed = (first * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
         return Decision(endpoints[(mixed >> 17) % len(endpoints)].address)
-
-
-class GieLike(_Baseline):
-    """3 x matched-prefix fraction + 2 x (1 - queue / max queue); its own LRU index per pod."""
-
-    def __init__(self, addresses: Sequence[str], kv_blocks: int) -> None:
-        super().__init__(addresses)
-        self._index = {a: PrefixIndex(kv_blocks) for a in addresses}
-        self._random = random.Random(0)
-
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        if not endpoints:
-            return None
-        n = max(len(request.blocks), 1)
-
-        def queue(e: Endpoint) -> float:
-            return 0.0 if e.metrics is None else e.metrics.waiting + e.metrics.running
-
-        longest = max(queue(e) for e in endpoints)
-        scores = []
-        for e in endpoints:
-            prefix = self._index[e.address].matched(request.blocks) / n
-            load = 1.0 - queue(e) / longest if longest > 0 else 1.0
-            scores.append(3.0 * prefix + 2.0 * load)
-        best = max(scores)
-        tied = [e for e, s in zip(endpoints, scores, strict=True) if s >= best - 1e-12]
-        chosen = tied[0] if len(tied) == 1 else self._random.choice(tied)
-        self._index[chosen.address].insert(request.blocks)
-        return Decision(chosen.address)
 
 
 class Precise(_Baseline):
@@ -298,6 +270,60 @@ class Precise(_Baseline):
                 best = key
         assert best is not None
         return Decision(best[2])
+
+
+class BlockScaled:
+    """The precise index as the simulation sees it: one token id per 512-token block.
+
+    The simulated pods publish real KV events (``BlockStored`` / ``BlockRemoved``,
+    one sequence per pod) into a :class:`~cachefleet_router.kvindex.KvIndex`, a
+    block's "token ids" being its trace hash id (block size 1); this turns the
+    matched blocks back into tokens.
+    """
+
+    def __init__(self, index: KvIndex, block_tokens: int = BLOCK_TOKENS) -> None:
+        self.index = index
+        self.block_tokens = block_tokens
+
+    def matched(self, address: str, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        found = self.index.matched(address, token_ids)
+        return None if found is None else (found[0], found[0] * self.block_tokens)
+
+
+def kv_events(pods: dict[str, Pod], index: KvIndex) -> None:
+    """Make every simulated pod publish its cache's changes into ``index``, as vLLM does."""
+    for address, pod in pods.items():
+        seq = [0]
+
+        def publish(
+            blocks: Sequence[int],
+            stored: list[int],
+            evicted: list[int],
+            address: str = address,
+            seq: list[int] = seq,
+        ) -> None:
+            events: list[KvEvent] = []
+            if stored:
+                new = set(stored)
+                run: list[int] = []
+                parent: int | None = None
+                for i, block in enumerate(blocks):
+                    if block in new:
+                        if not run:
+                            parent = blocks[i - 1] if i > 0 else None
+                        run.append(block)
+                    elif run:
+                        events.append(BlockStored(tuple(run), parent, tuple(run), 1))
+                        run = []
+                if run:
+                    events.append(BlockStored(tuple(run), parent, tuple(run), 1))
+            if evicted:
+                events.append(BlockRemoved(tuple(evicted)))
+            if events:
+                index.apply(address, seq[0], EventBatch(0.0, tuple(events)))
+                seq[0] += 1
+
+        pod.publish = publish
 
 
 class Replicas:
@@ -353,20 +379,24 @@ def make_policy(
     replicas: int = 1,
 ) -> Picker:
     """The picker of policy ``name`` over the simulated pods, as ``replicas`` replicas."""
+    if name == "cachefleet-kv":
+        index = KvIndex(max_blocks=kv_blocks)
+        kv_events(pods, index)  # every replica sees every pod's events
+        precise = BlockScaled(index)
+        pickers = [
+            build_profile("default", config, clock=clock, precise=precise) for _ in range(replicas)
+        ]
+        return pickers[0] if replicas == 1 else Replicas(pickers)
     if replicas > 1:
         return Replicas(
             [make_policy(name, addresses, pods, clock, kv_blocks, config) for _ in range(replicas)]
         )
-    if name == "round-robin":
-        return RoundRobin(addresses)
-    if name == "least-loaded":
-        return LeastLoaded(addresses)
+    if name in ("round-robin", "least-loaded", "gie-like"):
+        return build_profile(name, config, clock=clock)
     if name == "session-hash":
         return SessionHash(addresses)
-    if name == "gie-like":
-        return GieLike(addresses, kv_blocks)
     if name == "cachefleet":
-        return ScoringPicker(config, clock=clock)
+        return build_profile("default", config, clock=clock)
     if name == "precise":
         return Precise(addresses, pods, clock)
     raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
@@ -453,7 +483,8 @@ def replay(
             else:
                 scrape(when)
         clock.now = req.arrival
-        route = RouteRequest(blocks=req.blocks, tokens=req.input_length)
+        # token ids: one per block (its hash id), what the pods' KV events carry here
+        route = RouteRequest(blocks=req.blocks, tokens=req.input_length, token_ids=req.blocks)
         decision = picker.pick(route, endpoints)
         if decision is None:
             raise RuntimeError(f"policy {policy} chose no endpoint")

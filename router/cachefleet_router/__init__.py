@@ -16,4 +16,12 @@ Rooms:
   prefixes (chained block hashes) an endpoint is believed to hold.
 * :mod:`cachefleet_router.scoring` — :class:`~cachefleet_router.scoring.ScoringPicker`,
   the least expected time to first token with a bounded load (docs/routing.md).
+* :mod:`cachefleet_router.schedule`, :mod:`cachefleet_router.profiles` — the
+  scheduling seam (scorers, filters, a picker) and the named profiles
+  ``--profile`` runs: ``default``, ``least-loaded``, ``round-robin``, ``gie-like``.
+* :mod:`cachefleet_router.kvevents`, :mod:`cachefleet_router.kvindex`,
+  :mod:`cachefleet_router.kvsub` — the model servers' KV-cache events decoded,
+  the precise per-endpoint prefix index they build, and the ZMQ subscriber.
+* :mod:`cachefleet_router.tokens` — real token ids (the endpoints' ``/tokenize``
+  or a local tokenizer) before the pick.
 """

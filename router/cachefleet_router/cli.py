@@ -13,11 +13,14 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 from .discovery import MAX_METRICS_BYTES, SCRAPE_TIMEOUT_S
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_STREAMS
 from .kube import KubeCredentialsError, own_namespace
+from .kvsub import KV_EVENTS_MODES
+from .profiles import PROFILES
 from .scoring import ScoringConfig
 from .server import DEFAULT_GRACE_S, RouterConfig, serve
 from .tenants import DEFAULT_POLL_S
@@ -185,6 +188,25 @@ def build_parser() -> argparse.ArgumentParser:
         f"one; any client could steer its request: for test clusters only "
         f"[env {ENV_PREFIX}CONFORMANCE=true]",
     )
+    # -- precise routing (issue 35; docs/router.md "Profiles, KV events, tokenizer") --
+    add("profile", f"scheduling profile: {' | '.join(PROFILES)}", default="default")
+    add(
+        "kv-events",
+        "off | auto: subscribe to each endpoint's KV-cache events (ZMQ; found with GET "
+        "/kv_event_sources) and route on what the servers say they hold",
+        default="auto",
+    )
+    add(
+        "kv-events-listen",
+        "tcp://HOST:PORT the router binds for servers that publish their KV events to one "
+        "address (topics kv@<pod address>@<model>)",
+    )
+    add(
+        "tokenizer",
+        "auto (the endpoints' POST /tokenize) | approx (characters / 4) | local:PATH "
+        "(a tokenizer.json and chat template)",
+        default="auto",
+    )
     fail = p.add_mutually_exclusive_group()
     env_fail = (_env("fail-open") or "").lower() in {"1", "true", "yes"}
     fail.add_argument(
@@ -286,6 +308,22 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         parser.error(f"--log-level: expected debug, info, warning or error, got {ns.log_level!r}")
     if not str(ns.tenant_header).strip() or " " in str(ns.tenant_header).strip():
         parser.error(f"--tenant-header: not a header name: {ns.tenant_header!r}")
+    # precise routing (issue 35)
+    if ns.profile not in PROFILES:
+        parser.error(f"--profile: expected one of {', '.join(PROFILES)}, got {ns.profile!r}")
+    if ns.kv_events not in KV_EVENTS_MODES:
+        parser.error(f"--kv-events: expected off or auto, got {ns.kv_events!r}")
+    kv_listen = str(ns.kv_events_listen or "").strip() or None
+    if kv_listen is not None:
+        if not kv_listen.startswith("tcp://"):
+            parser.error(f"--kv-events-listen: expected tcp://HOST:PORT, got {kv_listen!r}")
+        conv("kv-events-listen", kv_listen[len("tcp://") :], host_port)
+    tokenizer = str(ns.tokenizer)
+    if tokenizer.startswith("local:"):
+        if not (Path(tokenizer[len("local:") :]) / "tokenizer.json").is_file():
+            parser.error(f"--tokenizer: no tokenizer.json in {tokenizer[len('local:') :]!r}")
+    elif tokenizer not in ("auto", "approx"):
+        parser.error(f"--tokenizer: expected auto, approx or local:PATH, got {tokenizer!r}")
     config = RouterConfig(
         grpc_listen=conv("grpc-listen", ns.grpc_listen, host_port),
         metrics_listen=metrics_listen,
@@ -310,6 +348,10 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         max_body_memory=count("max-body-memory", ns.max_body_memory),
         max_streams=count("max-streams", ns.max_streams),
         conformance=bool(ns.conformance),
+        profile=ns.profile,
+        kv_events=ns.kv_events,
+        kv_events_listen=kv_listen,
+        tokenizer=tokenizer,
     )
     return config, level
 

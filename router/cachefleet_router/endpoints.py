@@ -49,6 +49,9 @@ class RouteRequest:
     blocks: tuple[int, ...] = ()
     #: the prompt's length in tokens (estimated when no tokenizer is at hand)
     tokens: int = 0
+    #: the prompt's token ids as the model server's tokenizer makes them (empty: not
+    #: tokenized); the precise prefix index matches them against the servers' KV events
+    token_ids: Sequence[int] = ()
     model: str | None = None
     tenant: str | None = None
     #: ``Guaranteed`` / ``Standard`` / ``BestEffort``; None: Standard

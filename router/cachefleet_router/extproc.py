@@ -101,6 +101,7 @@ from .endpoints import Decision, Endpoint, Picker, RouteRequest
 from .metrics import RouterMetrics
 from .picking import LeastLoadedPicker
 from .prompt import ClassOf, reduce_request
+from .tokens import Tokenization
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +343,9 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         max_body_memory: int = DEFAULT_MAX_BODY_MEMORY,
         max_streams: int = DEFAULT_MAX_STREAMS,
         conformance: bool = False,
+        tokenizer: Tokenization | None = None,
     ) -> None:
+        self.tokenizer = tokenizer  # precise routing: real token ids (cachefleet_router.tokens)
         self.picker = picker
         self.fallback: Picker = fallback if fallback is not None else LeastLoadedPicker()
         self.ready = ready
@@ -365,13 +368,16 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         """Reduce, pick and record; raises :class:`NoEndpoint`."""
         started = time.perf_counter()
         st.routed = True
+        body = b"".join(st.chunks)
         request = reduce_request(
-            b"".join(st.chunks),
+            body,
             st.headers,
             tenant_header=self.tenant_header,
             class_of=self.class_of,
             truncated=st.truncated,
         )
+        if self.tokenizer is not None and not st.truncated:  # precise routing: cached tokens
+            request = self.tokenizer.apply(request, body)
         st.request = request
         candidates = list(self.ready())
         reason = REASON_NO_ENDPOINT
@@ -472,6 +478,8 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
                 if message.HasField("protocol_config"):
                     st.request_mode = message.protocol_config.request_body_mode
                     st.response_mode = message.protocol_config.response_body_mode
+                if self.tokenizer is not None:  # precise routing: tokenize before the pick
+                    await self._tokenize(st, message)
                 try:
                     answers = self._handle(st, message)
                 except NoEndpoint as exc:
@@ -487,6 +495,19 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
                 self.streams -= 1
                 self.metrics.streams.set(self.streams)
             self._finish(st, ok=False)
+
+    async def _tokenize(self, st: _Stream, message: pb.ProcessingRequest) -> None:
+        """Precise routing: the whole body's prompt tokenized (bounded) before ``_route``."""
+        if st.routed or st.truncated or self.tokenizer is None:
+            return
+        if not message.HasField("request_body"):
+            return
+        chunk = message.request_body
+        if not (chunk.end_of_stream or st.request_mode in _BUFFERED):
+            return
+        if st.size + len(chunk.body) > self.max_body_bytes:
+            return
+        await self.tokenizer.warm(b"".join([*st.chunks, chunk.body]), self.ready())
 
     def _handle(self, st: _Stream, message: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         kind = message.WhichOneof("request")

@@ -1,9 +1,13 @@
 """Choosing an endpoint by expected time to first token (the router's scoring core).
 
-Pure: no I/O, no asyncio; the clock is injected. :class:`ScoringPicker`
-implements :class:`cachefleet_router.endpoints.Picker`. For each ready
-endpoint ``e`` and a request of ``T`` prompt tokens whose first ``m`` blocks
-the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
+Pure: no I/O, no asyncio; the clock is injected. The router's ``default``
+profile on the scheduling seam (:mod:`cachefleet_router.schedule`):
+:class:`TtftModel` keeps what is known of each endpoint, the scorers
+:class:`QueueWait` (``wait``) and :class:`PrefixPrefill` (``work``) give
+seconds, the filter :class:`BoundedLoad` and the picker :class:`LeastTtft`
+choose; :class:`ScoringPicker` runs them (:data:`DEFAULT_PROFILE`). For each
+ready endpoint ``e`` and a request of ``T`` prompt tokens whose first ``m``
+blocks the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
 
     uncached(e)  = T - min(T, trust(e) * block_tokens * m)
     work(e)      = uncached(e) / rate(e)                       seconds of prefill
@@ -16,7 +20,9 @@ the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
 * ``queue(e)``: what the model server says when its metrics are fresh (scraped
   within ``stale_after_s``): ``(waiting + running_weight * running)`` requests
   of the mean work this picker routes per request. It covers what other router
-  replicas sent; ``routed_since_scrape`` adds what this one sent since.
+  replicas sent; ``routed_since_scrape`` adds what this one sent since and has
+  not seen done (a request that finished before the next scrape is no longer
+  queued anywhere: counting it would push a conversation's quick turns away).
 * ``rate(e)``: uncached prompt tokens per second of prefill, measured between
   scrapes from ``prompt_tokens_total`` minus prefix hits over
   ``prefill_seconds_total`` (decayed sums); until measured, the mean of the
@@ -25,6 +31,10 @@ the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
   hits / queries`` between scrapes, or SGLang's own ratio) agrees with what the
   index predicted for the requests routed there; bounded to
   ``[trust_min, trust_max]``.
+* precise: where a :class:`PreciseIndex` (the servers' own KV events,
+  :mod:`cachefleet_router.kvindex`) knows ``e``'s state and the request carries
+  its token ids, the matched tokens are what ``e`` holds, exactly: no trust
+  factor, no home credit.
 
 Bounded load: an endpoint whose ``wait`` is above ``(1 + epsilon)`` times the
 mean ``wait`` over the endpoints is not a candidate (when every endpoint is
@@ -59,6 +69,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cachefleet_router.endpoints import (
     DEFAULT_BLOCK_TOKENS,
@@ -68,6 +79,7 @@ from cachefleet_router.endpoints import (
     RouteRequest,
 )
 from cachefleet_router.prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
+from cachefleet_router.schedule import Candidate, Cycle, Profile, ProfilePicker
 
 GUARANTEED = "Guaranteed"
 BEST_EFFORT = "BestEffort"
@@ -165,6 +177,11 @@ class _Routed:
     seq: int
     tokens: float  # predicted uncached tokens
     at: float
+    #: the scrape count of its endpoint when it was routed (routed since the last scrape)
+    epoch: int = 0
+    #: its prompt's blocks, counted in the endpoint's ``pending`` while in flight
+    #: (kept only when a precise index is in use)
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -177,10 +194,15 @@ class _EndpointState:
     trust: float = 1.0
     outstanding: OrderedDict[int, _Routed] = field(default_factory=OrderedDict)
     outstanding_tokens: float = 0.0
+    #: blocks of the prompts in flight here (routed, not done): the server will hold them by
+    #: the time a request sent now runs, though its KV events cannot say so yet
+    pending: dict[int, int] = field(default_factory=dict)
     #: when the endpoint last finished a request of ours (the head's start, at the earliest)
     last_done_at: float = 0.0
-    #: uncached tokens routed here since the last scrape this picker saw
+    #: uncached tokens routed here since the last scrape this picker saw, not done yet
     routed_since_scrape: float = 0.0
+    #: scrapes this picker has learned from (the epoch of what is routed now)
+    scrapes: int = 0
     #: the scrape the counters below come from
     scraped_at: float = 0.0
     prev: EndpointMetrics | None = None
@@ -201,18 +223,23 @@ class _EndpointState:
     seen_at: float = 0.0
 
 
-@dataclass(slots=True)
-class _Score:
-    endpoint: Endpoint
-    state: _EndpointState
-    matched: int
-    uncached: float
-    wait: float
-    ttft: float
+class PreciseIndex(Protocol):
+    """What the endpoints' own KV events say they hold (:mod:`cachefleet_router.kvindex`)."""
+
+    def matched(self, address: str, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """(leading blocks, their tokens) of ``token_ids`` that ``address`` holds; None when
+        the endpoint's state is not known (no events yet, or a gap since)."""
+        ...
 
 
-class ScoringPicker:
-    """The least expected time to first token, with a bounded load (see the module doc)."""
+class TtftModel:
+    """What the TTFT scorers know of each endpoint: the state behind ``wait`` and ``rate``.
+
+    A stateful part of the default profile (:data:`DEFAULT_PROFILE`): ``prepare``
+    refreshes each candidate's state once per cycle (new scrapes teach the rate and
+    the trust factor) and computes its wait; ``picked`` records the routed request;
+    ``done`` frees its outstanding work.
+    """
 
     def __init__(
         self,
@@ -235,47 +262,23 @@ class ScoringPicker:
         #: sum and number of the measured prefill rates (an unmeasured endpoint gets the mean)
         self._measured_sum = 0.0
         self._measured_count = 0
+        #: keep the blocks of the prompts in flight per endpoint (the precise scorer's bridge
+        #: between routing a prompt and the server's events saying it holds it)
+        self.track_pending = False
 
-    # -- the Picker protocol ---------------------------------------------------------------
+    # -- the seam's hooks ------------------------------------------------------------------
 
-    def pick(self, request: RouteRequest, endpoints: Sequence[Endpoint]) -> Decision | None:
-        now = self._clock()
-        ready = [e for e in endpoints if e.ready]
-        if not ready:
-            return None
+    def prepare(self, cycle: Cycle, candidates: list[Candidate]) -> None:
+        now = cycle.now
         self._sweep(now)
-        cfg = self.config
-        home = self._home(request, ready)
-        scores = [self._score(request, e, now, e.address == home) for e in ready]
-        mean_wait = sum(s.wait for s in scores) / len(scores)
-        typical = self._mean_request_tokens / (sum(s.state.rate for s in scores) / len(scores))
-        cap = (1.0 + cfg.epsilon) * mean_wait + cfg.load_slack_requests * typical
-        saturated = all(s.wait >= cfg.saturated_wait_s for s in scores)
-        if saturated and request.priority_class == BEST_EFFORT:
-            least = min(s.wait for s in scores)
-            candidates = [s for s in scores if s.wait <= least]
-            reason = REASON_SATURATED_BEST_EFFORT
-        elif saturated and request.priority_class == GUARANTEED:
-            candidates = scores
-            reason = REASON_SATURATED_GUARANTEED
-        else:
-            candidates = [s for s in scores if s.wait <= cap] or scores
-            reason = REASON_TTFT
-        best = min(s.ttft for s in candidates)
-        limit = best * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
-        tied = [s for s in candidates if s.ttft <= limit]
-        key = request.answer_key
-        chosen = min(
-            tied,
-            key=lambda s: (
-                not (key is not None and key in s.state.answers),
-                s.wait,
-                s.endpoint.address,
-            ),
-        )
-        if key is not None and key in chosen.state.answers and len(tied) > 1:
-            reason += "; tie to the sidecar holding the answer"
-        return self._record(request, chosen, now, reason)
+        cycle.home = self._home(cycle.request, [c.endpoint for c in candidates])
+        for c in candidates:
+            c.state = self._state(c.endpoint, now)
+            c.share = self.traffic_share()
+            c.wait = self._wait(c.state, c.endpoint, now)
+
+    def picked(self, cycle: Cycle, chosen: Candidate, decision: Decision) -> None:
+        self._record(cycle.request, chosen, cycle.now, decision)
 
     def done(self, decision: Decision, request: RouteRequest, *, ok: bool) -> None:
         """Free the request's outstanding work on its endpoint (``ok`` or not).
@@ -294,10 +297,11 @@ class ScoringPicker:
             return
         routed = state.outstanding.pop(seq, None)
         if routed is not None:
-            state.outstanding_tokens = max(0.0, state.outstanding_tokens - routed.tokens)
+            _forget(state, routed)
             state.last_done_at = max(state.last_done_at, self._clock())
         if not state.outstanding:
             state.outstanding_tokens = 0.0
+            state.routed_since_scrape = 0.0
 
     # -- introspection (metrics, logs, tests) ----------------------------------------------
 
@@ -331,6 +335,22 @@ class ScoringPicker:
         """Seconds a request sent to ``endpoint`` now would queue before its prefill."""
         now = self._clock()
         return self._wait(self._state(endpoint, now), endpoint, now)
+
+    def in_flight_matched(self, address: str, blocks: Sequence[int]) -> int:
+        """Leading ``blocks`` that a prompt in flight to ``address`` shares (0: none)."""
+        state = self._states.get(address)
+        if state is None or not state.pending:
+            return 0
+        n = 0
+        for block in blocks:
+            if block not in state.pending:
+                break
+            n += 1
+        return n
+
+    def mean_request_tokens(self) -> float:
+        """The smoothed uncached tokens of a routed request (a typical request's prefill)."""
+        return self._mean_request_tokens
 
     # -- internals -------------------------------------------------------------------------
 
@@ -408,6 +428,7 @@ class ScoringPicker:
         state.prev = metrics
         state.scraped_at = scraped_at
         state.routed_since_scrape = 0.0
+        state.scrapes += 1
 
     def _wait(self, state: _EndpointState, endpoint: Endpoint, now: float) -> float:
         cfg = self.config
@@ -445,35 +466,23 @@ class ScoringPicker:
                 best = (mixed, e.address)
         return best[1] if best is not None else None
 
-    def _score(self, request: RouteRequest, endpoint: Endpoint, now: float, home: bool) -> _Score:
-        cfg = self.config
-        state = self._state(endpoint, now)
-        tokens = float(max(request.tokens, 0))
-        matched = state.index.matched(request.blocks) if request.blocks else 0
-        if home:
-            # the home holds the blocks up to home_block if anyone sent it this family; when
-            # other replicas route most of the traffic, it likely holds all but the new turn
-            credit = cfg.home_block + 1
-            if self.traffic_share() < cfg.replicated_below_share:
-                credit = max(credit, len(request.blocks) - 1)
-            matched = max(matched, credit)
-        hit = min(tokens, state.trust * cfg.block_tokens * matched)
-        uncached = tokens - hit
-        wait = self._wait(state, endpoint, now)
-        return _Score(endpoint, state, matched, uncached, wait, wait + uncached / state.rate)
-
-    def _record(self, request: RouteRequest, chosen: _Score, now: float, reason: str) -> Decision:
+    def _record(
+        self, request: RouteRequest, chosen: Candidate, now: float, decision: Decision
+    ) -> None:
         cfg = self.config
         state = chosen.state
         self._seq += 1
         seq = self._seq
         if not state.outstanding:
             state.last_done_at = now
-        state.outstanding[seq] = _Routed(seq, chosen.uncached, now)
+        pending = request.blocks if self.track_pending else ()
+        state.outstanding[seq] = _Routed(seq, chosen.uncached, now, state.scrapes, pending)
+        for block in pending:
+            state.pending[block] = state.pending.get(block, 0) + 1
         state.outstanding_tokens += chosen.uncached
         state.routed_since_scrape += chosen.uncached
         tokens = float(max(request.tokens, 0))
-        state.pred_hits += min(tokens, cfg.block_tokens * chosen.matched)
+        state.pred_hits += min(tokens, cfg.block_tokens * chosen.approx_matched)
         state.pred_tokens += tokens
         state.mine_tokens += tokens
         self._mean_request_tokens = _smooth(
@@ -487,14 +496,7 @@ class ScoringPicker:
             state.answers.move_to_end(key)
             while len(state.answers) > cfg.answer_keys:
                 state.answers.popitem(last=False)
-        decision = Decision(
-            address=chosen.endpoint.address,
-            expected_ttft_s=chosen.ttft,
-            matched_blocks=chosen.matched,
-            reason=reason,
-        )
         self._pending[id(decision)] = (decision, chosen.endpoint.address, seq)
-        return decision
 
     def _sweep(self, now: float) -> None:
         """Forget requests never reported done, and endpoints long gone (bounded memory)."""
@@ -514,11 +516,221 @@ class ScoringPicker:
                 if now - head.at <= cfg.outstanding_ttl_s:
                     break
                 state.outstanding.popitem(last=False)
-                state.outstanding_tokens = max(0.0, state.outstanding_tokens - head.tokens)
+                _forget(state, head)
         live = {(a, seq) for a, s in self._states.items() for seq in s.outstanding}
         for key, (_decision, address, seq) in list(self._pending.items()):
             if (address, seq) not in live:
                 del self._pending[key]
+
+
+# -- the TTFT model's parts (registered by name in cachefleet_router.profiles) ----------
+
+
+class QueueWait:
+    """Scorer ``queue-wait``: seconds a request sent to the candidate would queue."""
+
+    def score(self, cycle: Cycle, candidates: Sequence[Candidate]) -> list[float]:
+        return [c.wait for c in candidates]
+
+
+class PrefixPrefill:
+    """Scorer ``prefix-prefill``: seconds of prefill left after the prefix the endpoint holds.
+
+    The prefix the endpoint holds comes from its own KV events when a
+    :class:`PreciseIndex` is given and knows the endpoint's state (the request
+    then carries its token ids): exact, so no trust factor; the prompts this
+    router sent there and has not seen done count too (a queued prompt's blocks
+    are not in the server's events until it runs), and the home keeps its
+    ``home_block + 1`` blocks of credit (where a family nobody holds settles).
+    Otherwise from the
+    approximate :class:`~cachefleet_router.prefix.PrefixIndex` of what this
+    router sent there, with the home's credit, times the trust factor.
+    """
+
+    def __init__(self, model: TtftModel, precise: PreciseIndex | None = None) -> None:
+        self.model = model
+        self.precise = precise
+        if precise is not None:
+            model.track_pending = True
+
+    def score(self, cycle: Cycle, candidates: Sequence[Candidate]) -> list[float]:
+        cfg = self.model.config
+        request = cycle.request
+        tokens = float(max(request.tokens, 0))
+        out: list[float] = []
+        for c in candidates:
+            state = c.state
+            matched = state.index.matched(request.blocks) if request.blocks else 0
+            if c.endpoint.address == cycle.home:
+                # the home holds the blocks up to home_block if anyone sent it this family; when
+                # other replicas route most of the traffic, it likely holds all but the new turn
+                credit = cfg.home_block + 1
+                if c.share < cfg.replicated_below_share:
+                    credit = max(credit, len(request.blocks) - 1)
+                matched = max(matched, credit)
+            c.matched = c.approx_matched = matched
+            exact = None
+            if self.precise is not None and request.token_ids:
+                exact = self.precise.matched(c.endpoint.address, request.token_ids)
+            if exact is not None:
+                # what the server holds, or will hold once the prompts in flight there ran
+                flying = self.model.in_flight_matched(c.endpoint.address, request.blocks)
+                if c.endpoint.address == cycle.home:
+                    # not a belief about its cache: where a family nobody holds settles,
+                    # the same in every replica (docs/routing.md: measured with and without)
+                    flying = max(flying, cfg.home_block + 1)
+                held = float(exact[1])
+                c.matched = exact[0]
+                if cfg.block_tokens * flying > held:
+                    held = float(cfg.block_tokens * flying)
+                    c.matched = flying
+                hit = min(tokens, held)
+            else:
+                hit = min(tokens, state.trust * cfg.block_tokens * matched)
+            c.uncached = tokens - hit
+            out.append(c.uncached / state.rate)
+        return out
+
+
+class BoundedLoad:
+    """Filter ``bounded-load``: no candidate above the cap on wait; classes when saturated.
+
+    The cap is ``(1 + epsilon)`` x the mean wait plus ``load_slack_requests`` typical
+    requests' prefill. When every candidate's wait is at least ``saturated_wait_s``,
+    ``BestEffort`` keeps only the least-loaded and ``Guaranteed`` keeps all.
+    """
+
+    def __init__(self, model: TtftModel) -> None:
+        self.model = model
+
+    def filter(self, cycle: Cycle, candidates: list[Candidate]) -> list[Candidate]:
+        cfg = self.model.config
+        mean_wait = sum(c.wait for c in candidates) / len(candidates)
+        typical = self.model.mean_request_tokens() / (
+            sum(c.state.rate for c in candidates) / len(candidates)
+        )
+        cap = (1.0 + cfg.epsilon) * mean_wait + cfg.load_slack_requests * typical
+        saturated = all(c.wait >= cfg.saturated_wait_s for c in candidates)
+        priority = cycle.request.priority_class
+        if saturated and priority == BEST_EFFORT:
+            least = min(c.wait for c in candidates)
+            cycle.reason = REASON_SATURATED_BEST_EFFORT
+            return [c for c in candidates if c.wait <= least]
+        if saturated and priority == GUARANTEED:
+            cycle.reason = REASON_SATURATED_GUARANTEED
+            return candidates
+        cycle.reason = REASON_TTFT
+        return [c for c in candidates if c.wait <= cap]
+
+
+class LeastTtft:
+    """Picker ``least-ttft``: the least cost; near-ties to the sidecar holding the answer.
+
+    Candidates within ``tie_rel`` / ``tie_abs_s`` of the best tie; a tie goes to the
+    endpoint whose sidecar was last sent the request's answer key, then the least
+    wait, then the address (deterministic).
+    """
+
+    def __init__(self, model: TtftModel) -> None:
+        self.model = model
+
+    def choose(self, cycle: Cycle, candidates: list[Candidate]) -> Candidate:
+        cfg = self.model.config
+        best = min(c.cost for c in candidates)
+        limit = best * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
+        tied = [c for c in candidates if c.cost <= limit]
+        key = cycle.request.answer_key
+        chosen = min(
+            tied,
+            key=lambda c: (
+                not (key is not None and key in c.state.answers),
+                c.wait,
+                c.endpoint.address,
+            ),
+        )
+        if key is not None and key in chosen.state.answers and len(tied) > 1:
+            cycle.reason = (cycle.reason or REASON_TTFT) + "; tie to the sidecar holding the answer"
+        return chosen
+
+
+#: The router's default profile: the least expected TTFT under a bounded load.
+DEFAULT_PROFILE = Profile(
+    name="default",
+    scorers=(("queue-wait", 1.0), ("prefix-prefill", 1.0)),
+    filters=("bounded-load",),
+    picker="least-ttft",
+    seconds=True,
+    reason=REASON_TTFT,
+    doc="the least expected time to first token (queue wait + prefill of what the endpoint "
+    "does not hold), under a bounded load; precise from KV events where known",
+)
+
+
+def ttft_parts(model: TtftModel, precise: PreciseIndex | None = None) -> dict[str, object]:
+    """The TTFT model's parts by registered name, sharing ``model``."""
+    return {
+        "queue-wait": QueueWait(),
+        "prefix-prefill": PrefixPrefill(model, precise),
+        "bounded-load": BoundedLoad(model),
+        "least-ttft": LeastTtft(model),
+    }
+
+
+class ScoringPicker(ProfilePicker):
+    """The default profile (:data:`DEFAULT_PROFILE`) with its model's introspection.
+
+    ``precise``: the endpoints' KV-event index, when the router subscribes to it.
+    """
+
+    def __init__(
+        self,
+        config: ScoringConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        precise: PreciseIndex | None = None,
+        profile: Profile = DEFAULT_PROFILE,
+    ) -> None:
+        self.model = TtftModel(config, clock=clock)
+        self.config = self.model.config
+        parts = ttft_parts(self.model, precise)
+        super().__init__(profile, parts, clock=clock, hooks=[self.model])
+
+    def index(self, address: str) -> PrefixIndex | None:
+        """The prefix index of ``address`` (None: never routed to or forgotten)."""
+        return self.model.index(address)
+
+    def rate(self, address: str) -> float:
+        """The prefill rate the picker assumes for ``address``, tokens/s."""
+        return self.model.rate(address)
+
+    def trust(self, address: str) -> float:
+        """The index's trust factor on ``address`` (1: the server agrees with the index)."""
+        return self.model.trust(address)
+
+    def outstanding(self, address: str) -> int:
+        """Requests routed to ``address`` and not yet done."""
+        return self.model.outstanding(address)
+
+    def traffic_share(self) -> float:
+        """The share of the endpoints' prompt tokens this picker routed (1: alone, or unknown)."""
+        return self.model.traffic_share()
+
+    def expected_wait(self, endpoint: Endpoint) -> float:
+        """Seconds a request sent to ``endpoint`` now would queue before its prefill."""
+        return self.model.expected_wait(endpoint)
+
+
+def _forget(state: _EndpointState, routed: _Routed) -> None:
+    """``routed`` no longer weighs on its endpoint (done, or never reported and expired)."""
+    state.outstanding_tokens = max(0.0, state.outstanding_tokens - routed.tokens)
+    if routed.epoch == state.scrapes:  # routed since the last scrape: the metrics miss it
+        state.routed_since_scrape = max(0.0, state.routed_since_scrape - routed.tokens)
+    for block in routed.blocks:
+        left = state.pending.get(block, 0) - 1
+        if left > 0:
+            state.pending[block] = left
+        else:
+            state.pending.pop(block, None)
 
 
 _ADDRESS_HASHES: dict[str, int] = {}

@@ -9,8 +9,12 @@
   ``/healthz`` (200 while the process runs) and ``/readyz`` (200 once
   discovery has said what the endpoints are, even none: an empty pool is
   answered with the protocol's 503, which is better than an unready picker);
-* the picker: :class:`~cachefleet_router.scoring.ScoringPicker` (least expected
-  time to first token) unless one is given;
+* the picker: the ``profile``'s (:mod:`cachefleet_router.profiles`; the default:
+  :class:`~cachefleet_router.scoring.ScoringPicker`, least expected time to first
+  token) unless one is given; with ``kv_events`` on, a
+  :class:`~cachefleet_router.kvindex.KvIndex` fed by a
+  :class:`~cachefleet_router.kvsub.KvEventSubscriber`, and the ``tokenizer``'s
+  :class:`~cachefleet_router.tokens.Tokenization` in the ext_proc service;
 * discovery (static list + :class:`~cachefleet_router.discovery.MetricsScraper`,
   or :class:`~cachefleet_router.discovery.KubeDiscovery`) and, with Redis,
   :class:`~cachefleet_router.tenants.TenantSync`.
@@ -49,9 +53,13 @@ from .extproc import (
 )
 from .health import HealthService
 from .kube import make_client
+from .kvindex import KvIndex
+from .kvsub import KvEventSubscriber
 from .metrics import RouterMetrics
-from .scoring import ScoringConfig, ScoringPicker
+from .profiles import build as build_profile
+from .scoring import ScoringConfig
 from .tenants import DEFAULT_POLL_S, TenantClasses, TenantSync
+from .tokens import Tokenization, make_tokenization
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +100,15 @@ class RouterConfig:
     max_streams: int = DEFAULT_MAX_STREAMS
     #: GIE's conformance hooks (a client could steer its request: tests only)
     conformance: bool = False
+    # -- precise routing (issue 35; docs/router.md "Profiles, KV events, tokenizer") --
+    #: the scheduling profile (cachefleet_router.profiles.PROFILES)
+    profile: str = "default"
+    #: "auto": subscribe to each endpoint's KV events (GET /kv_event_sources); "off": none
+    kv_events: str = "auto"
+    #: a ZMQ address the router binds for servers that publish to one place (None: none)
+    kv_events_listen: str | None = None
+    #: "auto" (the endpoints' /tokenize), "approx" (characters / 4), "local:PATH"
+    tokenizer: str = "auto"
 
     def scoring(self) -> ScoringConfig:
         """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
@@ -117,8 +134,18 @@ class RouterServer:
         self.metrics = RouterMetrics()
         self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
         self.tenants = TenantClasses()
+        # precise routing: the servers' KV events and tokens (None when off)
+        self.kv_index: KvIndex | None = None
+        if config.kv_events != "off" or config.kv_events_listen:
+            self.kv_index = KvIndex()
+        self.kv_events: KvEventSubscriber | None = None
+        self.tokenization: Tokenization | None = None
+        if config.profile == "default":  # the only profile whose scorers read token ids
+            self.tokenization = make_tokenization(config.tokenizer)
+        if picker is None:
+            picker = build_profile(config.profile, config.scoring(), precise=self.kv_index)
         self.service = EndpointPickerService(
-            picker if picker is not None else ScoringPicker(config.scoring()),
+            picker,
             self.pool.ready,
             tenant_header=config.tenant_header,
             class_of=self.tenants.class_of,
@@ -128,6 +155,7 @@ class RouterServer:
             max_body_memory=config.max_body_memory,
             max_streams=config.max_streams,
             conformance=config.conformance,
+            tokenizer=self.tokenization,
         )
         self.health = HealthService(lambda: self.pool.synced)
         self.scraper: MetricsScraper | None = None
@@ -185,6 +213,15 @@ class RouterServer:
                 max_bytes=cfg.max_metrics_bytes,
             )
             self._tasks.append(asyncio.ensure_future(self.scraper.run()))
+        if self.kv_index is not None:  # precise routing: the servers' KV events
+            self.kv_events = KvEventSubscriber(
+                self.kv_index,
+                self.pool.endpoints,
+                discover=cfg.kv_events != "off",
+                listen=cfg.kv_events_listen,
+            )
+            self.kv_events.bind()
+            self._tasks.append(asyncio.ensure_future(self.kv_events.run()))
         if cfg.redis_url and cfg.cache:
             self.tenant_sync = TenantSync(
                 cfg.redis_url, cfg.cache, self.tenants, poll_s=cfg.tenant_poll_s
@@ -246,6 +283,10 @@ class RouterServer:
             self._http = None
         if self.scraper is not None:
             await self.scraper.aclose()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
+        if self.tokenization is not None:
+            await self.tokenization.aclose()
         if self._kube_client is not None and self._own_kube_client:
             await self._kube_client.aclose()
         self._kube_client = None

@@ -374,3 +374,40 @@ def test_a_replica_among_many_believes_the_home_holds_the_history() -> None:
     decision = picked(picker, conversation, endpoints)
     assert picker.traffic_share() == pytest.approx(0.25)
     assert decision.matched_blocks == 11  # all but the newest block
+
+
+def test_a_conversation_faster_than_the_scrapes_stays_on_one_endpoint() -> None:
+    """12 turns of one conversation with a long shared prompt, each done before the next
+    and all between two scrapes: what finished is not queued work (issue 35, 5.1: the
+    turns were spread 9 / 2 / 1 over three endpoints)."""
+    clock = Clock()
+    picker = make(clock, stale_after_s=60.0)
+    endpoints = [
+        Endpoint(f"{n}:8000", metrics=EndpointMetrics(server="vllm"), scraped_at=clock.now)
+        for n in ("a", "b", "c")
+    ]
+    history = list(range(1, 17))  # a 16-block (8,192-token) shared prompt
+    counts: dict[str, int] = {}
+    for turn in range(12):
+        history.append(1000 + turn)  # the new turn's block
+        request = req(tuple(history))
+        decision = picked(picker, request, endpoints)
+        counts[decision.address] = counts.get(decision.address, 0) + 1
+        clock.now += decision.expected_ttft_s + 0.2  # answered, then the user types
+        picker.done(decision, request, ok=True)
+    assert counts == {"a:8000": 12}
+
+
+def test_work_routed_since_the_scrape_counts_while_in_flight() -> None:
+    """A request routed after the scrape and not done yet is queued work the metrics
+    cannot show: it still counts; once done, it no longer does."""
+    clock = Clock()
+    picker = make(clock, stale_after_s=60.0)
+    (a,) = [Endpoint("a:8000", metrics=EndpointMetrics(server="vllm"), scraped_at=clock.now)]
+    first = req(range(1, 5))
+    d = picked(picker, first, [a])
+    assert picker.expected_wait(a) == pytest.approx(2.048)
+    clock.now += 3.0
+    assert picker.expected_wait(a) == pytest.approx(2.048)  # the server says nothing newer
+    picker.done(d, first, ok=True)
+    assert picker.expected_wait(a) == 0.0

@@ -234,3 +234,17 @@ def parse_metrics(text: str) -> ModelServerMetrics:
         out.kv_capacity_tokens = capacity
     out.kv_usage = min(1.0, max(0.0, out.kv_usage))
     return out
+
+
+def vllm_cache_config(text: str) -> tuple[int, int | None] | None:
+    """(``block_size``, ``num_gpu_blocks``) of ``vllm:cache_config_info`` in a ``/metrics``
+    body; None when the series or its ``block_size`` is missing (the router's precise
+    prefix index: tokens per KV block, and blocks the server holds at most)."""
+    for raw in text.splitlines():
+        if not raw.startswith(_VLLM_CACHE_INFO + "{"):
+            continue
+        labels = raw[len(_VLLM_CACHE_INFO) + 1 : raw.rfind("}")]
+        size, blocks = _label(labels, "block_size"), _label(labels, "num_gpu_blocks")
+        if size and size.isdigit() and int(size) > 0:
+            return int(size), int(blocks) if blocks and blocks.isdigit() else None
+    return None
