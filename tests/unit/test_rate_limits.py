@@ -74,7 +74,8 @@ def test_a_refusal_charges_nothing_in_any_bucket() -> None:
     assert decision.allowed
     before = list(tats)
     refused, after = decide(tats, 50.0, limits, requests=1, tokens=20)
-    assert not refused.allowed and refused.reason == "tokens"
+    assert not refused.allowed
+    assert refused.reason == "tokens"
     assert after == before  # the request bucket had room, but was not charged either
     requests, tokens = refused.buckets
     assert (requests.name, requests.remaining) == ("requests", 9)
@@ -88,7 +89,8 @@ def test_token_cost_above_the_limit_is_clamped_and_corrections_apply_as_is() -> 
     tats = [0.0, 0.0, 0.0]
     # a prompt estimated past the whole minute still passes on a full bucket ...
     decision, tats = decide(tats, 0.0, limits, requests=1, tokens=5000)
-    assert decision.allowed and decision.buckets[0].remaining == 0
+    assert decision.allowed
+    assert decision.buckets[0].remaining == 0
     # ... and its real usage, charged by force, leaves the bucket in debt for longer
     decision, tats = decide(tats, 0.0, limits, requests=0, tokens=1000, force=True)
     assert decision.allowed
@@ -96,7 +98,7 @@ def test_token_cost_above_the_limit_is_clamped_and_corrections_apply_as_is() -> 
     refused, _ = decide(tats, 60.0, limits, requests=1, tokens=1)
     assert not refused.allowed
     # a refund never makes the bucket fuller than full
-    decision, tats = decide(tats, 60.0, limits, requests=0, tokens=-10**6, force=True)
+    decision, tats = decide(tats, 60.0, limits, requests=0, tokens=-(10**6), force=True)
     assert decision.buckets[0].remaining == 1000
     assert decision.buckets[0].reset_s == 0.0
 
@@ -234,7 +236,8 @@ def test_quota_limits_are_optional_both_ways() -> None:
     )
     again = QuotaAssignment.model_validate_json(new.model_dump_json())
     limits = again.tenants["a"].limits
-    assert limits is not None and limits.tokens_per_day == 9
+    assert limits is not None
+    assert limits.tokens_per_day == 9
 
 
 # --------------------------------------------------------------------------- the operator

@@ -263,7 +263,7 @@ class RateLimiter:
         now = time.monotonic()
         if now - self._members_at >= MEMBERS_REFRESH_S:
             self._members_at = now
-            self.background.spawn(self._count_members())
+            self.background.spawn(self.refresh_members())
         return decision
 
     def _decide_local(
@@ -282,7 +282,7 @@ class RateLimiter:
         tats[:] = after
         return dataclasses.replace(decision, local=True)
 
-    async def _count_members(self) -> None:
+    async def refresh_members(self) -> None:
         """Count the live sidecars of the cache (their heartbeats' unexpired memberships)."""
         assert self.client is not None
         key = members_key(self.cache)
