@@ -20,6 +20,8 @@ import httpx
 import pytest
 
 from cachefleet_e2e.services import RedisServer
+from cachefleet_sidecar.contract.acls import sidecar_acl
+from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.tenancy.limits import TenantLimits
 from cachefleet_sidecar.tenancy.limits_redis import RateLimiter
 
@@ -307,3 +309,32 @@ async def test_redis_down_each_pod_enforces_its_share_and_never_errs(
         assert status["local_share"] == "1/2"
         assert status["redis_error"]
         assert "cachefleet_rate_limit_local{" in (await pod.admin.get("/metrics")).text
+
+
+async def test_the_limiter_runs_under_the_sidecars_least_privilege_acl(
+    sidecar_factory: SidecarFactory, redis_url: str
+) -> None:
+    admin = redis_from_url(redis_url)
+    user, password = "cf-limits", "limits-pw-0b7d"
+    try:
+        await admin.execute_command(
+            "ACL", "SETUSER", user, "reset", "on", f">{password}", *sidecar_acl("test/cache")
+        )
+        await admin.execute_command("ACL", "LOG", "RESET")
+        url = redis_url.replace("redis://", f"redis://{user}:{password}@", 1)
+        pod = await sidecar_factory(
+            redis_url=url, tenant_limits={"acme": TenantLimits(2, 1000, 10_000)}
+        )
+        rates = patient(pod)
+        answers = [await pod.chat(f"q{i}") for i in range(3)]
+        await pod.settled()
+        await rates.refresh_members()
+        assert [r.status_code for r in answers] == [200, 200, 429]
+        assert answers[0].headers["x-ratelimit-remaining-requests"] == "1"
+        assert rates.live_pods == 1
+        assert rates.corrections_failed == 0
+        assert not rates.redis_error
+        assert await admin.execute_command("ACL", "LOG") == []
+    finally:
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
