@@ -338,3 +338,32 @@ async def test_the_limiter_runs_under_the_sidecars_least_privilege_acl(
     finally:
         await admin.execute_command("ACL", "DELUSER", user)
         await admin.aclose()
+
+
+async def test_a_client_that_honours_retry_after_gets_through(
+    sidecar_factory: SidecarFactory, redis_url: str
+) -> None:
+    """What the OpenAI SDK's retries do (the ``openai`` package is not installed here):
+    sleep ``Retry-After``, ask again; the limiter lets the retry through."""
+    pod = await sidecar_factory(
+        redis_url=redis_url, tenant_limits={"acme": TenantLimits(requests_per_minute=60)}
+    )
+    patient(pod)
+    statuses = []
+    for i in range(300):  # until refused: the bucket refills one a second meanwhile
+        refused = await pod.chat(f"fill {i}")
+        statuses.append(refused.status_code)
+        if refused.status_code == 429:
+            break
+    assert statuses[:60] == [200] * 60
+    assert statuses[-1] == 429
+    wait = int(refused.headers["retry-after"])
+    assert wait == 1  # 60 a minute: one more each second
+    for _ in range(3):  # the SDK's default is two retries; one is enough here
+        await asyncio.sleep(wait)
+        retried = await pod.chat(f"fill {i}")
+        if retried.status_code == 200:
+            break
+        wait = int(retried.headers["retry-after"])
+    assert retried.status_code == 200
+    assert retried.headers["x-cache"] == "MISS"
