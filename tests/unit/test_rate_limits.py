@@ -16,6 +16,7 @@ from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.reconcile import assignment_digest, build_assignment, demands_from_spec
 from cachefleet_sidecar.config import parse_args
 from cachefleet_sidecar.contract.messages import QuotaAssignment, RateLimits, TenantQuota
+from cachefleet_sidecar.tasks import Background
 from cachefleet_sidecar.tenancy.limits import (
     DAY_S,
     Decision,
@@ -30,6 +31,7 @@ from cachefleet_sidecar.tenancy.limits import (
     limits_flag,
     parse_limits,
 )
+from cachefleet_sidecar.tenancy.limits_redis import RateLimiter
 
 from .crd_schema import spec_errors
 
@@ -280,3 +282,114 @@ def test_bad_crd_limits_are_refused_by_the_operator_and_the_schema(limits: dict[
     with pytest.raises(SpecError, match="limits"):
         parse_spec(raw)
     assert spec_errors(raw, sep="/"), "the API server's schema lets it through"
+
+
+# --------------------------------------------------------------------------- the limiter alone
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chat(content: str, **fields: Any) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}], **fields}).encode()
+
+
+def answer(prompt: int, completion: int) -> bytes:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+    return json.dumps({"choices": [], "usage": usage}).encode()
+
+
+def stream_answer(prompt: int, completion: int) -> bytes:
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion}
+    return (
+        b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n'
+        + b"data: "
+        + json.dumps({"choices": [], "usage": usage}).encode()
+        + b"\n\ndata: [DONE]\n\n"
+    )
+
+
+def limiter(limits: dict[str, TenantLimits], clock: Clock) -> RateLimiter:
+    return RateLimiter("ns/c", limits=limits, client=None, background=Background(), clock=clock)
+
+
+async def test_without_redis_the_pod_enforces_the_whole_limit_and_says_so() -> None:
+    clock = Clock()
+    refused: list[tuple[str, str]] = []
+    rates = limiter({"a": TenantLimits(requests_per_minute=3)}, clock)
+    rates.on_refused = lambda tenant, reason: refused.append((tenant, reason))
+    tickets = [await rates.admit("a", chat("hi")) for _ in range(4)]
+    assert [t.refusal is None for t in tickets] == [True, True, True, False]
+    assert refused == [("a", "requests")]
+    refusal = tickets[3].refusal
+    assert refusal is not None
+    assert refusal.startswith(b"HTTP/1.1 429 ")
+    assert b"retry-after: 20\r\n" in refusal
+    assert b'"code":"rate_limit_exceeded"' in refusal
+    assert b"\r\nx-ratelimit-remaining-requests: 2" in tickets[0].x_cache_tail
+    assert not rates.limited("b")
+    status = rates.status()
+    assert (status["mode"], status["local_share"]) == ("local", "1/1")
+    assert status["tenants"]["a"]["refused"] == {"requests": 1}
+    assert status["tenants"]["a"]["usage"]["requests"]["remaining"] == 0
+    clock.now += 20.0  # one more refilled
+    assert (await rates.admit("a", chat("hi"))).refusal is None
+
+
+async def test_the_usage_corrects_the_estimate_both_ways() -> None:
+    clock = Clock()
+    rates = limiter({"a": TenantLimits(tokens_per_minute=1000)}, clock)
+
+    async def left() -> int:  # tokens left, read by a 1-token probe
+        probe = await rates.admit("a", chat(""))
+        return probe.decision.buckets[0].remaining + 1
+
+    # estimated 100 (400 characters); the answer says 900 were used: 100 left
+    ticket = await rates.admit("a", chat("x" * 400))
+    assert ticket.tokens == 100
+    assert ticket.decision.buckets[0].remaining == 900
+    rates.settle(ticket, 200, answer(100, 800))
+    rates.settle(ticket, 200, answer(100, 800))  # settled once only
+    assert (await rates.admit("a", chat("x" * 404))).refusal is not None  # 101 > 100
+    assert (await rates.admit("a", chat("x" * 400))).refusal is None  # 100 fit
+    # a stream's last usage event counts the same way: estimated 1000, used 30
+    clock.now += 60.0
+    ticket = await rates.admit("a", chat("y" * 40, max_tokens=990))
+    assert ticket.tokens == 1000
+    rates.settle(ticket, 200, stream_answer(10, 20))
+    assert await left() == 970
+    # an error answer, or no answer, gives the tokens back; an unknown usage keeps them
+    cases = ((500, b'{"error": {}}', 1000), (None, None, 1000), (200, b"{}", 500))
+    for status, body, expected in cases:
+        clock.now += 120.0
+        ticket = await rates.admit("a", chat("w" * 2000))
+        assert ticket.tokens == 500
+        rates.settle(ticket, status, body)
+        assert await left() == expected
+
+
+async def test_operator_limits_replace_the_flags_for_the_tenants_it_names() -> None:
+    rates = limiter(
+        {"a": TenantLimits(requests_per_minute=1), "b": TenantLimits(tokens_per_day=5)}, Clock()
+    )
+    assignment = QuotaAssignment(
+        generation=1,
+        tenants={
+            "a": TenantQuota(l1_bytes=1, l2_bytes=1, limits=RateLimits(requests_per_minute=50)),
+            "c": TenantQuota(l1_bytes=1, l2_bytes=1),
+        },
+    )
+    rates.apply(assignment)
+    assert rates.table == {
+        "a": TenantLimits(requests_per_minute=50),
+        "b": TenantLimits(None, None, 5),
+    }
+    rates.apply(
+        assignment.model_copy(update={"tenants": {"b": TenantQuota(l1_bytes=1, l2_bytes=1)}})
+    )
+    assert rates.table == {"a": TenantLimits(requests_per_minute=1)}  # b named without limits

@@ -208,7 +208,8 @@ class RateLimiter:
         elif body is None:
             return
         else:
-            prompt, completion = usage_of(body, stream=body[:5] == b"data:")
+            # a JSON answer is one object; anything else is read as a stream of events
+            prompt, completion = usage_of(body, stream=body.lstrip()[:1] != b"{")
             used = prompt + completion
             if used == 0 and status < 400:
                 return
