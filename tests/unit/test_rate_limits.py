@@ -204,6 +204,7 @@ def test_limits_documents_parse_and_refuse_what_is_wrong(tmp_path: Path) -> None
         '{"a": {"requestsPerMinute": true}}',
         '{"a": {"rpm": 10}}',
         '{"a": 5}',
+        '{"a{x}": {"requestsPerMinute": 1}}',
         "[1]",
         "not json",
     ):
@@ -384,6 +385,7 @@ async def test_operator_limits_replace_the_flags_for_the_tenants_it_names() -> N
             "c": TenantQuota(l1_bytes=1, l2_bytes=1),
         },
     )
+    assert (await rates.admit("b", chat("hi"))).refusal is None
     rates.apply(assignment)
     assert rates.table == {
         "a": TenantLimits(requests_per_minute=50),
@@ -393,3 +395,5 @@ async def test_operator_limits_replace_the_flags_for_the_tenants_it_names() -> N
         assignment.model_copy(update={"tenants": {"b": TenantQuota(l1_bytes=1, l2_bytes=1)}})
     )
     assert rates.table == {"a": TenantLimits(requests_per_minute=1)}  # b named without limits
+    assert "b" not in rates.status()["tenants"]
+    assert rates.last.keys() <= rates.table.keys()

@@ -34,6 +34,8 @@ from typing import Any
 
 import orjson
 
+from cachefleet_sidecar.contract.names import valid_name
+
 MINUTE_S = 60.0
 DAY_S = 86400.0
 #: The buckets in the order the script takes them: (name, CRD field, period seconds).
@@ -128,6 +130,8 @@ def parse_limits(raw: bytes | str) -> dict[str, TenantLimits]:
         raise LimitsError('expected {"<tenant>": {"requestsPerMinute": N, ...}}')
     out: dict[str, TenantLimits] = {}
     for tenant, limits in doc.items():
+        if not valid_name(tenant):
+            raise LimitsError(f"invalid tenant name {tenant!r}: use 1-63 of [A-Za-z0-9._-]")
         if not isinstance(limits, dict):
             raise LimitsError(f"tenant {tenant!r}: expected an object of limits")
         parsed = TenantLimits.from_doc(limits, tenant)

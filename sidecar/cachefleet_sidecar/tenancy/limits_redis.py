@@ -140,6 +140,10 @@ class RateLimiter:
         self.table = table
         for gone in [t for t in self._local if t not in table]:
             del self._local[gone]
+        for gone in [t for t in self.last if t not in table]:
+            del self.last[gone]
+            self.admitted.pop(gone, None)
+        self.refused = {k: n for k, n in self.refused.items() if k[0] in table}
 
     @property
     def local(self) -> bool:
