@@ -367,3 +367,23 @@ async def test_a_client_that_honours_retry_after_gets_through(
         wait = int(retried.headers["retry-after"])
     assert retried.status_code == 200
     assert retried.headers["x-cache"] == "MISS"
+
+
+async def test_limits_hold_on_redis_standalone_and_cluster(
+    sidecar_factory: SidecarFactory, any_redis: str
+) -> None:
+    limits = {"acme": TenantLimits(requests_per_minute=5, tokens_per_day=1_000_000)}
+    pods = [
+        await sidecar_factory(redis_url=any_redis, pod=f"pod-{i}", tenant_limits=limits)
+        for i in range(2)
+    ]
+    rates = [patient(pod) for pod in pods]
+    answers = [await pods[i % 2].chat(f"q{i}") for i in range(8)]
+    await asyncio.gather(*(pod.settled() for pod in pods))
+    statuses = [r.status_code for r in answers]
+    assert statuses[:5] == [200] * 5  # one bucket for both pods: 5, then a 12 s refill
+    assert statuses.count(429) >= 2
+    assert answers[4].headers["x-ratelimit-remaining-requests"] == "0"
+    assert answers[0].headers["x-ratelimit-limit-tokens-day"] == "1000000"
+    assert all(not r.redis_error and r.local_decisions == 0 for r in rates)
+    assert all(r.corrections_failed == 0 for r in rates)

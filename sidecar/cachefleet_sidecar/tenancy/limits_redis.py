@@ -285,7 +285,8 @@ class RateLimiter:
             force=force,
         )
         tats[:] = after
-        return dataclasses.replace(decision, local=True)
+        # without Redis at all this pod is the whole fleet: its decisions are not a fallback
+        return dataclasses.replace(decision, local=self.client is not None)
 
     async def refresh_members(self) -> None:
         """Count the live sidecars of the cache (their heartbeats' unexpired memberships)."""
