@@ -285,7 +285,8 @@ def build(
         l2_usage=l2_usage,
     )
     # --limits-count-hits: a rate-limited tenant's hits are counted, outside the fast path
-    handler_class = HitsCountedHandler if config.limits_count_hits and rates else Handler
+    counts_hits = config.limits_count_hits and rates is not None
+    handler_class = HitsCountedHandler if counts_hits else Handler
     handler = handler_class(
         config,
         keying=keying,
