@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from cachefleet_e2e.services import RedisServer
+from cachefleet_sidecar.cache.handler import Handler
 from cachefleet_sidecar.contract.acls import sidecar_acl
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.tenancy.limits import TenantLimits
@@ -246,6 +247,10 @@ async def test_hits_count_as_requests_only_with_the_flag(
     answers = [await plain.chat("same question") for _ in range(10)]
     assert [r.status_code for r in answers] == [200] * 10  # one miss, nine free hits
     assert [r.headers["x-cache"] for r in answers[1:]] == ["HIT-L1"] * 9
+    plain_rates = plain.sidecar.rates
+    assert plain_rates is not None
+    assert plain_rates.admitted == {"acme": 1}  # the limiter saw the miss only
+    assert type(plain.sidecar.handler).fast is Handler.fast  # the hit path as without limits
 
     counting = await sidecar_factory(
         redis_url=redis_url,
