@@ -255,7 +255,7 @@ class RateLimiter:
                 timeout_s=self.timeout_s,
             )
             decision = decision_of_reply(reply, limits)
-        except (resp.RespError, ValueError, TypeError, IndexError) as exc:
+        except Exception as exc:  # any fault of the limiter: this pod decides, never a 5xx
             self._down_until = time.monotonic() + REDIS_RETRY_S
             if not self.redis_error:
                 log.warning("rate limits: Redis unreachable, each pod enforces its share: %s", exc)
