@@ -397,3 +397,33 @@ async def test_operator_limits_replace_the_flags_for_the_tenants_it_names() -> N
     assert rates.table == {"a": TenantLimits(requests_per_minute=1)}  # b named without limits
     assert "b" not in rates.status()["tenants"]
     assert rates.last.keys() <= rates.table.keys()
+
+
+class BrokenClient:
+    """A Redis client whose every call fails the way no RespError does."""
+
+    calls = 0
+
+    async def run_script(self, *args: Any, **kwargs: Any) -> Any:
+        BrokenClient.calls += 1
+        raise RuntimeError("limiter bug")
+
+
+async def test_any_limiter_fault_falls_back_to_the_local_share() -> None:
+    rates = RateLimiter(
+        "ns/c",
+        limits={"a": TenantLimits(requests_per_minute=4)},
+        client=BrokenClient(),  # type: ignore[arg-type]
+        background=Background(),
+        clock=Clock(),
+    )
+    rates.live_pods = 2
+    tickets = [await rates.admit("a", chat("hi")) for _ in range(3)]
+    assert [t.refusal is None for t in tickets] == [True, True, False]  # 4 / 2 pods
+    assert BrokenClient.calls == 1  # then this pod decides alone for REDIS_RETRY_S
+    status = rates.status()
+    assert (status["mode"], status["local_share"]) == ("local", "1/2")
+    assert "RuntimeError" in status["redis_error"]
+    refusal = tickets[2].refusal
+    assert refusal is not None
+    assert b"this pod's share" in refusal
