@@ -428,6 +428,30 @@ class CacheControlSpec(_Model):
     )
 
 
+class TenantLimitsSpec(_Model):
+    """A tenant's request and token limits, enforced fleet-wide (docs/rate-limits.md)."""
+
+    requests_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Requests per minute that reach the model server (cache hits count only with "
+            "--limits-count-hits); beyond: 429 with Retry-After and x-ratelimit-* headers."
+        ),
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Prompt + completion tokens per minute: estimated at admission, corrected from the "
+            "answer's usage. Cache hits never consume tokens."
+        ),
+    )
+    tokens_per_day: int | None = Field(
+        default=None, ge=1, description="Prompt + completion tokens per day."
+    )
+
+
 class TenantSpec(_Model):
     """One tenant of the cache: its class, SLA and share bounds."""
 
@@ -492,6 +516,10 @@ class TenantSpec(_Model):
     cache_control: CacheControlSpec | None = Field(
         default=None,
         description="Request Cache-Control directives this tenant may use; empty = all.",
+    )
+    limits: TenantLimitsSpec | None = Field(
+        default=None,
+        description="Request and token limits, fleet-wide; empty = none.",
     )
 
     @model_validator(mode="after")

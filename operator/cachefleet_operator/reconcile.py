@@ -63,6 +63,7 @@ from cachefleet_operator.api import (
     SemanticSpec,
     SidecarStatus,
     SpecError,
+    TenantLimitsSpec,
     TenantSpec,
     TenantStatus,
     listed_l1_bytes,
@@ -102,7 +103,7 @@ from cachefleet_operator.publisher import (
     redis_control_plane,
 )
 from cachefleet_sidecar.contract.fleet import decode_fleet_batch
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_sidecar.contract.messages import QuotaAssignment, RateLimits, TenantQuota
 from cachefleet_sidecar.contract.names import Policy, cache_ref
 from cachefleet_sidecar.contract.ops import read_epochs, restore_epochs
 from cachefleet_sidecar.epochs import model_scope
@@ -294,6 +295,7 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
                 ttl_seconds=by_name[t.name].ttl_seconds or spec.ttl_seconds,
                 allow_bypass=_cache_control(by_name[t.name], "allow_bypass"),
                 allow_max_age=_cache_control(by_name[t.name], "allow_max_age"),
+                limits=_limits(by_name[t.name]),
             )
             for t in allocation.tenants
         },
@@ -306,6 +308,18 @@ def _cache_control(tenant: TenantSpec, field: str) -> bool | None:
     if tenant.cache_control is None or getattr(tenant.cache_control, field):
         return None
     return False
+
+
+def _limits(tenant: TenantSpec) -> RateLimits | None:
+    """A tenant's request and token limits for the sidecars (None: none set)."""
+    spec = tenant.limits
+    if spec is None or spec == TenantLimitsSpec():
+        return None
+    return RateLimits(
+        requests_per_minute=spec.requests_per_minute,
+        tokens_per_minute=spec.tokens_per_minute,
+        tokens_per_day=spec.tokens_per_day,
+    )
 
 
 def _semantic(tenant: TenantSpec) -> SemanticSpec:
@@ -323,6 +337,10 @@ def assignment_digest(assignment: QuotaAssignment) -> str:
     if assignment.default_tenant is None:
         skip["default_tenant"] = True
     body = assignment.model_dump(mode="json", exclude=skip)
+    quotas = [*body["tenants"].values(), body.get("default_tenant") or {}]
+    for quota in quotas:  # limits unset: the digest of before they existed
+        if quota.get("limits") is None:
+            quota.pop("limits", None)
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 

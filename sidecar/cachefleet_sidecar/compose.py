@@ -44,7 +44,7 @@ from cachefleet_sidecar.adapt.switcher import PolicySwitcher
 from cachefleet_sidecar.adapt.switching import SwitchingConfig, SwitchingEngine
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.cache.handler import Handler, Keying
+from cachefleet_sidecar.cache.handler import Handler, HitsCountedHandler, Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.purge import PurgeIndex
@@ -65,6 +65,7 @@ from cachefleet_sidecar.observe.metrics import (
     reuse_families,
 )
 from cachefleet_sidecar.tasks import Background
+from cachefleet_sidecar.tenancy.limits_redis import RateLimiter
 from cachefleet_sidecar.tenancy.tenants import QuotaApplier, Tenants
 
 
@@ -99,6 +100,8 @@ class Sidecar:
     admin: Admin
     #: Ships the fleet-sampled accesses to Redis (None: no Redis, or curves off).
     fleet: FleetShipper | None = None
+    #: Per-tenant rate limits (None: neither Redis nor --tenant-limits).
+    rates: RateLimiter | None = None
 
     async def aclose(self) -> None:
         """Let background work finish (bounded), then close the parts' connections."""
@@ -109,6 +112,8 @@ class Sidecar:
             await self.gate.aclose()
         if self.l2 is not None:
             await self.l2.aclose()
+        if self.rates is not None:
+            await self.rates.aclose()
 
 
 def build(
@@ -233,12 +238,25 @@ def build(
         background=background,
         l2_name=tenants.l2_name,
     )
+    # -- rate limits (docs/rate-limits.md): from --tenant-limits, or the operator's table
+    rates: RateLimiter | None = None
+    if config.tenant_limits or config.redis_url:
+        rates = RateLimiter(
+            cache,
+            limits=config.tenant_limits,
+            client=resp_client(config.redis_url) if config.redis_url else None,
+            background=background,
+            count_hits=config.limits_count_hits,
+            on_refused=metrics.rate_limited,
+        )
+    # --
     relay = Relay(
         config,
         upstream=upstream,
         metrics=metrics,
         gate=gate,
         priority_class=tenants.priority_class,
+        rates=rates,
     )
     upkeep = Upkeep(
         config,
@@ -266,7 +284,10 @@ def build(
         host=host,
         l2_usage=l2_usage,
     )
-    handler = Handler(
+    # --limits-count-hits: a rate-limited tenant's hits are counted, outside the fast path
+    counts_hits = config.limits_count_hits and rates is not None
+    handler_class = HitsCountedHandler if counts_hits else Handler
+    handler = handler_class(
         config,
         keying=keying,
         tiers=tiers,
@@ -305,6 +326,9 @@ def build(
         switcher=switcher,
         background=background,
     )
+    if rates is not None:
+        quotas.listeners.append(rates.apply)
+        admin.rate_limits = rates.status
 
     # Every collector, each from the part that owns the state it reads.
     metrics.usage_source = admin.usage
@@ -320,6 +344,8 @@ def build(
         metrics.gauge_sources.append(partial(admission_families, cache, gate.core))
     metrics.gauge_sources.append(partial(limiter.families, cache))
     metrics.gauge_sources.append(partial(upstream.families, cache))
+    if rates is not None:
+        metrics.gauge_sources.append(rates.families)
     fleet = None
     if mrc is not None and config.redis_url:  # samples for the fleet-wide curves
         client = resp_client(config.redis_url)
@@ -353,4 +379,5 @@ def build(
         upkeep=upkeep,
         admin=admin,
         fleet=fleet,
+        rates=rates,
     )

@@ -31,6 +31,7 @@ from cachefleet_sidecar.http.upstream import (
 from cachefleet_sidecar.http.upstream import DEFAULT_MAX_WAITING as DEFAULT_UPSTREAM_MAX_QUEUED
 from cachefleet_sidecar.observe import savings
 from cachefleet_sidecar.tenancy import identity
+from cachefleet_sidecar.tenancy.limits import TenantLimits, limits_flag
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 #: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
@@ -247,6 +248,11 @@ class SidecarConfig:
     semantic_shadow: bool = False
     #: Share of would-be L3 hits that shadow mode compares with upstream's answer.
     semantic_shadow_sample: float = 1.0
+    # -- rate limits (docs/rate-limits.md)
+    #: Request and token limits by tenant (--tenant-limits; the operator's win for its tenants).
+    tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
+    #: Cache hits of a rate-limited tenant count as requests (never as tokens).
+    limits_count_hits: bool = False
 
 
 def _env(name: str) -> str | None:
@@ -586,6 +592,20 @@ def build_parser() -> argparse.ArgumentParser:
         "share of would-be L3 hits that shadow mode compares with upstream's answer, in (0, 1]",
         default="1.0",
     )
+    # -- rate limits (docs/rate-limits.md)
+    add(
+        "tenant-limits",
+        'JSON file of request and token limits by tenant, {"<tenant>": {"requestsPerMinute": N, '
+        '"tokensPerMinute": N, "tokensPerDay": N}}, or that JSON itself; enforced fleet-wide '
+        "through Redis (the InferenceCache's tenants[].limits win for the tenants it names)",
+        default="",
+    )
+    add(
+        "limits-count-hits",
+        "cache hits of a rate-limited tenant count as requests (never as tokens)",
+        action="store_true",
+        default=False,
+    )
     return p
 
 
@@ -746,4 +766,10 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_shadow_sample=float(
             conv("semantic-shadow-sample", ns.semantic_shadow_sample, _threshold)  # type: ignore[arg-type]
         ),
+        tenant_limits=(
+            conv("tenant-limits", ns.tenant_limits, limits_flag)  # type: ignore[arg-type]
+            if ns.tenant_limits
+            else {}
+        ),
+        limits_count_hits=bool(ns.limits_count_hits),
     )

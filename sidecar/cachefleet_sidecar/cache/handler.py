@@ -70,7 +70,7 @@ from cachefleet_sidecar.cache.tiers import L2HitBook
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.names import valid_name
 from cachefleet_sidecar.epochs import EpochTracker, EpochVector
-from cachefleet_sidecar.http.relay import MAX_BUFFERED_BYTES, Relay
+from cachefleet_sidecar.http.relay import MAX_BUFFERED_BYTES, RateTicket, Relay
 from cachefleet_sidecar.http.server import Connection, Outbox, Refusal, Request, error_response
 from cachefleet_sidecar.http.upstream import Begun, UpstreamPool
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
@@ -437,6 +437,8 @@ class Handler:
         self.ttl_of = freshness.ttl_of
         #: Feeds the switching engine (None when switching is off).
         self._observe = None if switcher is None else switcher.observe
+        #: Per-tenant rate limits (docs/rate-limits.md); None: none configured.
+        self.rates = relay.rates
 
     # ---------------------------------------------------------------- fast path
     def fast(self, request: Request) -> bytes | asyncio.Future[Any] | None:
@@ -593,6 +595,7 @@ class Handler:
             or self.l3.enabled(tenant)
             or not self.keying.current(lookup)
             or (self.gate is not None and self.gate.busy)  # admission decides in handle()
+            or (self.rates is not None and self.rates.limited(tenant))  # so do rate limits
         ):
             return None
         headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
@@ -713,6 +716,16 @@ class Handler:
             finally:
                 self._fly_home(key, lookup.flight, answer, None)
             return
+        # -- rate limits, --limits-count-hits: every request counts, a hit too (tokens do not)
+        rates = self.rates
+        counted = False
+        if rates is not None and rates.count_hits and rates.limited(tenant):
+            refused = (await rates.admit(tenant, request.body, tokens=False)).refusal
+            if refused is not None:
+                conn.write(refused)
+                return
+            counted = True
+        # --
         if not lookup.no_cache:
             try:
                 hit = self._l1_fresh(lookup, key, key.digest)
@@ -720,7 +733,9 @@ class Handler:
                 if lookup.only_if_cached:
                     conn.write(_not_cached())
                     return
-                await self.relay.passthrough(request, conn, tenant=tenant, reason="tenant limit")
+                await self.relay.passthrough(
+                    request, conn, tenant=tenant, reason="tenant limit", counted=counted
+                )
                 return
             if hit is not None:
                 conn.write(hit[V_RESPONSE])
@@ -745,7 +760,9 @@ class Handler:
             conn.write(_not_cached())  # RFC 9111 5.2.1.7: nothing stored, nothing sent
             return
         if lookup.no_cache and lookup.no_store:
-            await self.relay.passthrough(request, conn, tenant=tenant, reason="no-cache, no-store")
+            await self.relay.passthrough(
+                request, conn, tenant=tenant, reason="no-cache, no-store", counted=counted
+            )
             return
         leader = None if lookup.only_if_cached else self.inflight.get(key.digest)
         if leader is not None:
@@ -774,10 +791,20 @@ class Handler:
             if lookup.only_if_cached:
                 conn.write(_not_cached())
                 return
+            # -- rate limits (docs/rate-limits.md): a request that reaches the model server
+            ticket: RateTicket | None = None
+            if rates is not None and rates.limited(tenant):
+                ticket = await rates.admit(tenant, request.body, request=not counted)
+                if ticket.refusal is not None:
+                    conn.write(ticket.refusal)
+                    return
+            # --
             if self.gate is not None and (refused := await self.relay.admit(tenant)) is not None:
+                if ticket is not None and rates is not None:
+                    rates.settle(ticket, None, None)  # never sent: its tokens go back
                 conn.write(refused)
                 return
-            answer = await self._miss(request, conn, lookup, key, pending)
+            answer = await self._miss(request, conn, lookup, key, pending, ticket)
         finally:
             self._fly_home(key, flight, answer, l3_answer)
 
@@ -799,10 +826,12 @@ class Handler:
         lookup: Lookup,
         key: keys.CacheKey,
         pending: Pending | None = None,
+        ticket: RateTicket | None = None,
     ) -> Entry | None:
         """Call upstream (or finish the call the fast path sent), forward, store when correct.
 
-        Returns the answer for joiners; see :meth:`_store_answer`.
+        Returns the answer for joiners; see :meth:`_store_answer`. ``ticket``: the rate
+        limits' admission (its headers go with the answer; the answer's usage settles it).
         """
         tenant = lookup.tenant
         if lookup.begun is not None:
@@ -811,17 +840,25 @@ class Handler:
         else:
             headers = self._upstream_headers(request.headers, tenant, b"accept-encoding")
             started = time.perf_counter()
+        marker = _miss_marker(key)
+        if ticket is not None:
+            marker += ticket.x_cache_tail
         captured = await self.relay.forward(
             request,
             conn,
             headers,
-            _miss_marker(key),
+            marker,
             tenant=tenant,
             capture=self.max_entry_bytes,
             begun=lookup.begun,
             started=started,
         )
         cost = time.perf_counter() - started  # upstream seconds a hit will save
+        if ticket is not None and self.rates is not None:
+            if captured is None:
+                self.rates.settle(ticket, None, None)
+            else:
+                self.rates.settle(ticket, captured[0], captured[2])
         if captured is None:
             return None
         status, resp_headers, body = captured
@@ -949,6 +986,24 @@ class Handler:
             return None, self.l3.shadow(pending, answer, key.stream)  # measured, not served
         self._saved(tenant, key.model, *saved)
         return answer, None
+
+
+class HitsCountedHandler(Handler):
+    """The handler with ``--limits-count-hits``: a rate-limited tenant's requests skip the
+    fast path, so a hit is counted (and may be refused) before it is served; every other
+    tenant's L1 hit is answered by :meth:`Handler.fast` as usual. Without the flag this
+    class is not used and the hit path does not know that rate limits exist."""
+
+    def fast(self, request: Request) -> bytes | asyncio.Future[Any] | None:
+        rates = self.rates
+        if rates is not None and request.method == b"POST":
+            try:
+                tenant = self._resolve(request.headers, request.peer)
+            except Refusal:
+                return super().fast(request)
+            if rates.limited(tenant):
+                return None
+        return super().fast(request)
 
 
 def _miss_marker(key: keys.CacheKey) -> bytes:

@@ -6,13 +6,14 @@ and a test runs under them.
 
 from __future__ import annotations
 
-#: Commands a sidecar sends (connection set-up, L2 scripts, control sync, heartbeats).
+#: Commands a sidecar sends (connection set-up, L2 scripts, control sync, heartbeats,
+#: the rate limits counting live pods).
 SIDECAR_COMMANDS = (
     "+hello", "+auth", "+ping", "+select", "+client|setname",
     "+readonly", "+cluster|slots", "+cluster|shards", "+cluster|nodes",
     "+eval", "+evalsha", "+script|load",
     "+get", "+mget", "+hget", "+hmget", "+hgetall", "+hset", "+hdel", "+sadd", "+smembers",
-    "+zrangebyscore", "+zrem", "+del",
+    "+zrangebyscore", "+zcount", "+zrem", "+del",
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
     "+xadd",
 )  # fmt: skip

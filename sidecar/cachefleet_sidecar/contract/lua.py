@@ -401,3 +401,68 @@ end
 return deleted
 """
 )
+
+# --------------------------------------------------------------------------- rate limits
+
+#: Per-tenant request and token limits, fleet-wide (docs/rate-limits.md): the GCRA of
+#: :func:`cachefleet_sidecar.tenancy.limits.decide`, in milliseconds of Redis's clock.
+#: KEYS[1] = names.rate_limit_key (a hash: field ``r``, ``t``, ``d`` = each bucket's
+#: theoretical arrival time, ms). ARGV[1] = ``take`` (admit all-or-nothing: charge every
+#: bucket only if the cost fits in each) or ``force`` (a correction, charged as is; a
+#: negative cost refunds); then three ``limit, period_ms, cost`` triples, in the order
+#: requests per minute, tokens per minute, tokens per day (limit 0: no such bucket).
+#: Returns ``{allowed, r_remaining, r_reset_ms, r_retry_ms, t_..., d_...}`` (integers;
+#: zeros for a bucket without a limit). The key expires once every bucket is full again.
+RATE_LIMIT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local force = ARGV[1] == 'force'
+local fields = {'r', 't', 'd'}
+local tats = redis.call('HMGET', KEYS[1], 'r', 't', 'd')
+local plan = {}
+local allowed = 1
+for i = 1, 3 do
+  local limit = tonumber(ARGV[3 * i - 1])
+  if limit > 0 then
+    local period = tonumber(ARGV[3 * i])
+    local cost = tonumber(ARGV[3 * i + 1])
+    if not force and cost > limit then cost = limit end
+    local interval = period / limit
+    local tat = tonumber(tats[i]) or 0
+    local base = math.max(tat, now)
+    local new_tat = math.max(base + cost * interval, now)
+    local fits = force or cost <= 0 or new_tat - period <= now
+    if not fits then allowed = 0 end
+    plan[i] = {limit, period, interval, tat, new_tat, fits}
+  end
+end
+local out = {allowed}
+local expire_at = now
+for i = 1, 3 do
+  local p = plan[i]
+  if p == nil then
+    out[#out + 1] = 0
+    out[#out + 1] = 0
+    out[#out + 1] = 0
+  else
+    local after = p[4]
+    if allowed == 1 then
+      after = p[5]
+      redis.call('HSET', KEYS[1], fields[i], string.format('%.3f', after))
+    end
+    after = math.max(after, now)
+    if after > expire_at then expire_at = after end
+    out[#out + 1] = math.max(0, math.floor((now + p[2] - after) / p[3] + 1e-9))
+    out[#out + 1] = math.ceil(after - now)
+    if p[6] then
+      out[#out + 1] = 0
+    else
+      out[#out + 1] = math.max(1, math.ceil(p[5] - p[2] - now))
+    end
+  end
+end
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('PEXPIRE', KEYS[1], math.ceil(expire_at - now) + 1000)
+end
+return out
+"""

@@ -22,6 +22,16 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+class RateLimits(_Model):
+    """A tenant's request and token limits, fleet-wide (docs/rate-limits.md); None: no limit."""
+
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(
+        default=None, gt=0, description="Prompt + completion tokens per minute"
+    )
+    tokens_per_day: int | None = Field(default=None, gt=0)
+
+
 class TenantQuota(_Model):
     """What one tenant may use, as assigned by the operator."""
 
@@ -70,6 +80,10 @@ class TenantQuota(_Model):
     )
     allow_max_age: bool | None = Field(
         default=None, description="Cache-Control max-age obeyed; None = allowed"
+    )
+    #: Absent for older operators; ignored by older sidecars (``extra="ignore"``).
+    limits: RateLimits | None = Field(
+        default=None, description="Request and token limits, fleet-wide; None = none"
     )
 
 

@@ -231,3 +231,9 @@ def check_digest(digest: str) -> str:
     if not DIGEST_RE.match(digest):
         raise ValueError(f"not a SHA-256 hex digest (64 of 0-9a-f): {digest[:80]!r}")
     return digest
+
+
+def rate_limit_key(cache: str, tenant: str) -> str:
+    """The GCRA state of ``tenant``'s request and token limits (hash ``r``, ``t``, ``d``),
+    in the tenant's data slot (:data:`~cachefleet_sidecar.contract.lua.RATE_LIMIT_LUA`)."""
+    return f"{_tenant(cache, tenant)}:rl"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.config import SidecarConfig
@@ -26,6 +27,36 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 READY_FRESH_S = 5.0
 
 
+# ----------------------------------------------------------------- rate limits
+#: Largest answer held to read its ``usage`` when a rate-limited bypass is relayed.
+USAGE_CAPTURE_BYTES = 256 * 1024
+
+
+class RateTicket(Protocol):
+    """One admission by the :class:`RateGate` (tenancy.limits_redis.Ticket)."""
+
+    @property
+    def refusal(self) -> bytes | None: ...
+    @property
+    def x_cache_tail(self) -> bytes: ...
+
+
+class RateGate(Protocol):
+    """Per-tenant request and token limits (tenancy.limits_redis.RateLimiter), asked only
+    for requests that reach the model server, and for cache hits when ``count_hits``."""
+
+    count_hits: bool
+
+    def limited(self, tenant: str) -> bool: ...
+    async def admit(
+        self, tenant: str, body: bytes, *, request: bool = True, tokens: bool = True
+    ) -> RateTicket: ...
+    def settle(self, ticket: RateTicket, status: int | None, body: bytes | None) -> None: ...
+
+
+# -----------------------------------------------------------------------------
+
+
 class Relay:
     """Forwards requests to the model server and relays its answers to the client."""
 
@@ -37,7 +68,10 @@ class Relay:
         metrics: SidecarMetrics,
         gate: AdmissionGate | None,
         priority_class: Callable[[str], str | None],
+        rates: RateGate | None = None,
     ) -> None:
+        #: Per-tenant rate limits (None: none configured).
+        self.rates = rates
         self.upstream = upstream
         self.metrics = metrics
         self.gate = gate
@@ -77,20 +111,52 @@ class Relay:
         return out
 
     async def passthrough(
-        self, request: Request, conn: Connection, *, tenant: str | None, reason: str | None
+        self,
+        request: Request,
+        conn: Connection,
+        *,
+        tenant: str | None,
+        reason: str | None,
+        counted: bool = False,
     ) -> None:
+        """Relay a request the cache does not answer (``counted``: the rate limits have
+        counted it already, as a hit would be with ``--limits-count-hits``)."""
         headers = request.headers
+        ticket: RateTicket | None = None
+        x_cache = b"BYPASS"
         if tenant is not None:
             headers = self.upstream_headers(headers, tenant)
             # only a POST is model work worth holding back (a GET /v1/models costs no GPU)
+            rates = self.rates
+            if rates is not None and request.method == b"POST" and rates.limited(tenant):
+                ticket = await rates.admit(tenant, request.body, request=not counted)
+                if ticket.refusal is not None:
+                    conn.write(ticket.refusal)
+                    return
+                x_cache += ticket.x_cache_tail
             if (
                 self.gate is not None
                 and request.method == b"POST"
                 and (refused := await self.admit(tenant)) is not None
             ):
+                if ticket is not None and self.rates is not None:
+                    self.rates.settle(ticket, None, None)
                 conn.write(refused)
                 return
-        captured = await self.forward(request, conn, headers, b"BYPASS", tenant=tenant, capture=0)
+        captured = await self.forward(
+            request,
+            conn,
+            headers,
+            x_cache,
+            tenant=tenant,
+            capture=0 if ticket is None else USAGE_CAPTURE_BYTES,
+        )
+        if ticket is not None and self.rates is not None:
+            # no answer (None): the tokens go back; else the answer's usage corrects them
+            if captured is None:
+                self.rates.settle(ticket, None, None)
+            else:
+                self.rates.settle(ticket, captured[0], captured[2])
         if tenant is not None:
             result = "bypass" if captured is not None else "error"
             self.metrics.tenant(tenant).request(

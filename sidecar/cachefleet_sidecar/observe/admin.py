@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -80,6 +81,8 @@ class Admin:
         #: Prices per 1k tokens by model (--price-table): /status says whether savings are priced.
         self.prices = config.price_table
         self.started_at = time.time()
+        #: The rate limits' /status section (None: no limiter).
+        self.rate_limits: Callable[[], dict[str, Any]] | None = None
 
     def heartbeat(self) -> Heartbeat:
         # unlisted tenants counted apart only while they are admitted (not in open mode)
@@ -184,6 +187,7 @@ class Admin:
             "gpu_telemetry": self.telemetry.describe(),
             "semantic": self.l3.describe(),
             "admission": {"enabled": False} if self.gate is None else self.gate.describe(),
+            "rate_limits": None if self.rate_limits is None else self.rate_limits(),
             "policy_switching": {"enabled": False}
             if self.switching is None
             else {"enabled": True, **self.switching.status(), "host": self.host.describe()},
@@ -276,7 +280,14 @@ class Admin:
 
 #: /status fields that name tenants: shown only to --status-peers (loopback: kubectl
 #: port-forward, exec; 127.0.0.6, where Istio delivers mesh traffic, is not among them).
-TENANT_FIELDS = ("tenants", "known_tenants", "invalidation_epochs", "policy_switching", "savings")
+TENANT_FIELDS = (
+    "tenants",
+    "known_tenants",
+    "invalidation_epochs",
+    "policy_switching",
+    "savings",
+    "rate_limits",
+)
 
 
 def public_status(status: dict[str, Any]) -> dict[str, Any]:

@@ -208,6 +208,8 @@ class SidecarMetrics:
         #: Admission refusals by (tenant, class, reason), and Standard waits by tenant.
         self.admission_refusals: dict[tuple[str, str, str], int] = {}
         self.admission_waits: dict[str, int] = {}
+        #: Requests the rate limits refused, by (tenant, reason) (docs/rate-limits.md).
+        self.rate_limited_requests: dict[tuple[str, str], int] = {}
         self.usage_source: Callable[[], Iterable[TierUsage]] = list
         self.gauge_sources: list[Callable[[], Iterable[Metric]]] = []
         #: Called before the counters are read (:meth:`flush`): whoever counts in batches
@@ -243,6 +245,8 @@ class SidecarMetrics:
         self.admission_waits.pop(tenant, None)
         for key in [k for k in self.admission_refusals if k[0] == tenant]:
             del self.admission_refusals[key]
+        for limited in [k for k in self.rate_limited_requests if k[0] == tenant]:
+            del self.rate_limited_requests[limited]
 
     def _label(self, tenant: str) -> str:
         """The tenant label value under the series bound (as :meth:`tenant` decides it)."""
@@ -258,6 +262,12 @@ class SidecarMetrics:
         """Count a request admission refused (docs/admission.md)."""
         key = (self._label(tenant), priority_class, reason)
         self.admission_refusals[key] = self.admission_refusals.get(key, 0) + 1
+
+    def rate_limited(self, tenant: str, reason: str) -> None:
+        """Count a request the rate limits refused (reason: the bucket: requests, tokens,
+        tokens_per_day)."""
+        key = (self._label(tenant), reason)
+        self.rate_limited_requests[key] = self.rate_limited_requests.get(key, 0) + 1
 
     def admission_waited(self, tenant: str) -> None:
         """Count a Standard request that had to wait for room."""
@@ -678,6 +688,15 @@ class _Collector(Collector):
         for tenant, count in list(m.admission_waits.items()):
             waited.add_metric([cache, tenant], count)
         yield from (refused, waited)
+        limited = CounterMetricFamily(
+            "cachefleet_rate_limited",
+            "Requests refused with 429 by the per-tenant rate limits, by tenant and reason "
+            "(requests, tokens, tokens_per_day).",
+            labels=["cache", "tenant", "reason"],
+        )
+        for (tenant, reason), count in list(m.rate_limited_requests.items()):
+            limited.add_metric([cache, tenant, reason], count)
+        yield limited
         for source in m.gauge_sources:
             yield from source()
 

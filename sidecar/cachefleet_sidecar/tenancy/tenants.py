@@ -9,6 +9,7 @@ operator's quota table to every part it concerns.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.adapt.switcher import PolicySwitcher
@@ -213,12 +214,16 @@ class QuotaApplier:
         self.mrc = mrc
         self.switcher = switcher
         self.background = background
+        #: Parts told of each newer table too (the rate limits).
+        self.listeners: list[Callable[[QuotaAssignment], None]] = []
 
     def apply(self, assignment: QuotaAssignment) -> None:
         """Apply the operator's quota table (idempotent; older generations ignored)."""
         tenants = self.tenants
         if assignment.generation <= tenants.quota_generation:
             return
+        for listener in self.listeners:
+            listener(assignment)
         tenants.quota_generation = assignment.generation
         tenants.quotas = dict(assignment.tenants)
         tenants.default_quota = assignment.default_tenant
