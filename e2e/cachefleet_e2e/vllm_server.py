@@ -54,14 +54,17 @@ SERVED_MODEL = "tiny"
 VLLM_START_TIMEOUT_S = 300.0
 #: Building the tiny model: ~5 s idle.
 TINY_MODEL_TIMEOUT_S = 300.0
+#: Launches of a server whose process exits while starting (see :func:`start_all`).
+START_ATTEMPTS = 2
 #: SIGTERM, then SIGKILL after this many seconds.
 VLLM_STOP_TIMEOUT_S = 20.0
 #: Socket timeout of one readiness probe, seconds.
 PROBE_TIMEOUT_S = 2.0
 #: Pause between readiness probes, seconds.
 POLL_INTERVAL_S = 0.25
-#: Bytes of a server's log quoted in error messages.
+#: Bytes of a server's log quoted in error messages, after up to ERROR_LINES error lines.
 LOG_TAIL_BYTES = 4000
+ERROR_LINES = 20
 #: vLLM's KV-cache block, tokens (the CPU attention backend wants a multiple of 32).
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_MODEL_LEN = 1024
@@ -169,6 +172,10 @@ class VllmServer:
         self.started_at = 0.0
         #: Seconds from launch to the first healthy answer (set by wait_ready).
         self.start_s: float | None = None
+        #: Why earlier launches failed (start_all relaunches once).
+        self.failures: list[str] = []
+        #: The last wait_ready saw the process exit (not a timeout).
+        self.exited = False
 
     # ------------------------------------------------------------ properties
 
@@ -196,10 +203,14 @@ class VllmServer:
         return self._dir / "vllm.log"
 
     def log_tail(self) -> str:
+        """The log's error lines (the root cause is often far above the end), then its end."""
         try:
-            return self.log_path.read_bytes()[-LOG_TAIL_BYTES:].decode(errors="replace")
+            data = self.log_path.read_bytes().decode(errors="replace")
         except (OSError, ServiceError):
             return "(no log)"
+        errors = [line for line in data.splitlines() if "Error" in line or "ERROR" in line]
+        head = "\n".join(errors[:ERROR_LINES])
+        return (head + "\n...\n" if head else "") + data[-LOG_TAIL_BYTES:]
 
     # ------------------------------------------------------------- lifecycle
 
@@ -286,6 +297,7 @@ class VllmServer:
             )
         self.started_at = time.monotonic()
         self.start_s = None
+        self.exited = False
         return self
 
     def wait_ready(self, timeout_s: float = VLLM_START_TIMEOUT_S) -> Self:
@@ -295,6 +307,7 @@ class VllmServer:
             if self._proc is None:
                 raise ServiceError(f"{self.name} not launched")
             if self._proc.poll() is not None:
+                self.exited = True
                 raise ServiceError(
                     f"{self.name} (vLLM on port {self.port}) exited with "
                     f"{self._proc.returncode}: {self.log_tail()}"
@@ -342,13 +355,33 @@ class VllmServer:
         self.stop()
 
 
-def start_all(servers: Sequence[VllmServer], timeout_s: float = VLLM_START_TIMEOUT_S) -> None:
-    """Launch every server, then wait for all (they start side by side); on failure stop all."""
+def start_all(
+    servers: Sequence[VllmServer],
+    timeout_s: float = VLLM_START_TIMEOUT_S,
+    *,
+    attempts: int = START_ATTEMPTS,
+) -> None:
+    """Launch every server, then wait for all (they start side by side).
+
+    A server whose process exits while starting is launched again on fresh ports, up to
+    ``attempts`` launches in all (its engine picks internal ports of its own, which another
+    process may take first); one that is still not healthy after ``timeout_s`` is not.
+    On failure every server is stopped and the last error raised.
+    """
     try:
         for server in servers:
             server.launch()
         for server in servers:
-            server.wait_ready(timeout_s)
+            for attempt in range(1, attempts + 1):
+                try:
+                    server.wait_ready(timeout_s)
+                    break
+                except ServiceError as exc:
+                    server.failures.append(str(exc))
+                    if attempt == attempts or not server.exited:
+                        raise
+                    server.stop()
+                    server.launch()
     except BaseException:
         for server in servers:
             server.stop()
