@@ -131,8 +131,9 @@ def _get(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[int, bytes]:
 class VllmServer:
     """One real vLLM server on loopback serving ``model`` as :data:`SERVED_MODEL`.
 
-    ``kv_cache_bytes`` sizes the KV cache; ``num_blocks`` instead fixes the number of
-    blocks (small values force evictions: it must hold ``max_model_len`` plus one block).
+    ``kv_cache_bytes`` sizes the KV cache; ``num_blocks`` fixes the number of blocks within
+    it (small values force evictions: it must hold ``max_model_len`` plus one block; the
+    bytes must hold the blocks, about 16 KiB per block of the tiny model).
     ``kv_events`` publishes KV-cache events over ZMQ, bound on :attr:`kv_events_port`
     (``tcp://*:PORT``: vLLM binds; subscribers connect to :attr:`kv_events_endpoint`).
     """
@@ -146,7 +147,7 @@ class VllmServer:
         served_model: str = SERVED_MODEL,
         block_size: int = DEFAULT_BLOCK_SIZE,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
-        kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         num_blocks: int | None = None,
         kv_events: bool = True,
         extra_args: Sequence[str] = (),
@@ -159,7 +160,7 @@ class VllmServer:
         self.served_model = served_model
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.kv_cache_bytes = None if num_blocks is not None else kv_cache_bytes
+        self.kv_cache_bytes = kv_cache_bytes
         self.num_blocks = num_blocks
         self.kv_events = kv_events
         self._extra = list(extra_args)
@@ -236,10 +237,13 @@ class VllmServer:
             "--seed",
             "0",
         ]
+        # Always an explicit KV size: without it vLLM's CPU backend first checks that
+        # --gpu-memory-utilization (0.92) of the machine's memory is free, and fails to
+        # start whenever other processes hold more than 8 % of it. The block override,
+        # when given, then sets the number of blocks within that size.
+        args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.num_blocks is not None:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
-        elif self.kv_cache_bytes is not None:
-            args += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         if self.kv_events:
             config = {
                 "enable_kv_cache_events": True,
@@ -364,8 +368,9 @@ def start_all(
     """Launch every server, then wait for all (they start side by side).
 
     A server whose process exits while starting is launched again on fresh ports, up to
-    ``attempts`` launches in all (its engine picks internal ports of its own, which another
-    process may take first); one that is still not healthy after ``timeout_s`` is not.
+    ``attempts`` launches in all (a start can fail for reasons of the moment: a port taken
+    between :func:`free_port` and vLLM's bind, the machine's free memory); one that is still
+    not healthy after ``timeout_s`` is not.
     On failure every server is stopped and the last error raised.
     """
     try:

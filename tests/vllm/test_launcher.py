@@ -88,14 +88,19 @@ def test_the_command_line_has_what_the_tier_relies_on(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert args[:2] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
-    flags = dict(zip(args[2::2], args[3::2], strict=False))
+
+    def flag(name: str) -> str:
+        value: str = args[args.index(name) + 1]
+        return value
+
     assert "--enforce-eager" in args
     assert "--enable-prefix-caching" in args
-    assert flags["--host"] == "127.0.0.1"
-    assert flags["--port"] == str(server.port)
-    assert flags["--num-gpu-blocks-override"] == "40"
-    assert "--kv-cache-memory-bytes" not in args  # blocks or bytes, not both
-    events = json.loads(args[args.index("--kv-events-config") + 1])
+    assert flag("--host") == "127.0.0.1"
+    assert flag("--port") == str(server.port)
+    assert flag("--num-gpu-blocks-override") == "40"
+    # Always an explicit size (else vLLM refuses to start when 8 % of the memory is in use).
+    assert flag("--kv-cache-memory-bytes") == str(16 * 1024 * 1024)
+    events = json.loads(flag("--kv-events-config"))
     assert events["endpoint"] == f"tcp://*:{server.kv_events_port}"
     assert events["enable_kv_cache_events"] is True
     assert args[-2:] == ["--max-num-seqs", "4"]
