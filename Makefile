@@ -15,7 +15,7 @@ EXTRAS  := --extra dev --extra demo --extra semantic
 # The CPU build of torch that the semantic tier needs lies in /opt/wheels on these machines.
 FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test lint unit integration bench crds deps venv clean image lock lock-check vllm-env
+.PHONY: demo test lint unit integration bench crds deps venv clean image lock lock-check vllm-env demo-vllm
 
 # vLLM's own venv: the real model servers of the `vllm` test tier (tests/vllm/, docs/testing.md).
 # Its lock leaves out the CUDA builds of torchvision, torchaudio, torchcodec and triton that
@@ -65,6 +65,11 @@ $(VLLM_STAMP): $(VLLM_LOCK)
 	@touch $(VLLM_STAMP)
 
 vllm-env: $(VLLM_STAMP)
+
+# The routing part of the demo over three real vLLM servers (the tiny local model):
+# round-robin vs cachefleet's router; writes demo-out/routing-vllm.json (and .png).
+demo-vllm: venv vllm-env
+	$(BIN)/python -m cachefleet_e2e.routing_demo_vllm
 
 demo: deps venv
 	$(BIN)/cachefleet demo

@@ -48,6 +48,8 @@ MAX_PODS = 3
 DEFAULT_KV_BLOCKS = 160
 #: Longest prompt the servers accept, tokens (the default load's last turns are ~3000).
 MAX_MODEL_LEN = 4096
+#: Conversations of the default load (the simulator demo has 40): about a minute per mode.
+DEFAULT_CONVERSATIONS = 24
 #: Requests per second of the default load (the simulator demo sends 8; real prefill on
 #: two CPU cores is slower).
 DEFAULT_RATE = 4.0
@@ -157,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m cachefleet_e2e.routing_demo_vllm", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--pods", type=int, default=MAX_PODS, choices=range(1, MAX_PODS + 1))
-    parser.add_argument("--conversations", type=int, default=RoutingLoad().conversations)
+    parser.add_argument("--conversations", type=int, default=DEFAULT_CONVERSATIONS)
     parser.add_argument("--rate", type=float, default=DEFAULT_RATE, help="requests per second")
     parser.add_argument("--kv-blocks", type=int, default=DEFAULT_KV_BLOCKS)
     parser.add_argument("--seed", type=int, default=RoutingLoad().seed)
