@@ -210,6 +210,7 @@ async def test_admission_reads_the_real_queue(
         assert status["cause"] == "queue"
         assert status["waiting"] >= 2
         assert status["running"] == MAX_NUM_SEQS
+        assert 0 < status["kv_usage"] < 1  # the running requests' blocks, as vLLM reports
         assert status["metrics_faults"] == 0
         assert status["metrics_url"] == f"{vllm.url}/metrics"
 
