@@ -32,6 +32,7 @@ from tests.vllm.conftest import (
     METRICS_BOUND_S,
     VllmSidecarFactory,
     ask,
+    chat_body,
     finished,
     until_finished,
     vllm_metric,
@@ -279,3 +280,22 @@ async def test_model_version_change_stops_serving_the_old_entry(
         await until_finished(server_b, b_before + 1)
     else:
         assert new_b.content == new_a.content
+
+
+async def test_a_request_vllm_refuses_is_passed_through_and_not_cached(
+    vllm_sidecar_factory: VllmSidecarFactory, vllm: VllmServer
+) -> None:
+    """vLLM's own 400 (more tokens asked than its context holds) reaches the client as
+    vLLM wrote it, every time: an error is never stored."""
+    sc = await vllm_sidecar_factory()
+    too_long = {"max_tokens": 100_000}
+    async with httpx.AsyncClient(timeout=60) as http:
+        direct = await http.post(
+            f"{vllm.url}/v1/chat/completions", json=chat_body("too long", **too_long)
+        )
+    assert direct.status_code == 400, direct.text
+    for _ in range(2):
+        refused = await ask(sc, "too long", **too_long)
+        assert refused.status_code == 400
+        assert refused.headers["x-cache"] != "HIT-L1"
+        assert refused.json()["error"]["message"] == direct.json()["error"]["message"]
