@@ -5,10 +5,11 @@ first one pays for starting the servers). The tier needs vLLM's own venv
 (``make vllm-env``, which ``make test`` runs); without it every test here is skipped
 with that reason, and the rest of the suite runs as before.
 
-The servers are session-scoped and shared by the whole tier: :data:`POOL_SIZE` of them
-(1.2 GB and ~14 s each on an idle machine; they start side by side). Each has prefix
-caching, ZMQ KV events on its own port, and ``--max-num-seqs`` :data:`MAX_NUM_SEQS` so a
-test can fill its batch and make requests wait (``vllm:num_requests_waiting``) with a
+The servers are shared by the whole tier (package scope: they start at its first test
+and stop after its last, not at the session's end): :data:`POOL_SIZE` of them (1.2 GB and
+~14 s each on an idle machine; they start side by side; idle, they use 1-2 % of a
+core). Each has prefix caching, ZMQ KV events on its own port, and ``--max-num-seqs``
+:data:`MAX_NUM_SEQS` so a test can fill its batch and make requests wait (``vllm:num_requests_waiting``) with a
 handful of requests. A test that pauses a server (``POST /pause``) must resume it; the
 ``vllm`` fixture checks that the server it hands out is healthy and not paused.
 
@@ -91,9 +92,10 @@ def tiny(vllm_interpreter: Path) -> TinyModel:
     return model
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def vllm_pool(tiny: TinyModel, vllm_interpreter: Path) -> Iterator[list[VllmServer]]:
-    """:data:`POOL_SIZE` real vLLM servers, started side by side, stopped with SIGTERM."""
+    """:data:`POOL_SIZE` real vLLM servers, started side by side, stopped with SIGTERM once
+    this package's tests are done (not at the session's end: they hold 1.2 GB each)."""
     servers = [
         VllmServer(
             tiny.path,
