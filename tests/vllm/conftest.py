@@ -10,8 +10,9 @@ and stop after its last, not at the session's end): :data:`POOL_SIZE` of them (1
 ~14 s each on an idle machine; they start side by side; idle, they use 1-2 % of a
 core). Each has prefix caching, ZMQ KV events on its own port, and ``--max-num-seqs``
 :data:`MAX_NUM_SEQS` so a test can fill its batch and make requests wait
-(``vllm:num_requests_waiting``) with a handful of requests. A test that pauses a server (``POST /pause``) must resume it; the
-``vllm`` fixture checks that the server it hands out is healthy and not paused.
+(``vllm:num_requests_waiting``) with a handful of requests. A test that pauses a server
+(``POST /pause``) must resume it; the ``vllm`` fixture checks that the server it hands
+out is healthy and not paused.
 
 The tier's timings (model build, server start) are printed in pytest's summary.
 """
