@@ -72,7 +72,32 @@ async def test_repeated_request_is_an_l1_hit_with_the_same_body(
 
     other = await ask(sc, "what is a prefix cache", tenant="globex")
     assert other.headers["x-cache"] == "MISS"  # tenants do not share entries
+    # Counted after every earlier answer (vLLM's counters move in engine-step order): so
+    # exactly two means the hits above never reached vLLM.
     await until_finished(vllm, before + 2)
+    assert await finished(vllm) == before + 2
+
+
+async def test_concurrent_identical_requests_reach_vllm_once(
+    vllm_sidecar_factory: VllmSidecarFactory, vllm: VllmServer
+) -> None:
+    """Eight clients asking the same question at once: vLLM answers one of them; the others
+    wait for that answer (or, arriving after it, hit it). Every client gets the same bytes."""
+    sc = await vllm_sidecar_factory()
+    before = await finished(vllm)
+    answers = await asyncio.gather(*(ask(sc, "everyone asks this") for _ in range(8)))
+    assert [a.status_code for a in answers] == [200] * 8
+    assert {a.content for a in answers} == {answers[0].content}
+    hits = [a.headers["x-cache"] for a in answers].count("HIT-L1")
+    text = (await sc.admin.get("/metrics")).text
+    assert metric(text, "cachefleet_single_flight_joins_total") == 7 - hits
+    # A sentinel sent after every answer came back: once vLLM counts it, it has counted
+    # every request answered before it (its counters move in engine-step order).
+    async with httpx.AsyncClient(timeout=60) as http:
+        sentinel = await http.post(f"{vllm.url}/v1/chat/completions", json=chat_body("sentinel"))
+    assert sentinel.status_code == 200
+    await until_finished(vllm, before + 2)
+    assert await finished(vllm) == before + 2
 
 
 async def test_stream_is_cached_and_replayed(
@@ -102,6 +127,7 @@ async def test_stream_is_cached_and_replayed(
     plain = await ask(sc, "stream the answer")
     assert plain.headers["x-cache"] == "MISS"
     await until_finished(vllm, before + 2)
+    assert await finished(vllm) == before + 2  # the replay never reached vLLM
 
 
 async def test_savings_are_the_real_answers_usage(
