@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from cachefleet_e2e.vllm_server import DEFAULT_BLOCK_SIZE, KV_EVENTS_TOPIC, SERVED_MODEL, VllmServer
 from cachefleet_sidecar.adapt.modelserver import parse_metrics
-from tests.vllm.conftest import healthy, vllm_metric
+from tests.vllm.conftest import finished, healthy, until_finished, vllm_metric
 
 #: Bound on waiting for KV events, seconds (generous: a loaded machine only waits longer).
 EVENTS_BOUND_S = 60.0
@@ -162,8 +162,10 @@ async def test_reset_prefix_cache_clears_and_the_next_request_misses(server: Vll
 
         assert (await http.post("/reset_prefix_cache")).status_code == 200
         hits = now
+        done = await finished(server)
         await complete(http, prompt)  # the clear goes out with the engine's next step
         await events.until(lambda e: e["type"] == "AllBlocksCleared", "AllBlocksCleared")
+        await until_finished(server, done + 1)  # the repeat is in the counters now
         assert await vllm_metric(server, "vllm:prefix_cache_hits_total") == hits
 
 
