@@ -642,6 +642,8 @@ class Handler:
             now = time.perf_counter()
             cost = now - lookup.begun_at
             self._forwarded(lookup.tenant, b"MISS", cost, now - request.started)
+            if 200 <= status < 300:  # a whole answer: its first token came with it
+                self.relay.answered(lookup.tenant, key.model, now - request.started, None)
             captured = body if len(body) <= self.max_entry_bytes else None
             answer = self._store_answer(request, lookup, key, status, resp_headers, captured, cost)
         finally:
@@ -720,7 +722,9 @@ class Handler:
                 if lookup.only_if_cached:
                     conn.write(_not_cached())
                     return
-                await self.relay.passthrough(request, conn, tenant=tenant, reason="tenant limit")
+                await self.relay.passthrough(
+                    request, conn, tenant=tenant, reason="tenant limit", model=key.model
+                )
                 return
             if hit is not None:
                 conn.write(hit[V_RESPONSE])
@@ -745,7 +749,9 @@ class Handler:
             conn.write(_not_cached())  # RFC 9111 5.2.1.7: nothing stored, nothing sent
             return
         if lookup.no_cache and lookup.no_store:
-            await self.relay.passthrough(request, conn, tenant=tenant, reason="no-cache, no-store")
+            await self.relay.passthrough(
+                request, conn, tenant=tenant, reason="no-cache, no-store", model=key.model
+            )
             return
         leader = None if lookup.only_if_cached else self.inflight.get(key.digest)
         if leader is not None:
@@ -820,6 +826,7 @@ class Handler:
             capture=self.max_entry_bytes,
             begun=lookup.begun,
             started=started,
+            model=key.model,
         )
         cost = time.perf_counter() - started  # upstream seconds a hit will save
         if captured is None:
