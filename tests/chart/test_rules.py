@@ -24,8 +24,8 @@ from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.promql import (
-    METRIC_REQUEST_DURATION,
     METRIC_ITL,
+    METRIC_REQUEST_DURATION,
     METRIC_REQUESTS,
     METRIC_TTFT,
     promql_hit_ratio,
