@@ -8,14 +8,24 @@ test's clock). Hits are not model answers: they leave both histograms alone.
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_operator.allocation import TenantMetrics
+from cachefleet_operator.metrics_source import MetricsUnavailable, PrometheusMetricsSource
 
 from .conftest import RunningSidecar
 
 #: Streamed misses per test (the median is the third's bucket).
 N = 5
+#: Bound on waiting for Prometheus' first answer with the tenant's histograms, seconds.
+FIRST_DATA_TIMEOUT_S = 30.0
 
 
 def buckets(text: str, name: str, **labels: str) -> dict[str, float]:
@@ -85,3 +95,38 @@ async def test_bypassed_answers_are_timed_under_their_model(
     text = (await sidecar.admin.get("/metrics")).text
     assert buckets(text, "cachefleet_ttft_seconds", tenant="acme", model="m1")["+Inf"] == 1
     assert buckets(text, "cachefleet_itl_seconds", tenant="acme", model="m1")["+Inf"] == 1
+
+
+@pytest.mark.prometheus
+@pytest.mark.slow
+async def test_the_operator_reads_the_tenants_ttft_and_itl_through_prometheus(
+    sidecar: RunningSidecar, upstream: FakeUpstream, prometheus_factory: Any
+) -> None:
+    """Sidecar -> Prometheus -> the operator's metrics source: the p95 it reads is in the
+    bucket the stand-in's timing puts it in."""
+    upstream.latency_s["slow"] = 0.3
+    upstream.event_gap_s = 0.02
+    target = sidecar.admin_url.removeprefix("http://")
+    prom = prometheus_factory({"sidecars": [target]}, scrape_interval_s=0.5)
+    source = PrometheusMetricsSource(prom.url, timeout_s=2.0)
+    deadline = time.monotonic() + FIRST_DATA_TIMEOUT_S
+    table: Mapping[str, TenantMetrics] = {}
+    n = 0
+    while time.monotonic() < deadline:
+        for _ in range(3):  # open loop: new misses whatever Prometheus has seen
+            n += 1
+            resp = await sidecar.chat(f"p {n}", tenant="slow", body={"stream": True})
+            assert resp.headers["x-cache"] == "MISS"
+        try:
+            table = await source.fetch("test/cache", "30s")
+        except MetricsUnavailable:
+            table = {}
+        if "slow" in table and table["slow"].itl_p95_s is not None:
+            break
+        await asyncio.sleep(0.5)
+    assert "slow" in table, "no per-tenant data from Prometheus in time"
+    ttft, itl = table["slow"].ttft_p95_s, table["slow"].itl_p95_s
+    assert ttft is not None
+    assert 0.25 < ttft <= 0.5
+    assert itl is not None
+    assert 0.01 < itl <= 0.05
