@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -84,6 +85,17 @@ async def test_whole_answers_give_ttft_only(
     assert ttft["+Inf"] == 3
     assert within(ttft, "0.25", "0.5") == 3
     assert buckets(text, "cachefleet_itl_seconds", tenant="plain") == {}
+
+
+async def test_a_stream_broken_after_its_first_token_keeps_its_ttft(
+    sidecar: RunningSidecar, upstream: FakeUpstream
+) -> None:
+    upstream.break_stream_next = 1  # two events, then the connection closes
+    with pytest.raises(httpx.HTTPError):
+        await sidecar.chat("broken", tenant="acme", body={"stream": True})
+    text = (await sidecar.admin.get("/metrics")).text
+    assert buckets(text, "cachefleet_ttft_seconds", tenant="acme", model="m1")["+Inf"] == 1
+    assert buckets(text, "cachefleet_itl_seconds", tenant="acme") == {}
 
 
 async def test_bypassed_answers_are_timed_under_their_model(
