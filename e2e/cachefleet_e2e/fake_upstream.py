@@ -20,7 +20,9 @@ Behaviour:
   process: ``{"latency_s": {"tenant": 0.05}, "default_latency_s": 0,
   "fail_next": 2, "fail_status": 500, "truncate_next": 1,
   "break_stream_next": 1, "invalid_json_next": 1, "error_object_next": 1,
-  "sse_error_next": 1, "sse_no_done_next": 1, "drop_next": 1, "pad_bytes": 0}``.
+  "sse_error_next": 1, "sse_no_done_next": 1, "drop_next": 1, "pad_bytes": 0,
+  "event_gap_s": 0}``. The tenant's latency comes before the answer (a stream's
+  first event), ``event_gap_s`` between a stream's token events (inter-token latency).
   ``error_object_next`` answers 200 with an OpenAI error object;
   ``sse_error_next`` ends a stream with an error event (then ``[DONE]``),
   ``sse_no_done_next`` ends it cleanly but without ``data: [DONE]``;
@@ -76,6 +78,7 @@ class FakeUpstream:
         self.sse_no_done_next = 0
         self.drop_next = 0
         self.pad_bytes = 0
+        self.event_gap_s = 0.0
         self.fixed_answers: dict[str, str] = {}
         self.calls: Counter[str] = Counter()
         self.seen_headers: list[dict[str, str]] = []
@@ -301,7 +304,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
         words = ["answer", digest, f"#{number}"]
+        gap = float(self.upstream.event_gap_s)
         for i, word in enumerate(words):
+            if i and gap > 0:
+                time.sleep(gap)
             event = {
                 "id": f"chunk-{number}",
                 "object": "chat.completion.chunk",

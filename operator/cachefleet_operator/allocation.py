@@ -18,6 +18,12 @@ reason for each. ``docs/allocation.md`` gives the model and its reasoning.
    share: class weight x SLA pressure x request rate x upstream seconds per
    miss x hit-ratio gain, on the concave hull of each curve (so a working
    set that pays off only once it fits is seen), within ``maxShare``.
+
+Targets in time to first token and inter-token latency (``ttftP95Seconds``,
+``itlP95Seconds``) are judged with the others (attainment: ``sla_met``, the
+reason, ``SLAViolated``) but move no share: they measure the model server's
+answers, which cache size does not make faster (hits are not in them); the
+remedy is more replicas (:mod:`~cachefleet_operator.pressure`).
 4. **What nobody gains from** is spread by class weight over tenants that
    show reuse or have no curve yet; a tenant with no reuse holds its floor.
 5. **Stability**: with shares in force, the allocation moves only when the
@@ -117,6 +123,9 @@ class TenantDemand:
     p95_target_s: float | None = None
     min_hit_ratio: float | None = None
     min_rps: float | None = None
+    #: p95 time to first token and inter-token latency targets (judged, move no share).
+    ttft_target_s: float | None = None
+    itl_target_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +144,9 @@ class TenantMetrics:
     #: Hit ratio by the bytes of one cache the fleet shares (the operator's replay of
     #: the fleet samples, :mod:`cachefleet_operator.fleet`): L2 sizes and reach.
     fleet_curve: HitCurve | None = None
+    #: p95 time to first token and inter-token latency of model answers (not hits).
+    ttft_p95_s: float | None = None
+    itl_p95_s: float | None = None
 
 
 class MetricsTable(Mapping[str, TenantMetrics]):
@@ -158,6 +170,8 @@ class MetricsTable(Mapping[str, TenantMetrics]):
         self.p95 = _floats([*_attr(ms, "p95_s"), None])
         self.hit_ratio = _floats([*_attr(ms, "hit_ratio"), None])
         self.rps = _floats([*_attr(ms, "rps"), None])
+        self.ttft = _floats([*_attr(ms, "ttft_p95_s"), None])
+        self.itl = _floats([*_attr(ms, "itl_p95_s"), None])
         self.curves = CurveTable(_attr(ms, "curve"))
         self.misses = LatencyTable(_attr(ms, "miss_latency"))
         self.hits = LatencyTable(_attr(ms, "hit_latency"))
@@ -178,13 +192,17 @@ class MetricsTable(Mapping[str, TenantMetrics]):
         curves: CurveTable,
         misses: LatencyTable,
         hits: LatencyTable,
+        tokens: tuple[FloatArray, FloatArray] | None = None,
     ) -> MetricsTable:
         """From columns, rows in ``names``' order: (p95, hit ratio, rate) with NaN where
-        unknown, the curves, and the miss and hit latency histograms."""
+        unknown, the curves, the miss and hit latency histograms, and (TTFT p95, ITL p95)."""
         out = object.__new__(cls)
         out._given = None
         out._set_names(names)
         out.p95, out.hit_ratio, out.rps = (_finite(np.append(c, np.nan)) for c in numbers)
+        if tokens is None:
+            tokens = (np.full(len(names), np.nan), np.full(len(names), np.nan))
+        out.ttft, out.itl = (_finite(np.append(c, np.nan)) for c in tokens)
         out.curves, out.misses, out.hits, out.fleet = curves, misses, hits, None
         return out
 
@@ -244,6 +262,8 @@ class MetricsTable(Mapping[str, TenantMetrics]):
                 self.misses.dist(i),
                 self.hits.dist(i),
                 None if self.fleet is None else self.fleet.curve(i),
+                _or_nan(self.ttft[i]),
+                _or_nan(self.itl[i]),
             )
         return view
 
@@ -421,6 +441,20 @@ def _pressure_of(ratio: float) -> float:
     return 1.0 + SHORTFALL_GAIN * (min(ratio, MAX_SHORTFALL_RATIO) - 1.0)
 
 
+def _ratio(measured: float | None, target: float | None) -> float | None:
+    """measured / target (None: either unknown)."""
+    if measured is None or target is None or not math.isfinite(measured):
+        return None
+    return measured / target
+
+
+def _slo_ratios(d: TenantDemand, m: TenantMetrics | None) -> tuple[float | None, float | None]:
+    """(TTFT ratio, ITL ratio) of the model-answer targets; above 1 means missed."""
+    if m is None:
+        return None, None
+    return _ratio(m.ttft_p95_s, d.ttft_target_s), _ratio(m.itl_p95_s, d.itl_target_s)
+
+
 def _sla_ratios(d: TenantDemand, m: TenantMetrics | None) -> tuple[float | None, float | None]:
     """(latency ratio, hit ratio ratio); above 1 means the target is missed."""
     if m is None:
@@ -436,8 +470,7 @@ def _sla_ratios(d: TenantDemand, m: TenantMetrics | None) -> tuple[float | None,
 
 def sla_met(d: TenantDemand, m: TenantMetrics | None) -> bool | None:
     """Whether every target with an observation is met; ``None`` when nothing is known."""
-    lat, hit = _sla_ratios(d, m)
-    known = [r for r in (lat, hit) if r is not None]
+    known = [r for r in (*_sla_ratios(d, m), *_slo_ratios(d, m)) if r is not None]
     if not known:
         return None
     return all(r <= 1.0 + 1e-9 for r in known)
@@ -459,9 +492,17 @@ def _describe(
     if hit is not None and m.hit_ratio is not None and d.min_hit_ratio is not None:
         rel = "<" if hit > 1.0 else ">="
         parts.append(f"hit ratio {m.hit_ratio:.2f} {rel} min {d.min_hit_ratio:.2f}")
+    ttft, itl = _slo_ratios(d, m)
+    for what, ratio, seen, target in (
+        ("TTFT", ttft, m.ttft_p95_s, d.ttft_target_s),
+        ("ITL", itl, m.itl_p95_s, d.itl_target_s),
+    ):
+        if ratio is not None and seen is not None and target is not None:
+            rel = ">" if ratio > 1.0 else "<="
+            parts.append(f"{what} p95 {seen:.3g}s {rel} target {target:.3g}s")
     if not parts:
         return "no SLA observations: share by traffic"
-    worst = max(r for r in (lat, hit) if r is not None)
+    worst = max(r for r in (lat, hit, ttft, itl) if r is not None)
     if worst > 1.0:
         prefix = "SLA missed"
     elif worst <= COMFORT_RATIO:
@@ -482,7 +523,10 @@ def _attr(items: Iterable[object], name: str | attrgetter[Any]) -> list[Any]:
 
 
 #: What :class:`_Columns` reads of every :class:`TenantDemand` as numbers, in its order.
-_SPEC_NUMBERS = ("min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps")
+_SPEC_NUMBERS = (
+    "min_share", "max_share", "p95_target_s", "min_hit_ratio", "min_rps",
+    "ttft_target_s", "itl_target_s",
+)  # fmt: skip
 
 
 def _numbers(items: Iterable[object], name: str) -> FloatArray:
@@ -506,6 +550,12 @@ def _or_none(values: npt.NDArray[Any], keep: BoolArray) -> list[Any]:
     out = np.full(values.shape, None, dtype=object)
     out[keep] = values[keep]
     return out.tolist()  # type: ignore[no-any-return]
+
+
+def _or_nan(value: np.float64) -> float | None:
+    """A column's value as a float, None for NaN."""
+    out = float(value)
+    return None if math.isnan(out) else out
 
 
 def _finite(values: FloatArray) -> FloatArray:
@@ -537,6 +587,9 @@ class _Columns:
     p95_target: FloatArray
     min_hit: FloatArray
     min_rps: FloatArray
+    #: TTFT and ITL targets (judged, move no share).
+    ttft_target: FloatArray
+    itl_target: FloatArray
     #: Every tenant's row in ``metrics`` (-1: none), and the metrics.
     rows: IntArray
     metrics: MetricsTable
@@ -548,6 +601,9 @@ class _Columns:
     hits: LatencyTable
     #: None when no tenant has a fleet curve.
     fleet: CurveTable | None
+    #: Observed TTFT and ITL p95.
+    ttft: FloatArray
+    itl: FloatArray
 
     @classmethod
     def of(
@@ -569,6 +625,8 @@ class _Columns:
             numbers[2],
             numbers[3],
             numbers[4],
+            numbers[5],
+            numbers[6],
             rows,
             table,
             table.p95[rows],
@@ -578,6 +636,8 @@ class _Columns:
             table.misses.take(rows),
             table.hits.take(rows),
             None if table.fleet is None else table.fleet.take(rows),
+            table.ttft[rows],
+            table.itl[rows],
         )
 
 
@@ -590,7 +650,11 @@ def _pressure(ratio: FloatArray) -> FloatArray:
 
 
 def _pressures(cols: _Columns) -> tuple[FloatArray, list[bool | None], BoolArray]:
-    """SLA pressure (continuous, 1 at target), attainment (None: unknown), and who misses."""
+    """SLA pressure (continuous, 1 at target), attainment (None: unknown), and who misses.
+
+    Pressure and who misses read the targets cache size moves (p95, hit ratio);
+    attainment reads every target stated, TTFT and ITL too.
+    """
     p95, hit = cols.p95, cols.hit_ratio
     p95_target = _finite(cols.p95_target)
     min_hit = _finite(cols.min_hit)
@@ -602,7 +666,12 @@ def _pressures(cols: _Columns) -> tuple[FloatArray, list[bool | None], BoolArray
     pressure = np.where(np.isnan(worst), 1.0, _pressure(np.nan_to_num(worst, nan=1.0)))
     known = ~np.isnan(worst)
     within = worst <= 1.0 + 1e-9
-    met: list[bool | None] = _or_none(within, known)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        judged = np.fmax(
+            np.fmax(worst, cols.ttft / _finite(cols.ttft_target)),
+            cols.itl / _finite(cols.itl_target),
+        )
+    met: list[bool | None] = _or_none(judged <= 1.0 + 1e-9, ~np.isnan(judged))
     return pressure, met, known & ~within
 
 

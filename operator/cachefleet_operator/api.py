@@ -326,6 +326,22 @@ class Sla(_Model):
     min_rps: float | None = Field(
         default=None, ge=0, description="Request rate the tenant is promised, requests/second."
     )
+    ttft_p95_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Target p95 time to first token of model answers (misses and bypasses, not hits), "
+            "seconds: the first SSE data event of a streamed answer, the whole answer otherwise."
+        ),
+    )
+    itl_p95_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description=(
+            "Target p95 inter-token latency of streamed model answers (each answer's mean gap "
+            "between SSE data events), seconds."
+        ),
+    )
 
 
 class SemanticSpec(_Model):
@@ -905,6 +921,12 @@ class ObservedMetrics(_Observed):
     p95_seconds: float | None = Field(default=None, description="p95 request latency, seconds.")
     hit_ratio: float | None = Field(default=None, description="Hits / (hits + misses).")
     rps: float | None = Field(default=None, description="Requests per second.")
+    ttft_p95_seconds: float | None = Field(
+        default=None, description="p95 time to first token of model answers, seconds."
+    )
+    itl_p95_seconds: float | None = Field(
+        default=None, description="p95 inter-token latency of streamed model answers, seconds."
+    )
 
 
 class SavingsStatus(_Observed):

@@ -147,7 +147,9 @@ def _plain_environment() -> Iterator[None]:
 def flags_page() -> str:
     with _plain_environment():
         page = _flags_page().replace(f"`{socket.gethostname()}`", "the host name")
-    return page.replace(f"{find_root()}/", "")
+    # defaults that are paths read the same wherever the repository (and shared/ beside it) is
+    root = find_root()
+    return page.replace(f"{root}/", "").replace(f"{root.parent}/", "../")
 
 
 def _flags_page() -> str:

@@ -57,10 +57,21 @@ class OperatorMetrics:
         # cache (<namespace>/<name>) is not
         self.slo_pressure = Gauge(
             "cachefleet_operator_slo_pressure",
-            "Worst tenant's p95 / SLA target, weighted by class (autoscaling holds it at 1).",
+            "Worst tenant's measured / SLA target (p95 latency, TTFT, ITL: those it states), "
+            "weighted by class (autoscaling holds it at 1).",
             ["cache", "cache_namespace", "cache_name"],
             registry=self.registry,
         )
+        # one series per tenant and target it states (bounded by the specs the operator
+        # reads): what the chart's per-tenant TTFT / ITL alerts compare with
+        self.slo_targets = Gauge(
+            "cachefleet_operator_tenant_slo_target_seconds",
+            "A tenant's SLA target as its InferenceCache states it, by objective "
+            "(latency: p95LatencySeconds, ttft: ttftP95Seconds, itl: itlP95Seconds).",
+            ["cache", "tenant", "objective"],
+            registry=self.registry,
+        )
+        self._targets_of: dict[str, set[tuple[str, str]]] = {}
         self.allocation_changes = Counter(
             "cachefleet_operator_allocation_changes_total",
             "Tenant quota moves published to the sidecars.",
@@ -76,3 +87,13 @@ class OperatorMetrics:
                 self.slo_pressure.remove(*labels)
         else:
             self.slo_pressure.labels(*labels).set(value)
+
+    def set_slo_targets(self, cache: str, targets: dict[tuple[str, str], float]) -> None:
+        """Publish one InferenceCache's targets, (tenant, objective) -> seconds; series of
+        targets no longer stated are withdrawn."""
+        for tenant, objective in self._targets_of.get(cache, set()) - targets.keys():
+            with contextlib.suppress(KeyError):
+                self.slo_targets.remove(cache, tenant, objective)
+        for (tenant, objective), seconds in targets.items():
+            self.slo_targets.labels(cache, tenant, objective).set(seconds)
+        self._targets_of[cache] = set(targets)

@@ -1,7 +1,8 @@
 """Per-tenant metrics from Prometheus (thin adapter over prometheus-api-client).
 
 The operator asks one question per rebalance: for this cache, each tenant's
-p95 latency, hit ratio and request rate over a window, and what allocation by
+p95 latency, hit ratio and request rate over a window (and the p95 of its
+model answers' time to first token and inter-token latency), and what allocation by
 gain needs: the reuse-distance histogram (the tenant's miss-ratio curve), the
 latency of its misses (upstream) and of its hits, and its lookup rate (the
 curve's true total, for the SHARDS-adj correction). The PromQL comes from
@@ -28,6 +29,7 @@ from cachefleet_sidecar.contract.promql import (
     promql_cold_bytes,
     promql_hit_buckets,
     promql_hit_ratio,
+    promql_itl_p95_seconds,
     promql_lookups,
     promql_p95_seconds,
     promql_policy_hits,
@@ -38,6 +40,7 @@ from cachefleet_sidecar.contract.promql import (
     promql_saved_cost,
     promql_saved_model_seconds,
     promql_saved_tokens,
+    promql_ttft_p95_seconds,
     promql_upstream_buckets,
 )
 from cachefleet_sidecar.contract.urls import redact_url
@@ -198,6 +201,8 @@ def tenant_metrics(
     cold_bytes: dict[str, float] | None = None,
     policy_hits: dict[str, dict[str, list[tuple[float, float]]]] | None = None,
     policy_requests: dict[str, dict[str, float]] | None = None,
+    ttft: dict[str, float] | None = None,
+    itl: dict[str, float] | None = None,
 ) -> MetricsTable:
     """Assemble per-tenant metrics from the query results (pure; tested without Prometheus).
 
@@ -242,7 +247,10 @@ def tenant_metrics(
         )
 
     numbers = (column(p95), column(hit), column(rps))
-    return MetricsTable.from_columns(names, numbers, curves, latency(upstream), latency(hits))
+    tokens = (column(ttft or {}), column(itl or {}))
+    return MetricsTable.from_columns(
+        names, numbers, curves, latency(upstream), latency(hits), tokens
+    )
 
 
 _Table = TypeVar("_Table", CurveTable, LatencyTable)
@@ -383,6 +391,8 @@ class PrometheusMetricsSource:
             self._run(promql_cold_bytes(cache, curve_window)),
             self._run(promql_policy_hits(cache, curve_window)),
             self._run(promql_policy_requests(cache, curve_window)),
+            self._run(promql_ttft_p95_seconds(cache, window)),
+            self._run(promql_itl_p95_seconds(cache, window)),
         )
         p95, hit, rps = (_by_tenant(r) for r in results[:3])
         reuse, upstream, hits = (_buckets_by_tenant(r) for r in results[3:6])
@@ -398,6 +408,8 @@ class PrometheusMetricsSource:
             cold,
             _by_tenant_policy(results[8], "size_bytes"),
             _by_tenant_policy_scalar(results[9]),
+            _by_tenant(results[10]),
+            _by_tenant(results[11]),
         )
         if not metrics:
             raise MetricsUnavailable(

@@ -253,9 +253,27 @@ def demands_from_spec(spec: InferenceCacheSpec) -> list[TenantDemand]:
             p95_target_s=t.sla.p95_latency_seconds if t.sla else None,
             min_hit_ratio=t.sla.min_hit_ratio if t.sla else None,
             min_rps=t.sla.min_rps if t.sla else None,
+            ttft_target_s=t.sla.ttft_p95_seconds if t.sla else None,
+            itl_target_s=t.sla.itl_p95_seconds if t.sla else None,
         )
         for t in spec.tenants
     ]
+
+
+def slo_targets(spec: InferenceCacheSpec) -> dict[tuple[str, str], float]:
+    """(tenant, objective) -> the seconds each tenant's ``sla`` states (latency, ttft, itl)."""
+    out: dict[tuple[str, str], float] = {}
+    for t in spec.tenants:
+        if t.sla is None:
+            continue
+        for objective, seconds in (
+            ("latency", t.sla.p95_latency_seconds),
+            ("ttft", t.sla.ttft_p95_seconds),
+            ("itl", t.sla.itl_p95_seconds),
+        ):
+            if seconds is not None:
+                out[(t.name, objective)] = seconds
+    return out
 
 
 def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaAssignment:
@@ -370,7 +388,13 @@ def _tenant_status(
     for i, t in enumerate(allocation.tenants):
         m = allocation.metrics.get(t.name) if allocation.metrics else None
         observed = (
-            ObservedMetrics(p95_seconds=m.p95_s, hit_ratio=m.hit_ratio, rps=m.rps)
+            ObservedMetrics(
+                p95_seconds=m.p95_s,
+                hit_ratio=m.hit_ratio,
+                rps=m.rps,
+                ttft_p95_seconds=m.ttft_p95_s,
+                itl_p95_seconds=m.itl_p95_s,
+            )
             if m is not None
             else None
         )
@@ -576,15 +600,20 @@ def _pressure(
             return None
         return not t.why_not
 
-    return slo_pressure(
-        TenantPressure(
-            p95_s=m.p95_s if (m := metrics.get(t.name)) is not None else None,
-            p95_target_s=t.sla.p95_latency_seconds if t.sla else None,
+    def pressure_of(t: TenantSpec) -> TenantPressure:
+        m, sla = metrics.get(t.name), t.sla
+        return TenantPressure(
+            p95_s=None if m is None else m.p95_s,
+            p95_target_s=sla.p95_latency_seconds if sla else None,
             priority_class=t.priority_class,
             cache_can_help=can_help(t.name),
+            ttft_s=None if m is None else m.ttft_p95_s,
+            ttft_target_s=sla.ttft_p95_seconds if sla else None,
+            itl_s=None if m is None else m.itl_p95_s,
+            itl_target_s=sla.itl_p95_seconds if sla else None,
         )
-        for t in spec.tenants
-    )
+
+    return slo_pressure(map(pressure_of, spec.tenants))
 
 
 class Reconciler:
@@ -695,6 +724,7 @@ class Reconciler:
             allocation = allocate(demands, {}, None, l1_bytes, l2_bytes)
 
         self.metrics.set_slo_pressure(namespace, name, _pressure(spec, metrics, allocation))
+        self.metrics.set_slo_targets(cache, slo_targets(spec))
         assignment = build_assignment(spec, allocation)
         digest = assignment_digest(assignment)
         quota_generation = previous.quota_generation or 0

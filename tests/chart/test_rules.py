@@ -24,10 +24,14 @@ from cachefleet_sidecar.cache.l2 import RedisL2
 from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.contract.promql import (
+    METRIC_ITL,
     METRIC_REQUEST_DURATION,
     METRIC_REQUESTS,
+    METRIC_TTFT,
     promql_hit_ratio,
+    promql_itl_p95_seconds,
     promql_p95_seconds,
+    promql_ttft_p95_seconds,
 )
 from cachefleet_sidecar.observe import metrics
 from cachefleet_sidecar.observe.metrics import TierUsage
@@ -59,7 +63,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 def test_rules_pass_promtool_check(tmp_path: Path) -> None:
     result = promtool("check", "rules", str(rules_file(tmp_path)))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 15 rules found" in result.stdout
+    assert "SUCCESS: 19 rules found" in result.stdout
 
 
 def _series(name: str, labels: dict[str, str], values: str) -> dict[str, str]:
@@ -88,6 +92,27 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
         _series("cachefleet_fleet_samples_total", {**t, "outcome": "dropped"}, "0x15 0+50x25"),
         _series(
             "cachefleet_gpu_telemetry_available", {"namespace": "inference", "pod": "p"}, "0x30"
+        ),
+        # first tokens between 0.25 s and 0.5 s (two models, added): p95 = 0.25 + 0.25 * 0.95
+        *(
+            _series(f"{METRIC_TTFT}_bucket", {**t, "model": m, "le": le}, v)
+            for m in ("m1", "m2")
+            for le, v in (("0.25", "0x30"), ("0.5", "0+30x30"), ("+Inf", "0+30x30"))
+        ),
+        # inter-token gaps between 10 ms and 50 ms: p95 = 0.01 + 0.04 * 0.95 = 0.048
+        _series(f"{METRIC_ITL}_bucket", {**t, "model": "m1", "le": "0.01"}, "0x30"),
+        _series(f"{METRIC_ITL}_bucket", {**t, "model": "m1", "le": "0.05"}, "0+30x30"),
+        _series(f"{METRIC_ITL}_bucket", {**t, "model": "m1", "le": "+Inf"}, "0+30x30"),
+        # the operator's targets for acme: TTFT 0.3 s (missed), ITL 0.05 s (met)
+        _series(
+            "cachefleet_operator_tenant_slo_target_seconds",
+            {"cache": CACHE, "tenant": "acme", "objective": "ttft", "pod": "operator-0"},
+            "0.3x30",
+        ),
+        _series(
+            "cachefleet_operator_tenant_slo_target_seconds",
+            {"cache": CACHE, "tenant": "acme", "objective": "itl", "pod": "operator-0"},
+            "0.05x30",
         ),
     ]
     labels = f'{{cache="{CACHE}",tenant="acme"}}'
@@ -123,6 +148,36 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
                 "eval_time": "10m",
                 "exp_samples": [{"labels": '{tenant="acme"}', "value": 2.425}],
             },
+            {
+                "expr": "cachefleet:tenant_ttft_p95_seconds:rate5m",
+                "eval_time": "10m",
+                "exp_samples": [
+                    {
+                        "labels": f"cachefleet:tenant_ttft_p95_seconds:rate5m{labels}",
+                        "value": 0.4875,
+                    }
+                ],
+            },
+            {
+                "expr": promql_ttft_p95_seconds(CACHE, "5m"),
+                "eval_time": "10m",
+                "exp_samples": [{"labels": '{tenant="acme"}', "value": 0.4875}],
+            },
+            {
+                "expr": "cachefleet:tenant_itl_p95_seconds:rate5m",
+                "eval_time": "10m",
+                "exp_samples": [
+                    {
+                        "labels": f"cachefleet:tenant_itl_p95_seconds:rate5m{labels}",
+                        "value": 0.048,
+                    }
+                ],
+            },
+            {
+                "expr": promql_itl_p95_seconds(CACHE, "5m"),
+                "eval_time": "10m",
+                "exp_samples": [{"labels": '{tenant="acme"}', "value": 0.048}],
+            },
         ],
         "alert_rule_test": [
             {
@@ -138,6 +193,21 @@ def test_rules_record_and_alert_on_sidecar_series(tmp_path: Path) -> None:
                     }
                 ],
             },
+            {
+                "eval_time": "20m",
+                "alertname": "CachefleetSLATTFTBreach",
+                "exp_alerts": [
+                    {
+                        "exp_labels": {"severity": "warning", "cache": CACHE, "tenant": "acme"},
+                        "exp_annotations": {
+                            "summary": f"p95 time to first token of tenant acme in {CACHE} is "
+                            "487.5ms, above its sla.ttftP95Seconds",
+                        },
+                    }
+                ],
+            },
+            # 48 ms against its 50 ms target: met
+            {"eval_time": "20m", "alertname": "CachefleetSLAITLBreach", "exp_alerts": []},
             {"eval_time": "20m", "alertname": "CachefleetHitRatioDrop", "exp_alerts": []},
             {"eval_time": "20m", "alertname": "CachefleetRedisErrors", "exp_alerts": []},
             # a third of the samples dropped from 15m: pending for 10m, firing after
@@ -263,10 +333,12 @@ def exported_metric_names() -> set[str]:
     tm.evicted("l1", 1)
     tm.saving("m").add(10, 5, 0.5, 0.01)
     tm.directive_ignored("no-cache")
+    tm.answered("m", 0.3, 0.02)
     sidecar.usage_source = lambda: [TierUsage("t", "l1", 1, 2, "lru")]
     operator = OperatorMetrics()
     operator.reconcile_duration.labels(trigger="t", result="ok").observe(0.1)
     operator.reconcile_errors.labels(reason="r").inc()
+    operator.set_slo_targets("ns/c", {("t", "ttft"): 0.3})
     names = {
         s.name
         for reg in (sidecar.registry, operator.registry)
@@ -293,7 +365,8 @@ def test_dashboard_parses_and_uses_only_exported_or_recorded_metrics() -> None:
     assert used - known == set()
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
     needed_titles = ("hit ratio", "p99", "evictions", "quota", "gpu", "saved", "tokens saved")
-    for needed in (*needed_titles, "fleet samples", "unlisted tenants' l2 pool"):
+    slo_titles = ("time to first token p95 by tenant", "inter-token latency p95 by tenant")
+    for needed in (*needed_titles, *slo_titles, "fleet samples", "unlisted tenants' l2 pool"):
         assert needed in titles
     # the ConfigMap carries the same JSON
     (cm,) = [

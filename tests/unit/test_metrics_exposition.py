@@ -41,7 +41,7 @@ def test_zero_budget_cuts_a_piece_per_tenant_and_family() -> None:
     m = SidecarMetrics("ns/chat")
     busy(m, 10)
     pieces = list(m.exposition(budget_s=0))
-    assert len(pieces) == 9 * 10 + 1  # nine per-tenant families, then everything else
+    assert len(pieces) == 11 * 10 + 1  # eleven per-tenant families, then everything else
     assert samples(b"".join(pieces).decode()) == samples(m.render().decode())
 
 

@@ -645,6 +645,8 @@ class Handler:
             now = time.perf_counter()
             cost = now - lookup.begun_at
             self._forwarded(lookup.tenant, b"MISS", cost, now - request.started)
+            if 200 <= status < 300:  # a whole answer: its first token came with it
+                self.relay.answered(lookup.tenant, key.model, now - request.started, None)
             captured = body if len(body) <= self.max_entry_bytes else None
             answer = self._store_answer(request, lookup, key, status, resp_headers, captured, cost)
         finally:
@@ -734,7 +736,12 @@ class Handler:
                     conn.write(_not_cached())
                     return
                 await self.relay.passthrough(
-                    request, conn, tenant=tenant, reason="tenant limit", counted=counted
+                    request,
+                    conn,
+                    tenant=tenant,
+                    reason="tenant limit",
+                    counted=counted,
+                    model=key.model,
                 )
                 return
             if hit is not None:
@@ -761,7 +768,12 @@ class Handler:
             return
         if lookup.no_cache and lookup.no_store:
             await self.relay.passthrough(
-                request, conn, tenant=tenant, reason="no-cache, no-store", counted=counted
+                request,
+                conn,
+                tenant=tenant,
+                reason="no-cache, no-store",
+                counted=counted,
+                model=key.model,
             )
             return
         leader = None if lookup.only_if_cached else self.inflight.get(key.digest)
@@ -852,6 +864,7 @@ class Handler:
             capture=self.max_entry_bytes,
             begun=lookup.begun,
             started=started,
+            model=key.model,
         )
         cost = time.perf_counter() - started  # upstream seconds a hit will save
         if ticket is not None and self.rates is not None:

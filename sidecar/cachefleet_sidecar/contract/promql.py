@@ -11,6 +11,13 @@ METRIC_REQUESTS = "cachefleet_requests_total"
 METRIC_REQUEST_DURATION = "cachefleet_request_duration_seconds"
 #: Histogram (seconds), labels cache, tenant: upstream call only.
 METRIC_UPSTREAM_DURATION = "cachefleet_upstream_duration_seconds"
+#: Histogram (seconds), labels cache, tenant, model: time to first token of model
+#: answers (misses and bypasses, not hits): the first SSE data event of a streamed
+#: answer, the whole answer otherwise, from the request's arrival.
+METRIC_TTFT = "cachefleet_ttft_seconds"
+#: Histogram (seconds), labels cache, tenant, model: inter-token latency, the mean gap
+#: between the data events of one streamed model answer (one observation per answer).
+METRIC_ITL = "cachefleet_itl_seconds"
 
 
 #: Histogram (bytes of cache), labels cache, tenant: estimated requests by the
@@ -82,6 +89,22 @@ def promql_p95_seconds(cache: str, window: str) -> str:
     return (
         "histogram_quantile(0.95, sum by (tenant, le) "
         f'(rate({METRIC_REQUEST_DURATION}_bucket{{cache="{cache}"}}[{window}])))'
+    )
+
+
+def promql_ttft_p95_seconds(cache: str, window: str) -> str:
+    """Per-tenant p95 of time to first token over ``window`` (models and pods added)."""
+    return (
+        "histogram_quantile(0.95, sum by (tenant, le) "
+        f'(rate({METRIC_TTFT}_bucket{{cache="{cache}"}}[{window}])))'
+    )
+
+
+def promql_itl_p95_seconds(cache: str, window: str) -> str:
+    """Per-tenant p95 of streamed answers' mean inter-token latency over ``window``."""
+    return (
+        "histogram_quantile(0.95, sum by (tenant, le) "
+        f'(rate({METRIC_ITL}_bucket{{cache="{cache}"}}[{window}])))'
     )
 
 

@@ -3,6 +3,13 @@
 :class:`Relay` sends a request upstream (or finishes one the fast path sent),
 relays the answer as it comes (sized answers in one write, anything else as
 it arrives), and counts it. The answer of the model server is never changed.
+
+A model answer (``model`` given: a POST; the model's name when the request was
+read, "" otherwise) is also timed for the tenant's SLO: a streamed one
+(``text/event-stream``, relayed as it comes) by its SSE data events
+(:class:`~cachefleet_sidecar.observe.tokentimes.EventTimes`: time to first
+token and the mean inter-token gap), any other by the whole answer
+(:meth:`Relay.answered`). Only 2xx answers are timed: an error carries no token.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from cachefleet_sidecar.http.server import Connection, Request, error_response
 from cachefleet_sidecar.http.upstream import Begun, UpstreamError, UpstreamPool
 from cachefleet_sidecar.http.wire import FORWARD_DROP, reason_phrase
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
+from cachefleet_sidecar.observe.tokentimes import EventTimes
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -118,6 +126,7 @@ class Relay:
         tenant: str | None,
         reason: str | None,
         counted: bool = False,
+        model: str = "",
     ) -> None:
         """Relay a request the cache does not answer (``counted``: the rate limits have
         counted it already, as a hit would be with ``--limits-count-hits``)."""
@@ -150,6 +159,7 @@ class Relay:
             x_cache,
             tenant=tenant,
             capture=0 if ticket is None else USAGE_CAPTURE_BYTES,
+            model=model if request.method == b"POST" else None,
         )
         if ticket is not None and self.rates is not None:
             # no answer (None): the tokens go back; else the answer's usage corrects them
@@ -176,6 +186,7 @@ class Relay:
         capture: int,
         begun: Begun | None = None,
         started: float | None = None,
+        model: str | None = None,
     ) -> tuple[int, list[tuple[bytes, bytes]], bytes | None] | None:
         """Forward to upstream (or finish ``begun``, sent at ``started``) and relay the
         answer; None when it broke.
@@ -184,6 +195,7 @@ class Relay:
         ``capture`` bytes (else None in its place: nothing larger is held).
         An HTTP/1.0 client never sees chunked framing: an answer of unknown
         length is relayed as it comes and ended by closing the connection.
+        ``model`` (None: not a model answer) names the model the answer is timed for.
         """
         t0 = time.perf_counter() if started is None else started
         try:
@@ -224,8 +236,12 @@ class Relay:
         keep = capture if not buffered else max(capture, length or 0)
         parts: list[bytes] = []
         held: int | None = 0
+        timed = model is not None and tenant is not None and 200 <= resp.status < 300
+        events = EventTimes() if timed and not buffered and _event_stream(resp.headers) else None
         try:
             async for chunk in resp.chunks():
+                if events is not None:
+                    events.feed(chunk, time.perf_counter())
                 if held is not None:
                     held += len(chunk)
                     if held <= keep:
@@ -257,6 +273,8 @@ class Relay:
                 self.metrics.tenant(tenant).request(
                     "upstream", "error", time.perf_counter() - request.started
                 )
+                if events is not None and events.first is not None:  # its first token came
+                    self.answered(tenant, model or "", events.first - request.started, None)
             return None
         whole = b"".join(parts) if held is not None else None
         if buffered or pending:
@@ -268,6 +286,10 @@ class Relay:
         else:
             now = time.perf_counter()
             self.forwarded(tenant, x_cache, now - t0, now - request.started)
+            if timed:
+                first = now if events is None or events.first is None else events.first
+                gap = None if events is None else events.mean_gap()
+                self.answered(tenant, model or "", first - request.started, gap)
         return resp.status, resp.headers, whole if held is not None and held <= capture else None
 
     def relay_head(
@@ -291,6 +313,10 @@ class Relay:
         head.append(b"x-cache: %s\r\n\r\n" % x_cache)
         return b"".join(head)
 
+    def answered(self, tenant: str, model: str, ttft_s: float, itl_s: float | None) -> None:
+        """Count a model answer's time to first token (and mean inter-token gap)."""
+        self.metrics.tenant(tenant).answered(model, ttft_s, itl_s)
+
     def forwarded(self, tenant: str, x_cache: bytes, upstream_s: float, seconds: float) -> None:
         """Count an answer relayed from upstream (its upstream time, and a miss's latency)."""
         self._last_upstream_ok = time.monotonic()
@@ -298,3 +324,8 @@ class Relay:
         tm.upstream.observe(upstream_s)
         if x_cache.startswith(b"MISS"):
             tm.request("upstream", "miss", seconds)
+
+
+def _event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether an answer is a server-sent event stream (by its content-type)."""
+    return any(n == b"content-type" and b"text/event-stream" in v.lower() for n, v in headers)

@@ -39,6 +39,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -52,6 +53,7 @@ from prometheus_client.registry import Collector
 from cachefleet_sidecar.adapt.admission import Admission
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.contract.promql import (
+    METRIC_ITL,
     METRIC_POLICY_CURVE_HITS,
     METRIC_POLICY_CURVE_REQUESTS,
     METRIC_REQUEST_DURATION,
@@ -61,6 +63,7 @@ from cachefleet_sidecar.contract.promql import (
     METRIC_SAVED_COST,
     METRIC_SAVED_MODEL_SECONDS,
     METRIC_SAVED_TOKENS,
+    METRIC_TTFT,
     METRIC_UPSTREAM_DURATION,
 )
 from cachefleet_sidecar.observe.savings import Saved
@@ -99,6 +102,15 @@ MAX_MODEL_SERIES = 16
 #: Longest model label value (a longer name is cut).
 MAX_MODEL_LABEL = 128
 
+#: Time-to-first-token buckets (seconds): a first token in 0.25-0.5 s has a bucket of its own.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0
+)  # fmt: skip
+#: Inter-token latency buckets (seconds): 10-50 ms split at 25 ms.
+ITL_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
+)  # fmt: skip
+
 TIERS = ("l1", "l2", "l3", "upstream")
 RESULTS = ("hit", "miss", "bypass", "error")
 
@@ -126,6 +138,50 @@ class Histogram:
         return out
 
 
+class Buckets:
+    """A histogram over given bounds (TTFT, ITL); ``observe`` is a bisect and two adds."""
+
+    __slots__ = ("bounds", "counts", "le", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.le = (*(repr(bound) for bound in bounds), "+Inf")
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        acc = 0
+        for le, count in zip(self.le, self.counts, strict=True):
+            acc += count
+            out.append((le, float(acc)))
+        return out
+
+
+@dataclass(slots=True)
+class ModelAnswers:
+    """Time to first token and inter-token latency of one model's answers to one tenant."""
+
+    ttft: Buckets = field(default_factory=lambda: Buckets(TTFT_BUCKETS))
+    itl: Buckets = field(default_factory=lambda: Buckets(ITL_BUCKETS))
+
+
+_V = TypeVar("_V")
+
+
+def _model_label(labels: dict[str, _V], model: str) -> str:
+    """``model`` as a label value: cut to :data:`MAX_MODEL_LABEL`, ``_none`` when empty,
+    ``_other`` once ``labels`` holds :data:`MAX_MODEL_SERIES` others."""
+    label = model[:MAX_MODEL_LABEL] or "_none"
+    if len(labels) >= MAX_MODEL_SERIES and label not in labels:
+        return OTHER_TENANT
+    return label
+
+
 @dataclass(slots=True)
 class TenantMetrics:
     """Everything counted per tenant; bound once, updated without locks."""
@@ -140,6 +196,8 @@ class TenantMetrics:
     saved: dict[str, Saved] = field(default_factory=dict)
     #: Cache-Control directives the tenant may not use, ignored, by directive.
     ignored: dict[str, int] = field(default_factory=dict)
+    #: TTFT and ITL of model answers (not hits), by model (bounded as ``saved``).
+    answers: dict[str, ModelAnswers] = field(default_factory=dict)
 
     def request(self, tier: str, result: str, seconds: float) -> None:
         key = (tier, result)
@@ -161,13 +219,24 @@ class TenantMetrics:
         """The savings counters of ``model`` (label bounded, see :data:`MAX_MODEL_SERIES`)."""
         found = self.saved.get(model)
         if found is None:
-            label = model[:MAX_MODEL_LABEL] or "_none"
-            if len(self.saved) >= MAX_MODEL_SERIES and label not in self.saved:
-                label = OTHER_TENANT
+            label = _model_label(self.saved, model)
             found = self.saved.get(label)
             if found is None:
                 found = self.saved[label] = Saved()
         return found
+
+    def answered(self, model: str, ttft_s: float, itl_s: float | None) -> None:
+        """Count a model answer: its time to first token and, when streamed with two
+        tokens or more, its mean inter-token latency (model label bounded as ``saving``)."""
+        found = self.answers.get(model)
+        if found is None:
+            label = _model_label(self.answers, model)
+            found = self.answers.get(label)
+            if found is None:
+                found = self.answers[label] = ModelAnswers()
+        found.ttft.observe(ttft_s)
+        if itl_s is not None:
+            found.itl.observe(itl_s)
 
     def directive_ignored(self, directive: str) -> None:
         self.ignored[directive] = self.ignored.get(directive, 0) + 1
@@ -345,10 +414,12 @@ def _esc(value: str) -> str:
 _LE = (*(repr(bound) for bound in BUCKETS), "+Inf")
 
 
-def _histogram_lines(name: str, labels: str, hist: Histogram) -> list[str]:
+def _histogram_lines(
+    name: str, labels: str, hist: Histogram | Buckets, les: tuple[str, ...] = _LE
+) -> list[str]:
     out = []
     acc = 0
-    for le, count in zip(_LE, hist.counts, strict=True):
+    for le, count in zip(les, hist.counts, strict=True):
         acc += count
         out.append(f'{name}_bucket{{{labels},le="{le}"}} {acc}\n')
     out.append(f"{name}_count{{{labels}}} {acc}\n")
@@ -415,6 +486,23 @@ def _saved_cost_text(labels: str, tm: TenantMetrics) -> list[str]:
     ]
 
 
+def _ttft_text(labels: str, tm: TenantMetrics) -> list[str]:
+    out: list[str] = []
+    for model, answers in list(tm.answers.items()):
+        hist = answers.ttft
+        out += _histogram_lines(METRIC_TTFT, f'{labels},model="{_esc(model)}"', hist, hist.le)
+    return out
+
+
+def _itl_text(labels: str, tm: TenantMetrics) -> list[str]:
+    out: list[str] = []
+    for model, answers in list(tm.answers.items()):
+        hist = answers.itl
+        if any(hist.counts):
+            out += _histogram_lines(METRIC_ITL, f'{labels},model="{_esc(model)}"', hist, hist.le)
+    return out
+
+
 def _ignored_text(labels: str, tm: TenantMetrics) -> list[str]:
     return [
         f'{METRIC_DIRECTIVES_IGNORED}{{{labels},directive="{d}"}} {count}\n'
@@ -447,6 +535,14 @@ HELP_REQUESTS = "Requests by tenant, the tier that answered and the result."
 HELP_LATENCY = "Request latency as the client saw it, by tier that answered."
 HELP_UPSTREAM = "Latency of upstream (model server) calls."
 HELP_EVICTIONS = "Entries evicted to stay within a tenant's quota."
+HELP_TTFT = (
+    "Time to first token of model answers (misses and bypasses, 2xx; not hits), by model: "
+    "from the request's arrival to the first SSE data event, the whole answer when not streamed."
+)
+HELP_ITL = (
+    "Inter-token latency of streamed model answers with two data events or more, by model: "
+    "the mean gap between the answer's data events."
+)
 
 #: The per-tenant families as text: (name, type, help, lines of one tenant).
 _TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str]]], ...] = (
@@ -459,6 +555,8 @@ _TENANT_TEXT: tuple[tuple[str, str, str, Callable[[str, TenantMetrics], list[str
     (METRIC_SAVED_MODEL_SECONDS, "counter", HELP_SAVED_SECONDS, _saved_seconds_text),
     (METRIC_SAVED_COST, "counter", HELP_SAVED_COST, _saved_cost_text),
     (METRIC_DIRECTIVES_IGNORED, "counter", HELP_DIRECTIVES_IGNORED, _ignored_text),
+    (METRIC_TTFT, "histogram", HELP_TTFT, _ttft_text),
+    (METRIC_ITL, "histogram", HELP_ITL, _itl_text),
 )
 
 
@@ -574,6 +672,21 @@ def _ignored(cache: str, tenants: TenantItems) -> Metric:
     return fam
 
 
+def _token_family(name: str, help_text: str, part: str) -> Callable[[str, TenantItems], Metric]:
+    """The TTFT or ITL family (``part``: the :class:`ModelAnswers` field)."""
+
+    def build(cache: str, tenants: TenantItems) -> Metric:
+        fam = HistogramMetricFamily(name, help_text, labels=["cache", "tenant", "model"])
+        for tenant, tm in tenants:
+            for model, answers in list(tm.answers.items()):
+                hist: Buckets = getattr(answers, part)
+                if any(hist.counts) or part == "ttft":
+                    fam.add_metric([cache, tenant, model], hist.cumulative(), hist.sum)
+        return fam
+
+    return build
+
+
 _TENANT_FAMILIES: tuple[Callable[[str, TenantItems], Metric], ...] = (
     _requests,
     _latency,
@@ -583,6 +696,8 @@ _TENANT_FAMILIES: tuple[Callable[[str, TenantItems], Metric], ...] = (
     _saved_seconds,
     _saved_cost,
     _ignored,
+    _token_family(METRIC_TTFT, HELP_TTFT, "ttft"),
+    _token_family(METRIC_ITL, HELP_ITL, "itl"),
 )
 
 
