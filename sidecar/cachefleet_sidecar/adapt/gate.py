@@ -6,7 +6,8 @@ feeds it a reading every :data:`METRICS_POLL_S` (parsed by
 :data:`METRICS_TIMEOUT_S` in all, is larger than :data:`MAX_METRICS_BYTES` or
 names no model server counts as "not saturated" and is counted; the poller
 outlives any answer), turns parked Standard requests into futures the request
-waits on (each up to its own maximum wait, readings or not), and renders refusals (429 / 503
+waits on (each up to its own maximum wait, readings or not; released in the
+core's weighted fair order between tenants), and renders refusals (429 / 503
 with ``Retry-After`` and a JSON body that gives the reason). The sidecar asks
 it for every request about to go upstream (it counts them until a reading can
 show them): a cache hit never meets it.
@@ -30,6 +31,7 @@ from cachefleet_sidecar.adapt.admission import (
     Decision,
     normal_class,
 )
+from cachefleet_sidecar.adapt.flows import Flow
 from cachefleet_sidecar.adapt.modelserver import (
     MetricsParseError,
     ModelServerMetrics,
@@ -190,13 +192,23 @@ class AdmissionGate:
             ticket.set_result(decision)
 
     # ---------------------------------------------------------------- requests
-    async def admit(self, tenant: str, priority_class: str | None) -> bytes | None:
-        """None when the request may go upstream; else the refusal to answer with."""
+    async def admit(
+        self, tenant: str, priority_class: str | None, flow: Flow | None = None
+    ) -> bytes | None:
+        """None when the request may go upstream; else the refusal to answer with.
+
+        ``flow``: where it waits if it must (None: the tenant's own flow, weight 1).
+        """
         core = self.core
         ticket: asyncio.Future[Decision] | None = None
         if core.saturated or core.queued:
             ticket = asyncio.get_running_loop().create_future()
-        decision = core.decide(priority_class, time.monotonic(), ticket)
+        decision = core.decide(priority_class, time.monotonic(), ticket, flow=flow or Flow(tenant))
+        evicted = core.take_evicted()
+        if evicted:  # they gave their place up to this one: their answer is the 429
+            full = core.full_decision()
+            for other in evicted:
+                self._settle(other, full)
         if decision.action == "wait":
             assert ticket is not None
             if self._on_wait is not None:
