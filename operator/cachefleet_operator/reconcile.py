@@ -279,6 +279,7 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
             l2_guest_max_share=defaults.l2_guest_max_share,
             policy=defaults.policy,
             priority_class=defaults.priority_class,
+            fairness_weight=_weight(defaults.fairness_weight),
         ),
         tenants={
             t.name: TenantQuota(
@@ -294,11 +295,18 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
                 ttl_seconds=by_name[t.name].ttl_seconds or spec.ttl_seconds,
                 allow_bypass=_cache_control(by_name[t.name], "allow_bypass"),
                 allow_max_age=_cache_control(by_name[t.name], "allow_max_age"),
+                fairness_weight=_weight(by_name[t.name].fairness_weight),
             )
             for t in allocation.tenants
         },
         ttl_seconds=spec.ttl_seconds,
+        objectives={o.name: o.priority_class.value for o in spec.objectives},
     )
+
+
+def _weight(weight: float) -> float | None:
+    """A fairness weight for the sidecars: None for the default (1), as old tables said."""
+    return None if weight == 1.0 else weight
 
 
 def _cache_control(tenant: TenantSpec, field: str) -> bool | None:
@@ -323,6 +331,12 @@ def assignment_digest(assignment: QuotaAssignment) -> str:
     if assignment.default_tenant is None:
         skip["default_tenant"] = True
     body = assignment.model_dump(mode="json", exclude=skip)
+    # Fair queuing's fields, when at their defaults, leave the digest as it was before them.
+    if not body.get("objectives"):
+        body.pop("objectives", None)
+    for part in [body.get("default_tenant"), *(body.get("tenants") or {}).values()]:
+        if isinstance(part, dict) and part.get("fairness_weight") is None:
+            part.pop("fairness_weight", None)
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 

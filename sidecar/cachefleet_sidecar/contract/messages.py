@@ -71,6 +71,12 @@ class TenantQuota(_Model):
     allow_max_age: bool | None = Field(
         default=None, description="Cache-Control max-age obeyed; None = allowed"
     )
+    fairness_weight: float | None = Field(
+        default=None,
+        gt=0,
+        le=1000,
+        description="Share of the Standard queue's releases against other tenants; None = 1",
+    )
 
 
 class QuotaAssignment(_Model):
@@ -93,6 +99,11 @@ class QuotaAssignment(_Model):
     default_tenant: TenantQuota | None = None
     #: TTL of tenants not in ``tenants`` (the InferenceCache's spec.ttlSeconds); None = none.
     ttl_seconds: float | None = Field(default=None, gt=0)
+    #: GIE InferenceObjective name -> the class it lowers a request to (spec.objectives);
+    #: a request's class is never raised by it (docs/admission.md).
+    objectives: dict[str, Literal["Guaranteed", "Standard", "BestEffort"]] = Field(
+        default_factory=dict
+    )
 
 
 def newer_assignment(
