@@ -238,7 +238,7 @@ def build(
         upstream=upstream,
         metrics=metrics,
         gate=gate,
-        priority_class=tenants.priority_class,
+        admission_of=tenants.admission_of,
     )
     upkeep = Upkeep(
         config,

@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from cachefleet_sidecar.adapt.flows import FairQueue, Flow
+from cachefleet_sidecar.adapt.flows import FairQueue, Flow, pairs
 from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 GUARANTEED = "Guaranteed"
@@ -166,6 +166,15 @@ def capped_class(tenant_class: str | None, objective_class: str | None) -> str |
     if _RANK[normal_class(objective_class)] < _RANK[normal_class(tenant_class)]:
         return normal_class(objective_class)
     return tenant_class
+
+
+def parse_objectives(text: str) -> dict[str, str]:
+    """``objective=Class,...`` (the sidecar's and the router's flag), classes by name."""
+    out = pairs(text)
+    for name, cls in out.items():
+        if cls not in CLASSES:
+            raise ValueError(f"{name}: the class must be one of {', '.join(CLASSES)}, got {cls!r}")
+    return out
 
 
 class Admission:

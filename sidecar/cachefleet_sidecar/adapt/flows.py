@@ -78,6 +78,38 @@ def bounded_weight(weight: float | None) -> float:
     return min(MAX_WEIGHT, max(MIN_WEIGHT, float(weight)))
 
 
+def pairs(text: str) -> dict[str, str]:
+    """``name=value,name=value`` (spaces around the items ignored) as a dict; ValueError
+    names the item that is not such a pair, or a name given twice."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise ValueError(f"expected name=value, got {item!r}")
+        if name in out:
+            raise ValueError(f"{name!r} is given twice")
+        out[name] = value
+    return out
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """``tenant=weight,...`` (the sidecar's and the router's flag): weights in (0, 1000]."""
+    out: dict[str, float] = {}
+    for name, value in pairs(text).items():
+        try:
+            weight = float(value)
+        except ValueError:
+            raise ValueError(f"{name}: the weight must be a number, got {value!r}") from None
+        if not 0 < weight <= MAX_WEIGHT:
+            raise ValueError(f"{name}: the weight must be in (0, {MAX_WEIGHT:g}], got {value}")
+        out[name] = weight
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Flow:
     """Where a parked request waits: its tenant (weighted) and its fairness id in it."""

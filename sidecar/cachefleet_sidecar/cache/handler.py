@@ -774,7 +774,10 @@ class Handler:
             if lookup.only_if_cached:
                 conn.write(_not_cached())
                 return
-            if self.gate is not None and (refused := await self.relay.admit(tenant)) is not None:
+            if (
+                self.gate is not None
+                and (refused := await self.relay.admit(tenant, request.headers)) is not None
+            ):
                 conn.write(refused)
                 return
             answer = await self._miss(request, conn, lookup, key, pending)

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from cachefleet_sidecar.adapt.flows import Flow
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.server import Connection, Request, error_response
@@ -36,19 +37,19 @@ class Relay:
         upstream: UpstreamPool,
         metrics: SidecarMetrics,
         gate: AdmissionGate | None,
-        priority_class: Callable[[str], str | None],
+        admission_of: Callable[[str, list[tuple[bytes, bytes]]], tuple[str | None, Flow]],
     ) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.gate = gate
-        self._priority_class = priority_class
+        self._admission_of = admission_of
         self.tenant_header = config.tenant_header.lower().encode()
         self._last_upstream_ok = 0.0
 
-    async def admit(self, tenant: str) -> bytes | None:
+    async def admit(self, tenant: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
         """Admission's refusal of a request about to go upstream (None: it may go)."""
         assert self.gate is not None
-        return await self.gate.admit(tenant, self._priority_class(tenant))
+        return await self.gate.admit(tenant, *self._admission_of(tenant, headers))
 
     async def ready(self) -> bool:
         """Whether the model server answers (a recent answer counts; else a probe)."""
@@ -86,7 +87,7 @@ class Relay:
             if (
                 self.gate is not None
                 and request.method == b"POST"
-                and (refused := await self.admit(tenant)) is not None
+                and (refused := await self.admit(tenant, request.headers)) is not None
             ):
                 conn.write(refused)
                 return
