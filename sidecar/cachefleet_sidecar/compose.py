@@ -233,12 +233,14 @@ def build(
         background=background,
         l2_name=tenants.l2_name,
     )
+    if gate is not None:  # GIE's headers: a request's class and flow (tenancy)
+        gate.flow_of = tenants.admission_of
     relay = Relay(
         config,
         upstream=upstream,
         metrics=metrics,
         gate=gate,
-        admission_of=tenants.admission_of,
+        priority_class=tenants.priority_class,
     )
     upkeep = Upkeep(
         config,

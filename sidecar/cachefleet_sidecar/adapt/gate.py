@@ -52,6 +52,9 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 #: Called with (tenant, class, reason) for every refusal.
 RefusalCounter = Callable[[str, str, str], None]
+#: A request's class and flow from its tenant and (lowercased) headers
+#: (:meth:`cachefleet_sidecar.tenancy.tenants.Tenants.admission_of`).
+FlowOf = Callable[[str, list[tuple[bytes, bytes]]], tuple[str | None, Flow]]
 
 
 def refusal_response(decision: Decision) -> bytes:
@@ -89,6 +92,8 @@ class AdmissionGate:
         self._on_refusal = on_refusal
         self._on_wait = on_wait
         self._transport = transport
+        #: Class and flow of a request from its headers (None: the tenant's class, own flow).
+        self.flow_of: FlowOf | None = None
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -193,12 +198,21 @@ class AdmissionGate:
 
     # ---------------------------------------------------------------- requests
     async def admit(
-        self, tenant: str, priority_class: str | None, flow: Flow | None = None
+        self,
+        tenant: str,
+        priority_class: str | None,
+        flow: Flow | None = None,
+        *,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> bytes | None:
         """None when the request may go upstream; else the refusal to answer with.
 
         ``flow``: where it waits if it must (None: the tenant's own flow, weight 1).
+        ``headers``: the request's, read by :attr:`flow_of` (when set) for its class and
+        flow instead (GIE's objective and fairness id).
         """
+        if headers is not None and self.flow_of is not None:
+            priority_class, flow = self.flow_of(tenant, headers)
         core = self.core
         ticket: asyncio.Future[Decision] | None = None
         if core.saturated or core.queued:

@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import Callable
 
-from cachefleet_sidecar.adapt.flows import Flow
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.server import Connection, Request, error_response
@@ -37,19 +36,19 @@ class Relay:
         upstream: UpstreamPool,
         metrics: SidecarMetrics,
         gate: AdmissionGate | None,
-        admission_of: Callable[[str, list[tuple[bytes, bytes]]], tuple[str | None, Flow]],
+        priority_class: Callable[[str], str | None],
     ) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.gate = gate
-        self._admission_of = admission_of
+        self._priority_class = priority_class
         self.tenant_header = config.tenant_header.lower().encode()
         self._last_upstream_ok = 0.0
 
     async def admit(self, tenant: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
         """Admission's refusal of a request about to go upstream (None: it may go)."""
         assert self.gate is not None
-        return await self.gate.admit(tenant, *self._admission_of(tenant, headers))
+        return await self.gate.admit(tenant, self._priority_class(tenant), headers=headers)
 
     async def ready(self) -> bool:
         """Whether the model server answers (a recent answer counts; else a probe)."""
