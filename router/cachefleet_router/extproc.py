@@ -336,6 +336,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         fallback: Picker | None = None,
         tenant_header: str = "X-Tenant-ID",
         class_of: ClassOf | None = None,
+        objective_class: ClassOf | None = None,
         fail_open: bool = False,
         metrics: RouterMetrics | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -348,6 +349,8 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         self.ready = ready
         self.tenant_header = tenant_header
         self.class_of = class_of
+        #: GIE objective name -> the class it lowers a request to (None: objectives unread)
+        self.objective_class = objective_class
         self.fail_open = fail_open
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.max_body_bytes = max_body_bytes
@@ -370,6 +373,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
             st.headers,
             tenant_header=self.tenant_header,
             class_of=self.class_of,
+            objective_class=self.objective_class,
             truncated=st.truncated,
         )
         st.request = request
