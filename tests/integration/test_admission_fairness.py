@@ -338,3 +338,23 @@ async def test_a_full_queue_gives_a_place_to_the_tenant_holding_none(make_fleet:
     first = await fleet.release_one()
     second = await fleet.release_one()
     assert "team-b" in {first[0], second[0]}
+
+
+async def test_the_flags_objectives_stay_under_the_operators(make_fleet: Any) -> None:
+    fleet: Fleet = await make_fleet(
+        {"gold": "Guaranteed"},
+        objectives={"chat": "Standard"},
+        admission_objectives={"batch": "BestEffort", "chat": "BestEffort"},
+    )
+    tenants = fleet.server.sidecar.tenants
+    of = tenants.admission_of
+    assert of("gold", [(OBJECTIVE_HEADER.encode(), b"batch")])[0] == "BestEffort"  # the flag's
+    assert of("gold", [(OBJECTIVE_HEADER.encode(), b"chat")])[0] == "Standard"  # the table's
+    assert of("gold", [])[0] == "Guaranteed"
+    # two objectives: each may only lower
+    two = [(OBJECTIVE_HEADER.encode(), b"chat"), (OBJECTIVE_HEADER.encode(), b"batch")]
+    assert of("gold", two)[0] == "BestEffort"
+    # two different fairness ids: none (the tenant's own flow)
+    fid = FAIRNESS_ID_HEADER.encode()
+    assert of("gold", [(fid, b"u1"), (fid, b"u2")])[1].fairness_id == ""
+    assert of("gold", [(fid, b"u1"), (fid, b"u1")])[1].fairness_id == "u1"

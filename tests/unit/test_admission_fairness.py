@@ -225,3 +225,42 @@ def test_admission_a_full_queue_hands_a_place_to_another_tenant() -> None:
     assert adm.queued == 3
     assert adm.full_decision().status == 429
     assert adm.describe()["queued_tenants"] == 2
+
+
+# ---------------------------------------------------------------- the sidecar's flags
+
+
+def test_the_sidecar_flags_give_weights_and_objectives() -> None:
+    from cachefleet_sidecar.config import parse_args
+
+    config = parse_args(
+        [
+            "--admission-fairness-weights",
+            "team-a=3, team-b=0.5",
+            "--admission-objectives",
+            "batch=BestEffort,chat=Guaranteed",
+        ]
+    )
+    assert config.admission_weights == {"team-a": 3.0, "team-b": 0.5}
+    assert config.admission_objectives == {"batch": "BestEffort", "chat": "Guaranteed"}
+    assert parse_args([]).admission_weights == {}
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--admission-fairness-weights", "team-a=0"], "--admission-fairness-weights: team-a"),
+        (["--admission-fairness-weights", "team-a=x"], "--admission-fairness-weights: team-a"),
+        (["--admission-fairness-weights", "team-a"], "expected name=value"),
+        (["--admission-fairness-weights", "a=1,a=2"], "given twice"),
+        (["--admission-objectives", "batch=Gold"], "--admission-objectives: batch"),
+    ],
+)
+def test_bad_sidecar_flags_are_refused_naming_them(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachefleet_sidecar.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert needle in capsys.readouterr().err
