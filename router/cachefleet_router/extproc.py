@@ -97,6 +97,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format, struct_pb2
 
+from cachefleet_sidecar.adapt.flows import OBJECTIVE_HEADER
+
 from .endpoints import Decision, Endpoint, Picker, RouteRequest
 from .metrics import RouterMetrics
 from .picking import LeastLoadedPicker
@@ -177,10 +179,15 @@ class NoEndpoint(Exception):
 
 
 def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Headers by lowercased name; a repeated one keeps its last value, but GIE's
+    objective keeps them all, comma-joined: each of them may lower the class."""
     out: dict[str, str] = {}
     for h in headers.headers.headers:
         value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = value
+        key = h.key.lower()
+        if key == OBJECTIVE_HEADER and key in out:
+            value = f"{out[key]},{value}"
+        out[key] = value
     return out
 
 

@@ -149,9 +149,10 @@ def reduce_request(
     """
     tenant = header(headers, tenant_header) or None
     priority = class_of(tenant) if (class_of is not None and tenant) else None
-    objective = header(headers, OBJECTIVE_HEADER)
-    if objective and objective_class is not None:
-        priority = capped_class(priority, objective_class(objective))
+    objectives = header(headers, OBJECTIVE_HEADER)
+    if objectives and objective_class is not None:
+        for objective in objectives.split(","):  # repeated headers, joined: each may lower
+            priority = capped_class(priority, objective_class(objective.strip()))
 
     def bare(reason: str, model: str | None = None) -> RouteRequest:
         return RouteRequest(

@@ -354,6 +354,7 @@ async def test_the_flags_objectives_stay_under_the_operators(make_fleet: Any) ->
     # two objectives: each may only lower
     two = [(OBJECTIVE_HEADER.encode(), b"chat"), (OBJECTIVE_HEADER.encode(), b"batch")]
     assert of("gold", two)[0] == "BestEffort"
+    assert of("gold", [(OBJECTIVE_HEADER.encode(), b"chat, batch")])[0] == "BestEffort"
     # two different fairness ids: none (the tenant's own flow)
     fid = FAIRNESS_ID_HEADER.encode()
     assert of("gold", [(fid, b"u1"), (fid, b"u2")])[1].fairness_id == ""

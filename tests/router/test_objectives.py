@@ -109,3 +109,25 @@ async def test_the_router_hands_the_lowered_class_to_the_picker() -> None:
     finally:
         await channel.close()
         await router.stop(0)
+
+
+def test_repeated_objective_headers_each_lower_the_class() -> None:
+    """A client's own objective header beside the gateway's cannot undo the gateway's."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from cachefleet_router.extproc import _header_map
+
+    raw = pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[
+                base_pb2.HeaderValue(key="x-tenant-id", raw_value=b"gold"),
+                base_pb2.HeaderValue(key="x-gateway-inference-objective", raw_value=b"batch"),
+                base_pb2.HeaderValue(key="X-Gateway-Inference-Objective", raw_value=b"vip"),
+            ]
+        )
+    )
+    headers = _header_map(raw)
+    assert headers["x-gateway-inference-objective"] == "batch,vip"
+    req = reduce_request(BODY, headers, class_of=CLASSES.get, objective_class=OBJECTIVES.get)
+    assert req.priority_class == "BestEffort"

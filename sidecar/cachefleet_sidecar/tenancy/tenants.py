@@ -131,8 +131,9 @@ class Tenants:
             weight = self.config.admission_weights.get(tenant, flows.DEFAULT_WEIGHT)
         fairness: set[str] = set()
         for name, value in headers:
-            if name == _OBJECTIVE:
-                cls = capped_class(cls, self.objectives.get(value.decode("latin-1").strip()))
+            if name == _OBJECTIVE:  # every one, and every comma-separated value, may lower
+                for part in value.decode("latin-1").split(","):
+                    cls = capped_class(cls, self.objectives.get(part.strip()))
             elif name == _FAIRNESS_ID:
                 fairness.add(flows.fairness_id(value))
         fid = fairness.pop() if len(fairness) == 1 else ""
