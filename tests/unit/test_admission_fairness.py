@@ -99,6 +99,23 @@ def test_expire_takes_the_oldest_across_tenants_and_charges_nobody() -> None:
     assert pop_all(q) == ["A1", "B1"]
 
 
+def test_expiry_after_releases_evictions_and_removals_keeps_arrival_order() -> None:
+    q: FairQueue[str] = FairQueue()
+    names = [f"{t}{i}" for i in range(100) for t in "ABC"]  # arrival order A0 B0 C0 A1 ...
+    for n, name in enumerate(names):
+        q.push(name, Flow(name[0], weight=2.0 if name[0] == "A" else 1.0), float(n))
+    released = {q.pop() for _ in range(200)}  # the arrival order compacts on the way
+    evicted = q.evict_for(Flow("D"))
+    assert evicted is not None
+    left = [n for n in names if n not in released and n != evicted]
+    assert q.remove(left[10])
+    expected = left[:10] + left[11:]
+    assert len(expected) == 98
+    assert q.expire(1e9) == expected
+    assert len(q) == 0
+    assert len(q._arrivals) == 0  # white box: nothing that left is kept
+
+
 def test_remove_by_identity_and_unknown_items() -> None:
     q: FairQueue[object] = FairQueue()
     a, b = object(), object()

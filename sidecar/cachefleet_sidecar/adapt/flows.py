@@ -163,6 +163,10 @@ class _Entry(Generic[T]):
     seq: int
     deadline: float
     item: T
+    tenant: str
+    sub: str
+    #: still parked (a left entry stays in the arrival order until it reaches its front)
+    alive: bool = True
 
 
 @dataclass(slots=True)
@@ -185,6 +189,9 @@ class FairQueue(Generic[T]):
         self._tags: _Tags[str] = _Tags()
         self._seq = 0
         self._len = 0
+        #: every entry in arrival (= deadline) order; entries that left are skipped
+        self._arrivals: deque[_Entry[T]] = deque()
+        self._left = 0
 
     def __len__(self) -> int:
         return self._len
@@ -216,7 +223,9 @@ class FairQueue(Generic[T]):
             sub = state.subs[flow.fairness_id] = deque()
             state.tags.join(flow.fairness_id)
         self._seq += 1
-        sub.append(_Entry(self._seq, deadline, item))
+        entry = _Entry(self._seq, deadline, item, flow.tenant, flow.fairness_id)
+        sub.append(entry)
+        self._arrivals.append(entry)
         state.count += 1
         self._len += 1
 
@@ -232,6 +241,7 @@ class FairQueue(Generic[T]):
         sub_id = min(inner.start, key=lambda s: (inner.start[s], state.subs[s][0].seq))
         sub = state.subs[sub_id]
         entry = sub.popleft()
+        self._gone(entry)
         inner.served(sub_id, 1.0, bool(sub))
         if not sub:
             del state.subs[sub_id]
@@ -245,20 +255,24 @@ class FairQueue(Generic[T]):
 
     def expire(self, now: float) -> list[T]:
         """Items whose deadline is at or before ``now``, oldest first (deadlines are taken
-        to grow with arrival, as admission's do: only the head of each fairness id is read)."""
+        to grow with arrival, as admission's do). O(1) per item: the oldest parked item is
+        the head of its fairness id's FIFO."""
         out: list[T] = []
-        while self._tenants:
-            name, sub_id, head = min(
-                ((n, i, q[0]) for n, s in self._tenants.items() for i, q in s.subs.items()),
-                key=lambda x: x[2].deadline,
-            )
-            if head.deadline > now:
+        while self._arrivals:  # not held in a local: _gone may compact it
+            entry = self._arrivals[0]
+            if not entry.alive:
+                self._arrivals.popleft()
+                self._left -= 1
+                continue
+            if entry.deadline > now:
                 break
-            state = self._tenants[name]
-            sub = state.subs[sub_id]
+            state = self._tenants[entry.tenant]
+            sub = state.subs[entry.sub]
+            assert sub[0] is entry  # FIFO within a fairness id
             sub.popleft()
-            self._drop(name, state, sub_id, sub)
-            out.append(head.item)
+            self._gone(entry)
+            self._drop(entry.tenant, state, entry.sub, sub)
+            out.append(entry.item)
         return out
 
     def remove(self, item: T) -> bool:
@@ -268,6 +282,7 @@ class FairQueue(Generic[T]):
                 for entry in sub:
                     if entry.item is item:
                         sub.remove(entry)
+                        self._gone(entry)
                         self._drop(name, state, sub_id, sub)
                         return True
         return False
@@ -289,6 +304,7 @@ class FairQueue(Generic[T]):
             return None
         sub_id, sub = max(state.subs.items(), key=lambda kv: (len(kv[1]), kv[1][-1].seq))
         entry = sub.pop()
+        self._gone(entry)
         self._drop(name, state, sub_id, sub)
         return entry.item
 
@@ -300,6 +316,15 @@ class FairQueue(Generic[T]):
         self._len = 0
         self._idle_reset()
         return [e.item for e in entries]
+
+    def _gone(self, entry: _Entry[T]) -> None:
+        """``entry`` left its fairness id's FIFO; the arrival order forgets it lazily
+        (compacted when the entries that left outnumber those parked)."""
+        entry.alive = False
+        self._left += 1
+        if self._left > 64 and self._left > self._len:
+            self._arrivals = deque(e for e in self._arrivals if e.alive)
+            self._left = 0
 
     def _drop(self, name: str, state: _Tenant[T], sub_id: str, sub: deque[_Entry[T]]) -> None:
         """One item of ``sub`` left without a release."""
@@ -318,3 +343,5 @@ class FairQueue(Generic[T]):
         if self._len == 0:
             self._tags = _Tags()
             self._tenants.clear()
+            self._arrivals.clear()
+            self._left = 0
