@@ -41,6 +41,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 #: The most tenants one InferenceCache may list (bounds CEL cost and object size).
 MAX_TENANTS = 1000
+#: Largest fairness weight of a tenant (the sidecar's queue takes weights within its bounds).
+MAX_FAIRNESS_WEIGHT = 1000.0
+#: Most entries of spec.objectives.
+MAX_OBJECTIVES = 256
 #: Fraction of each pod's L1 that all unlisted tenants share when tenantDefaults does not say.
 DEFAULT_UNLISTED_SHARE = 0.1
 #: The most models spec.savings.prices may price (the table travels in an env variable).
@@ -537,6 +541,15 @@ class TenantSpec(_Model):
         default=None,
         description="Request and token limits, fleet-wide; empty = none.",
     )
+    fairness_weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=MAX_FAIRNESS_WEIGHT,
+        description=(
+            "Share of the releases from a saturated model server's Standard queue against "
+            "the other tenants waiting there (weighted fair queuing); 2 = twice a tenant of 1."
+        ),
+    )
 
     @model_validator(mode="after")
     def _bounds(self) -> TenantSpec:
@@ -599,6 +612,31 @@ class TenantDefaults(_Model):
     )
     policy: Policy | None = Field(
         default=None, description="L1 policy of unlisted tenants; empty = the cache default."
+    )
+    fairness_weight: float = Field(
+        default=1.0,
+        gt=0,
+        le=MAX_FAIRNESS_WEIGHT,
+        description="Fairness weight of each unlisted tenant in the Standard queue.",
+    )
+
+
+class ObjectiveSpec(_Model):
+    """A GIE InferenceObjective name and the class its requests are lowered to."""
+
+    name: str = Field(
+        description=(
+            "The InferenceObjective's name, as the gateway sends it in "
+            "x-gateway-inference-objective."
+        ),
+        pattern=_NAME_PATTERN,
+        max_length=63,
+    )
+    priority_class: PriorityClass = Field(
+        description=(
+            "Class of a request naming this objective, when lower than its tenant's: an "
+            "objective never raises a tenant's class."
+        ),
     )
 
 
@@ -828,6 +866,15 @@ class InferenceCacheSpec(_Model):
         description="Tenants and their SLAs; names are unique.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
+    objectives: list[ObjectiveSpec] = Field(
+        default_factory=list,
+        max_length=MAX_OBJECTIVES,
+        description=(
+            "GIE InferenceObjective names and the class each lowers a request to "
+            "(x-gateway-inference-objective; never above the tenant's own class)."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
     tenant_defaults: TenantDefaults | None = Field(
         default=None,
         description=(
@@ -851,6 +898,9 @@ class InferenceCacheSpec(_Model):
             raise ValueError(GUARANTEED_SUM_MESSAGE)
         if sum(t.min_share for t in self.tenants) > 1.0 + 1e-9:
             raise ValueError(ALL_MIN_SUM_MESSAGE)
+        objectives = [o.name for o in self.objectives]
+        if len(set(objectives)) != len(objectives):
+            raise ValueError("an objective is listed twice")
         return self
 
 

@@ -298,6 +298,7 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
             l2_guest_max_share=defaults.l2_guest_max_share,
             policy=defaults.policy,
             priority_class=defaults.priority_class,
+            fairness_weight=_weight(defaults.fairness_weight),
         ),
         tenants={
             t.name: TenantQuota(
@@ -314,11 +315,18 @@ def build_assignment(spec: InferenceCacheSpec, allocation: Allocation) -> QuotaA
                 allow_bypass=_cache_control(by_name[t.name], "allow_bypass"),
                 allow_max_age=_cache_control(by_name[t.name], "allow_max_age"),
                 limits=_limits(by_name[t.name]),
+                fairness_weight=_weight(by_name[t.name].fairness_weight),
             )
             for t in allocation.tenants
         },
         ttl_seconds=spec.ttl_seconds,
+        objectives={o.name: o.priority_class.value for o in spec.objectives},
     )
+
+
+def _weight(weight: float) -> float | None:
+    """A fairness weight for the sidecars: None for the default (1), as old tables said."""
+    return None if weight == 1.0 else weight
 
 
 def _cache_control(tenant: TenantSpec, field: str) -> bool | None:
@@ -359,6 +367,12 @@ def assignment_digest(assignment: QuotaAssignment) -> str:
     for quota in quotas:  # limits unset: the digest of before they existed
         if quota.get("limits") is None:
             quota.pop("limits", None)
+    # Fair queuing's fields, when at their defaults, leave the digest as it was before them.
+    if not body.get("objectives"):
+        body.pop("objectives", None)
+    for part in [body.get("default_tenant"), *(body.get("tenants") or {}).values()]:
+        if isinstance(part, dict) and part.get("fairness_weight") is None:
+            part.pop("fairness_weight", None)
     raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 

@@ -16,6 +16,8 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from cachefleet_sidecar.adapt.admission import parse_objectives
+
 from .discovery import MAX_METRICS_BYTES, SCRAPE_TIMEOUT_S
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_STREAMS
 from .kube import KubeCredentialsError, own_namespace
@@ -135,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=str(DEFAULT_POLL_S),
     )
     add("tenant-header", "request header naming the tenant", default="X-Tenant-ID")
+    add(
+        "objectives",
+        "objective=Class,... : the class a request naming this GIE InferenceObjective "
+        "(x-gateway-inference-objective) is lowered to, never raised (the quota table's "
+        "spec.objectives add to them)",
+        default="",
+    )
     add(
         "shutdown-grace",
         "seconds streams in flight get at shutdown",
@@ -338,6 +347,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         cache=cache,
         tenant_poll_s=seconds("tenant-poll", ns.tenant_poll),
         tenant_header=str(ns.tenant_header).strip(),
+        objectives=conv("objectives", ns.objectives, parse_objectives),
         fail_open=bool(ns.fail_open),
         grace_s=seconds("shutdown-grace", ns.shutdown_grace, zero_ok=True),
         default_prefill_rate=positive("default-prefill-rate", ns.default_prefill_rate),

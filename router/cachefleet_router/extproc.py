@@ -97,6 +97,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format, struct_pb2
 
+from cachefleet_sidecar.adapt.flows import OBJECTIVE_HEADER
+
 from .endpoints import Decision, Endpoint, Picker, RouteRequest
 from .metrics import RouterMetrics
 from .picking import LeastLoadedPicker
@@ -178,10 +180,15 @@ class NoEndpoint(Exception):
 
 
 def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    """Headers by lowercased name; a repeated one keeps its last value, but GIE's
+    objective keeps them all, comma-joined: each of them may lower the class."""
     out: dict[str, str] = {}
     for h in headers.headers.headers:
         value = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
-        out[h.key.lower()] = value
+        key = h.key.lower()
+        if key == OBJECTIVE_HEADER and key in out:
+            value = f"{out[key]},{value}"
+        out[key] = value
     return out
 
 
@@ -337,6 +344,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         fallback: Picker | None = None,
         tenant_header: str = "X-Tenant-ID",
         class_of: ClassOf | None = None,
+        objective_class: ClassOf | None = None,
         fail_open: bool = False,
         metrics: RouterMetrics | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -351,6 +359,8 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         self.ready = ready
         self.tenant_header = tenant_header
         self.class_of = class_of
+        #: GIE objective name -> the class it lowers a request to (None: objectives unread)
+        self.objective_class = objective_class
         self.fail_open = fail_open
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.max_body_bytes = max_body_bytes
@@ -374,6 +384,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
             st.headers,
             tenant_header=self.tenant_header,
             class_of=self.class_of,
+            objective_class=self.objective_class,
             truncated=st.truncated,
         )
         if self.tokenizer is not None and not st.truncated:  # precise routing: cached tokens

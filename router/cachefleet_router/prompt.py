@@ -29,6 +29,9 @@ from typing import Any
 import orjson
 import xxhash
 
+from cachefleet_sidecar.adapt.admission import capped_class
+from cachefleet_sidecar.adapt.flows import OBJECTIVE_HEADER
+
 from .endpoints import DEFAULT_BLOCK_TOKENS, RouteRequest
 
 #: Characters per token of the estimate (English text with BPE tokenizers: ~4).
@@ -135,14 +138,21 @@ def reduce_request(
     tenant_header: str = "X-Tenant-ID",
     class_of: ClassOf | None = None,
     truncated: bool = False,
+    objective_class: ClassOf | None = None,
 ) -> RouteRequest:
     """``body`` and ``headers`` of one request as a :class:`RouteRequest`; never raises.
 
     ``truncated``: the body was cut at the service's limit (its prompt is not
-    hashed: a cut JSON document does not parse).
+    hashed: a cut JSON document does not parse). ``objective_class``: the class of
+    a GIE objective (``x-gateway-inference-objective``), which lowers the tenant's
+    class and never raises it.
     """
     tenant = header(headers, tenant_header) or None
     priority = class_of(tenant) if (class_of is not None and tenant) else None
+    objectives = header(headers, OBJECTIVE_HEADER)
+    if objectives and objective_class is not None:
+        for objective in objectives.split(","):  # repeated headers, joined: each may lower
+            priority = capped_class(priority, objective_class(objective.strip()))
 
     def bare(reason: str, model: str | None = None) -> RouteRequest:
         return RouteRequest(

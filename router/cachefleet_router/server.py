@@ -84,6 +84,8 @@ class RouterConfig:
     cache: str | None = None
     tenant_poll_s: float = DEFAULT_POLL_S
     tenant_header: str = "X-Tenant-ID"
+    #: GIE objective name -> the class it lowers a request to (the quota table's add to them)
+    objectives: dict[str, str] = field(default_factory=dict)
     fail_open: bool = False
     grace_s: float = DEFAULT_GRACE_S
     #: the scoring picker's prefill rate of an endpoint not measured yet, tokens/s
@@ -133,7 +135,7 @@ class RouterServer:
         self.config = config
         self.metrics = RouterMetrics()
         self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
-        self.tenants = TenantClasses()
+        self.tenants = TenantClasses(config.objectives)
         # precise routing: the servers' KV events and tokens (None when off)
         self.kv_index: KvIndex | None = None
         if config.kv_events != "off" or config.kv_events_listen:
@@ -149,6 +151,7 @@ class RouterServer:
             self.pool.ready,
             tenant_header=config.tenant_header,
             class_of=self.tenants.class_of,
+            objective_class=self.tenants.objective_class,
             fail_open=config.fail_open,
             metrics=self.metrics,
             max_body_bytes=config.max_body_bytes,

@@ -5,7 +5,9 @@ tenant's ``TenantQuota.priority_class`` in the newest
 :class:`~cachefleet_sidecar.contract.messages.QuotaAssignment` applied; for a tenant
 the table does not name, the class of its ``default_tenant`` (the
 InferenceCache's ``tenantDefaults``), else None (Standard), as for everyone
-when the router runs without Redis.
+when the router runs without Redis. ``objective_class(name)`` is the class a
+GIE InferenceObjective lowers a request to (the table's ``objectives`` over
+the ``--objectives`` flag's; docs/router.md, "GIE's headers").
 
 :class:`TenantSync` keeps it current the way the sidecars do (level-triggered,
 :mod:`cachefleet_sidecar.contract`): it subscribes to the cache's
@@ -44,10 +46,12 @@ BACKOFF_MAX_S = 10.0
 class TenantClasses:
     """tenant -> priority class, from the newest quota assignment applied."""
 
-    def __init__(self) -> None:
+    def __init__(self, objectives: dict[str, str] | None = None) -> None:
         self.generation = -1
         self._classes: dict[str, str | None] = {}
         self._default: str | None = None
+        self._flag_objectives = dict(objectives or {})
+        self._objectives = dict(self._flag_objectives)
 
     def apply(self, assignment: QuotaAssignment) -> bool:
         """Take ``assignment`` if it is newer than the one applied; True if it was."""
@@ -56,11 +60,16 @@ class TenantClasses:
         self._classes = {name: q.priority_class for name, q in assignment.tenants.items()}
         default = assignment.default_tenant
         self._default = None if default is None else default.priority_class
+        self._objectives = {**self._flag_objectives, **assignment.objectives}
         self.generation = assignment.generation
         return True
 
     def class_of(self, tenant: str) -> str | None:
         return self._classes.get(tenant, self._default)
+
+    def objective_class(self, objective: str) -> str | None:
+        """The class a request naming ``objective`` is lowered to (None: not in the table)."""
+        return self._objectives.get(objective.strip())
 
     def tenants(self) -> list[str]:
         return sorted(self._classes)

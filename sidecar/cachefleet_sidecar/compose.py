@@ -250,6 +250,8 @@ def build(
             on_refused=metrics.rate_limited,
         )
     # --
+    if gate is not None:  # GIE's headers: a request's class and flow (tenancy)
+        gate.flow_of = tenants.admission_of
     relay = Relay(
         config,
         upstream=upstream,

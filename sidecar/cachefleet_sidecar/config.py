@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachefleet_sidecar.adapt import admission
+from cachefleet_sidecar.adapt import admission, flows
 from cachefleet_sidecar.adapt.mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 from cachefleet_sidecar.cache.l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from cachefleet_sidecar.cache.semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
@@ -244,6 +244,10 @@ class SidecarConfig:
     admission: admission.AdmissionConfig | None = None
     #: The model server's metrics URL admission reads (empty: the upstream's /metrics).
     admission_metrics_url: str = ""
+    #: Fairness weight per tenant in the Standard queue (the operator's table wins).
+    admission_weights: dict[str, float] = field(default_factory=dict)
+    #: GIE objective name -> the class it lowers a request to (the operator's table adds).
+    admission_objectives: dict[str, str] = field(default_factory=dict)
     #: L3 in shadow mode for tenants the operator does not say: measure, never serve.
     semantic_shadow: bool = False
     #: Share of would-be L3 hits that shadow mode compares with upstream's answer.
@@ -581,6 +585,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
     )
     add(
+        "admission-fairness-weights",
+        "tenant=weight,... : each tenant's share of the Standard queue's releases, in "
+        "(0, 1000] (default 1; the InferenceCache's tenants[].fairnessWeight wins)",
+        default="",
+    )
+    add(
+        "admission-objectives",
+        "objective=Class,... : the class a request naming this GIE InferenceObjective "
+        "(x-gateway-inference-objective) is lowered to, never raised (the InferenceCache's "
+        "spec.objectives add to them)",
+        default="",
+    )
+    add(
         "semantic-shadow",
         "L3 in shadow mode for tenants whose InferenceCache entry does not say: would-be L3 "
         "hits go upstream and the two answers are compared (docs/semantic.md), none is served",
@@ -762,6 +779,12 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_timeout_s=seconds("semantic-timeout", ns.semantic_timeout),
         admission=_admission(ns, parser),
         admission_metrics_url=str(ns.admission_metrics_url or ""),
+        admission_weights=conv(  # type: ignore[arg-type]
+            "admission-fairness-weights", ns.admission_fairness_weights, flows.parse_weights
+        ),
+        admission_objectives=conv(  # type: ignore[arg-type]
+            "admission-objectives", ns.admission_objectives, admission.parse_objectives
+        ),
         semantic_shadow=bool(ns.semantic_shadow),
         semantic_shadow_sample=float(
             conv("semantic-shadow-sample", ns.semantic_shadow_sample, _threshold)  # type: ignore[arg-type]

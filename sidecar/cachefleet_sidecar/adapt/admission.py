@@ -24,21 +24,29 @@ The rules (docs/admission.md):
   estimated seconds until the queue drains below the threshold, at least 1);
 * ``Standard`` (and a tenant without a class) passes when the server is not
   saturated and nobody is waiting before it; otherwise it waits in a bounded
-  FIFO (full: 429) until readings say the server has room, or until
-  ``standard_max_wait_s`` (then 503 with ``Retry-After``).
+  queue until readings say the server has room, or until
+  ``standard_max_wait_s`` (then 503 with ``Retry-After``). The queue is
+  weighted fair between tenants and fair between a tenant's fairness ids
+  (:class:`flows.FairQueue`); when it is full, the newcomer takes the newest
+  place of the tenant holding the most places for its weight, if that tenant
+  holds more than the newcomer's would (the evicted request gets the 429), else
+  the newcomer gets the 429;
+* a request's class is its tenant's, lowered (never raised) by the class of the
+  GIE objective it names (:func:`capped_class`).
 
 Waiting requests are opaque tickets (the adapter's futures): :meth:`Admission.release`
 hands back the ones that may go now, :meth:`Admission.expire` the ones whose
-wait ran out, :meth:`Admission.abandon` forgets one whose client left.
+wait ran out, :meth:`Admission.abandon` forgets one whose client left,
+:meth:`Admission.take_evicted` the ones that gave their place up.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from cachefleet_sidecar.adapt.flows import FairQueue, Flow, pairs
 from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 GUARANTEED = "Guaranteed"
@@ -143,6 +151,32 @@ def normal_class(priority_class: str | None) -> str:
     return priority_class if priority_class in (GUARANTEED, BEST_EFFORT) else STANDARD
 
 
+_RANK = {BEST_EFFORT: 0, STANDARD: 1, GUARANTEED: 2}
+
+
+def capped_class(tenant_class: str | None, objective_class: str | None) -> str | None:
+    """A request's class: its tenant's, lowered to its objective's when that is lower.
+
+    The objective (GIE's ``x-gateway-inference-objective``) comes with the request,
+    so it may only ever lower the class its tenant's entry gives, never raise it;
+    no objective (or one the table does not know: None) leaves the tenant's class.
+    """
+    if objective_class is None:
+        return tenant_class
+    if _RANK[normal_class(objective_class)] < _RANK[normal_class(tenant_class)]:
+        return normal_class(objective_class)
+    return tenant_class
+
+
+def parse_objectives(text: str) -> dict[str, str]:
+    """``objective=Class,...`` (the sidecar's and the router's flag), classes by name."""
+    out = pairs(text)
+    for name, cls in out.items():
+        if cls not in CLASSES:
+            raise ValueError(f"{name}: the class must be one of {', '.join(CLASSES)}, got {cls!r}")
+    return out
+
+
 class Admission:
     """The admission state of one model server, fed by :meth:`observe`."""
 
@@ -161,7 +195,9 @@ class Admission:
         #: When the current shedding began (None: not shedding), and how often it began.
         self.shedding_since: float | None = None
         self.shedding_starts = 0
-        self._queue: deque[tuple[object, float]] = deque()
+        self._queue: FairQueue[object] = FairQueue()
+        #: Parked tickets that gave their place up to a newcomer (the adapter answers 429).
+        self._evicted: list[object] = []
         #: Requests sent upstream since the last reading (it cannot show them yet).
         self.sent = 0
         #: The last reading failed: nothing is refused until one succeeds.
@@ -251,12 +287,15 @@ class Admission:
         ticket: object = None,
         *,
         hit: bool = False,
+        flow: Flow | None = None,
     ) -> Decision:
         """What to do with one request of ``priority_class``.
 
         ``hit``: the answer comes from a cache, never refused. A Standard
-        request that must wait is parked under ``ticket`` (its deadline is
-        ``now + standard_max_wait_s``).
+        request that must wait is parked under ``ticket`` in ``flow`` (its
+        tenant, fairness id and weight; None: one flow for all) with the deadline
+        ``now + standard_max_wait_s``. A full queue may evict another ticket to
+        make room (:meth:`take_evicted`).
         """
         if hit:
             return ADMIT
@@ -272,42 +311,47 @@ class Admission:
         if not self.saturated and not self._queue:
             self._send()
             return ADMIT
+        flow = flow or Flow()
         if len(self._queue) >= self.config.standard_queue:
-            return self._refusal(429, REASON_QUEUE_FULL)
-        self._queue.append((ticket, now + self.config.standard_max_wait_s))
+            evicted = self._queue.evict_for(flow)
+            if evicted is None:
+                return self._refusal(429, REASON_QUEUE_FULL)
+            self._evicted.append(evicted)
+        self._queue.push(ticket, flow, now + self.config.standard_max_wait_s)
         return WAIT
 
+    def take_evicted(self) -> list[object]:
+        """Parked tickets that gave their place up since the last call (each then gets
+        :meth:`full_decision`)."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def full_decision(self) -> Decision:
+        """The answer of a Standard request that finds (or loses its place in) a full queue."""
+        return self._refusal(429, REASON_QUEUE_FULL)
+
     def release(self) -> list[object]:
-        """Parked tickets that may go now (oldest first): as many as leave the server
+        """Parked tickets that may go now, in fair order: as many as leave the server
         unsaturated, each counted as sent, so the next one waits for the next reading."""
         out: list[object] = []
         while self._queue and not self.saturated:
             if self._blind and self.sent >= self.config.max_waiting:
                 break  # no reading to go by: at most max_waiting per (failed) reading
-            out.append(self._queue.popleft()[0])
+            out.append(self._queue.pop())
             self._send()
         return out
 
     def release_all(self) -> list[object]:
         """Every parked ticket (the sidecar is stopping: they go upstream as they would)."""
-        out = [t for t, _ in self._queue]
-        self._queue.clear()
-        return out
+        return self._queue.drain()
 
     def expire(self, now: float) -> list[object]:
         """Parked tickets whose wait ran out (each then gets :meth:`timeout_decision`)."""
-        out: list[object] = []
-        while self._queue and self._queue[0][1] <= now:
-            out.append(self._queue.popleft()[0])
-        return out
+        return self._queue.expire(now)
 
     def abandon(self, ticket: object) -> bool:
         """Forget a parked ticket (its client left); False when it was not parked."""
-        for i, (t, _) in enumerate(self._queue):
-            if t is ticket:
-                del self._queue[i]
-                return True
-        return False
+        return self._queue.remove(ticket)
 
     def timeout_decision(self) -> Decision:
         """The answer of a Standard request whose wait ran out: 503 with ``Retry-After``."""
@@ -338,6 +382,7 @@ class Admission:
             "kv_usage": round(self.kv_usage, 4),
             "sent_since_reading": self.sent,
             "queued": len(self._queue),
+            "queued_tenants": self._queue.tenants,
             "retry_after_s": self.retry_after_s() if self.saturated else None,
             "metrics_faults": self.faults,
             "thresholds": {

@@ -6,7 +6,8 @@ feeds it a reading every :data:`METRICS_POLL_S` (parsed by
 :data:`METRICS_TIMEOUT_S` in all, is larger than :data:`MAX_METRICS_BYTES` or
 names no model server counts as "not saturated" and is counted; the poller
 outlives any answer), turns parked Standard requests into futures the request
-waits on (each up to its own maximum wait, readings or not), and renders refusals (429 / 503
+waits on (each up to its own maximum wait, readings or not; released in the
+core's weighted fair order between tenants), and renders refusals (429 / 503
 with ``Retry-After`` and a JSON body that gives the reason). The sidecar asks
 it for every request about to go upstream (it counts them until a reading can
 show them): a cache hit never meets it.
@@ -30,6 +31,7 @@ from cachefleet_sidecar.adapt.admission import (
     Decision,
     normal_class,
 )
+from cachefleet_sidecar.adapt.flows import Flow
 from cachefleet_sidecar.adapt.modelserver import (
     MetricsParseError,
     ModelServerMetrics,
@@ -50,6 +52,9 @@ MAX_METRICS_BYTES = 4 * 1024 * 1024
 
 #: Called with (tenant, class, reason) for every refusal.
 RefusalCounter = Callable[[str, str, str], None]
+#: A request's class and flow from its tenant and (lowercased) headers
+#: (:meth:`cachefleet_sidecar.tenancy.tenants.Tenants.admission_of`).
+FlowOf = Callable[[str, list[tuple[bytes, bytes]]], tuple[str | None, Flow]]
 
 
 def refusal_response(decision: Decision) -> bytes:
@@ -87,6 +92,8 @@ class AdmissionGate:
         self._on_refusal = on_refusal
         self._on_wait = on_wait
         self._transport = transport
+        #: Class and flow of a request from its headers (None: the tenant's class, own flow).
+        self.flow_of: FlowOf | None = None
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -190,13 +197,32 @@ class AdmissionGate:
             ticket.set_result(decision)
 
     # ---------------------------------------------------------------- requests
-    async def admit(self, tenant: str, priority_class: str | None) -> bytes | None:
-        """None when the request may go upstream; else the refusal to answer with."""
+    async def admit(
+        self,
+        tenant: str,
+        priority_class: str | None,
+        flow: Flow | None = None,
+        *,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> bytes | None:
+        """None when the request may go upstream; else the refusal to answer with.
+
+        ``flow``: where it waits if it must (None: the tenant's own flow, weight 1).
+        ``headers``: the request's, read by :attr:`flow_of` (when set) for its class and
+        flow instead (GIE's objective and fairness id).
+        """
+        if headers is not None and self.flow_of is not None:
+            priority_class, flow = self.flow_of(tenant, headers)
         core = self.core
         ticket: asyncio.Future[Decision] | None = None
         if core.saturated or core.queued:
             ticket = asyncio.get_running_loop().create_future()
-        decision = core.decide(priority_class, time.monotonic(), ticket)
+        decision = core.decide(priority_class, time.monotonic(), ticket, flow=flow or Flow(tenant))
+        evicted = core.take_evicted()
+        if evicted:  # they gave their place up to this one: their answer is the 429
+            full = core.full_decision()
+            for other in evicted:
+                self._settle(other, full)
         if decision.action == "wait":
             assert ticket is not None
             if self._on_wait is not None:

@@ -811,7 +811,10 @@ class Handler:
                     conn.write(ticket.refusal)
                     return
             # --
-            if self.gate is not None and (refused := await self.relay.admit(tenant)) is not None:
+            if (
+                self.gate is not None
+                and (refused := await self.relay.admit(tenant, request.headers)) is not None
+            ):
                 if ticket is not None and rates is not None:
                     rates.settle(ticket, None, None)  # never sent: its tokens go back
                 conn.write(refused)

@@ -85,6 +85,12 @@ class TenantQuota(_Model):
     limits: RateLimits | None = Field(
         default=None, description="Request and token limits, fleet-wide; None = none"
     )
+    fairness_weight: float | None = Field(
+        default=None,
+        gt=0,
+        le=1000,
+        description="Share of the Standard queue's releases against other tenants; None = 1",
+    )
 
 
 class QuotaAssignment(_Model):
@@ -107,6 +113,11 @@ class QuotaAssignment(_Model):
     default_tenant: TenantQuota | None = None
     #: TTL of tenants not in ``tenants`` (the InferenceCache's spec.ttlSeconds); None = none.
     ttl_seconds: float | None = Field(default=None, gt=0)
+    #: GIE InferenceObjective name -> the class it lowers a request to (spec.objectives);
+    #: a request's class is never raised by it (docs/admission.md).
+    objectives: dict[str, Literal["Guaranteed", "Standard", "BestEffort"]] = Field(
+        default_factory=dict
+    )
 
 
 def newer_assignment(

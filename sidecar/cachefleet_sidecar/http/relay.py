@@ -87,10 +87,10 @@ class Relay:
         self.tenant_header = config.tenant_header.lower().encode()
         self._last_upstream_ok = 0.0
 
-    async def admit(self, tenant: str) -> bytes | None:
+    async def admit(self, tenant: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:
         """Admission's refusal of a request about to go upstream (None: it may go)."""
         assert self.gate is not None
-        return await self.gate.admit(tenant, self._priority_class(tenant))
+        return await self.gate.admit(tenant, self._priority_class(tenant), headers=headers)
 
     async def ready(self) -> bool:
         """Whether the model server answers (a recent answer counts; else a probe)."""
@@ -146,7 +146,7 @@ class Relay:
             if (
                 self.gate is not None
                 and request.method == b"POST"
-                and (refused := await self.admit(tenant)) is not None
+                and (refused := await self.admit(tenant, request.headers)) is not None
             ):
                 if ticket is not None and self.rates is not None:
                     self.rates.settle(ticket, None, None)

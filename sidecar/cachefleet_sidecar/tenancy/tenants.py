@@ -2,8 +2,9 @@
 
 :class:`Tenants` owns the tenant rules (:class:`identity.TenantRules`), the
 API keys, the operator's quotas, and the tenants' lifetimes on this pod (idle
-expiry, replacement of a guest's L1 slot). :class:`QuotaApplier` applies the
-operator's quota table to every part it concerns.
+expiry, replacement of a guest's L1 slot), and where a request stands in
+admission (:meth:`Tenants.admission_of`: class, fairness id, weight).
+:class:`QuotaApplier` applies the operator's quota table to every part it concerns.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from cachefleet_sidecar.adapt import flows
+from cachefleet_sidecar.adapt.admission import capped_class
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.adapt.switcher import PolicySwitcher
 from cachefleet_sidecar.cache import keys, semantic
@@ -37,6 +40,8 @@ log = logging.getLogger("cachefleet.sidecar")
 
 #: Tick of the tenant idleness clock, seconds (expiry is counted in ticks of this).
 IDLE_TICK_S = 5.0
+_OBJECTIVE = flows.OBJECTIVE_HEADER.encode()
+_FAIRNESS_ID = flows.FAIRNESS_ID_HEADER.encode()
 
 
 class Tenants:
@@ -81,6 +86,8 @@ class Tenants:
         self.quotas: dict[str, TenantQuota] = {}
         #: The operator's ``tenantDefaults`` (None: unlisted tenants are not admitted as such).
         self.default_quota: TenantQuota | None = None
+        #: GIE objective name -> class (the flag's, then the operator's table over it).
+        self.objectives: dict[str, str] = dict(config.admission_objectives)
         self.update_reserved()
 
     def resolve_tenant(self, request: Request) -> str:
@@ -105,6 +112,33 @@ class Tenants:
         """The admission priority class of ``tenant``'s quota (None: none said)."""
         quota = self.quotas.get(tenant) or self.default_quota
         return None if quota is None else quota.priority_class
+
+    def admission_of(
+        self, tenant: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[str | None, flows.Flow]:
+        """A request's admission class and flow (docs/admission.md, "GIE's headers").
+
+        The class is the tenant's, lowered (never raised) by every
+        ``x-gateway-inference-objective`` the table knows; the flow is the tenant,
+        weighted by its quota's ``fairness_weight`` (else the flag's, else 1), and its
+        ``x-gateway-inference-fairness-id`` when exactly one value is given. Neither
+        header needs a trusted peer: each can only lower its own request or divide its
+        own tenant's share.
+        """
+        quota = self.quotas.get(tenant) or self.default_quota
+        cls: str | None = None if quota is None else quota.priority_class
+        weight = None if quota is None else quota.fairness_weight
+        if weight is None:
+            weight = self.config.admission_weights.get(tenant, flows.DEFAULT_WEIGHT)
+        fairness: set[str] = set()
+        for name, value in headers:
+            if name == _OBJECTIVE:  # every one, and every comma-separated value, may lower
+                for part in value.decode("latin-1").split(","):
+                    cls = capped_class(cls, self.objectives.get(part.strip()))
+            elif name == _FAIRNESS_ID:
+                fairness.add(flows.fairness_id(value))
+        fid = fairness.pop() if len(fairness) == 1 else ""
+        return cls, flows.Flow(tenant, fid, weight)
 
     def l2_allowed(self, tenant: str) -> bool:
         """Whether ``tenant`` reads and writes Redis.
@@ -227,6 +261,7 @@ class QuotaApplier:
         tenants.quota_generation = assignment.generation
         tenants.quotas = dict(assignment.tenants)
         tenants.default_quota = assignment.default_tenant
+        tenants.objectives = {**self.config.admission_objectives, **assignment.objectives}
         tenants.rules.set_known(
             set(self.config.tenants) | set(assignment.tenants),
             admit_guests=self.config.guest_share > 0 or tenants.default_quota is not None,
