@@ -117,7 +117,7 @@ MEMORY_FS = "/dev/shm"
 BUSY_LOADAVG = 0.5
 
 #: Rows the command line accepts for ``--only``, in run order.
-ROWS: tuple[str, ...] = ("floor", "nginx", "l1", "l2", "miss")
+ROWS: tuple[str, ...] = ("floor", "nginx", "l1", "l2", "miss", "limits")
 
 #: Series measured: name -> (row of ``--only`` it belongs to, description).
 SERIES: dict[str, tuple[str, str]] = {
@@ -131,6 +131,20 @@ SERIES: dict[str, tuple[str, str]] = {
     "miss-sidecar": ("miss", "unique requests through the sidecar (miss)"),
     "miss-nginx": ("miss", "unique requests through nginx proxy_cache (its miss, for reference)"),
     "miss-relay": ("miss", "unique requests through a bare byte relay (a Python proxy's floor)"),
+    # the rate limiter's cost (docs/rate-limits.md): one sidecar with Redis, tenant unlimited,
+    # beside the same sidecar whose tenant is limited (limits it never reaches)
+    "miss-redis": ("limits", "unique requests through a sidecar with Redis, tenant unlimited"),
+    "miss-limited": ("limits", "unique requests, same sidecar build, tenant limited"),
+    "l1-redis": ("limits", "L1 hit, the sidecar with Redis, tenant unlimited"),
+    "l1-limited": ("limits", "L1 hit of a limited tenant (hits never reach the limiter)"),
+}
+
+#: --tenant-limits of the ``limits`` row: limits the bench's load never reaches, so every
+#: request passes through the limiter's Lua call and none is refused.
+BENCH_TENANT_LIMITS = {
+    "requestsPerMinute": 1_000_000_000,
+    "tokensPerMinute": 1_000_000_000_000,
+    "tokensPerDay": 1_000_000_000_000,
 }
 
 #: The Redis key the ``floor-l2`` responder reads (holds the upstream's answer).
@@ -577,6 +591,27 @@ def miss_cpu_reference(series: Sequence[SeriesResult], low: int) -> list[tuple[s
     return found
 
 
+_LIMITS_SERIES = frozenset({"miss-redis", "miss-limited", "l1-redis", "l1-limited"})
+
+
+def limiter_reference(
+    series: Sequence[SeriesResult], low: int, high: int
+) -> tuple[float, float, float | None] | None:
+    """The limiter's cost, same run: (miss p50 limited - unlimited at ``low``, miss req/s
+    limited / unlimited at ``high``, L1 hit req/s limited / unlimited at ``high``)."""
+    limited = _metric(series, "miss-limited", low, "p50_us")
+    plain = _metric(series, "miss-redis", low, "p50_us")
+    rps = _ratio(
+        _metric(series, "miss-limited", high, "rps"), _metric(series, "miss-redis", high, "rps")
+    )
+    if limited is None or plain is None or rps is None:
+        return None
+    hit = _ratio(
+        _metric(series, "l1-limited", high, "rps"), _metric(series, "l1-redis", high, "rps")
+    )
+    return limited - plain, rps, hit
+
+
 def l2_floor_reference(
     series: Sequence[SeriesResult], low: int, high: int
 ) -> tuple[float, float] | None:
@@ -680,6 +715,16 @@ def format_table(result: BenchResult) -> str:
     if miss_cpu:
         listed = ", ".join(f"{label} {cpu:.0f} us" for label, cpu in miss_cpu)
         lines.append(f"  (for reference: CPU per miss at c={low}, same run: {listed})")
+    limiter = limiter_reference(result.series, low, high)
+    if limiter is not None:
+        lines.append(
+            f"  (the rate limiter, same run: a limited tenant's miss p50 {limiter[0]:+.0f} us at"
+            f" c={low}, {limiter[1]:.2f}x req/s at c={high} against the unlimited tenant's;"
+            f" its L1 hit {limiter[2]:.2f}x the unlimited tenant's L1 hit req/s at c={high})"
+            if limiter[2] is not None
+            else f"  (the rate limiter, same run: a limited tenant's miss p50 {limiter[0]:+.0f} us"
+            f" at c={low}, {limiter[1]:.2f}x req/s at c={high} against the unlimited tenant's)"
+        )
     floor_l2 = l2_floor_reference(result.series, low, high)
     if floor_l2 is not None:
         lines.append(
@@ -1137,11 +1182,14 @@ def _warm_until(port: int, body: bytes, tenant: bool, header: str, expected: str
         time.sleep(POLL_INTERVAL_S)
 
 
-def _check_miss(port: int, tenant: bool = True) -> str:
-    """A fresh unique request through the proxy must be a MISS with the upstream's body."""
+def _check_miss(port: int, tenant: bool = True, limited: bool = False) -> str:
+    """A fresh unique request through the proxy must be a MISS with the upstream's body
+    (``limited``: and the limiter's headers, so the Lua call was made)."""
     body = unique_body(f"check{uuid.uuid4().hex[:8]}", 0)
     status, headers, data = http_post(port, body, _headers(tenant))
     value = headers.get("x-cache", "<absent>")
+    if limited and "x-ratelimit-remaining-requests" not in headers:
+        raise BenchError(f"{_CHECK_FAILED}a limited tenant's miss has no x-ratelimit-* header")
     if status != 200 or data != CHAT_COMPLETION_BODY or value != "MISS":
         raise BenchError(f"{_CHECK_FAILED}a unique request got status {status}, X-Cache {value}")
     return "X-Cache: MISS"
@@ -1187,7 +1235,7 @@ def _prepare_series(
     series = _Series(
         SeriesResult(name=name, title=SERIES[name][1]),
         unique=name.startswith("miss"),
-        tenant=name in {"l1", "l1-nocurves", "l2", "miss-sidecar"},
+        tenant=name in {"l1", "l1-nocurves", "l2", "miss-sidecar", *_LIMITS_SERIES},
     )
     result = series.result
     try:
@@ -1223,6 +1271,18 @@ def _prepare_series(
             series.port, series.server = services.sidecar("sidecar-l2", 0, True), "sidecar-l2"
             series.aux = ("redis",)
             result.checked = _warm_until(series.port, hit_body(), True, "X-Cache", "HIT-L2")
+        elif name in _LIMITS_SERIES:
+            limited = name in {"miss-limited", "l1-limited"}
+            series.server = "sidecar-limited" if limited else "sidecar-redis"
+            extra = (
+                ("--tenant-limits", json.dumps({TENANT: BENCH_TENANT_LIMITS})) if limited else ()
+            )
+            series.port = services.sidecar(series.server, SIDECAR_L1_BYTES, True, extra)
+            series.aux = ("redis",)
+            if name.startswith("l1"):
+                result.checked = _warm_until(series.port, hit_body(), True, "X-Cache", "HIT-L1")
+            else:
+                result.checked = _check_miss(series.port, limited=limited)
         else:  # pragma: no cover - SERIES and this function go together
             raise BenchError(f"unknown series {name}")
         if config.warmup_s > 0:

@@ -661,3 +661,18 @@ def test_all_runs_what_exists_with_its_quick_settings(
     assert "bad           exit 3" in out
     assert dispatcher.main(["all"]) == 3
     assert "ok-ran []" in capsys.readouterr().out
+
+
+def test_the_limiters_cost_is_read_against_the_unlimited_tenant_of_the_same_run() -> None:
+    plain = _series("miss-redis", {1: 3_000, 64: 30_000}, {1: 400, 64: 2000})
+    limited = _series("miss-limited", {1: 2_000, 64: 24_000}, {1: 650, 64: 2500})
+    hit = _series("l1-redis", {1: 20_000, 64: 40_000}, {1: 40, 64: 900})
+    hit_limited = _series("l1-limited", {1: 20_000, 64: 38_000}, {1: 41, 64: 950})
+    cost = proxy.limiter_reference([plain, limited, hit, hit_limited], 1, 64)
+    assert cost is not None
+    assert cost[0] == pytest.approx(250.0)
+    assert cost[1] == pytest.approx(0.8)
+    assert cost[2] == pytest.approx(0.95)
+    assert proxy.limiter_reference([plain, hit], 1, 64) is None  # not measured: no line
+    assert {"miss-redis", "miss-limited", "l1-redis", "l1-limited"} <= set(proxy.SERIES)
+    assert "limits" in proxy.ROWS
