@@ -247,6 +247,8 @@ class SidecarConfig:
     semantic_shadow: bool = False
     #: Share of would-be L3 hits that shadow mode compares with upstream's answer.
     semantic_shadow_sample: float = 1.0
+    #: OTLP/HTTP collector the request spans go to (docs/tracing.md); empty: no tracing.
+    otlp_endpoint: str = ""
 
 
 def _env(name: str) -> str | None:
@@ -586,7 +588,21 @@ def build_parser() -> argparse.ArgumentParser:
         "share of would-be L3 hits that shadow mode compares with upstream's answer, in (0, 1]",
         default="1.0",
     )
+    add(
+        "otlp-endpoint",
+        "OTLP/HTTP collector URL for request traces (http://collector:4318; /v1/traces is "
+        "added unless given); the W3C traceparent goes on to the model server. Empty: off",
+        default="",
+    )
     return p
+
+
+def _otlp_endpoint(value: str) -> str:
+    """An http(s) URL, or empty (tracing off)."""
+    value = value.strip()
+    if value and not value.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {value!r}")
+    return value
 
 
 def _optional_float(value: str) -> float | None:
@@ -746,4 +762,5 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         semantic_shadow_sample=float(
             conv("semantic-shadow-sample", ns.semantic_shadow_sample, _threshold)  # type: ignore[arg-type]
         ),
+        otlp_endpoint=str(conv("otlp-endpoint", ns.otlp_endpoint or "", _otlp_endpoint)),
     )
