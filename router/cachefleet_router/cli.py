@@ -175,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ext_proc streams (requests through the gateway) open at once; one more gets a 503",
         default=str(DEFAULT_MAX_STREAMS),
     )
+    add(
+        "otlp-endpoint",
+        "OTLP/HTTP collector URL for the picks' spans (http://collector:4318; /v1/traces is "
+        "added unless given); the answer sets the next hop's traceparent. Empty: off",
+        default="",
+    )
     env_conformance = (_env("conformance") or "").lower() in {"1", "true", "yes"}
     p.add_argument(
         "--conformance",
@@ -286,6 +292,9 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         parser.error(f"--log-level: expected debug, info, warning or error, got {ns.log_level!r}")
     if not str(ns.tenant_header).strip() or " " in str(ns.tenant_header).strip():
         parser.error(f"--tenant-header: not a header name: {ns.tenant_header!r}")
+    otlp = str(ns.otlp_endpoint or "").strip()
+    if otlp and not otlp.startswith(("http://", "https://")):
+        parser.error(f"--otlp-endpoint: expected an http:// or https:// URL, got {otlp!r}")
     config = RouterConfig(
         grpc_listen=conv("grpc-listen", ns.grpc_listen, host_port),
         metrics_listen=metrics_listen,
@@ -310,6 +319,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         max_body_memory=count("max-body-memory", ns.max_body_memory),
         max_streams=count("max-streams", ns.max_streams),
         conformance=bool(ns.conformance),
+        otlp_endpoint=otlp,
     )
     return config, level
 

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -52,6 +53,9 @@ from .kube import make_client
 from .metrics import RouterMetrics
 from .scoring import ScoringConfig, ScoringPicker
 from .tenants import DEFAULT_POLL_S, TenantClasses, TenantSync
+
+if TYPE_CHECKING:
+    from .tracing import PickTracer
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,8 @@ class RouterConfig:
     max_streams: int = DEFAULT_MAX_STREAMS
     #: GIE's conformance hooks (a client could steer its request: tests only)
     conformance: bool = False
+    #: OTLP/HTTP collector for the picks' spans (docs/tracing.md); empty: no tracing
+    otlp_endpoint: str = ""
 
     def scoring(self) -> ScoringConfig:
         """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
@@ -112,9 +118,15 @@ class RouterServer:
         *,
         picker: Picker | None = None,
         kube_client: httpx.AsyncClient | None = None,
+        tracer: PickTracer | None = None,
     ) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        if tracer is None and config.otlp_endpoint:
+            from .tracing import PickTracer  # OpenTelemetry only when tracing is on
+
+            tracer = PickTracer(endpoint=config.otlp_endpoint)
+        self.tracer = tracer
         self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
         self.tenants = TenantClasses()
         self.service = EndpointPickerService(
@@ -128,6 +140,7 @@ class RouterServer:
             max_body_memory=config.max_body_memory,
             max_streams=config.max_streams,
             conformance=config.conformance,
+            tracer=tracer,
         )
         self.health = HealthService(lambda: self.pool.synced)
         self.scraper: MetricsScraper | None = None
@@ -249,6 +262,9 @@ class RouterServer:
         if self._kube_client is not None and self._own_kube_client:
             await self._kube_client.aclose()
         self._kube_client = None
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None:  # the last spans go out (bounded), off the loop
+            await asyncio.to_thread(tracer.shutdown)
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event, *, picker: Picker | None = None) -> None:
