@@ -125,7 +125,10 @@ class RouterServer:
         if tracer is None and config.otlp_endpoint:
             from .tracing import PickTracer  # OpenTelemetry only when tracing is on
 
-            tracer = PickTracer(endpoint=config.otlp_endpoint)
+            try:
+                tracer = PickTracer(endpoint=config.otlp_endpoint)
+            except ImportError as exc:  # traces are never worth failing the routing for
+                log.error("--otlp-endpoint: no tracing (%s): install cachefleet[tracing]", exc)
         self.tracer = tracer
         self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
         self.tenants = TenantClasses()

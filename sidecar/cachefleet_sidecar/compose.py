@@ -31,6 +31,7 @@ operations), ``epochs`` and ``resp`` stay at the top, with ``config``,
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ from cachefleet_sidecar.tenancy.tenants import QuotaApplier, Tenants
 
 if TYPE_CHECKING:  # tracing's modules are imported only when it is on
     from cachefleet_sidecar.observe.tracing import Tracing
+
+log = logging.getLogger("cachefleet.sidecar")
 
 
 @dataclass(eq=False, slots=True)
@@ -165,9 +168,11 @@ def build(
     if tracing is None and config.otlp_endpoint:
         from cachefleet_sidecar.observe.tracing import Tracing
 
-        tracing = Tracing(
-            endpoint=config.otlp_endpoint, attributes={"service.instance.id": config.pod}
-        )
+        try:
+            pod = {"service.instance.id": config.pod}
+            tracing = Tracing(endpoint=config.otlp_endpoint, attributes=pod)
+        except ImportError as exc:  # traces are never worth failing the data path for
+            log.error("--otlp-endpoint: no tracing (%s): install cachefleet[tracing]", exc)
     if tracing is not None:
         from cachefleet_sidecar.observe import traced
 

@@ -166,3 +166,15 @@ def test_otlp_endpoint_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--endpoints", A, "--otlp-endpoint", "collector:4317"])
     assert traces_url("http://collector:4318/") == "http://collector:4318/v1/traces"
+
+
+def test_without_the_tracing_extra_the_router_routes_untraced(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.resources", None)
+    from cachefleet_router.server import RouterConfig, RouterServer
+
+    server = RouterServer(RouterConfig(endpoints=(A,), otlp_endpoint="http://collector:4318"))
+    assert server.tracer is None
+    assert server.service.tracer is None
+    assert "install cachefleet[tracing]" in caplog.text

@@ -75,3 +75,17 @@ def test_otlp_endpoint_must_be_an_http_url(capsys: pytest.CaptureFixture[str]) -
 )
 def test_traces_url_adds_the_otlp_path_to_a_base_url(given: str, url: str) -> None:
     assert traces_url(given) == url
+
+
+def test_without_the_tracing_extra_the_sidecar_runs_untraced_and_says_why(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # what an image without cachefleet[tracing] does when the CRD asks for traces
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.resources", None)
+    from cachefleet_sidecar.compose import build
+
+    config = parse_args(["--otlp-endpoint", "http://collector:4318"])
+    sidecar = build(config)
+    assert sidecar.tracing is None
+    assert sidecar.front is sidecar.handler
+    assert "install cachefleet[tracing]" in caplog.text
