@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
 from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_sidecar.adapt.admission import AdmissionConfig
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
@@ -56,18 +57,31 @@ def exporter() -> InMemorySpanExporter:
     return InMemorySpanExporter()
 
 
+TracedFactory = Callable[..., Awaitable[RunningSidecar]]
+
+
 @pytest.fixture
-async def traced(
+async def traced_factory(
     upstream: FakeUpstream, exporter: InMemorySpanExporter
-) -> AsyncIterator[RunningSidecar]:
-    config = base_config(upstream)
-    server = SidecarServer(config, build(config, tracing=Tracing(exporter=exporter)))
-    await server.start()
-    sc = RunningSidecar(server)
-    try:
-        yield sc
-    finally:
+) -> AsyncIterator[TracedFactory]:
+    """Sidecars (config overrides as keywords) whose spans go to ``exporter``."""
+    running: list[RunningSidecar] = []
+
+    async def make(**overrides: Any) -> RunningSidecar:
+        config = base_config(upstream, **overrides)
+        server = SidecarServer(config, build(config, tracing=Tracing(exporter=exporter)))
+        await server.start()
+        running.append(sc := RunningSidecar(server))
+        return sc
+
+    yield make
+    for sc in running:
         await sc.aclose()
+
+
+@pytest.fixture
+async def traced(traced_factory: TracedFactory) -> RunningSidecar:
+    return await traced_factory()
 
 
 def by_name(spans: tuple[ReadableSpan, ...], name: str) -> list[ReadableSpan]:
@@ -192,6 +206,63 @@ async def test_a_stream_gets_its_first_token_event_and_a_bypass_is_traced_too(
     (root,) = by_name(spans, "cachefleet.request")
     assert dict(root.attributes or {})["cachefleet.cache.outcome"] == "bypass"
     assert parent_of(upstream.seen_headers[-1]["traceparent"])[0] == TRACE_ID
+
+
+async def test_the_admission_wait_is_a_span(
+    traced_factory: TracedFactory, exporter: InMemorySpanExporter
+) -> None:
+    # a first miss has no warm upstream connection: it goes through admission (slow path)
+    sc = await traced_factory(admission=AdmissionConfig(max_waiting=2))
+    assert (await sc.chat("admitted")).status_code == 200
+    spans = await request_spans(exporter)
+    (admission,) = by_name(spans, "cachefleet.admission")
+    assert dict(admission.attributes or {}) == {"cachefleet.admission.outcome": "admitted"}
+    (up,) = by_name(spans, "cachefleet.upstream")
+    assert admission.end_time is not None
+    assert up.start_time is not None
+    assert admission.end_time <= up.start_time
+
+
+@pytest.mark.redis
+async def test_l2_lookups_and_stores_are_spans(
+    traced_factory: TracedFactory, exporter: InMemorySpanExporter, redis_url: str
+) -> None:
+    pod_a = (await traced_factory(redis_url=redis_url)).patient()
+    await pod_a.confirmed()
+    pod_a.steady()
+    miss = await pod_a.chat("shared")
+    assert miss.headers["x-cache"] == "MISS"
+    await pod_a.stored(1)
+    spans = await request_spans(exporter)
+    lookups = {
+        dict(s.attributes or {})["cachefleet.cache.tier"]: dict(s.attributes or {})
+        for s in by_name(spans, "cachefleet.lookup")
+    }
+    assert lookups["l1"]["cachefleet.cache.outcome"] == "miss"
+    assert lookups["l2"]["cachefleet.cache.outcome"] == "miss"
+    stores = sorted(
+        str(dict(s.attributes or {})["cachefleet.cache.tier"])
+        for s in by_name(spans, "cachefleet.store")
+    )
+    assert stores == ["l1", "l2"]
+    exporter.clear()
+    pod_b = (await traced_factory(redis_url=redis_url, pod="pod-b")).patient()
+    await pod_b.confirmed()
+    pod_b.steady()
+    hit = await pod_b.chat("shared", headers={"traceparent": TRACEPARENT})
+    assert hit.headers["x-cache"] == "HIT-L2"
+    spans = await request_spans(exporter)
+    (root,) = by_name(spans, "cachefleet.request")
+    assert dict(root.attributes or {})["cachefleet.cache.outcome"] == "hit-l2"
+    assert f"{root.context.trace_id:032x}" == TRACE_ID
+    outcomes = {
+        dict(s.attributes or {})["cachefleet.cache.tier"]: dict(s.attributes or {})[
+            "cachefleet.cache.outcome"
+        ]
+        for s in by_name(spans, "cachefleet.lookup")
+    }
+    assert outcomes == {"l1": "miss", "l2": "hit"}
+    assert by_name(spans, "cachefleet.upstream") == []
 
 
 async def test_tracing_off_passes_the_clients_traceparent_unchanged_and_invents_none(
