@@ -208,6 +208,19 @@ async def test_a_stream_gets_its_first_token_event_and_a_bypass_is_traced_too(
     assert parent_of(upstream.seen_headers[-1]["traceparent"])[0] == TRACE_ID
 
 
+async def test_a_trace_the_client_did_not_sample_is_not_recorded_but_goes_on(
+    traced: RunningSidecar, upstream: FakeUpstream, exporter: InMemorySpanExporter
+) -> None:
+    unsampled = f"00-{TRACE_ID}-{CLIENT_SPAN}-00"
+    assert (await traced.chat("quiet", headers={"traceparent": unsampled})).status_code == 200
+    version, trace_id, parent, flags = upstream.seen_headers[-1]["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", TRACE_ID, "00")
+    assert parent != CLIENT_SPAN  # a hop of this sidecar's, unrecorded
+    await traced.chat("quiet")  # a sampled request after it: its spans are the only ones
+    spans = await request_spans(exporter)
+    assert all(f"{s.context.trace_id:032x}" != TRACE_ID for s in spans)
+
+
 async def test_the_admission_wait_is_a_span(
     traced_factory: TracedFactory, exporter: InMemorySpanExporter
 ) -> None:

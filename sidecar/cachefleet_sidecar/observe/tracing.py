@@ -146,6 +146,7 @@ class RequestTrace:
         "l2",
         "l2_hit",
         "next_step_at",
+        "recording",
         "root",
         "upstream",
     )
@@ -162,6 +163,9 @@ class RequestTrace:
             attributes=attributes,
         )
         self._context = tracing.in_context(self.root)
+        #: False when the sampler dropped this trace: no child spans are made (the
+        #: model server still gets the trace context, flagged not sampled).
+        self.recording = self.root.is_recording()
         #: When identity was decided (perf_counter; None: not yet).
         self.identified_at: float | None = None
         #: When the fast path moved past L1 (to L2 or upstream).
@@ -183,6 +187,8 @@ class RequestTrace:
 
     def span(self, name: str, start: float, end: float, attributes: Attributes) -> None:
         """A finished child span of the request, ``start`` to ``end`` (perf_counter)."""
+        if not self.recording:
+            return
         tracing = self._tracing
         child = tracing.tracer.start_span(
             name, context=self._context, start_time=tracing.ns(start), attributes=attributes
@@ -211,6 +217,9 @@ class RequestTrace:
         if self.next_step_at is None:
             self.next_step_at = now
         tracing = self._tracing
+        kept = [(n, v) for n, v in headers if n not in TRACE_HEADERS]
+        if not self.recording:  # not sampled: the hop goes on in this trace, unrecorded
+            return kept + tracing.inject(self.root)
         self.upstream = span = tracing.tracer.start_span(
             "cachefleet.upstream",
             context=self._context,
@@ -221,7 +230,6 @@ class RequestTrace:
                 "url.path": path.partition(b"?")[0].decode("latin-1"),
             },
         )
-        kept = [(n, v) for n, v in headers if n not in TRACE_HEADERS]
         return kept + tracing.inject(span)
 
     def upstream_abandoned(self) -> None:
@@ -249,7 +257,7 @@ class RequestTrace:
 
     def finish(self, end: float, head: bytes | None) -> None:
         """End the request span at ``end``; ``head``: the answer's head, when known."""
-        if head is not None:
+        if head is not None and self.recording:
             self._answer(head)
         self.upstream_ends(None, error="unfinished")
         self.root.end(end_time=self._tracing.ns(end))
@@ -258,13 +266,15 @@ class RequestTrace:
         """Status, ``X-Cache`` and ``X-Cache-Key`` of the answer, as request attributes."""
         end = head.find(b"\r\n\r\n")
         lines = (head if end < 0 else head[:end]).split(b"\r\n")
+        found: dict[str, str | int] = {}
         parts = lines[0].split(b" ", 2)
         if len(parts) >= 2 and parts[1].isdigit():
-            self.set("http.response.status_code", int(parts[1]))
+            found["http.response.status_code"] = int(parts[1])
         for line in lines[1:]:
             name, _, value = line.partition(b":")
             name = name.strip().lower()
             if name == b"x-cache":
-                self.set("cachefleet.cache.outcome", value.strip().decode("latin-1").lower())
+                found["cachefleet.cache.outcome"] = value.strip().decode("latin-1").lower()
             elif name == b"x-cache-key":
-                self.set("cachefleet.key.digest", value.strip().decode("latin-1"))
+                found["cachefleet.key.digest"] = value.strip().decode("latin-1")
+        self.root.set_attributes(found)  # one lock, not one per attribute
