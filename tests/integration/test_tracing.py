@@ -221,6 +221,19 @@ async def test_a_trace_the_client_did_not_sample_is_not_recorded_but_goes_on(
     assert all(f"{s.context.trace_id:032x}" != TRACE_ID for s in spans)
 
 
+async def test_an_l3_lookup_is_a_span(
+    traced_factory: TracedFactory, exporter: InMemorySpanExporter
+) -> None:
+    sc = await traced_factory(semantic_source="hashed", semantic_default_on=True)
+    assert (await sc.chat("what is a semantic cache?")).headers["x-cache"] == "MISS"
+    spans = await request_spans(exporter)
+    tiers = {
+        dict(s.attributes or {})["cachefleet.cache.tier"]: dict(s.attributes or {})
+        for s in by_name(spans, "cachefleet.lookup")
+    }
+    assert tiers["l3"]["cachefleet.cache.outcome"] in {"empty", "miss"}
+
+
 async def test_the_admission_wait_is_a_span(
     traced_factory: TracedFactory, exporter: InMemorySpanExporter
 ) -> None:
