@@ -221,6 +221,18 @@ async def test_a_trace_the_client_did_not_sample_is_not_recorded_but_goes_on(
     assert all(f"{s.context.trace_id:032x}" != TRACE_ID for s in spans)
 
 
+async def test_probes_and_scrapes_on_the_main_port_make_no_spans(
+    traced_factory: TracedFactory, exporter: InMemorySpanExporter
+) -> None:
+    sc = await traced_factory(admin_listen=None)
+    for path in ("/healthz", "/metrics", "/status"):
+        assert (await sc.client.get(path)).status_code == 200
+    assert (await sc.chat("after the probes")).status_code == 200
+    spans = await request_spans(exporter)
+    (root,) = by_name(spans, "cachefleet.request")
+    assert dict(root.attributes or {})["url.path"] == "/v1/chat/completions"
+
+
 async def test_an_l3_lookup_is_a_span(
     traced_factory: TracedFactory, exporter: InMemorySpanExporter
 ) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.cache import keys
-from cachefleet_sidecar.cache.handler import Handler, Lookup
+from cachefleet_sidecar.cache.handler import ADMIN_PATHS, Handler, Lookup
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import Tiers
 from cachefleet_sidecar.http.server import Connection, Refusal, Request
@@ -97,6 +97,8 @@ class TracedHandler:
             trace.finish(time.perf_counter(), head)
 
     def fast(self, request: Request) -> bytes | asyncio.Future[Any] | None:
+        if request.url.partition(b"?")[0] in ADMIN_PATHS:  # probes and scrapes: no spans
+            return self.handler.fast(request)
         trace = self._start(request)
         token = CURRENT.set(trace)
         try:
@@ -119,7 +121,7 @@ class TracedHandler:
         return answer
 
     def resume(self, request: Request) -> bytes | asyncio.Future[Any] | None:
-        trace = self._traces.get(id(request))
+        trace = self._traces.get(id(request))  # always one: admin paths never resume
         memo = request.memo
         if trace is None or not isinstance(memo, Lookup):
             return self.handler.resume(request)
@@ -138,7 +140,10 @@ class TracedHandler:
         return answer
 
     async def handle(self, request: Request, conn: Connection) -> None:
-        trace = self._traces.get(id(request)) or self._start(request)
+        trace = self._traces.get(id(request))
+        if trace is None:  # not traced (admin paths): as it is
+            await self.handler.handle(request, conn)
+            return
         CURRENT.set(trace)  # the task's own context
         watched = _Watched(conn)
         try:
