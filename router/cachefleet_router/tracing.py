@@ -17,6 +17,7 @@ naming the pick span as the parent of the next hop (the pod's sidecar).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,8 +29,9 @@ if TYPE_CHECKING:
 
 SERVICE_NAME = "cachefleet-router"
 TRACES_PATH = "/v1/traces"
-#: Longest a shutdown waits for the last spans to be exported, milliseconds.
-SHUTDOWN_FLUSH_MS = 5000
+#: Longest one OTLP export may take, retries included, seconds (unless the OpenTelemetry
+#: environment says): an unreachable collector must not hold a stopping router long.
+EXPORT_TIMEOUT_S = 3.0
 
 
 def traces_url(endpoint: str) -> str:
@@ -60,7 +62,10 @@ class PickTracer:
                 raise ValueError("tracing needs an OTLP endpoint or an exporter")
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            processor: Any = BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint)))
+            said = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+            timeout = None if any(os.environ.get(n) for n in said) else EXPORT_TIMEOUT_S
+            exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=timeout)
+            processor: Any = BatchSpanProcessor(exporter)
         else:
             processor = SimpleSpanProcessor(exporter)
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
@@ -129,6 +134,5 @@ class PickTracer:
         return out
 
     def shutdown(self) -> None:
-        """Export what is pending (bounded) and stop."""
-        self.provider.force_flush(SHUTDOWN_FLUSH_MS)
+        """Export what is pending (one export, bounded by its timeout) and stop."""
         self.provider.shutdown()

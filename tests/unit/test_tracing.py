@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from cachefleet_sidecar.config import parse_args
-from cachefleet_sidecar.observe.tracing import traces_url
+from cachefleet_sidecar.observe.tracing import EXPORT_TIMEOUT_S, export_timeout_s, traces_url
 
 # redis-py 8 imports OpenTelemetry's metrics SDK (and the trace API) on its own whenever
 # it is installed: what counts is what the sidecar adds to what ``import redis`` loads.
@@ -89,3 +89,13 @@ def test_without_the_tracing_extra_the_sidecar_runs_untraced_and_says_why(
     assert sidecar.tracing is None
     assert sidecar.front is sidecar.handler
     assert "install cachefleet[tracing]" in caplog.text
+
+
+def test_exports_are_bounded_unless_the_opentelemetry_environment_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TIMEOUT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", raising=False)
+    assert export_timeout_s() == EXPORT_TIMEOUT_S
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "20")
+    assert export_timeout_s() is None  # the SDK reads it

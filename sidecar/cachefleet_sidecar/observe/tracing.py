@@ -31,6 +31,7 @@ request's task.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
@@ -49,8 +50,10 @@ SERVICE_NAME = "cachefleet-sidecar"
 TRACES_PATH = "/v1/traces"
 #: The W3C trace-context request headers (a new hop replaces both).
 TRACE_HEADERS = frozenset({b"traceparent", b"tracestate"})
-#: Longest a shutdown waits for the last spans to be exported, milliseconds.
-SHUTDOWN_FLUSH_MS = 5000
+#: Longest one OTLP export may take, retries included, seconds (OTEL_EXPORTER_OTLP_TIMEOUT
+#: or OTEL_EXPORTER_OTLP_TRACES_TIMEOUT win): an unreachable collector must not hold a
+#: stopping sidecar for the SDK's 10 s per batch.
+EXPORT_TIMEOUT_S = 3.0
 
 Attributes = Mapping[str, str | int | float | bool]
 
@@ -59,6 +62,12 @@ def traces_url(endpoint: str) -> str:
     """The OTLP/HTTP traces URL of ``--otlp-endpoint`` (a base URL gets ``/v1/traces``)."""
     url = endpoint.rstrip("/")
     return url if url.endswith(TRACES_PATH) else url + TRACES_PATH
+
+
+def export_timeout_s() -> float | None:
+    """:data:`EXPORT_TIMEOUT_S`, unless the OpenTelemetry environment says (None: it does)."""
+    said = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+    return None if any(os.environ.get(name) for name in said) else EXPORT_TIMEOUT_S
 
 
 class Tracing:
@@ -90,7 +99,9 @@ class Tracing:
                 raise ValueError("tracing needs an OTLP endpoint or an exporter")
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            processor: Any = BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint)))
+            processor: Any = BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=export_timeout_s())
+            )
         else:
             processor = SimpleSpanProcessor(exporter)
         resource = Resource.create({"service.name": service_name, **(attributes or {})})
@@ -130,8 +141,7 @@ class Tracing:
         return RequestTrace(self, self.extract(headers), started, attributes)
 
     def shutdown(self) -> None:
-        """Export what is pending (bounded) and stop."""
-        self.provider.force_flush(SHUTDOWN_FLUSH_MS)
+        """Export what is pending (one export, bounded by its timeout) and stop."""
         self.provider.shutdown()
 
 
