@@ -149,6 +149,45 @@ async def test_a_miss_is_traced_under_the_clients_traceparent_and_the_hop_reache
             assert PROMPT not in str(value)
 
 
+async def test_a_miss_sent_from_the_fast_path_is_traced_to_its_store(
+    traced: RunningSidecar,
+    upstream: FakeUpstream,
+    exporter: InMemorySpanExporter,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pool = traced.sidecar.upstream
+    pool.max_idle_age_s = 3600.0
+    assert (await traced.chat("warm-up")).status_code == 200  # leaves an idle connection
+    await request_spans(exporter)
+    exporter.clear()
+    begun: list[object] = []
+    begin = pool.begin
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        sent = begin(*args, **kw)
+        begun.append(sent)
+        return sent
+
+    monkeypatch.setattr(pool, "begin", counted)
+    miss = await traced.chat(PROMPT, headers={"traceparent": TRACEPARENT})
+    assert miss.headers["x-cache"] == "MISS"
+    assert [b is not None for b in begun] == [True]  # sent on the fast path
+    spans = await request_spans(exporter)
+    (up,) = by_name(spans, "cachefleet.upstream")
+    assert [e.name for e in up.events] == ["first_token"]
+    assert parent_of(upstream.seen_headers[-1]["traceparent"]) == (
+        TRACE_ID,
+        f"{up.context.span_id:016x}",
+    )
+    assert [
+        dict(s.attributes or {})["cachefleet.cache.tier"]
+        for s in by_name(spans, "cachefleet.store")
+    ] == ["l1"]
+    again = await traced.chat(PROMPT)
+    assert again.headers["x-cache"] == "HIT-L1"
+    assert again.content == miss.content
+
+
 async def test_a_request_without_traceparent_starts_a_trace_and_sends_it_upstream(
     traced: RunningSidecar, upstream: FakeUpstream, exporter: InMemorySpanExporter
 ) -> None:
