@@ -10,7 +10,7 @@ DEBS    := redis-server:redis-server prometheus:prometheus promtool:prometheus n
 
 LOCK    := requirements/lock.txt
 BUILD   := requirements/build.txt
-# What the image installs: pyproject.toml without extras, at the lock's versions.
+# What the image installs: pyproject.toml with the tracing extra only, at the lock's versions.
 RUNTIME := requirements/runtime.txt
 # The lock covers every extra the Makefile installs; `make lock` refreshes it on purpose.
 EXTRAS  := --extra dev --extra demo --extra semantic
@@ -56,7 +56,7 @@ lock: venv
 	  $(FIND) --no-emit-find-links --upgrade -o $(LOCK)
 	$(BIN)/uv pip compile requirements/build.in --generate-hashes --python-version 3.11 \
 	  --upgrade -o $(BUILD)
-	$(BIN)/uv pip compile pyproject.toml --generate-hashes --python-version 3.11 \
+	$(BIN)/uv pip compile pyproject.toml --extra tracing --generate-hashes --python-version 3.11 \
 	  --no-emit-find-links -c $(LOCK) -o $(RUNTIME)
 	$(BIN)/uv pip compile requirements/vllm.in --generate-hashes --python-version 3.11 \
 	  $(FIND) --no-emit-find-links $(VLLM_DROP) --upgrade -o $(VLLM_LOCK)

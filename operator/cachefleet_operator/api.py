@@ -660,6 +660,22 @@ class WarmupSpec(_Model):
     )
 
 
+class ObservabilitySpec(_Model):
+    """Where the cache's sidecars send traces (docs/tracing.md)."""
+
+    otlp_endpoint: str | None = Field(
+        default=None,
+        max_length=2048,
+        pattern=r"^https?://",
+        description=(
+            "OTLP/HTTP collector the injected sidecars send request spans to "
+            "(http://collector:4318; /v1/traces is added unless given); the W3C traceparent "
+            "goes on to the model server. Empty = no tracing. A change reaches Pods created "
+            "after it."
+        ),
+    )
+
+
 class InferencePoolRef(_Model):
     """An InferencePool (inference.networking.k8s.io/v1) in the cache's namespace."""
 
@@ -859,6 +875,10 @@ class InferenceCacheSpec(_Model):
             "rate). More is a finer curve for more Redis traffic; a change reaches Pods "
             "created after it."
         ),
+    )
+    observability: ObservabilitySpec | None = Field(
+        default=None,
+        description="Traces of the sidecars' requests (OTLP); empty = off.",
     )
     tenants: list[TenantSpec] = Field(
         default_factory=list,

@@ -187,7 +187,8 @@ def cache_info(obj: Mapping[str, Any]) -> CacheInfo:
 
 
 def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """Sidecar flags of spec.namespaceHeader, spec.warmup and spec.savings (absent: none)."""
+    """Sidecar flags of spec.namespaceHeader, spec.warmup, spec.savings and
+    spec.observability (absent: none)."""
     flags: list[tuple[str, str]] = []
     if spec.get("namespaceHeader"):
         flags.append(("namespace-header", str(spec["namespaceHeader"])))
@@ -200,6 +201,11 @@ def cache_flags(spec: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
     prices = price_table(spec.get("savings"))
     if prices is not None:
         flags.append(("price-table", prices))
+    observability = spec.get("observability")
+    otlp = observability.get("otlpEndpoint") if isinstance(observability, Mapping) else None
+    # one the API server would refuse (not http(s)) is left out: the Pod still starts
+    if isinstance(otlp, str) and otlp.startswith(("http://", "https://")):
+        flags.append(("otlp-endpoint", otlp))
     return tuple(flags)
 
 

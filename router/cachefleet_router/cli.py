@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ext_proc streams (requests through the gateway) open at once; one more gets a 503",
         default=str(DEFAULT_MAX_STREAMS),
     )
+    add(
+        "otlp-endpoint",
+        "OTLP/HTTP collector URL for the picks' spans (http://collector:4318; /v1/traces is "
+        "added unless given); the answer sets the next hop's traceparent. Empty: off",
+        default="",
+    )
     env_conformance = (_env("conformance") or "").lower() in {"1", "true", "yes"}
     p.add_argument(
         "--conformance",
@@ -333,6 +339,9 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
             parser.error(f"--tokenizer: no tokenizer.json in {tokenizer[len('local:') :]!r}")
     elif tokenizer not in ("auto", "approx"):
         parser.error(f"--tokenizer: expected auto, approx or local:PATH, got {tokenizer!r}")
+    otlp = str(ns.otlp_endpoint or "").strip()
+    if otlp and not otlp.startswith(("http://", "https://")):
+        parser.error(f"--otlp-endpoint: expected an http:// or https:// URL, got {otlp!r}")
     config = RouterConfig(
         grpc_listen=conv("grpc-listen", ns.grpc_listen, host_port),
         metrics_listen=metrics_listen,
@@ -362,6 +371,7 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         kv_events=ns.kv_events,
         kv_events_listen=kv_listen,
         tokenizer=tokenizer,
+        otlp_endpoint=otlp,
     )
     return config, level
 

@@ -73,6 +73,10 @@ narrows the choice to the ready endpoints it names, a 429 when it names none
 ``x-gateway-destination-endpoint-served`` report (or GIE's ``fail: ...`` text
 when the gateway gave none).
 
+Tracing (``tracer``, off by default): each pick is a span whose parent is the
+request's ``traceparent``, and the answer's header mutation sets the
+``traceparent`` of the next hop (:mod:`cachefleet_router.tracing`).
+
 Response phase: the response headers' ``:status`` and the gateway's
 ``envoy.lb`` -> ``x-gateway-destination-endpoint-served`` report end the
 request for the picker (``Picker.done``, ok unless 5xx); a stream that ends
@@ -87,7 +91,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -104,6 +108,9 @@ from .metrics import RouterMetrics
 from .picking import LeastLoadedPicker
 from .prompt import ClassOf, reduce_request
 from .tokens import Tokenization
+
+if TYPE_CHECKING:
+    from .tracing import PickTracer
 
 log = logging.getLogger(__name__)
 
@@ -221,17 +228,17 @@ def _in_subset(endpoint: Endpoint, subset: frozenset[str]) -> bool:
     return host in subset  # a bare IP allows every port of it
 
 
-def destination_response(address: str) -> pb.CommonResponse:
-    """The header mutation naming ``address`` (overwrites a client's), route cache cleared."""
+def destination_response(address: str, extra: Sequence[tuple[str, str]] = ()) -> pb.CommonResponse:
+    """The header mutation naming ``address`` (overwrites a client's), route cache cleared;
+    ``extra`` headers set too (the trace context of the next hop, when tracing)."""
     return pb.CommonResponse(
         header_mutation=pb.HeaderMutation(
             set_headers=[
                 base_pb2.HeaderValueOption(
-                    header=base_pb2.HeaderValue(
-                        key=DESTINATION_ENDPOINT, raw_value=address.encode()
-                    ),
+                    header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
                     append_action=_OVERWRITE,
                 )
+                for key, value in ((DESTINATION_ENDPOINT, address), *extra)
             ]
         ),
         clear_route_cache=True,
@@ -327,6 +334,8 @@ class _Stream:
     selected: frozenset[str] | None = None
     #: the stream was counted against the stream cap
     counted: bool = False
+    #: headers the answer sets besides the destination (tracing: ``traceparent``)
+    trace_headers: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def duplex(self) -> bool:
@@ -352,6 +361,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         max_streams: int = DEFAULT_MAX_STREAMS,
         conformance: bool = False,
         tokenizer: Tokenization | None = None,
+        tracer: PickTracer | None = None,
     ) -> None:
         self.tokenizer = tokenizer  # precise routing: real token ids (cachefleet_router.tokens)
         self.picker = picker
@@ -371,6 +381,8 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         #: request body bytes received, all streams together (for tests and logs)
         self.body_bytes_read = 0
         self.conformance = conformance
+        #: spans of the picks and the trace context handed on (None: tracing off)
+        self.tracer = tracer
 
     # ------------------------------------------------------------------ deciding
 
@@ -414,6 +426,17 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
                 picker = self.fallback
                 decision = picker.pick(request, candidates)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if self.tracer is not None:
+            st.trace_headers = self.tracer.picked(
+                st.headers,
+                request,
+                decision,
+                picker=type(picker).__name__,
+                candidates=len(candidates),
+                started=started,
+                ended=time.perf_counter(),
+                refused=reason,
+            )
         if decision is None:
             self.metrics.decisions.labels("", reason).inc()
             raise NoEndpoint(reason)
@@ -540,9 +563,10 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
             return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
         return []
 
-    def _headers_answer(self, decision: Decision) -> pb.ProcessingResponse:
+    def _headers_answer(self, st: _Stream, decision: Decision) -> pb.ProcessingResponse:
+        response = destination_response(decision.address, st.trace_headers)
         return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(response=destination_response(decision.address)),
+            request_headers=pb.HeadersResponse(response=response),
             dynamic_metadata=destination_metadata(decision.address),
         )
 
@@ -555,7 +579,7 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
             named = selection(st.headers[CONFORMANCE_SELECTION])
             st.selected = named or None  # an empty header selects nothing: ignored, as GIE's
         if message.request_headers.end_of_stream or st.request_mode in _HEADERS_ONLY:
-            return [self._headers_answer(self._route(st))]
+            return [self._headers_answer(st, self._route(st))]
         if st.request_mode in _BUFFERED:
             return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
         return []  # full duplex: the headers answer waits for the body
@@ -569,11 +593,13 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         if st.request_mode in _BUFFERED:
             return [
                 pb.ProcessingResponse(
-                    request_body=pb.BodyResponse(response=destination_response(decision.address)),
+                    request_body=pb.BodyResponse(
+                        response=destination_response(decision.address, st.trace_headers)
+                    ),
                     dynamic_metadata=destination_metadata(decision.address),
                 )
             ]
-        out = [self._headers_answer(decision)]
+        out = [self._headers_answer(st, decision)]
         for i, piece in enumerate(held):
             last = i == len(held) - 1
             out.append(_streamed_body(piece, end_of_stream and last, request=True))

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
@@ -60,6 +61,9 @@ from .profiles import build as build_profile
 from .scoring import ScoringConfig
 from .tenants import DEFAULT_POLL_S, TenantClasses, TenantSync
 from .tokens import Tokenization, make_tokenization
+
+if TYPE_CHECKING:
+    from .tracing import PickTracer
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +115,8 @@ class RouterConfig:
     kv_events_listen: str | None = None
     #: "auto" (the endpoints' /tokenize), "approx" (characters / 4), "local:PATH"
     tokenizer: str = "auto"
+    #: OTLP/HTTP collector for the picks' spans (docs/tracing.md); empty: no tracing
+    otlp_endpoint: str = ""
 
     def scoring(self) -> ScoringConfig:
         """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
@@ -131,9 +137,18 @@ class RouterServer:
         *,
         picker: Picker | None = None,
         kube_client: httpx.AsyncClient | None = None,
+        tracer: PickTracer | None = None,
     ) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        if tracer is None and config.otlp_endpoint:
+            from .tracing import PickTracer  # OpenTelemetry only when tracing is on
+
+            try:
+                tracer = PickTracer(endpoint=config.otlp_endpoint)
+            except ImportError as exc:  # traces are never worth failing the routing for
+                log.error("--otlp-endpoint: no tracing (%s): install cachefleet[tracing]", exc)
+        self.tracer = tracer
         self.pool = EndpointPool(self.metrics, require_metrics=config.scrape_interval_s > 0)
         self.tenants = TenantClasses(config.objectives)
         # precise routing: the servers' KV events and tokens (None when off)
@@ -159,6 +174,7 @@ class RouterServer:
             max_streams=config.max_streams,
             conformance=config.conformance,
             tokenizer=self.tokenization,
+            tracer=tracer,
         )
         self.health = HealthService(lambda: self.pool.synced)
         self.scraper: MetricsScraper | None = None
@@ -293,6 +309,9 @@ class RouterServer:
         if self._kube_client is not None and self._own_kube_client:
             await self._kube_client.aclose()
         self._kube_client = None
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None:  # the last spans go out (bounded), off the loop
+            await asyncio.to_thread(tracer.shutdown)
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event, *, picker: Picker | None = None) -> None:

@@ -93,7 +93,7 @@ class SidecarServer:
             self._keys_task = loop.create_task(self._poll_api_keys())
         if cfg.tenant_idle_expiry_s > 0:
             self._idle_task = loop.create_task(self._expire_idle())
-        handler = sc.handler
+        handler = sc.front
         main = await loop.create_server(
             lambda: Connection(handler, self.limiter), *cfg.listen, reuse_address=True
         )

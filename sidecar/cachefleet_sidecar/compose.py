@@ -30,10 +30,13 @@ operations), ``epochs`` and ``resp`` stay at the top, with ``config``,
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 from cachefleet_sidecar.adapt import mrc as mrc_module
 from cachefleet_sidecar.adapt.fleetsample import FleetShipper
@@ -54,6 +57,7 @@ from cachefleet_sidecar.contract.clients import resp_client
 from cachefleet_sidecar.control.upkeep import Upkeep
 from cachefleet_sidecar.epochs import EpochTracker
 from cachefleet_sidecar.http.relay import Relay
+from cachefleet_sidecar.http.server import Handler as ServerHandler
 from cachefleet_sidecar.http.server import Limiter, Limits, Outbox
 from cachefleet_sidecar.http.upstream import UpstreamPool
 from cachefleet_sidecar.observe.admin import Admin
@@ -67,6 +71,11 @@ from cachefleet_sidecar.observe.metrics import (
 from cachefleet_sidecar.tasks import Background
 from cachefleet_sidecar.tenancy.limits_redis import RateLimiter
 from cachefleet_sidecar.tenancy.tenants import QuotaApplier, Tenants
+
+if TYPE_CHECKING:  # tracing's modules are imported only when it is on
+    from cachefleet_sidecar.observe.tracing import Tracing
+
+log = logging.getLogger("cachefleet.sidecar")
 
 
 @dataclass(eq=False, slots=True)
@@ -102,10 +111,21 @@ class Sidecar:
     fleet: FleetShipper | None = None
     #: Per-tenant rate limits (None: neither Redis nor --tenant-limits).
     rates: RateLimiter | None = None
+    #: Traces (docs/tracing.md); None: off, and nothing of it is imported.
+    tracing: Tracing | None = None
+    #: What the connections call when tracing is on (the handler, traced).
+    traced: ServerHandler | None = None
+
+    @property
+    def front(self) -> ServerHandler:
+        """The handler the server's connections call."""
+        return self.handler if self.traced is None else self.traced
 
     async def aclose(self) -> None:
         """Let background work finish (bounded), then close the parts' connections."""
         await self.background.aclose()
+        if self.tracing is not None:  # the last spans go out (bounded), off the loop
+            await asyncio.to_thread(self.tracing.shutdown)
         await self.upstream.aclose()
         await self.l3.aclose()
         if self.gate is not None:
@@ -124,9 +144,11 @@ def build(
     telemetry: GpuTelemetry | None = None,
     staleness_bound_s: float | None = None,
     host: HostPressure | None = None,
+    tracing: Tracing | None = None,
 ) -> Sidecar:
     """Every part of a sidecar for ``config`` (``l2``: the L2 to use instead of Redis at
-    ``config.redis_url``; nothing connects until the server starts)."""
+    ``config.redis_url``; ``tracing``: instead of one for ``config.otlp_endpoint``;
+    nothing connects until the server starts)."""
     if staleness_bound_s is None:
         staleness_bound_s = config.staleness_bound_s
     # Serve-stale (the InferenceCache's outage choice) is a longer, stated bound: while
@@ -143,13 +165,31 @@ def build(
         )
 
         l2 = RedisL2.from_url(config.redis_url, cache, ttl_s=config.l2_ttl_s)
+    # Tracing on: the traced parts (observe/traced.py) stand in for the plain ones.
+    upstream_cls: type[UpstreamPool] = UpstreamPool
+    gate_cls: type[AdmissionGate] = AdmissionGate
+    l3_cls: type[SemanticTier] = SemanticTier
+    tiers_cls: type[Tiers] = Tiers
+    if tracing is None and config.otlp_endpoint:
+        from cachefleet_sidecar.observe.tracing import Tracing
+
+        try:
+            pod = {"service.instance.id": config.pod}
+            tracing = Tracing(endpoint=config.otlp_endpoint, attributes=pod)
+        except ImportError as exc:  # traces are never worth failing the data path for
+            log.error("--otlp-endpoint: no tracing (%s): install cachefleet[tracing]", exc)
+    if tracing is not None:
+        from cachefleet_sidecar.observe import traced
+
+        upstream_cls, gate_cls = traced.TracedUpstream, traced.TracedGate
+        l3_cls, tiers_cls = traced.TracedSemanticTier, traced.TracedTiers
     l1: TenantL1[int, L1Value] = TenantL1(
         config.l1_bytes,
         default_policy=config.policy.value,
         max_tenants=config.max_tenants,
         guest_share=config.guest_share,
     )
-    l3 = SemanticTier.from_config(config)
+    l3 = l3_cls.from_config(config)
     l3.on_shadow = lambda t, outcome: metrics.tenant(t).shadow_compared(outcome)
     mrc = (
         MissRatioCurves(
@@ -164,7 +204,7 @@ def build(
     #: Invalidation epochs; until :meth:`Keying.enable_epochs` they do not gate L1.
     tracker = EpochTracker(staleness_bound_s)
     tracker.valid_until = math.inf
-    upstream = UpstreamPool(
+    upstream = upstream_cls(
         config.upstream,
         read_timeout_s=config.upstream_timeout_s,
         max_connections=config.upstream_max_connections,
@@ -172,7 +212,7 @@ def build(
     )
     gate: AdmissionGate | None = None
     if config.admission is not None:  # class-aware admission (docs/admission.md)
-        gate = AdmissionGate(
+        gate = gate_cls(
             config.admission,
             config.admission_metrics_url or config.upstream.rstrip("/") + "/metrics",
             on_refusal=metrics.admission_refused,
@@ -216,16 +256,17 @@ def build(
         config, l1=l1, l3=l3, mrc=mrc, metrics=metrics, switcher=switcher, l2_usage=l2_usage
     )
     l1.on_replaced = tenants.replaced
+    resolve = tenants.resolve if tracing is None else traced.traced_resolve(tenants.resolve)
     freshness = Freshness(config)
     keying = Keying(
         config,
         tracker=tracker,
         metrics=metrics,
-        resolve=tenants.resolve,
+        resolve=resolve,
         freshness=freshness,
         l3=l3,
     )
-    tiers = Tiers(
+    tiers = tiers_cls(
         config,
         l1=l1,
         l2=l2,
@@ -295,7 +336,7 @@ def build(
         tiers=tiers,
         freshness=freshness,
         relay=relay,
-        resolve=tenants.resolve,
+        resolve=resolve,
         l1=l1,
         l2=l2,
         l3=l3,
@@ -382,4 +423,6 @@ def build(
         admin=admin,
         fleet=fleet,
         rates=rates,
+        tracing=tracing,
+        traced=None if tracing is None else traced.TracedHandler(handler, tracing),
     )

@@ -257,6 +257,8 @@ class SidecarConfig:
     tenant_limits: dict[str, TenantLimits] = field(default_factory=dict)
     #: Cache hits of a rate-limited tenant count as requests (never as tokens).
     limits_count_hits: bool = False
+    #: OTLP/HTTP collector the request spans go to (docs/tracing.md); empty: no tracing.
+    otlp_endpoint: str = ""
 
 
 def _env(name: str) -> str | None:
@@ -623,7 +625,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=False,
     )
+    add(
+        "otlp-endpoint",
+        "OTLP/HTTP collector URL for request traces (http://collector:4318; /v1/traces is "
+        "added unless given); the W3C traceparent goes on to the model server. Empty: off",
+        default="",
+    )
     return p
+
+
+def _otlp_endpoint(value: str) -> str:
+    """An http(s) URL, or empty (tracing off)."""
+    value = value.strip()
+    if value and not value.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {value!r}")
+    return value
 
 
 def _optional_float(value: str) -> float | None:
@@ -795,4 +811,5 @@ def parse_args(argv: list[str]) -> SidecarConfig:
             else {}
         ),
         limits_count_hits=bool(ns.limits_count_hits),
+        otlp_endpoint=str(conv("otlp-endpoint", ns.otlp_endpoint or "", _otlp_endpoint)),
     )

@@ -62,20 +62,23 @@ def parse_lock(text: str) -> dict[str, tuple[str, list[str], list[str]]]:
 
 
 def wanted() -> list[Requirement]:
-    """pyproject.toml's requirements for this platform, the Makefile's extras included."""
+    """pyproject.toml's requirements for this platform, the Makefile's extras included (and
+    the project's own extras they name, e.g. dev's ``cachefleet[semantic]``)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    raw: list[str] = list(project["dependencies"])
-    for extra in EXTRAS:
-        raw.extend(project["optional-dependencies"][extra])
     env = default_environment()
     out: list[Requirement] = []
-    for text in raw:
-        req = Requirement(text)
+    todo, seen = [*project["dependencies"]], set()
+    for extra in EXTRAS:
+        todo.extend(project["optional-dependencies"][extra])
+        seen.add(extra)
+    while todo:
+        req = Requirement(todo.pop())
         if canonicalize_name(req.name) == PROJECT:
-            continue  # the project's own extras, already listed above
-        if req.marker is not None and not req.marker.evaluate(env):
-            continue
-        out.append(req)
+            for extra in set(req.extras) - seen:
+                seen.add(extra)
+                todo.extend(project["optional-dependencies"][extra])
+        elif req.marker is None or req.marker.evaluate(env):
+            out.append(req)
     return out
 
 
