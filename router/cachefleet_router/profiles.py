@@ -32,6 +32,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from .affinity import affinity_parts
 from .endpoints import DEFAULT_BLOCK_TOKENS, Decision, Endpoint, RouteRequest
 from .prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
 from .schedule import Candidate, Cycle, Profile, ProfilePicker
@@ -217,6 +218,7 @@ def parts(
         "gie-kv-cache": GieKvCache(),
         "gie-prefix": GiePrefix(config.block_tokens, config.default_index_blocks),
         "max-score": MaxScore(seed),
+        **affinity_parts(config.lora_load_s, config.session_ttl_s, config.max_sessions),
     }
     if model is not None:
         out.update(ttft_parts(model, precise))

@@ -109,12 +109,22 @@ class RouterConfig:
     kv_events_listen: str | None = None
     #: "auto" (the endpoints' /tokenize), "approx" (characters / 4), "local:PATH"
     tokenizer: str = "auto"
+    # -- affinity (issue 35.6; docs/routing.md "Affinity: LoRA adapters and sessions") --
+    #: the request header naming a session (None: no session affinity)
+    session_header: str | None = None
+    session_ttl_s: float = _SCORING.session_ttl_s
+    #: seconds one LoRA adapter load costs in the default profile
+    lora_load_s: float = _SCORING.lora_load_s
 
     def scoring(self) -> ScoringConfig:
         """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
         stale = max(_SCORING.stale_after_s, 4 * self.scrape_interval_s)
         return ScoringConfig(
-            default_rate=self.default_prefill_rate, epsilon=self.epsilon, stale_after_s=stale
+            default_rate=self.default_prefill_rate,
+            epsilon=self.epsilon,
+            stale_after_s=stale,
+            session_ttl_s=self.session_ttl_s,
+            lora_load_s=self.lora_load_s,
         )
 
 
@@ -157,6 +167,7 @@ class RouterServer:
             conformance=config.conformance,
             tokenizer=self.tokenization,
         )
+        self.service.session_header = config.session_header  # affinity (issue 35.6)
         self.health = HealthService(lambda: self.pool.synced)
         self.scraper: MetricsScraper | None = None
         self.discovery: KubeDiscovery | None = None
