@@ -6,13 +6,23 @@ equal prefixes share leading ids); plain or gzip-compressed (``.gz``).
 :func:`read_records` opens and parses every trace; ``cachefleet bench
 routing`` and the admission replay take whole requests through
 :func:`load_trace`, ``cachefleet bench policies`` only the ``hash_ids``.
+
+Conversations: the traces carry no conversation or session id. A request's
+conversation is named by :func:`conversation_ids`: its first block that is
+not a *shared prefix*, a block followed in the trace by at least
+:data:`SHARED_FANOUT` distinct next blocks (a system prompt that many
+conversations start with). In the conversation trace every request starts
+with block 0, followed by 7,373 distinct blocks (one per conversation); no
+other block of it is followed by more than 11, and none of the synthetic
+trace by more than 13, so there a conversation is its first block, as before.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +37,9 @@ CONVERSATION_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_tra
 NAMED_TRACES = {"synthetic": DEFAULT_TRACE, "conversation": CONVERSATION_TRACE}
 #: Tokens per block of the Mooncake traces' ``hash_ids``.
 BLOCK_TOKENS = 512
+#: A block followed by at least this many distinct blocks is a prefix shared by
+#: conversations, not one conversation's (:func:`conversation_ids`).
+SHARED_FANOUT = 32
 
 
 class TraceError(ValueError):
@@ -40,6 +53,32 @@ class TraceRequest:
     arrival: float
     input_length: int
     blocks: tuple[int, ...]
+
+
+def conversation_ids(prompts: Sequence[Sequence[int]]) -> list[int | None]:
+    """Each prompt's conversation: its first block that is not a prefix many share.
+
+    A block followed, over all ``prompts``, by at least :data:`SHARED_FANOUT`
+    distinct next blocks is shared (a system prompt); a prompt made only of
+    shared blocks is named by its last one; an empty prompt by None. Mooncake's
+    block ids already stand for the whole prefix up to them, so a block id names
+    one prefix.
+    """
+    following: dict[int, set[int]] = {}
+    for blocks in prompts:
+        for here, after in itertools.pairwise(blocks):
+            nexts = following.setdefault(here, set())
+            if len(nexts) < SHARED_FANOUT:
+                nexts.add(after)
+    out: list[int | None] = []
+    for blocks in prompts:
+        named = blocks[-1] if blocks else None
+        for block in blocks:
+            if len(following.get(block, ())) < SHARED_FANOUT:
+                named = block
+                break
+        out.append(named)
+    return out
 
 
 def trace_path(text: str) -> Path:
