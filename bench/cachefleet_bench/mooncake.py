@@ -9,12 +9,13 @@ routing`` and the admission replay take whole requests through
 
 Conversations: the traces carry no conversation or session id. A request's
 conversation is named by :func:`conversation_ids`: its first block that is
-not a *shared prefix*, a block followed in the trace by at least
-:data:`SHARED_FANOUT` distinct next blocks (a system prompt that many
-conversations start with). In the conversation trace every request starts
-with block 0, followed by 7,373 distinct blocks (one per conversation); no
-other block of it is followed by more than 11, and none of the synthetic
-trace by more than 13, so there a conversation is its first block, as before.
+not part of a *shared prefix*, a chain of blocks that forks, in the trace,
+into at least :data:`SHARED_FANOUT` distinct next blocks (a system prompt
+that many conversations start with). In the conversation trace every request
+starts with block 0, followed by 7,373 distinct blocks (one per
+conversation); no other block of it is followed by more than 11, and none of
+the synthetic trace by more than 13, so there a conversation is its first
+block, as before.
 """
 
 from __future__ import annotations
@@ -56,13 +57,15 @@ class TraceRequest:
 
 
 def conversation_ids(prompts: Sequence[Sequence[int]]) -> list[int | None]:
-    """Each prompt's conversation: its first block that is not a prefix many share.
+    """Each prompt's conversation: its first block that is not part of a prefix many share.
 
-    A block followed, over all ``prompts``, by at least :data:`SHARED_FANOUT`
-    distinct next blocks is shared (a system prompt); a prompt made only of
-    shared blocks is named by its last one; an empty prompt by None. Mooncake's
-    block ids already stand for the whole prefix up to them, so a block id names
-    one prefix.
+    Over all ``prompts``, the blocks that follow each block are counted; a block
+    is *shared* when the first block at or after it (following blocks that only
+    one block ever follows) is followed by at least :data:`SHARED_FANOUT`
+    distinct blocks: a system prompt of several blocks that many conversations
+    start with. A prompt made only of shared blocks is named by its last one; an
+    empty prompt by None. Mooncake's block ids stand for the whole prefix up to
+    them, so a block id names one prefix.
     """
     following: dict[int, set[int]] = {}
     for blocks in prompts:
@@ -70,11 +73,27 @@ def conversation_ids(prompts: Sequence[Sequence[int]]) -> list[int | None]:
             nexts = following.setdefault(here, set())
             if len(nexts) < SHARED_FANOUT:
                 nexts.add(after)
+    branching: dict[int, int] = {}  # block -> distinct blocks following where its chain forks
+
+    def fanout(block: int) -> int:
+        chain: list[int] = []
+        at = block
+        while at not in branching:
+            nexts = following.get(at, set())
+            if len(nexts) != 1 or at in chain:  # a fork, an end, or a loop (not Mooncake's)
+                branching[at] = len(nexts)
+                break
+            chain.append(at)
+            at = next(iter(nexts))
+        for passed in chain:
+            branching[passed] = branching[at]
+        return branching[block]
+
     out: list[int | None] = []
     for blocks in prompts:
         named = blocks[-1] if blocks else None
         for block in blocks:
-            if len(following.get(block, ())) < SHARED_FANOUT:
+            if fanout(block) < SHARED_FANOUT:
                 named = block
                 break
         out.append(named)

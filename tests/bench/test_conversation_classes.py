@@ -41,6 +41,9 @@ def test_a_conversation_is_its_first_block_not_shared_by_many() -> None:
     prompts = [(*system, 100 + c, 1000 + c * 10 + t) for c in range(40) for t in range(3)]
     ids = conversation_ids(prompts)
     assert ids == [100 + c for c in range(40) for _t in range(3)]
+    # a system prompt of three blocks: the chain forks after its last one
+    long_system = [(0, 1, 2, 100 + c, 1000 + c) for c in range(40)]
+    assert conversation_ids(long_system) == [100 + c for c in range(40)]
     few = [(0, 100 + c, 7) for c in range(5)]  # five conversations: block 0 is theirs
     assert conversation_ids(few) == [0] * 5
     assert conversation_ids([(), (0,)]) == [None, 0]
