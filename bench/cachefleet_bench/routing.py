@@ -20,12 +20,17 @@ policies that read metrics see, as a router would, up to one period late.
 
 Policies:
 
-* ``round-robin``, ``least-loaded`` (fewest requests routed and not done, as
-  Envoy's least-request balancer) and ``gie-like`` (the Gateway API Inference
-  Extension's default profile: queue x2, KV-cache utilisation x2, prefix x3, its
-  own LRU index of what it routed, ties at random, seeded): the router's own
-  profiles of those names (:mod:`cachefleet_router.profiles`), fed the simulated
-  metrics and clock; ``session-hash`` (the first block's hash);
+* ``round-robin``, ``least-loaded`` (Envoy's least-request balancer with its
+  defaults: of two pods drawn at random, the one with fewer requests routed and
+  not done) and ``gie-like`` (the Gateway API Inference Extension's default
+  profile: queue x2, KV-cache utilisation x2, prefix x3, its own LRU index of
+  what it routed, ties at random, seeded; it reads the metrics every
+  ``--gie-refresh``, GIE's 50 ms, the others every ``--scrape-interval``): the
+  router's own profiles of those names (:mod:`cachefleet_router.profiles`), fed
+  the simulated metrics and clock; ``session-hash`` (the hash of the request's
+  conversation, :func:`cachefleet_bench.mooncake.conversation_ids`);
+* ``cachefleet-session``: the ``default`` profile, every request carrying its
+  conversation as its session (the router's ``--session-header``);
 * ``cachefleet``: the router's ``default`` profile
   (:class:`cachefleet_router.scoring.ScoringPicker`), the real scoring code;
 * ``precise``: the least expected TTFT knowing every pod's real cache (and the
@@ -39,7 +44,7 @@ warmed index (p50 / p99, microseconds) and measures the index's memory per
 block (tracemalloc): the issue's decision-latency target.
 
     cachefleet bench routing [--trace T.jsonl] [--json OUT] [--pods N]
-        [--kv-blocks B] [--prefill-rate R] [--speed X] [--scrape-interval S]
+        [--kv-blocks B] [--prefill-rate R] [--speed X] [--scrape-interval S] [--gie-refresh S]
         [--policies a,b] [--limit N] [--epsilon E] [--replicas K] [--decision-picks N]
 
 ``--replicas K`` runs every policy as K independent pickers (router replicas
