@@ -477,7 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="cachefleet-bench-admission", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument(
+        "--trace",
+        type=mooncake.trace_path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSONL trace, plain or .gz, or a name: synthetic, conversation",
+    )
     p.add_argument("--pods", type=int, default=8)
     p.add_argument("--kv-blocks", type=int, default=1000, help="512-token blocks per pod")
     p.add_argument("--prefill-rate", type=float, default=20000.0, help="tokens/s per pod")
