@@ -282,3 +282,24 @@ def test_sessions_are_bounded_least_recently_seen_first() -> None:
     assert sessions.endpoint("s3", 4.0) == "a:1"
     with pytest.raises(ValueError):
         SessionAffinity(ttl_s=0.0)
+
+
+def test_session_memory_is_bounded() -> None:
+    """The cap bounds the count; each session is a 64-bit key and an address (about 220 B)."""
+    import tracemalloc
+
+    from cachefleet_router.endpoints import Decision
+
+    sessions = SessionAffinity(max_sessions=20_000)
+    decisions = [Decision(f"10.0.0.{i}:8000") for i in range(16)]
+    cand = Candidate(Endpoint("a:1"))
+    requests = [RouteRequest(session=f"session-{i:08d}" * 8) for i in range(30_000)]
+    tracemalloc.start()
+    try:
+        for i, request in enumerate(requests):
+            sessions.picked(Cycle(request, float(i)), cand, decisions[i % 16])
+        used, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(sessions) == 20_000
+    assert used / len(sessions) < 400
