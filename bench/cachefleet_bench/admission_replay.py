@@ -12,8 +12,12 @@ holds) / prefill_rate``. Deterministic: no clock, no randomness beyond the
   ``overload`` x the fleet's capacity. The work is estimated with one
   fleet-wide LRU of ``pods x kv_blocks`` blocks (what perfect routing would
   reuse); response-cache hits are left out.
-* **Tenants and classes** go with conversations, by a hash of the first block
-  (salted with ``seed``): 20 % Guaranteed, 50 % Standard, 30 % BestEffort.
+* **Tenants and classes** go with conversations, by a hash of the conversation
+  (salted with ``seed``): 20 % Guaranteed, 50 % Standard, 30 % BestEffort. A
+  conversation is its first block that is not a prefix many conversations
+  share (:func:`cachefleet_bench.mooncake.conversation_ids`): in Mooncake's
+  conversation trace every request starts with the same block, and classing
+  by the first block gave every request one class (no Guaranteed traffic).
 * **Response cache.** A request whose exact ``hash_ids`` sequence was seen
   before is a cache hit: answered by the sidecar, it never reaches a queue.
   Hits are still shown to admission (``hit=True``); ``hits_refused`` counts
@@ -32,7 +36,9 @@ holds) / prefill_rate``. Deterministic: no clock, no randomness beyond the
   (optimistic; the replay's first version). Refused requests are counted;
   released Standard requests enter the queue (their TTFT includes the wait).
 
-Row fields: ``guaranteed_ttft_p95`` (seconds, Guaranteed misses),
+Row fields: ``guaranteed_misses`` (Guaranteed requests that reached a queue:
+0 means the row says nothing of Guaranteed), ``guaranteed_ttft_p95`` (seconds,
+Guaranteed misses),
 ``guaranteed_ttft_p95_unloaded`` (the same requests replayed with no other
 traffic), ``besteffort_shed_share`` (refused / BestEffort misses) and
 ``hits_refused``.
@@ -141,9 +147,9 @@ def uncached_s(tokens: int, matched: int, rate: float) -> float:
     return max(0, tokens - BLOCK_TOKENS * matched) / rate
 
 
-def classify(first_block: int, seed: int) -> tuple[str, str]:
-    """(class, tenant) of a conversation, from its first block."""
-    digest = hashlib.blake2b(f"{seed}:{first_block}".encode(), digest_size=8).digest()
+def classify(conversation: int, seed: int) -> tuple[str, str]:
+    """(class, tenant) of a conversation (:func:`cachefleet_bench.mooncake.conversation_ids`)."""
+    digest = hashlib.blake2b(f"{seed}:{conversation}".encode(), digest_size=8).digest()
     u = int.from_bytes(digest, "big") / 2**64
     if u < GUARANTEED_SHARE:
         cls = GUARANTEED
@@ -158,12 +164,14 @@ def load_trace(path: str | Path, seed: int = 0, limit: int | None = None) -> lis
     """The trace's requests in time order, classed and marked as hits or misses."""
     out: list[_Req] = []
     seen: set[tuple[int, ...]] = set()
-    for r in mooncake.load_trace(Path(path), limit=limit):
-        if r.input_length < 1 or not r.blocks:
+    trace = mooncake.load_trace(Path(path), limit=limit)
+    conversations = mooncake.conversation_ids([r.blocks for r in trace])
+    for r, conversation in zip(trace, conversations, strict=True):
+        if r.input_length < 1 or conversation is None:
             raise TraceError(
                 f"{path}: request {len(out) + 1}: input_length >= 1 and hash_ids required"
             )
-        cls, tenant = classify(r.blocks[0], seed)
+        cls, tenant = classify(conversation, seed)
         out.append(
             _Req(
                 len(out),
@@ -420,6 +428,7 @@ def admission_rows(
         rows.append(
             {
                 "mode": mode,
+                "guaranteed_misses": result.misses[GUARANTEED],
                 "guaranteed_ttft_p95": round(p95(result.ttft[GUARANTEED]), 4),
                 "guaranteed_ttft_p95_unloaded": round(unloaded, 4),
                 "besteffort_shed_share": round(result.refused[BEST_EFFORT] / be, 4) if be else 0.0,
@@ -468,7 +477,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="cachefleet-bench-admission", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake-format JSONL trace")
+    p.add_argument(
+        "--trace",
+        type=mooncake.trace_path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format JSONL trace, plain or .gz, or a name: synthetic, conversation",
+    )
     p.add_argument("--pods", type=int, default=8)
     p.add_argument("--kv-blocks", type=int, default=1000, help="512-token blocks per pod")
     p.add_argument("--prefill-rate", type=float, default=20000.0, help="tokens/s per pod")

@@ -6,13 +6,24 @@ equal prefixes share leading ids); plain or gzip-compressed (``.gz``).
 :func:`read_records` opens and parses every trace; ``cachefleet bench
 routing`` and the admission replay take whole requests through
 :func:`load_trace`, ``cachefleet bench policies`` only the ``hash_ids``.
+
+Conversations: the traces carry no conversation or session id. A request's
+conversation is named by :func:`conversation_ids`: its first block that is
+not part of a *shared prefix*, a chain of blocks that forks, in the trace,
+into at least :data:`SHARED_FANOUT` distinct next blocks (a system prompt
+that many conversations start with). In the conversation trace every request
+starts with block 0, followed by 7,373 distinct blocks (one per
+conversation); no other block of it is followed by more than 11, and none of
+the synthetic trace by more than 13, so there a conversation is its first
+block, as before.
 """
 
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +38,9 @@ CONVERSATION_TRACE = Path(__file__).parent / "data" / "mooncake_conversation_tra
 NAMED_TRACES = {"synthetic": DEFAULT_TRACE, "conversation": CONVERSATION_TRACE}
 #: Tokens per block of the Mooncake traces' ``hash_ids``.
 BLOCK_TOKENS = 512
+#: A block followed by at least this many distinct blocks is a prefix shared by
+#: conversations, not one conversation's (:func:`conversation_ids`).
+SHARED_FANOUT = 32
 
 
 class TraceError(ValueError):
@@ -40,6 +54,50 @@ class TraceRequest:
     arrival: float
     input_length: int
     blocks: tuple[int, ...]
+
+
+def conversation_ids(prompts: Sequence[Sequence[int]]) -> list[int | None]:
+    """Each prompt's conversation: its first block that is not part of a prefix many share.
+
+    Over all ``prompts``, the blocks that follow each block are counted; a block
+    is *shared* when the first block at or after it (following blocks that only
+    one block ever follows) is followed by at least :data:`SHARED_FANOUT`
+    distinct blocks: a system prompt of several blocks that many conversations
+    start with. A prompt made only of shared blocks is named by its last one; an
+    empty prompt by None. Mooncake's block ids stand for the whole prefix up to
+    them, so a block id names one prefix.
+    """
+    following: dict[int, set[int]] = {}
+    for blocks in prompts:
+        for here, after in itertools.pairwise(blocks):
+            nexts = following.setdefault(here, set())
+            if len(nexts) < SHARED_FANOUT:
+                nexts.add(after)
+    branching: dict[int, int] = {}  # block -> distinct blocks following where its chain forks
+
+    def fanout(block: int) -> int:
+        chain: list[int] = []
+        at = block
+        while at not in branching:
+            nexts = following.get(at, set())
+            if len(nexts) != 1 or at in chain:  # a fork, an end, or a loop (not Mooncake's)
+                branching[at] = len(nexts)
+                break
+            chain.append(at)
+            at = next(iter(nexts))
+        for passed in chain:
+            branching[passed] = branching[at]
+        return branching[block]
+
+    out: list[int | None] = []
+    for blocks in prompts:
+        named = blocks[-1] if blocks else None
+        for block in blocks:
+            if fanout(block) < SHARED_FANOUT:
+                named = block
+                break
+        out.append(named)
+    return out
 
 
 def trace_path(text: str) -> Path:

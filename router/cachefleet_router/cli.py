@@ -222,6 +222,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(a tokenizer.json and chat template)",
         default="auto",
     )
+    # -- affinity (issue 35.6; docs/routing.md "Affinity: LoRA adapters and sessions") --
+    add(
+        "session-header",
+        "request header naming a session: its requests stay on one endpoint while that is "
+        "under the bounded-load cap (default: none)",
+    )
+    add(
+        "session-ttl",
+        "seconds after which a session not seen starts afresh",
+        default=str(ScoringConfig().session_ttl_s),
+    )
+    add(
+        "lora-load-seconds",
+        "seconds one LoRA adapter load costs an endpoint that must load the request's adapter",
+        default=str(ScoringConfig().lora_load_s),
+    )
     fail = p.add_mutually_exclusive_group()
     env_fail = (_env("fail-open") or "").lower() in {"1", "true", "yes"}
     fail.add_argument(
@@ -342,6 +358,9 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
     otlp = str(ns.otlp_endpoint or "").strip()
     if otlp and not otlp.startswith(("http://", "https://")):
         parser.error(f"--otlp-endpoint: expected an http:// or https:// URL, got {otlp!r}")
+    session_header = str(ns.session_header or "").strip() or None
+    if session_header is not None and (" " in session_header or ":" in session_header):
+        parser.error(f"--session-header: not a header name: {ns.session_header!r}")
     config = RouterConfig(
         grpc_listen=conv("grpc-listen", ns.grpc_listen, host_port),
         metrics_listen=metrics_listen,
@@ -372,6 +391,9 @@ def parse_args(argv: list[str]) -> tuple[RouterConfig, str]:
         kv_events_listen=kv_listen,
         tokenizer=tokenizer,
         otlp_endpoint=otlp,
+        session_header=session_header,
+        session_ttl_s=seconds("session-ttl", ns.session_ttl),
+        lora_load_s=number("lora-load-seconds", ns.lora_load_seconds),
     )
     return config, level
 

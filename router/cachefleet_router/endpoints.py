@@ -58,6 +58,9 @@ class RouteRequest:
     priority_class: str | None = None
     #: the sidecar's exact-answer cache key, when the request is cacheable (a tie-breaker)
     answer_key: str | None = None
+    #: the session the client named in the ``--session-header`` header (None: none); the
+    #: ``session-affinity`` filter keeps a session on one endpoint while it is not overloaded
+    session: str | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
 

@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -106,7 +107,7 @@ from cachefleet_sidecar.adapt.flows import OBJECTIVE_HEADER
 from .endpoints import Decision, Endpoint, Picker, RouteRequest
 from .metrics import RouterMetrics
 from .picking import LeastLoadedPicker
-from .prompt import ClassOf, reduce_request
+from .prompt import ClassOf, header, reduce_request
 from .tokens import Tokenization
 
 if TYPE_CHECKING:
@@ -219,6 +220,12 @@ def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
         if isinstance(item, str):
             out.update(part.strip() for part in item.split(",") if part.strip())
     return frozenset(out)
+
+
+def with_session(request: RouteRequest, session: str | None) -> RouteRequest:
+    """``request`` carrying the session the client named (at most 1,024 characters kept)."""
+    session = (session or "").strip()[:1024]
+    return dataclasses.replace(request, session=session) if session else request
 
 
 def _in_subset(endpoint: Endpoint, subset: frozenset[str]) -> bool:
@@ -362,7 +369,10 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         conformance: bool = False,
         tokenizer: Tokenization | None = None,
         tracer: PickTracer | None = None,
+        session_header: str | None = None,
     ) -> None:
+        #: the request header naming a session (the session-affinity filter); None: off
+        self.session_header = session_header
         self.tokenizer = tokenizer  # precise routing: real token ids (cachefleet_router.tokens)
         self.picker = picker
         self.fallback: Picker = fallback if fallback is not None else LeastLoadedPicker()
@@ -401,6 +411,8 @@ class EndpointPickerService(pb_grpc.ExternalProcessorServicer):
         )
         if self.tokenizer is not None and not st.truncated:  # precise routing: cached tokens
             request = self.tokenizer.apply(request, body)
+        if self.session_header is not None:  # --session-header: the session-affinity filter
+            request = with_session(request, header(st.headers, self.session_header))
         st.request = request
         candidates = list(self.ready())
         reason = REASON_NO_ENDPOINT

@@ -9,9 +9,14 @@ picker of it, with fresh parts (each picker owns its state). The profiles:
   ``queue-wait`` + ``prefix-prefill`` (seconds), filter ``bounded-load``,
   picker ``least-ttft``. Precise from the endpoints' KV events where the router
   has them, approximate elsewhere.
-* ``least-loaded``: fewest requests this router has in flight on the endpoint
-  (Envoy's least-request balancer, without its random two choices), ties to the
-  lowest address: scorer ``in-flight``, picker ``least-cost``.
+* ``least-loaded``: Envoy's least-request balancer as it runs by default
+  (``LEAST_REQUEST``, ``selection_method: N_CHOICES``, ``choice_count`` 2; all
+  hosts of equal weight): of two endpoints drawn at random (with replacement) the
+  one with fewer requests this router has in flight, the first drawn on a tie
+  (``unweightedHostPickNChoices`` in Envoy's
+  ``source/extensions/load_balancing_policies/least_request/least_request_lb.cc``);
+  seeded: scorer ``in-flight``, picker ``two-choices``. (``least-cost`` instead is
+  Envoy's ``FULL_SCAN`` with ties to the lowest address rather than at random.)
 * ``round-robin``: each ready endpoint in turn: picker ``round-robin``.
 * ``gie-like``: the Gateway API Inference Extension's default profile, ported:
   ``queue-scorer`` weight 2, ``kv-cache-utilization-scorer`` weight 2,
@@ -32,6 +37,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 
+from .affinity import affinity_parts
 from .endpoints import DEFAULT_BLOCK_TOKENS, Decision, Endpoint, RouteRequest
 from .prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
 from .schedule import Candidate, Cycle, Profile, ProfilePicker
@@ -85,6 +91,23 @@ class LeastCost:
 
     def choose(self, cycle: Cycle, candidates: list[Candidate]) -> Candidate:
         return min(candidates, key=lambda c: (c.cost, c.endpoint.address))
+
+
+class TwoChoices:
+    """Picker ``two-choices`` (Envoy's least-request, ``N_CHOICES``): the cheaper of ``choices``
+    candidates drawn at random with replacement, the first drawn on a tie (seeded)."""
+
+    def __init__(self, seed: int = 0, choices: int = 2) -> None:
+        self._random = random.Random(seed)
+        self.choices = max(1, choices)
+
+    def choose(self, cycle: Cycle, candidates: list[Candidate]) -> Candidate:
+        best = candidates[self._random.randrange(len(candidates))]
+        for _ in range(self.choices - 1):
+            drawn = candidates[self._random.randrange(len(candidates))]
+            if drawn.cost < best.cost:
+                best = drawn
+        return best
 
 
 class RoundRobin:
@@ -173,10 +196,10 @@ class MaxScore:
 LEAST_LOADED = Profile(
     name="least-loaded",
     scorers=(("in-flight", 1.0),),
-    picker="least-cost",
+    picker="two-choices",
     reason=REASON_LEAST_LOADED,
-    doc="fewest requests in flight from this router (Envoy's least-request), ties to the "
-    "lowest address",
+    doc="Envoy's least-request by default: of two endpoints drawn at random, the one with "
+    "fewer requests in flight from this router",
 )
 ROUND_ROBIN = Profile(
     name="round-robin",
@@ -212,11 +235,13 @@ def parts(
     out: dict[str, object] = {
         "in-flight": InFlight(),
         "least-cost": LeastCost(),
+        "two-choices": TwoChoices(seed),
         "round-robin": RoundRobin(),
         "gie-queue": GieQueue(),
         "gie-kv-cache": GieKvCache(),
         "gie-prefix": GiePrefix(config.block_tokens, config.default_index_blocks),
         "max-score": MaxScore(seed),
+        **affinity_parts(config.lora_load_s, config.session_ttl_s, config.max_sessions),
     }
     if model is not None:
         out.update(ttft_parts(model, precise))

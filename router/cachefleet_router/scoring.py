@@ -71,6 +71,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cachefleet_router.affinity import (
+    DEFAULT_LORA_LOAD_S,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_TTL_S,
+    affinity_parts,
+)
 from cachefleet_router.endpoints import (
     DEFAULT_BLOCK_TOKENS,
     Decision,
@@ -137,6 +143,11 @@ class ScoringConfig:
     outstanding_ttl_s: float = 120.0
     #: an endpoint not offered for this long loses its state (index included)
     forget_after_s: float = 600.0
+    #: affinity (cachefleet_router.affinity): seconds one LoRA adapter load costs; a session
+    #: not seen for session_ttl_s starts afresh; sessions remembered at most (LRU)
+    lora_load_s: float = DEFAULT_LORA_LOAD_S
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    max_sessions: int = DEFAULT_MAX_SESSIONS
 
     def __post_init__(self) -> None:
         positive = {
@@ -148,6 +159,8 @@ class ScoringConfig:
             "outstanding_ttl_s": self.outstanding_ttl_s,
             "forget_after_s": self.forget_after_s,
             "trust_min": self.trust_min,
+            "session_ttl_s": self.session_ttl_s,
+            "max_sessions": self.max_sessions,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -161,6 +174,7 @@ class ScoringConfig:
             "tie_abs_s": self.tie_abs_s,
             "saturated_wait_s": self.saturated_wait_s,
             "trust_min_predicted": self.trust_min_predicted,
+            "lora_load_s": self.lora_load_s,
         }.items():
             if value < 0:
                 raise ValueError(f"ScoringConfig.{name} must not be negative, not {value}")
@@ -653,16 +667,19 @@ class LeastTtft:
         return chosen
 
 
-#: The router's default profile: the least expected TTFT under a bounded load.
+#: The router's default profile: the least expected TTFT under a bounded load. The affinity
+#: parts (cachefleet_router.affinity) change nothing for a request that names no LoRA adapter
+#: and carries no session.
 DEFAULT_PROFILE = Profile(
     name="default",
-    scorers=(("queue-wait", 1.0), ("prefix-prefill", 1.0)),
-    filters=("bounded-load",),
+    scorers=(("queue-wait", 1.0), ("prefix-prefill", 1.0), ("lora-affinity", 1.0)),
+    filters=("bounded-load", "session-affinity"),
     picker="least-ttft",
     seconds=True,
     reason=REASON_TTFT,
     doc="the least expected time to first token (queue wait + prefill of what the endpoint "
-    "does not hold), under a bounded load; precise from KV events where known",
+    "does not hold + loading the request's LoRA adapter), under a bounded load; a session "
+    "stays on its endpoint while that is under the cap; precise from KV events where known",
 )
 
 
@@ -692,7 +709,12 @@ class ScoringPicker(ProfilePicker):
     ) -> None:
         self.model = TtftModel(config, clock=clock)
         self.config = self.model.config
-        parts = ttft_parts(self.model, precise)
+        parts = {
+            **ttft_parts(self.model, precise),
+            **affinity_parts(
+                self.config.lora_load_s, self.config.session_ttl_s, self.config.max_sessions
+            ),
+        }
         super().__init__(profile, parts, clock=clock, hooks=[self.model])
 
     def index(self, address: str) -> PrefixIndex | None:

@@ -117,12 +117,22 @@ class RouterConfig:
     tokenizer: str = "auto"
     #: OTLP/HTTP collector for the picks' spans (docs/tracing.md); empty: no tracing
     otlp_endpoint: str = ""
+    # -- affinity (issue 35.6; docs/routing.md "Affinity: LoRA adapters and sessions") --
+    #: the request header naming a session (None: no session affinity)
+    session_header: str | None = None
+    session_ttl_s: float = _SCORING.session_ttl_s
+    #: seconds one LoRA adapter load costs in the default profile
+    lora_load_s: float = _SCORING.lora_load_s
 
     def scoring(self) -> ScoringConfig:
         """The scoring picker's parameters; metrics count as fresh for four scrape periods."""
         stale = max(_SCORING.stale_after_s, 4 * self.scrape_interval_s)
         return ScoringConfig(
-            default_rate=self.default_prefill_rate, epsilon=self.epsilon, stale_after_s=stale
+            default_rate=self.default_prefill_rate,
+            epsilon=self.epsilon,
+            stale_after_s=stale,
+            session_ttl_s=self.session_ttl_s,
+            lora_load_s=self.lora_load_s,
         )
 
 
@@ -176,6 +186,7 @@ class RouterServer:
             tokenizer=self.tokenization,
             tracer=tracer,
         )
+        self.service.session_header = config.session_header  # affinity (issue 35.6)
         self.health = HealthService(lambda: self.pool.synced)
         self.scraper: MetricsScraper | None = None
         self.discovery: KubeDiscovery | None = None

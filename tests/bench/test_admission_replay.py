@@ -23,6 +23,7 @@ from cachefleet_bench.admission_replay import (
 TRACE_FILE = DEFAULT_TRACE
 FIELDS = {
     "mode",
+    "guaranteed_misses",
     "guaranteed_ttft_p95",
     "guaranteed_ttft_p95_unloaded",
     "besteffort_shed_share",
@@ -58,6 +59,7 @@ def test_class_aware_sheds_besteffort_never_a_hit_and_protects_guaranteed() -> N
 
 def test_classes_follow_conversations_in_the_intended_shares() -> None:
     reqs = load_trace(TRACE_FILE)
+    # on the synthetic trace no block is shared by many conversations: the first one names it
     by_first = {r.blocks[0]: r.cls for r in reqs}
     assert all(r.cls == by_first[r.blocks[0]] for r in reqs)  # a conversation keeps its class
     shares = {

@@ -85,12 +85,14 @@ def test_the_admission_rows_come_with_the_routing_rows(payload: dict[str, Any]) 
     for row in rows.values():
         assert set(row) == {
             "mode",
+            "guaranteed_misses",
             "guaranteed_ttft_p95",
             "guaranteed_ttft_p95_unloaded",
             "besteffort_shed_share",
             "hits_refused",
         }
         assert row["hits_refused"] == 0
+        assert row["guaranteed_misses"] > 0
     assert rows["fifo"]["besteffort_shed_share"] == 0.0
     assert rows["class-aware"]["besteffort_shed_share"] > 0.0
     assert rows["class-aware"]["guaranteed_ttft_p95"] <= rows["fifo"]["guaranteed_ttft_p95"]

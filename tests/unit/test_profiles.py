@@ -77,17 +77,44 @@ def test_round_robin_takes_each_endpoint_in_turn() -> None:
 
 
 def test_least_loaded_counts_requests_in_flight_until_done() -> None:
+    """Envoy's two choices: the in-flight counts stay within a few of each other, and an
+    endpoint whose requests are done is drawn back in."""
     picker = build("least-loaded")
-    endpoints = fleet(2)
-    first = picker.pick(RouteRequest(), endpoints)
-    second = picker.pick(RouteRequest(), endpoints)
-    assert first is not None
-    assert second is not None
-    assert (first.address, second.address) == (endpoints[0].address, endpoints[1].address)
-    picker.done(second, RouteRequest(), ok=True)
-    third = picker.pick(RouteRequest(), endpoints)
-    assert third is not None
-    assert third.address == endpoints[1].address
+    endpoints = fleet(4)
+    counts = dict.fromkeys((e.address for e in endpoints), 0)
+    flying = []
+    for _ in range(400):
+        d = picker.pick(RouteRequest(), endpoints)
+        assert d is not None
+        assert d.reason == "least-loaded"
+        counts[d.address] += 1
+        flying.append(d)
+    assert max(counts.values()) - min(counts.values()) <= 3
+    first = endpoints[0].address
+    for d in flying:  # everything on the first endpoint is done: it is the least loaded
+        if d.address == first:
+            picker.done(d, RouteRequest(), ok=True)
+    after = [picker.pick(RouteRequest(), endpoints) for _ in range(40)]
+    # drawn 7 times in 16 (and then always the least loaded), against 1 in 4 without the done
+    assert sum(1 for d in after if d is not None and d.address == first) >= 13
+
+
+def test_two_choices_draws_two_at_random_and_keeps_the_first_on_a_tie() -> None:
+    """Envoy's N_CHOICES with choice_count 2: P(the cheapest of 4) = 1 - (3/4)^2 = 7/16,
+    P(the dearest) = 1/16; all equal: uniform."""
+    from cachefleet_router.profiles import TwoChoices
+    from cachefleet_router.schedule import Candidate, Cycle
+
+    chooser = TwoChoices(seed=1)
+    cycle = Cycle(RouteRequest(), now=0.0)
+    ranked = [Candidate(e, cost=float(i)) for i, e in enumerate(fleet(4))]
+    picks = [chooser.choose(cycle, ranked).cost for _ in range(8000)]
+    assert picks.count(0.0) / len(picks) == pytest.approx(7 / 16, abs=0.02)
+    assert picks.count(3.0) / len(picks) == pytest.approx(1 / 16, abs=0.01)
+    equal = [Candidate(e) for e in fleet(4)]
+    chosen = [chooser.choose(cycle, equal).endpoint.address for _ in range(8000)]
+    for e in fleet(4):
+        assert chosen.count(e.address) / len(chosen) == pytest.approx(0.25, abs=0.02)
 
 
 def test_gie_like_weighs_prefix_3_against_queue_2_and_kv_cache_2() -> None:

@@ -45,6 +45,20 @@ backend, ``trtllm`` for ``trtllm-serve``):
 * KV capacity: blocks (``kv_cache_block_type=max``, ``trtllm_kv_cache_max_blocks``)
   times tokens per block (``kv_cache_block_type=tokens_per``,
   ``trtllm_kv_cache_tokens_per_block``).
+
+LoRA adapters (vLLM with ``--enable-lora``; the router's ``lora-affinity`` scorer), from
+``vllm:lora_requests_info``: a gauge whose labels ``running_lora_adapters`` and
+``waiting_lora_adapters`` list the adapters of the running and waiting requests
+(comma-separated) and ``max_lora`` the adapters a batch holds at most. vLLM
+sets a new label set to the current time whenever the lists change and never
+removes the old ones, so the series with the greatest value is the current
+one; as in the Gateway API Inference Extension's reading
+(``pkg/epp/backend/metrics``, ``getLatestLoraMetric``), series whose lists are
+both empty are skipped (an idle server still holds the adapters it last ran).
+The base model's name is the ``model_name`` label of
+``vllm:num_requests_waiting`` (a request naming it needs no adapter). These
+fields stay ``None`` where the series are not exported, and nothing else
+depends on them.
 """
 
 from __future__ import annotations
@@ -82,6 +96,13 @@ class ModelServerMetrics:
     kv_capacity_tokens: int | None = None
     #: which server family the names came from: ``vllm``, ``sglang``, ``triton``, ``trtllm``
     server: str = ""
+    #: LoRA adapters of the running / waiting requests, and the most a batch holds
+    #: (``vllm:lora_requests_info``; None: LoRA not enabled, or not vLLM)
+    lora_running: frozenset[str] | None = None
+    lora_waiting: frozenset[str] | None = None
+    lora_max: int | None = None
+    #: the base model's served name (vLLM's ``model_name`` label), when exported
+    model_name: str | None = None
 
 
 #: series name -> (field, server); summed over label sets
@@ -130,6 +151,10 @@ _BY_LABEL: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
 #: gauges that are ratios or capacities: averaged / taken once, not summed
 _NOT_SUMMED = frozenset({"kv_usage", "prefix_hit_ratio", "kv_capacity_tokens", "_block_tokens"})
 _VLLM_CACHE_INFO = "vllm:cache_config_info"
+_VLLM_LORA_INFO = "vllm:lora_requests_info"
+_VLLM_WAITING = "vllm:num_requests_waiting"
+#: adapters read per list at most (an answer is not trusted: memory stays bounded)
+MAX_LORA_ADAPTERS = 1024
 _PREFIXES = ("vllm:", "sglang:", "nv_trt_llm_", "trtllm_")
 #: Largest number a field takes (2**53: every integer below it is exact as a float). A
 #: model server's answer is not trusted: each value, and each field's sum over label
@@ -159,6 +184,12 @@ def _small_int(text: str | None) -> int | None:
     return None
 
 
+def _adapters(listed: str) -> frozenset[str]:
+    """The adapter names of a comma-separated label value (at most MAX_LORA_ADAPTERS)."""
+    names = (n.strip() for n in listed.split(",", MAX_LORA_ADAPTERS))
+    return frozenset(n for n in names if n and len(n) <= 256)
+
+
 def _clamped(value: float) -> float:
     return min(MAX_VALUE, max(-MAX_VALUE, value))
 
@@ -174,6 +205,9 @@ def parse_metrics(text: str) -> ModelServerMetrics:
     counts: dict[str, int] = {}
     server = ""
     capacity: int | None = None
+    #: (value, running, waiting, max_lora) of the current vllm:lora_requests_info series
+    lora: tuple[float, str, str, int | None] | None = None
+    model_name: str | None = None
     for raw in text.splitlines():
         if not raw.startswith(_PREFIXES):
             continue
@@ -204,6 +238,21 @@ def parse_metrics(text: str) -> ModelServerMetrics:
                 capacity = min(int(MAX_VALUE), blocks * size)
                 server = server or "vllm"
             continue
+        if name == _VLLM_LORA_INFO:
+            running = _label(labels, "running_lora_adapters") or ""
+            waiting = _label(labels, "waiting_lora_adapters") or ""
+            series = (value, running, waiting, _small_int(_label(labels, "max_lora")))
+            # the newest series that names an adapter; an empty one only when there is none
+            newer = lora is None or (bool(running or waiting), value) > (
+                bool(lora[1] or lora[2]),
+                lora[0],
+            )
+            if newer:
+                lora = series
+            continue
+        if name == _VLLM_WAITING and model_name is None:
+            named = _label(labels, "model_name")
+            model_name = named if named and len(named) <= 256 else None
         known = _SERIES.get(name)
         if known is None and name in _BY_LABEL:
             label, fields = _BY_LABEL[name]
@@ -232,6 +281,10 @@ def parse_metrics(text: str) -> ModelServerMetrics:
             setattr(out, field, value)
     if capacity is not None:
         out.kv_capacity_tokens = capacity
+    if lora is not None:
+        out.lora_running, out.lora_waiting = _adapters(lora[1]), _adapters(lora[2])
+        out.lora_max = lora[3]
+    out.model_name = model_name
     out.kv_usage = min(1.0, max(0.0, out.kv_usage))
     return out
 
