@@ -13,7 +13,7 @@ from pathlib import Path
 from cachefleet_bench import decision as bench
 from cachefleet_bench.__main__ import BENCHMARKS
 
-TINY = Path(__file__).resolve().parents[1] / "router" / "data" / "vllm" / "tiny"
+TINY = Path(__file__).resolve().parents[1] / "data" / "vllm" / "tiny"
 
 
 def test_decision_bench_smoke(tmp_path: Path) -> None:

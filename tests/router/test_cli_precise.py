@@ -12,7 +12,7 @@ from cachefleet_router.schedule import ProfilePicker
 from cachefleet_router.scoring import ScoringPicker
 from cachefleet_router.server import RouterServer
 
-TINY = Path(__file__).parent / "data" / "vllm" / "tiny"
+TINY = Path(__file__).parents[1] / "data" / "vllm" / "tiny"
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ from cachefleet_router.tokens import LocalBackend
 
 from .conftest import Gateway, Mode, body_message, headers_message
 
-TINY = Path(__file__).parent / "data" / "vllm" / "tiny"
+TINY = Path(__file__).parents[1] / "data" / "vllm" / "tiny"
 BLOCK = 16
 DEADLINE_S = 10.0
 HEADERS = {":method": "POST", ":path": "/v1/chat/completions"}

@@ -20,7 +20,7 @@ from cachefleet_router.tokens import (
     make_tokenization,
 )
 
-DATA = Path(__file__).parent / "data" / "vllm"
+DATA = Path(__file__).parents[1] / "data" / "vllm"
 CHAT = json.loads((DATA / "tokenize_messages.json").read_text())
 PROMPT = json.loads((DATA / "tokenize_prompt.json").read_text())
 

@@ -1,4 +1,4 @@
-"""The router's decoders against what a real vLLM 0.32 server sent (tests/router/data/vllm)."""
+"""The router's decoders against what a real vLLM 0.32 server sent (tests/data/vllm)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from cachefleet_router.kvindex import KvIndex
 from cachefleet_router.tokens import tokens_from_answer
 from cachefleet_sidecar.adapt.modelserver import vllm_cache_config
 
-DATA = Path(__file__).parent / "data" / "vllm"
+DATA = Path(__file__).parents[1] / "data" / "vllm"
 
 
 def load(name: str) -> Any:
