@@ -7,12 +7,12 @@ and a test runs under them.
 from __future__ import annotations
 
 #: Commands a sidecar sends (connection set-up, L2 scripts, control sync, heartbeats,
-#: the rate limits counting live pods).
+#: the rate limits counting live pods, the warm-up sizing values before it reads them).
 SIDECAR_COMMANDS = (
     "+hello", "+auth", "+ping", "+select", "+client|setname",
     "+readonly", "+cluster|slots", "+cluster|shards", "+cluster|nodes",
     "+eval", "+evalsha", "+script|load",
-    "+get", "+mget", "+hget", "+hmget", "+hgetall", "+hset", "+hdel", "+sadd", "+smembers",
+    "+get", "+mget", "+strlen", "+hget", "+hmget", "+hgetall", "+hset", "+hdel", "+sadd", "+smembers",
     "+zrangebyscore", "+zcount", "+zrem", "+del",
     "+publish", "+spublish", "+subscribe", "+unsubscribe", "+ssubscribe", "+sunsubscribe",
     "+xadd",
