@@ -124,7 +124,8 @@ def test_status_names_each_limit_by_its_spec_field() -> None:
     assert status.tenants is not None
     assert status.tenants[0].limits == TenantLimitsUsage.model_validate(doc)
     old = InferenceCacheStatus.model_validate({"tenants": [tenant]})
-    assert old.tenants is not None and old.tenants[0].limits is None
+    assert old.tenants is not None
+    assert old.tenants[0].limits is None
 
 
 def test_only_tenants_with_limits_are_read() -> None:

@@ -279,8 +279,7 @@ def limits_text(cells: Sequence[LimitCell]) -> str:
     if not cells:
         return NONE
     return ", ".join(
-        f"{LIMIT_LABELS[c.limit_name]} {human_count(c.used)}/{human_count(c.limit)}"
-        for c in cells
+        f"{LIMIT_LABELS[c.limit_name]} {human_count(c.used)}/{human_count(c.limit)}" for c in cells
     )
 
 
@@ -295,9 +294,7 @@ def _limit_cells(status: TenantStatus) -> list[LimitCell]:
         ("tokensPerDay", usage.tokens_per_day),
     ):
         if part is not None:
-            cells.append(
-                LimitCell(name, part.limit, part.used, part.remaining, part.reset_seconds)
-            )
+            cells.append(LimitCell(name, part.limit, part.used, part.remaining, part.reset_seconds))
     return cells
 
 
