@@ -19,6 +19,7 @@ from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.publisher import RedisControlPlane
 from cachefleet_operator.reconcile import Reconciler, limits_usage
+from cachefleet_sidecar.contract.acls import operator_acl
 from cachefleet_sidecar.contract.clients import redis_from_url
 from cachefleet_sidecar.contract.lua import RATE_LIMIT_LUA
 from cachefleet_sidecar.contract.names import cache_ref, rate_limit_key
@@ -144,3 +145,27 @@ async def test_the_operator_reads_the_scripts_buckets_on_standalone_and_cluster(
     for field, remaining in said.items():
         assert remaining <= read[field]["remaining"] <= remaining + refill, (field, read, gap)
     assert read["requestsPerMinute"]["used"] == 6 - read["requestsPerMinute"]["remaining"]
+
+
+async def test_the_operators_acl_user_may_read_the_buckets(redis_url: str) -> None:
+    """Under the least-privilege rules of docs/security.md (TIME and HMGET are the
+    operator's), nothing is refused."""
+    admin = redis_from_url(redis_url)
+    password = "operator-pw-5d1a"
+    try:
+        await admin.execute_command(
+            "ACL", "SETUSER", "cf-operator", "reset", "on", f">{password}", *operator_acl()
+        )
+        await admin.execute_command("ACL", "LOG", "RESET")
+        key = rate_limit_key(cache_ref(NAMESPACE, NAME), "tenant-a")
+        await admin.hset(key, mapping={"r": "5.000"})
+        user_url = redis_url.replace("redis://", f"redis://cf-operator:{password}@", 1)
+        now_ms, tats = await RedisControlPlane(user_url).rate_limit_state(
+            cache_ref(NAMESPACE, NAME), ["tenant-a"]
+        )
+        assert tats == {"tenant-a": [5.0, 0.0, 0.0]}
+        assert now_ms > 0
+        assert await admin.execute_command("ACL", "LOG") == []
+    finally:
+        await admin.execute_command("ACL", "DELUSER", "cf-operator")
+        await admin.aclose()
