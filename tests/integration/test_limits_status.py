@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
 
 from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_operator.publisher import RedisControlPlane
+from cachefleet_operator.publisher import ControlPlaneUnavailable, RedisControlPlane
 from cachefleet_operator.reconcile import Reconciler, limits_usage
 from cachefleet_sidecar.contract.acls import operator_acl
 from cachefleet_sidecar.contract.clients import redis_from_url
@@ -169,3 +170,28 @@ async def test_the_operators_acl_user_may_read_the_buckets(redis_url: str) -> No
     finally:
         await admin.execute_command("ACL", "DELUSER", "cf-operator")
         await admin.aclose()
+
+
+class BucketsUnreadable(RedisControlPlane):
+    """Publishes as usual; reading the buckets fails."""
+
+    async def rate_limit_state(
+        self, cache: str, tenants: Iterable[str]
+    ) -> tuple[float, dict[str, list[float]]]:
+        raise ControlPlaneUnavailable("buckets unreadable")
+
+
+async def test_buckets_that_cannot_be_read_leave_the_usage_out_never_a_fault(
+    redis_url: str,
+) -> None:
+    reconciler = Reconciler(
+        metrics_source=FakeMetrics().factory,
+        metrics=OperatorMetrics(),
+        control_plane=BucketsUnreadable,
+    )
+    outcome = await reconciler.reconcile(NAMESPACE, NAME, 1, spec(redis_url), {})
+    assert (outcome.result, outcome.failure) == ("ok", None)
+    assert outcome.applied
+    assert "limits" not in tenant(outcome.status, "tenant-a")
+    degraded = next(c for c in outcome.status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "False"
