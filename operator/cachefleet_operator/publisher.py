@@ -1,6 +1,8 @@
-"""Publishing quotas to the sidecars and reading their membership (Redis adapter).
+"""Publishing quotas to the sidecars, reading their membership and rate limits (Redis adapter).
 
-Thin: every key, script and message comes from :mod:`cachefleet_sidecar.contract`.
+Thin: every key, script and message comes from :mod:`cachefleet_sidecar.contract`
+(the rate limits' hash fields from :mod:`cachefleet_sidecar.tenancy.limits`, beside
+the arithmetic that reads them).
 A client is opened per operation with named timeouts and closed after it, so
 a cache whose Redis is down costs nothing between attempts. Every Redis or
 network failure becomes :class:`ControlPlaneUnavailable`.
@@ -110,7 +112,7 @@ class RedisControlPlane:
     ) -> tuple[float, dict[str, list[float]]]:
         """The rate limits' state as the sidecars' script keeps it: Redis's own clock (the
         script's, so the operator's does not matter) and each tenant's bucket arrival
-        times, seconds (a tenant without a key: full buckets, 0)."""
+        times, in milliseconds as the script counts (a tenant without a key: 0, full)."""
         async with self._client() as client:
             clock = await client.time()
             if isinstance(clock, dict):  # a cluster may answer per node: any one will do

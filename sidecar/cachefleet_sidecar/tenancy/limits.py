@@ -22,8 +22,9 @@ The same arithmetic runs in Redis, fleet-wide
 Redis cannot be reached (each pod then enforces ``limit / live pods``,
 :meth:`TenantLimits.share`). The operator reads the script's state and
 reports where each bucket stands (:func:`usage`, the headers' arithmetic) in
-the InferenceCache status. Times here are seconds; the script's are
-milliseconds. Pure: no I/O.
+the InferenceCache status. Times here are seconds, the script's
+milliseconds; :func:`usage` reads the script's state in its milliseconds.
+Pure: no I/O.
 """
 
 from __future__ import annotations
