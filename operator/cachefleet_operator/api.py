@@ -1020,6 +1020,34 @@ class SavingsStatus(_Observed):
     )
 
 
+class LimitUsage(_Observed):
+    """One of a tenant's limits and where its bucket stands (the x-ratelimit-* arithmetic)."""
+
+    limit: int = Field(description="The limit (spec.tenants[].limits).")
+    used: int = Field(
+        description=(
+            "What the bucket holds that has not refilled yet (limit - remaining): about what "
+            "the tenant spent over the last period, fleet-wide."
+        )
+    )
+    remaining: int = Field(description="What the tenant may still spend now.")
+    reset_seconds: float = Field(description="Seconds until the bucket is full again.")
+
+
+class TenantLimitsUsage(_Observed):
+    """A tenant's usage against each limit it states, fleet-wide (docs/rate-limits.md)."""
+
+    requests_per_minute: LimitUsage | None = Field(
+        default=None, description="Requests to the model server per minute."
+    )
+    tokens_per_minute: LimitUsage | None = Field(
+        default=None, description="Prompt + completion tokens per minute."
+    )
+    tokens_per_day: LimitUsage | None = Field(
+        default=None, description="Prompt + completion tokens per day."
+    )
+
+
 class TenantStatus(_Observed):
     """A tenant's current allocation and SLA attainment."""
 
@@ -1042,6 +1070,13 @@ class TenantStatus(_Observed):
     )
     savings: SavingsStatus | None = Field(
         default=None, description="What the tenant's cache hits saved over the window."
+    )
+    limits: TenantLimitsUsage | None = Field(
+        default=None,
+        description=(
+            "Usage against spec.tenants[].limits, read from the sidecars' buckets in Redis at "
+            "lastRebalanceTime; empty without limits or when Redis could not be read."
+        ),
     )
 
 

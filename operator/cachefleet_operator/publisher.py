@@ -1,6 +1,8 @@
-"""Publishing quotas to the sidecars and reading their membership (Redis adapter).
+"""Publishing quotas to the sidecars, reading their membership and rate limits (Redis adapter).
 
-Thin: every key, script and message comes from :mod:`cachefleet_sidecar.contract`.
+Thin: every key, script and message comes from :mod:`cachefleet_sidecar.contract`
+(the rate limits' hash fields from :mod:`cachefleet_sidecar.tenancy.limits`, beside
+the arithmetic that reads them).
 A client is opened per operation with named timeouts and closed after it, so
 a cache whose Redis is down costs nothing between attempts. Every Redis or
 network failure becomes :class:`ControlPlaneUnavailable`.
@@ -8,7 +10,7 @@ network failure becomes :class:`ControlPlaneUnavailable`.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager, suppress
 from typing import Protocol
 
@@ -16,8 +18,14 @@ from redis.exceptions import RedisError
 
 from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url
 from cachefleet_sidecar.contract.messages import Heartbeat, QuotaAssignment
-from cachefleet_sidecar.contract.names import control_prefix, tenant_data_pattern, tombstone_key
+from cachefleet_sidecar.contract.names import (
+    control_prefix,
+    rate_limit_key,
+    tenant_data_pattern,
+    tombstone_key,
+)
 from cachefleet_sidecar.contract.ops import bury, live_members, publish_quotas, read_fleet_batches
+from cachefleet_sidecar.tenancy.limits import STATE_FIELDS, tats_of_fields
 
 #: Connect and per-command timeouts of the operator's Redis clients, seconds.
 REDIS_CONNECT_TIMEOUT_S = 2.0
@@ -45,6 +53,12 @@ class ControlPlane(Protocol):
 
     async def fleet_batches(self, cache: str, after: str | None) -> tuple[list[bytes], str | None]:
         """Fleet-sample batches after stream id ``after``, and the last id read."""
+        ...
+
+    async def rate_limit_state(
+        self, cache: str, tenants: Iterable[str]
+    ) -> tuple[float, dict[str, list[float]]]:
+        """Redis's clock and each tenant's bucket arrival times, milliseconds."""
         ...
 
 
@@ -92,6 +106,24 @@ class RedisControlPlane:
         """The fleet-sample batches the sidecars wrote after stream id ``after`` (bounded)."""
         async with self._client() as client:
             return await read_fleet_batches(client, cache, after)
+
+    async def rate_limit_state(
+        self, cache: str, tenants: Iterable[str]
+    ) -> tuple[float, dict[str, list[float]]]:
+        """The rate limits' state as the sidecars' script keeps it: Redis's own clock (the
+        script's, so the operator's does not matter) and each tenant's bucket arrival
+        times, in milliseconds as the script counts (a tenant without a key: 0, full)."""
+        async with self._client() as client:
+            clock = await client.time()
+            if isinstance(clock, dict):  # a cluster may answer per node: any one will do
+                clock = next(iter(clock.values()))
+            seconds, micros = clock
+            now_ms = int(seconds) * 1000 + int(micros) // 1000  # as the script reads it
+            tats = {}
+            for tenant in tenants:  # each tenant's key is in its own slot
+                values = await client.hmget(rate_limit_key(cache, tenant), list(STATE_FIELDS))
+                tats[tenant] = tats_of_fields(values)
+            return now_ms, tats
 
     async def delete_cache_state(self, cache: str, uid: str = "") -> int:
         """Remove the cache's control keys and its tenants' L2 data; returns keys removed.

@@ -18,6 +18,12 @@ up even when it took longer). Every reconcile also merges the epochs of the
 status back into Redis (max only), so a Redis that restarted without
 persistence never goes back to older epochs.
 
+Rate limits: every reconcile that publishes also reads the buckets the
+sidecars keep for each tenant with ``limits`` (on Redis's clock) and writes
+``status.tenants[].limits``: each limit, used, remaining, seconds to full
+(:func:`limits_usage`, the arithmetic of the sidecars' ``x-ratelimit-*``
+headers). A failed read leaves the usage out, never a fault.
+
 Fault policy: Prometheus unreachable or without data -> the last allocation
 is kept (or a class-based one on first sight), ``Degraded``; Redis
 unreachable -> nothing new is recorded as in force, ``Ready=False``,
@@ -56,6 +62,7 @@ from cachefleet_operator.api import (
     ConditionStatus,
     InferenceCacheSpec,
     InferenceCacheStatus,
+    LimitUsage,
     ObservedMetrics,
     RedisEndpoint,
     RoutingStatus,
@@ -64,6 +71,7 @@ from cachefleet_operator.api import (
     SidecarStatus,
     SpecError,
     TenantLimitsSpec,
+    TenantLimitsUsage,
     TenantSpec,
     TenantStatus,
     listed_l1_bytes,
@@ -98,6 +106,7 @@ from cachefleet_operator.outcome import (
 )
 from cachefleet_operator.pressure import TenantPressure, slo_pressure
 from cachefleet_operator.publisher import (
+    ControlPlane,
     ControlPlaneFactory,
     ControlPlaneUnavailable,
     redis_control_plane,
@@ -107,6 +116,7 @@ from cachefleet_sidecar.contract.messages import QuotaAssignment, RateLimits, Te
 from cachefleet_sidecar.contract.names import Policy, cache_ref
 from cachefleet_sidecar.contract.ops import read_epochs, restore_epochs
 from cachefleet_sidecar.epochs import model_scope
+from cachefleet_sidecar.tenancy.limits import BUCKETS, TenantLimits, usage
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +358,35 @@ def _limits(tenant: TenantSpec) -> RateLimits | None:
     )
 
 
+def tenant_limits(spec: InferenceCacheSpec) -> dict[str, TenantLimits]:
+    """The tenants of ``spec`` that state limits, and their limits."""
+    out = {}
+    for t in spec.tenants:
+        limits = _limits(t)
+        if limits is not None:
+            out[t.name] = TenantLimits(
+                limits.requests_per_minute, limits.tokens_per_minute, limits.tokens_per_day
+            )
+    return out
+
+
+def limits_usage(limits: TenantLimits, tats_ms: list[float], now_ms: float) -> TenantLimitsUsage:
+    """``status.tenants[].limits``: each stated limit against its bucket at ``now_ms``, by
+    the arithmetic of the sidecars' ``x-ratelimit-*`` headers (``tats_ms``, ``now_ms``:
+    milliseconds on Redis's clock, the script's)."""
+    field_of = {name: field for name, field, _ in BUCKETS}
+    parts = {
+        field_of[b.name]: LimitUsage(
+            limit=b.limit,
+            used=b.used,
+            remaining=b.remaining,
+            reset_seconds=round(b.reset_s, 3),
+        )
+        for b in usage(tats_ms, now_ms, limits)
+    }
+    return TenantLimitsUsage.model_validate(parts)
+
+
 def _semantic(tenant: TenantSpec) -> SemanticSpec:
     """A tenant's L3 settings (no ``semantic`` block: the sidecar's default, off unless set)."""
     return tenant.semantic or SemanticSpec()
@@ -397,6 +436,7 @@ def _tenant_status(
     allocation: Allocation,
     saved: Mapping[str, Mapping[str, float]] | None = None,
     currency: str | None = None,
+    limits: Mapping[str, TenantLimitsUsage] | None = None,
 ) -> list[TenantStatus]:
     out = []
     for i, t in enumerate(allocation.tenants):
@@ -426,6 +466,7 @@ def _tenant_status(
                 savings=None
                 if saved is None
                 else savings_status([saved.get(t.name, {})], currency),
+                limits=(limits or {}).get(t.name),
             )
         )
     return out
@@ -533,6 +574,26 @@ def reach_evidence(
                 continue
         out.add(t.name)
     return out
+
+
+async def _read_limits_usage(
+    plane: ControlPlane, cache: str, spec: InferenceCacheSpec
+) -> dict[str, TenantLimitsUsage] | None:
+    """Each limited tenant's usage against its limits, from the buckets the sidecars
+    keep in Redis; None when there are none or they could not be read (never a fault:
+    the quotas were published, the usage is only shown)."""
+    limited = tenant_limits(spec)
+    if not limited:
+        return None
+    try:
+        now_ms, tats = await plane.rate_limit_state(cache, sorted(limited))
+    except (ControlPlaneUnavailable, RedisError, OSError) as exc:
+        log.debug("%s: rate-limit usage not read: %s", cache, exc)
+        return None
+    return {
+        tenant: limits_usage(limits, tats.get(tenant, [0.0, 0.0, 0.0]), now_ms)
+        for tenant, limits in limited.items()
+    }
 
 
 class ReachWarnings:
@@ -746,6 +807,7 @@ class Reconciler:
             quota_generation += 1
         published = False
         sidecars: SidecarStatus | None = previous.sidecars
+        usage_by_tenant: dict[str, TenantLimitsUsage] | None = None
         epoch_status: dict[str, Any] = {}
         epoch_events: list[Event] = []
         try:
@@ -761,6 +823,7 @@ class Reconciler:
                 )
             published = stored == quota_generation
             members = await plane.live_members(cache)
+            usage_by_tenant = await _read_limits_usage(plane, cache, spec)
             epoch_status, epochs_in_sync, epoch_events = await self._epochs(
                 url, cache, spec, previous
             )
@@ -807,7 +870,7 @@ class Reconciler:
                 sla_attainment=attainment,
                 saved_model_hours=saved_model_hours(saved),
                 savings=None if saved is None else savings_status(saved.values(), currency),
-                tenants=_tenant_status(allocation, saved, currency),
+                tenants=_tenant_status(allocation, saved, currency, usage_by_tenant),
                 sidecars=sidecars,
             )
             status.update(state.wire())

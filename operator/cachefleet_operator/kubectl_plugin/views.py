@@ -9,7 +9,9 @@ look: upper-case headers, columns padded) and documents for ``-o json|yaml``.
 
 Savings: a tenant's ``savings`` mapping in the status (and the cache's
 ``status.savings``) is shown as it is, one column per number, and only when
-the status has it.
+the status has it. Rate limits: a tenant's ``limits`` (usage against each
+limit, fleet-wide, as the operator last read it) is one LIMITS column,
+``req/min 87/120, tok/min 4.1k/10k``, only when some tenant has limits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cachefleet_operator.api import (
     InferenceCacheStatus,
     InvalidationPhase,
     SpecError,
+    TenantStatus,
     parse_spec,
     unlisted_l1_bytes,
     unlisted_l2_bytes,
@@ -51,6 +54,22 @@ def human_bytes(n: int | None) -> str:
                 return f"{int(value)}"
             return f"{value:.1f}{unit}".replace(".0" + unit, unit)
         value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(n: int | None) -> str:
+    """``4100`` -> ``4.1k``, ``10000`` -> ``10k``, ``1000000`` -> ``1M`` (decimal units:
+    requests and tokens)."""
+    if n is None:
+        return NONE
+    value = float(n)
+    if abs(value) < 1000:
+        return f"{int(value)}"
+    for unit in ("k", "M", "G", "T"):
+        value /= 1000
+        text = f"{value:.1f}" if abs(value) < 9.95 else f"{value:.0f}"
+        if abs(float(text)) < 1000 or unit == "T":
+            return text.removesuffix(".0") + unit
     raise AssertionError("unreachable")
 
 
@@ -231,6 +250,52 @@ class TenantRow:
     sla_met: bool | None
     reason: str
     savings: dict[str, float] = field(default_factory=dict)
+    #: Usage against each stated limit (``status.tenants[].limits``), in spec order.
+    limits: list[LimitCell] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LimitCell:
+    """One of a tenant's limits and its usage, fleet-wide, at the last reconcile."""
+
+    #: The spec's field: ``requestsPerMinute``, ``tokensPerMinute``, ``tokensPerDay``.
+    limit_name: str
+    limit: int
+    used: int
+    remaining: int
+    reset_seconds: float
+
+
+#: How the LIMITS column names each limit.
+LIMIT_LABELS = {
+    "requestsPerMinute": "req/min",
+    "tokensPerMinute": "tok/min",
+    "tokensPerDay": "tok/day",
+}
+
+
+def limits_text(cells: Sequence[LimitCell]) -> str:
+    """The LIMITS cell: ``req/min 87/120, tok/min 4.1k/10k, tok/day 12k/1M`` (used/limit)."""
+    if not cells:
+        return NONE
+    return ", ".join(
+        f"{LIMIT_LABELS[c.limit_name]} {human_count(c.used)}/{human_count(c.limit)}" for c in cells
+    )
+
+
+def _limit_cells(status: TenantStatus) -> list[LimitCell]:
+    usage = status.limits
+    if usage is None:
+        return []
+    cells = []
+    for name, part in (
+        ("requestsPerMinute", usage.requests_per_minute),
+        ("tokensPerMinute", usage.tokens_per_minute),
+        ("tokensPerDay", usage.tokens_per_day),
+    ):
+        if part is not None:
+            cells.append(LimitCell(name, part.limit, part.used, part.remaining, part.reset_seconds))
+    return cells
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +432,7 @@ def cache_view(
             sla_met=t.sla_met,
             reason=t.reason,
             savings=_numbers(raw_tenants.get(t.name, {}).get("savings")),
+            limits=_limit_cells(t),
         )
         for t in status.tenants or []
     ]
@@ -414,12 +480,16 @@ def _savings_columns(views: Sequence[CacheView]) -> list[str]:
 
 
 def tenant_table(view: CacheView, wide: bool = False) -> str:
-    """The per-tenant table of ``status``; savings columns only when the status has them."""
+    """The per-tenant table of ``status``; savings and limits columns only when the
+    status has them."""
     saved = _savings_columns([view])
+    limited = any(t.limits for t in view.tenants)
     headers = ["TENANT", "CLASS", "SHARE", "L1/POD", "L2", "HIT RATIO", "SLA"]
     if wide:
         headers[5:5] = ["WEIGHT"]
         headers += ["P95", "RPS"]
+    if limited:
+        headers.append("LIMITS (USED/LIMIT)")
     headers += [f"SAVED {_words(k)}" for k in saved]
     if wide:
         headers.append("REASON")
@@ -440,6 +510,8 @@ def tenant_table(view: CacheView, wide: bool = False) -> str:
                 NONE if t.p95_seconds is None else f"{t.p95_seconds:.3f}s",
                 NONE if t.rps is None else f"{t.rps:.1f}",
             ]
+        if limited:
+            row.append(limits_text(t.limits))
         row += [_number(t.savings[k]) if k in t.savings else NONE for k in saved]
         if wide:
             row.append(t.reason)
@@ -532,6 +604,8 @@ def status_document(views: Sequence[CacheView]) -> dict[str, Any]:
         for t in doc["tenants"]:
             if not t["savings"]:
                 t.pop("savings")
+            if not t["limits"]:
+                t.pop("limits")
         items.append(doc)
     return {"kind": "InferenceCacheStatusList", "items": items}
 

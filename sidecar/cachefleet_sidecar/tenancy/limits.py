@@ -20,14 +20,18 @@ either direction (:func:`gcra` with ``force``).
 The same arithmetic runs in Redis, fleet-wide
 (:data:`cachefleet_sidecar.contract.lua.RATE_LIMIT_LUA`), and in process when
 Redis cannot be reached (each pod then enforces ``limit / live pods``,
-:meth:`TenantLimits.share`). Times here are seconds; the script's are
-milliseconds. Pure: no I/O.
+:meth:`TenantLimits.share`). The operator reads the script's state and
+reports where each bucket stands (:func:`usage`, the headers' arithmetic) in
+the InferenceCache status. Times here are seconds, the script's
+milliseconds; :func:`usage` reads the script's state in its milliseconds.
+Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,9 @@ CHARS_PER_TOKEN = 4
 #: Header names per bucket: OpenAI's for requests and tokens per minute; cachefleet's
 #: own ``-tokens-day`` trio for the daily budget (OpenAI has none).
 HEADER_SUFFIX = {"requests": "requests", "tokens": "tokens", "tokens_per_day": "tokens-day"}
+#: The fields of the tenant's hash (:func:`~cachefleet_sidecar.contract.names.rate_limit_key`)
+#: that hold each bucket's ``tat`` in milliseconds, in :data:`BUCKETS` order.
+STATE_FIELDS = ("r", "t", "d")
 
 
 class LimitsError(ValueError):
@@ -196,6 +203,11 @@ class BucketState:
     #: Seconds until the refused cost would fit (0 when it fits now).
     retry_s: float
 
+    @property
+    def used(self) -> int:
+        """What the bucket holds that has not refilled yet: ``limit - remaining``."""
+        return self.limit - self.remaining
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -236,6 +248,33 @@ def bucket_state(name: str, tat: float, now: float, limit: int, period: float) -
     after = max(tat, now)
     remaining = max(0, math.floor((now + period - after) / interval + 1e-9))
     return BucketState(name, limit, remaining, after - now, 0.0)
+
+
+def usage(tats_ms: Sequence[float], now_ms: float, limits: TenantLimits) -> tuple[BucketState, ...]:
+    """Where each of a tenant's buckets stands at ``now_ms``, charging nothing: the
+    arithmetic of the ``x-ratelimit-*`` headers (:func:`bucket_state`) on the state the
+    script keeps, in its units (milliseconds: ``tats_ms`` in :data:`BUCKETS` order, from
+    :func:`tats_of_fields`; ``now_ms`` on Redis's clock), so that it is as exact as the
+    script's own answer (whole milliseconds, where seconds since 1970 in a float would
+    round a token away). Buckets without a limit are left out; ``reset_s`` in seconds."""
+    out = []
+    for i, ((name, _, period), limit) in enumerate(zip(BUCKETS, limits.limits(), strict=True)):
+        if limit > 0:
+            state = bucket_state(name, tats_ms[i], now_ms, limit, period * 1000.0)
+            out.append(dataclasses.replace(state, reset_s=state.reset_s / 1000.0))
+    return tuple(out)
+
+
+def tats_of_fields(values: Sequence[bytes | str | None]) -> list[float]:
+    """The ``tat`` of each bucket, milliseconds, from the script's hash (fields
+    :data:`STATE_FIELDS`; a missing field or key: a full bucket, 0)."""
+    out = []
+    for value in values:
+        try:
+            out.append(0.0 if value is None else float(value))
+        except ValueError:
+            out.append(0.0)
+    return out
 
 
 def decide(
