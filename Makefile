@@ -10,6 +10,9 @@ DEBS    := redis-server:redis-server prometheus:prometheus promtool:prometheus n
 
 LOCK    := requirements/lock.txt
 BUILD   := requirements/build.txt
+# Installed again after the lock: xds-protos and opentelemetry-proto write the same files
+# (opentelemetry/proto/), and the exporter needs opentelemetry-proto's own (requirements/overlay.in).
+OVERLAY := requirements/overlay.txt
 # What the image installs: pyproject.toml with the tracing extra only, at the lock's versions.
 RUNTIME := requirements/runtime.txt
 # The lock covers every extra the Makefile installs; `make lock` refreshes it on purpose.
@@ -42,10 +45,11 @@ deps:
 
 # Exact versions and hashes from the lock; then the project itself, editable, with no
 # dependency resolution and the locked build backend (no build isolation).
-$(STAMP): pyproject.toml $(LOCK) $(BUILD)
+$(STAMP): pyproject.toml $(LOCK) $(BUILD) $(OVERLAY)
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --require-hashes -r $(BUILD)
 	$(BIN)/python -m pip install -q --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --require-hashes --no-deps --force-reinstall -r $(OVERLAY)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
@@ -56,6 +60,8 @@ lock: venv
 	  $(FIND) --no-emit-find-links --upgrade -o $(LOCK)
 	$(BIN)/uv pip compile requirements/build.in --generate-hashes --python-version 3.11 \
 	  --upgrade -o $(BUILD)
+	$(BIN)/uv pip compile requirements/overlay.in -c $(LOCK) --no-deps --generate-hashes \
+	  --python-version 3.11 -o $(OVERLAY)
 	$(BIN)/uv pip compile pyproject.toml --extra tracing --generate-hashes --python-version 3.11 \
 	  --no-emit-find-links -c $(LOCK) -o $(RUNTIME)
 	$(BIN)/uv pip compile requirements/vllm.in --generate-hashes --python-version 3.11 \

@@ -96,6 +96,7 @@ wheel=$(ls "$WHEELS"/cachefleet-*.whl)
   --only-binary=:all: --python-version "$pyver" --dest "$WHEELS" -r "$RUNTIME" 2>&1 | quiet
 ls "$WHEELS"/redis-*.whl >/dev/null  # the download worked (its output is filtered)
 cp "$RUNTIME" "$WHEELS/runtime.txt"
+cp requirements/overlay.txt "$WHEELS/overlay.txt"  # installed again last (Containerfile)
 
 log "building $IMAGE with $builder on $BASE"
 previous=""

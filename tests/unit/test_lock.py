@@ -170,3 +170,22 @@ def test_the_parser_reads_uv_entries_with_hashes_and_via_lines() -> None:
     parsed = parse_lock(text)
     assert parsed["redis"] == ("8.1.0", ["sha256:aa", "sha256:bb"], [DIRECT, "kopf"])
     assert parsed["torch"] == ("2.13.0+cpu", ["sha256:cc"], ["sentence-transformers"])
+
+
+def test_the_overlay_installs_again_exactly_what_the_lock_says(
+    lock: dict[str, tuple[str, list[str], list[str]]],
+) -> None:
+    overlay = parse_lock((ROOT / "requirements" / "overlay.txt").read_text(encoding="utf-8"))
+    assert overlay, "requirements/overlay.txt parsed to nothing"
+    for name, (version, hashes, _) in overlay.items():
+        assert lock[name][0] == version, f"{name}: overlay {version}, lock {lock[name][0]}"
+        assert set(hashes) <= set(lock[name][1])
+
+
+def test_the_otlp_exporter_gets_opentelemetry_protos_own_files() -> None:
+    """xds-protos ships an older opentelemetry/proto/ at the same paths: the overlay put
+    opentelemetry-proto's back, so the exporter's import works in a fresh venv."""
+    common = pytest.importorskip("opentelemetry.proto.common.v1.common_pb2")
+    assert hasattr(common, "InstrumentationScope")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http.trace_exporter")
+    pytest.importorskip("envoy.service.ext_proc.v3.external_processor_pb2")
