@@ -22,7 +22,9 @@ blocks the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
   of the mean work this picker routes per request. It covers what other router
   replicas sent; ``routed_since_scrape`` adds what this one sent since and has
   not seen done (a request that finished before the next scrape is no longer
-  queued anywhere: counting it would push a conversation's quick turns away).
+  queued anywhere: counting it would push a conversation's quick turns away);
+  for the same reason the requests of this picker that the scrape saw (routed
+  before it) and that are done since are taken out of the server's count.
 * ``rate(e)``: uncached prompt tokens per second of prefill, measured between
   scrapes from ``prompt_tokens_total`` minus prefix hits over
   ``prefill_seconds_total`` (decayed sums); until measured, the mean of the
@@ -80,6 +82,9 @@ from cachefleet_router.endpoints import (
 )
 from cachefleet_router.prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
 from cachefleet_router.schedule import Candidate, Cycle, Profile, ProfilePicker
+
+#: done requests remembered per endpoint (to take them out of a scrape that saw them)
+_RECENT_DONE = 64
 
 GUARANTEED = "Guaranteed"
 BEST_EFFORT = "BestEffort"
@@ -221,6 +226,9 @@ class _EndpointState:
     rate_seconds: float = 0.0
     answers: OrderedDict[str, None] = field(default_factory=OrderedDict)
     seen_at: float = 0.0
+    #: (routed at, done at) of this picker's recent requests here: one routed before the
+    #: latest scrape and done after it is in that scrape's queue but no longer queued
+    recent_done: list[tuple[float, float]] = field(default_factory=list)
 
 
 class PreciseIndex(Protocol):
@@ -299,6 +307,9 @@ class TtftModel:
         if routed is not None:
             _forget(state, routed)
             state.last_done_at = max(state.last_done_at, self._clock())
+            state.recent_done.append((routed.at, state.last_done_at))
+            if len(state.recent_done) > _RECENT_DONE:
+                del state.recent_done[0]
         if not state.outstanding:
             state.outstanding_tokens = 0.0
             state.routed_since_scrape = 0.0
@@ -446,6 +457,13 @@ class TtftModel:
         ):
             return own
         queued = metrics.waiting + cfg.running_weight * metrics.running
+        # our requests the scrape saw queued or running that are done since: not queued now
+        # (else a conversation's next turn, sent right after the answer, sees its own last
+        # turn as the server's queue and moves: tests/vllm/test_router_vllm.py)
+        scraped = endpoint.scraped_at
+        state.recent_done = [(at, end) for at, end in state.recent_done if end > scraped]
+        gone = sum(1 for at, _end in state.recent_done if at < scraped)
+        queued = max(0.0, queued - gone * max(cfg.running_weight, 0.0))
         # before this picker has routed anything, a queued request counts one block of prefill:
         # the server's own queue still orders the endpoints
         per_request = self._mean_request_tokens or float(cfg.block_tokens)

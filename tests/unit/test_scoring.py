@@ -411,3 +411,30 @@ def test_work_routed_since_the_scrape_counts_while_in_flight() -> None:
     assert picker.expected_wait(a) == pytest.approx(2.048)  # the server says nothing newer
     picker.done(d, first, ok=True)
     assert picker.expected_wait(a) == 0.0
+
+
+def test_a_turn_the_scrape_saw_running_is_not_queued_once_done() -> None:
+    """The scrape ran while the conversation's last turn was on the server (running 1);
+    that turn is done now, so the next turn must not see it as the server's queue. On
+    three real vLLM servers the stale ``running`` moved the next turn away
+    (tests/vllm/test_router_vllm.py)."""
+    clock = Clock()
+    picker = make(clock, stale_after_s=60.0)
+    a, b = fleet("a", "b")
+    for e in (a, b):
+        _scrape(e, clock.now)
+    history = tuple(range(1, 9))
+    first = req(history)
+    d = picked(picker, first, [a, b])
+    assert d.address == a.address
+    clock.now += 1.0
+    _scrape(a, clock.now, running=1.0)  # the scrape saw the turn running
+    _scrape(b, clock.now)
+    assert picker.expected_wait(a) > 0
+    clock.now += 3.0
+    picker.done(d, first, ok=True)
+    assert picker.expected_wait(a) == 0.0  # done since the scrape: not queued any more
+    # another replica's request the scrape saw still counts
+    _scrape(a, clock.now, running=2.0)
+    clock.now += 0.1
+    assert picker.expected_wait(a) > 0
