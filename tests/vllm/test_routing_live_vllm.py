@@ -78,8 +78,8 @@ def test_the_default_profile_hits_vllms_cache_at_least_1_5x_round_robin(live_row
 @pytest.mark.xfail(
     strict=False,
     reason=(
-        "not reliably met yet: max / mean requests per server 1.20 and 1.45 in the last two "
-        "runs (new conversations are now spread by recent picks; later turns still drift "
+        "not reliably met yet: max / mean requests per server 1.20, 1.45 and 1.90 in the "
+        "last three runs (new conversations are now spread by recent picks; later turns still drift "
         "off a server; 2026-12-05, docs/testing.md)"
     ),
 )
