@@ -47,6 +47,9 @@ block (tracemalloc): the issue's decision-latency target.
         [--kv-blocks B] [--prefill-rate R] [--speed X] [--scrape-interval S] [--gie-refresh S]
         [--policies a,b] [--limit N] [--epsilon E] [--replicas K] [--decision-picks N]
 
+``--live`` replays a trace slice over real vLLM servers instead
+(:mod:`cachefleet_bench.routing_live`).
+
 ``--replicas K`` runs every policy as K independent pickers (router replicas
 that share nothing: each its own index, counters, in-flight view), the
 requests dealt to them in turn.
@@ -799,6 +802,11 @@ def admission_targets(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--live" in argv:  # real vLLM servers: a mode of its own (routing_live.py)
+        from cachefleet_bench import routing_live
+
+        return routing_live.main(argv)
     args = _parser().parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in policies if p not in POLICIES]

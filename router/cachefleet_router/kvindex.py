@@ -13,12 +13,13 @@ LoRA and multimodal extra keys are not part of the key (a LoRA request may
 match its base model's blocks).
 
 **When an endpoint's state is known.** Sequence numbers rise by one per
-message. The state is *known* from a first message with sequence 0 (the
-publisher just started, its cache was empty), and after an
-``AllBlocksCleared``. A jump in the sequence (messages lost: the publisher's
-high-water mark, a reconnect), a first message with a later sequence (the
-router started after the server) or :meth:`KvIndex.lost` (the subscriber
-reconnected) makes it *unknown*: what the endpoint holds is dropped, and it
+message. The state is *known* from the first message heard (sequence 0: the
+publisher just started, its cache was empty; a later sequence: the router
+started after the server, and what was stored before counts as not held, a
+subset of the truth, as after a resync), and after an ``AllBlocksCleared``.
+A jump in the sequence (messages lost: the publisher's high-water mark), or
+:meth:`KvIndex.lost` (the subscriber reconnected) and a first message after
+it with a later sequence, makes it *unknown*: what the endpoint holds is dropped, and it
 is learned again from new events. It is known again after an
 ``AllBlocksCleared`` or once ``resync_blocks`` blocks have been stored since
 (the picture is then a subset of the truth: the blocks that were held before
@@ -127,9 +128,13 @@ class KvIndex:
         state = self._of(endpoint)
         last = state.last_seq
         if last is None:
-            if seq != 0:
-                self._unknown(state)  # the publisher ran before we listened
+            if seq != 0 and state.gaps:
+                self._unknown(state)  # a reconnect: what happened meanwhile is lost
             else:
+                # sequence 0: a fresh server, an empty cache. A later one, the first this
+                # index hears: the router joined after the server started. Either way every
+                # block stored from now on is seen: known, a subset of the truth (what was
+                # stored before counts as not held, as after a resync)
                 state.known = True
         elif seq == 0 and last > 0:
             self._clear(state)  # the server restarted: an empty cache

@@ -22,7 +22,9 @@ blocks the endpoint's :class:`~cachefleet_router.prefix.PrefixIndex` holds::
   of the mean work this picker routes per request. It covers what other router
   replicas sent; ``routed_since_scrape`` adds what this one sent since and has
   not seen done (a request that finished before the next scrape is no longer
-  queued anywhere: counting it would push a conversation's quick turns away).
+  queued anywhere: counting it would push a conversation's quick turns away);
+  for the same reason the requests of this picker that the scrape saw (routed
+  before it) and that are done since are taken out of the server's count.
 * ``rate(e)``: uncached prompt tokens per second of prefill, measured between
   scrapes from ``prompt_tokens_total`` minus prefix hits over
   ``prefill_seconds_total`` (decayed sums); until measured, the mean of the
@@ -66,7 +68,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -86,6 +88,14 @@ from cachefleet_router.endpoints import (
 )
 from cachefleet_router.prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
 from cachefleet_router.schedule import Candidate, Cycle, Profile, ProfilePicker
+
+#: done requests remembered per endpoint (to take them out of a scrape that saw them)
+_RECENT_DONE = 64
+
+#: decisions whose endpoints place a prompt family nobody holds (the fewest picks there)
+_RECENT_PICKS = 256
+#: a measured prefill rate stays within this factor of the other endpoints' mean
+_RATE_BAND = 2.0
 
 GUARANTEED = "Guaranteed"
 BEST_EFFORT = "BestEffort"
@@ -235,6 +245,9 @@ class _EndpointState:
     rate_seconds: float = 0.0
     answers: OrderedDict[str, None] = field(default_factory=OrderedDict)
     seen_at: float = 0.0
+    #: (routed at, done at) of this picker's recent requests here: one routed before the
+    #: latest scrape and done after it is in that scrape's queue but no longer queued
+    recent_done: list[tuple[float, float]] = field(default_factory=list)
 
 
 class PreciseIndex(Protocol):
@@ -279,6 +292,9 @@ class TtftModel:
         #: keep the blocks of the prompts in flight per endpoint (the precise scorer's bridge
         #: between routing a prompt and the server's events saying it holds it)
         self.track_pending = False
+        #: the endpoints of the last :data:`_RECENT_PICKS` decisions, and their counts
+        self._recent: deque[str] = deque(maxlen=_RECENT_PICKS)
+        self._recent_counts: Counter[str] = Counter()
 
     # -- the seam's hooks ------------------------------------------------------------------
 
@@ -313,6 +329,9 @@ class TtftModel:
         if routed is not None:
             _forget(state, routed)
             state.last_done_at = max(state.last_done_at, self._clock())
+            state.recent_done.append((routed.at, state.last_done_at))
+            if len(state.recent_done) > _RECENT_DONE:
+                del state.recent_done[0]
         if not state.outstanding:
             state.outstanding_tokens = 0.0
             state.routed_since_scrape = 0.0
@@ -361,6 +380,10 @@ class TtftModel:
                 break
             n += 1
         return n
+
+    def recent_picks(self, address: str) -> int:
+        """Of this picker's last :data:`_RECENT_PICKS` decisions, those for ``address``."""
+        return self._recent_counts.get(address, 0)
 
     def mean_request_tokens(self) -> float:
         """The smoothed uncached tokens of a routed request (a typical request's prefill)."""
@@ -421,9 +444,16 @@ class TtftModel:
                 if state.rate_tokens > 0 and state.rate_seconds > 0:
                     if state.measured_rate:
                         self._measured_sum -= state.rate
-                    else:
-                        self._measured_count += 1
+                        self._measured_count -= 1
                     state.rate = state.rate_tokens / state.rate_seconds
+                    if self._measured_count:
+                        # within _RATE_BAND of the others' mean: a per-request overhead counts
+                        # as slow prefill, so the server that hits more (fewer uncached tokens
+                        # per request) measured slowest and lost its conversations (three
+                        # real vLLM servers: rates 16,000 to 53,000 tokens/s, one model)
+                        mean = self._measured_sum / self._measured_count
+                        state.rate = min(max(state.rate, mean / _RATE_BAND), mean * _RATE_BAND)
+                    self._measured_count += 1
                     state.measured_rate = True
                     self._measured_sum += state.rate
         if meas_ratio is not None and state.pred_tokens > 0:
@@ -460,6 +490,13 @@ class TtftModel:
         ):
             return own
         queued = metrics.waiting + cfg.running_weight * metrics.running
+        # our requests the scrape saw queued or running that are done since: not queued now
+        # (else a conversation's next turn, sent right after the answer, sees its own last
+        # turn as the server's queue and moves: tests/vllm/test_router_vllm.py)
+        scraped = endpoint.scraped_at
+        state.recent_done = [(at, end) for at, end in state.recent_done if end > scraped]
+        gone = sum(1 for at, _end in state.recent_done if at < scraped)
+        queued = max(0.0, queued - gone * max(cfg.running_weight, 0.0))
         # before this picker has routed anything, a queued request counts one block of prefill:
         # the server's own queue still orders the endpoints
         per_request = self._mean_request_tokens or float(cfg.block_tokens)
@@ -491,6 +528,10 @@ class TtftModel:
             state.last_done_at = now
         pending = request.blocks if self.track_pending else ()
         state.outstanding[seq] = _Routed(seq, chosen.uncached, now, state.scrapes, pending)
+        if len(self._recent) == self._recent.maxlen:
+            self._recent_counts[self._recent[0]] -= 1
+        self._recent.append(chosen.endpoint.address)
+        self._recent_counts[chosen.endpoint.address] += 1
         for block in pending:
             state.pending[block] = state.pending.get(block, 0) + 1
         state.outstanding_tokens += chosen.uncached
@@ -650,6 +691,15 @@ class LeastTtft:
 
     def choose(self, cycle: Cycle, candidates: list[Candidate]) -> Candidate:
         cfg = self.model.config
+        if len(candidates) > 1 and not any(c.matched for c in candidates):
+            # a prompt nobody holds starts a family where it will stay: placed by the fewest
+            # recent picks, not by a few ms of prefill rate (the fastest idle server drew every
+            # new conversation: 6/38/16 and 0/60/0 requests on three real vLLM servers,
+            # tests/vllm/test_routing_live_vllm.py); then the least cost, then the address
+            fewest = min(self.model.recent_picks(c.endpoint.address) for c in candidates)
+            candidates = [
+                c for c in candidates if self.model.recent_picks(c.endpoint.address) == fewest
+            ]
         best = min(c.cost for c in candidates)
         limit = best * (1.0 + cfg.tie_rel) + cfg.tie_abs_s
         tied = [c for c in candidates if c.cost <= limit]

@@ -166,9 +166,30 @@ def test_after_a_gap_enough_new_blocks_make_the_state_known_again() -> None:
     assert index.matched("a", [1, 2, 3, 4, 5, 6, 7, 8]) == (2, 8)
 
 
-def test_a_router_that_starts_late_does_not_trust_what_it_missed() -> None:
+def test_a_router_that_starts_late_learns_from_its_first_message() -> None:
+    """Servers publish long before a (re)started router subscribes: its first message has a
+    later sequence. Waiting for ``resync_blocks`` new blocks left a router that joined a
+    tiny real vLLM pool (1,024 blocks in all) on the estimate for its whole run, and a
+    conversation's turns spread 5/5/2 over three servers (tests/vllm/test_router_vllm.py).
+    What it missed counts as not held; what is stored from now on is seen."""
     index = KvIndex(resync_blocks=10)
     apply(index, "a", 412, stored_map([11], None, PROMPT[:4]))
+    assert index.known("a")
+    assert index.gaps("a") == 0
+    assert index.matched("a", PROMPT) == (1, 4)
+    apply(index, "a", 413, stored_map([12], 11, PROMPT[4:8]))
+    assert index.matched("a", PROMPT) == (2, 8)
+    # a child of a block stored before the router listened: no chain reaches it, not held
+    apply(index, "a", 414, stored_map([99], 77, [5, 5, 5, 5]))
+    assert index.matched("a", [1, 1, 1, 1, 5, 5, 5, 5]) == (0, 0)
+    assert index.matched("b", PROMPT) is None  # never heard from: not known
+
+
+def test_a_reconnect_with_a_later_sequence_is_a_gap() -> None:
+    index = KvIndex(resync_blocks=10)
+    apply(index, "a", 0, stored_map([11], None, PROMPT[:4]))
+    index.lost("a")
+    apply(index, "a", 9, stored_map([21], None, [9, 9, 9, 9]))  # 1..8 lost meanwhile
     assert not index.known("a")
     assert index.matched("a", PROMPT) is None
 

@@ -36,14 +36,6 @@ async def gateway(
             await gw.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "issue 35 item 5: requests already finished count as queued work until the next "
-        "scrape, so a conversation's turns bounce between pods (on these real servers: "
-        "5/5/2, 6/5/1 and 7/3/2 of 12 turns, measured 2026-12-05)"
-    ),
-)
 async def test_a_conversations_turns_stay_on_the_server_holding_its_prefix(
     gateway: tuple[str, Gateway],
 ) -> None:
