@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -338,9 +338,17 @@ def find_root(start: Path | None = None) -> Path:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``cachefleet crds``: write (or ``--check``) the generated CRD files."""
-    parser = argparse.ArgumentParser(prog="cachefleet crds", description=__doc__.splitlines()[0])
+def generator_main(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    description: str,
+    generate: Callable[[], dict[str, str]],
+    up_to_date: str,
+) -> int:
+    """A generator's command line: write (or ``--check``) the files ``generate`` returns,
+    paths relative to the repository root; with ``--check`` exit 1 when one differs."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--root", type=Path, default=None, help="repository root (default: found)")
     parser.add_argument(
         "--check", action="store_true", help="do not write; exit 1 if a file differs"
@@ -348,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = args.root or find_root()
     stale = []
-    for rel, text in generated_files().items():
+    for rel, text in generate().items():
         path = root / rel
         current = path.read_text(encoding="utf-8") if path.is_file() else None
         if current == text:
@@ -361,11 +369,22 @@ def main(argv: list[str] | None = None) -> int:
     for rel in stale:
         print(f"{verb}: {rel}")
     if args.check and stale:
-        print("run `cachefleet crds` to regenerate", file=sys.stderr)
+        print(f"run `{prog}` to regenerate", file=sys.stderr)
         return 1
     if not stale:
-        print("CRDs up to date")
+        print(up_to_date)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``cachefleet crds``: write (or ``--check``) the generated CRD files."""
+    return generator_main(
+        argv,
+        prog="cachefleet crds",
+        description=__doc__.splitlines()[0],
+        generate=generated_files,
+        up_to_date="CRDs up to date",
+    )
 
 
 if __name__ == "__main__":
