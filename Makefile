@@ -87,7 +87,7 @@ demo: deps venv
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy operator/cachefleet_operator sidecar/cachefleet_sidecar e2e/cachefleet_e2e router/cachefleet_router
+	$(BIN)/mypy common/cachefleet_common operator/cachefleet_operator sidecar/cachefleet_sidecar e2e/cachefleet_e2e router/cachefleet_router
 	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/build/site
 

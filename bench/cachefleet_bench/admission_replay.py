@@ -60,16 +60,10 @@ from typing import Any
 
 from cachefleet_bench import mooncake
 from cachefleet_bench.mooncake import BLOCK_TOKENS, DEFAULT_TRACE, TraceError
-from cachefleet_sidecar.adapt.admission import (
-    BEST_EFFORT,
-    CLASSES,
-    GUARANTEED,
-    STANDARD,
-    Admission,
-    AdmissionConfig,
-)
+from cachefleet_common.classes import BEST_EFFORT, CLASSES, GUARANTEED, STANDARD
+from cachefleet_common.modelserver import ModelServerMetrics
+from cachefleet_sidecar.adapt.admission import Admission, AdmissionConfig
 from cachefleet_sidecar.adapt.gate import METRICS_POLL_S
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 #: Class shares by conversation (the rest is BestEffort).
 GUARANTEED_SHARE = 0.2

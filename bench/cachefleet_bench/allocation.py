@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from cachefleet_common.sampling import BUCKETS
 from cachefleet_operator import heap
 from cachefleet_operator.allocation import (
     MetricsTable,
@@ -52,7 +53,6 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_operator.curves import CurveTable
 from cachefleet_operator.metrics_source import tenant_metrics
-from cachefleet_sidecar.adapt.mrc import BUCKETS
 
 SIZES = (10, 1_000, 10_000)
 #: Target for 10,000 tenants, seconds.

@@ -69,12 +69,12 @@ from cachefleet_bench.responder import (
     RESPONSE,
     ResponderProtocol,
 )
+from cachefleet_common import resp
+from cachefleet_common.contract.clients import resp_client
 from cachefleet_e2e.services import RedisServer, ServiceError, redis_command
-from cachefleet_sidecar import resp
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.compose import Sidecar
 from cachefleet_sidecar.config import parse_args
-from cachefleet_sidecar.contract.clients import resp_client
 from cachefleet_sidecar.http.server import Connection, Limiter, Request
 
 DEFAULT_REQUESTS = 50_000

@@ -6,7 +6,7 @@ runs two phases:
 
 1. **Propagation.** 32 subscribers, each a real
    :class:`~cachefleet_sidecar.control.control.ControlSync` with an
-   :class:`~cachefleet_sidecar.epochs.EpochTracker` and its own Redis
+   :class:`~cachefleet_common.epochs.EpochTracker` and its own Redis
    connections (pub/sub + commands), i.e. the control side of a sidecar
    without its HTTP proxy, all in this process. An
    :class:`~cachefleet_operator.invalidation.Invalidator` advances the cache
@@ -59,16 +59,10 @@ import hiredis
 import httpx
 import orjson
 
-from cachefleet_e2e.services import RedisServer
-from cachefleet_e2e.truth import Read, VersionedUpstream
-from cachefleet_e2e.truth import stale_reads as find_stale
-from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar.app import SidecarServer
-from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.messages import PROTOCOL_VERSION, EpochAck, Heartbeat
-from cachefleet_sidecar.contract.names import acks_key, control_channel, member_key, members_key
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.messages import PROTOCOL_VERSION, EpochAck, Heartbeat
+from cachefleet_common.contract.names import acks_key, control_channel, member_key, members_key
+from cachefleet_common.contract.ops import (
     ack_call,
     advance_epoch,
     fence_tenants,
@@ -76,9 +70,15 @@ from cachefleet_sidecar.contract.ops import (
     publish_epochs,
     read_acks,
 )
-from cachefleet_sidecar.contract.urls import parse_redis_url
+from cachefleet_common.contract.urls import parse_redis_url
+from cachefleet_common.epochs import EpochTracker, tenant_scope
+from cachefleet_e2e.services import RedisServer
+from cachefleet_e2e.truth import Read, VersionedUpstream
+from cachefleet_e2e.truth import stale_reads as find_stale
+from cachefleet_operator.invalidation import Invalidator
+from cachefleet_sidecar.app import SidecarServer
+from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.control.control import ControlSync
-from cachefleet_sidecar.epochs import EpochTracker, tenant_scope
 
 #: Propagation p99 target, seconds.
 TARGET_P99_S = 0.010

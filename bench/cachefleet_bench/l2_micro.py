@@ -5,7 +5,7 @@ under a 3-scope epoch vector, as a sidecar does) and reads it in one process
 on uvloop, in two ways on the same client and connection:
 
 * ``plain GET``: one ``GET`` of the entry key through the lean RESP client
-  (:meth:`~cachefleet_sidecar.resp.RespClient.execute`): the floor of any
+  (:meth:`~cachefleet_common.resp.RespClient.execute`): the floor of any
   L2 read, one round trip and Redis's cheapest command;
 * ``versioned get``: :meth:`~cachefleet_sidecar.cache.l2.RedisL2.get` with the
   vector, what an L2 hit costs the sidecar (fence check, head check, breaker,
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import uvloop
 
+from cachefleet_common.contract.names import entry_key
+from cachefleet_common.epochs import EpochVector
 from cachefleet_e2e.services import RedisServer, ServiceError, redis_command
 from cachefleet_sidecar.cache.l2 import RedisL2
-from cachefleet_sidecar.contract.names import entry_key
-from cachefleet_sidecar.epochs import EpochVector
 
 DEFAULT_READS = 20_000
 DEFAULT_REPEATS = 3

@@ -43,7 +43,7 @@ import hiredis
 import httptools
 import uvloop
 
-from cachefleet_sidecar.resp import pack_command
+from cachefleet_common.resp import pack_command
 
 #: The answer to every request: an OpenAI ``chat.completion`` object (~600 bytes).
 CHAT_COMPLETION_BODY: bytes = (

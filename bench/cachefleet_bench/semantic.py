@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from cachefleet_common.keys import Scope
 from cachefleet_sidecar.cache import semantic
-from cachefleet_sidecar.cache.keys import Scope
 
 DEFAULT_THRESHOLDS = (0.7, 0.75, 0.8, 0.82, 0.85, 0.88, 0.9, 0.92, 0.95)
 DEFAULT_SIZES = (10_000, 100_000)

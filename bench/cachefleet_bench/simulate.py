@@ -40,6 +40,8 @@ from typing import Any
 import xxhash
 import yaml
 
+from cachefleet_common.sampling import BUCKETS as REUSE_BUCKETS
+from cachefleet_common.sampling import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES, ShardsSampler
 from cachefleet_operator.allocation import (
     AllocationParams,
     PriorityClass,
@@ -49,16 +51,7 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.curves import HitCurve, LatencyDist
-from cachefleet_sidecar.adapt.mrc import (
-    BUCKETS as REUSE_BUCKETS,
-)
-from cachefleet_sidecar.adapt.mrc import (
-    DEFAULT_MAX_RATE,
-    DEFAULT_MAX_SAMPLES,
-    MINI_SIM_FRACTIONS,
-    MissRatioCurves,
-    ShardsSampler,
-)
+from cachefleet_sidecar.adapt.mrc import MINI_SIM_FRACTIONS, MissRatioCurves
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.policies import available_policies
 from cachefleet_sidecar.observe.metrics import Histogram

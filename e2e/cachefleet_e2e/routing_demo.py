@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp.web
 import httpx
 
-from cachefleet_sidecar.adapt.modelserver import parse_metrics
+from cachefleet_common.modelserver import parse_metrics
 
 from .gateway import Gateway
 from .services import free_port

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from cachefleet_sidecar.adapt.modelserver import parse_metrics
+from cachefleet_common.modelserver import parse_metrics
 
 from . import routing_demo
 from .gateway import Gateway

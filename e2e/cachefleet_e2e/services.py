@@ -276,7 +276,7 @@ class RedisCluster:
     """A Redis Cluster of ``nodes`` primaries (no replicas) on loopback.
 
     ``url`` is the cluster URL understood by
-    :func:`cachefleet_sidecar.contract.clients.redis_from_url`
+    :func:`cachefleet_common.contract.clients.redis_from_url`
     (``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...``); ``urls`` are the
     plain per-node URLs.
     """

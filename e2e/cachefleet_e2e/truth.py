@@ -18,7 +18,7 @@ from typing import Self
 import orjson
 from aiohttp import web
 
-from cachefleet_sidecar.epochs import model_scope, tenant_scope
+from cachefleet_common.epochs import model_scope, tenant_scope
 
 from .services import free_port
 

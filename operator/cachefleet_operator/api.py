@@ -21,6 +21,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from cachefleet_common import classes
+from cachefleet_common.contract.fleet import FLEET_SAMPLE_RATE
+from cachefleet_common.contract.lua import DEFAULT_GUEST_MAX_SHARE
+from cachefleet_common.contract.names import NAME_RE, Policy
+from cachefleet_common.defaults import UPSTREAM_MAX_CONNECTIONS, UPSTREAM_MAX_WAITING
+from cachefleet_common.prices import Price
 from cachefleet_operator.allocation import (
     DEFAULT_HYSTERESIS,
     DEFAULT_MIN_GAIN,
@@ -28,12 +34,6 @@ from cachefleet_operator.allocation import (
     PriorityClass,
 )
 from cachefleet_operator.quantity import ByteQuantity
-from cachefleet_sidecar.adapt import admission as sidecar_admission
-from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
-from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE
-from cachefleet_sidecar.contract.names import NAME_RE, Policy
-from cachefleet_sidecar.http.upstream import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_WAITING
-from cachefleet_sidecar.observe.savings import Price
 
 GROUP = "cachefleet.io"
 VERSION = "v1alpha1"
@@ -247,7 +247,7 @@ class UpstreamLimits(_Model):
     """How many connections each sidecar opens to its model server (docs/limits.md)."""
 
     max_connections: int = Field(
-        default=DEFAULT_MAX_CONNECTIONS,
+        default=UPSTREAM_MAX_CONNECTIONS,
         ge=1,
         le=65536,
         description=(
@@ -257,7 +257,7 @@ class UpstreamLimits(_Model):
         ),
     )
     max_queued: int = Field(
-        default=DEFAULT_MAX_WAITING,
+        default=UPSTREAM_MAX_WAITING,
         ge=0,
         le=1048576,
         description=(
@@ -388,13 +388,13 @@ class AdmissionSpec(_Model):
 
     enabled: bool = Field(default=True, description="Admission on for this cache's sidecars.")
     max_waiting: int = Field(
-        default=sidecar_admission.DEFAULT_MAX_WAITING,
+        default=classes.DEFAULT_MAX_WAITING,
         ge=1,
         le=100000,
         description="Requests waiting for prefill (vllm:num_requests_waiting) that saturate.",
     )
     max_kv_usage: float = Field(
-        default=sidecar_admission.DEFAULT_MAX_KV_USAGE,
+        default=classes.DEFAULT_MAX_KV_USAGE,
         gt=0,
         le=1,
         description="KV cache usage (vllm:kv_cache_usage_perc, 0-1] that saturates.",
@@ -406,13 +406,13 @@ class AdmissionSpec(_Model):
         description="Running requests that saturate; empty = not a signal.",
     )
     standard_queue: int = Field(
-        default=sidecar_admission.DEFAULT_STANDARD_QUEUE,
+        default=classes.DEFAULT_STANDARD_QUEUE,
         ge=0,
         le=100000,
         description="Standard requests that may wait per sidecar (429 beyond).",
     )
     standard_max_wait_seconds: float = Field(
-        default=sidecar_admission.DEFAULT_STANDARD_MAX_WAIT_S,
+        default=classes.DEFAULT_STANDARD_MAX_WAIT_S,
         gt=0,
         le=3600,
         description="Seconds a Standard request waits for room before it gets 503.",

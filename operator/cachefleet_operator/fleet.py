@@ -4,10 +4,10 @@ A sidecar's own curve (:mod:`cachefleet_sidecar.adapt.mrc`) counts a key's first
 access on that pod as cold, though the shared L2 answers it when another pod
 saw the key before. Every sidecar also forwards the accesses of the keys whose
 sampling hash is below one fleet-wide threshold
-(:data:`~cachefleet_sidecar.contract.fleet.FLEET_SAMPLE_RATE`): spatial sampling
+(:data:`~cachefleet_common.contract.fleet.FLEET_SAMPLE_RATE`): spatial sampling
 is by key hash, so every pod forwards the same keys. :class:`FleetCurves`
 replays them, in time order, into one
-:class:`~cachefleet_sidecar.adapt.mrc.ShardsSampler` per cache and tenant (the
+:class:`~cachefleet_common.sampling.ShardsSampler` per cache and tenant (the
 sidecars' own tracker: fixed size, so a big tenant's rate falls below the
 fleet's; the sizes share one budget of keys per cache) and turns its
 histogram into a curve over the curve window: hit ratio by the bytes of
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cachefleet_common.contract.fleet import FLEET_SAMPLE_RATE, FleetSample
+from cachefleet_common.sampling import BUCKETS, HASH_MASK, HASH_SPACE, ShardsSampler
 from cachefleet_operator.curves import CurveTable, HitCurve
-from cachefleet_sidecar.adapt.mrc import BUCKETS, HASH_MASK, HASH_SPACE, ShardsSampler
-from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE, FleetSample
 
 #: Keys tracked per tenant and cache at most (SHARDS's s_max; ~430 bytes each).
 FLEET_MAX_SAMPLES = 4096

@@ -33,10 +33,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cachefleet_common.contract.fleet import FLEET_SAMPLE_RATE
+from cachefleet_common.prices import format_price_table
 from cachefleet_operator.api import SavingsSpec
 from cachefleet_operator.quantity import parse_bytes
-from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
-from cachefleet_sidecar.observe.savings import format_price_table
 
 #: Label that asks for the sidecar; its value is the InferenceCache's name.
 CACHE_LABEL = "cachefleet.io/cache"

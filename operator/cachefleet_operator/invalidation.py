@@ -1,10 +1,10 @@
 """Versioned, acknowledged invalidation: the operator's side, independent of kopf.
 
 One invalidation of a scope (``cache``, ``tenant:<t>``, ``model:<m>`` or
-``namespace:<t>/<n>``, see :mod:`cachefleet_sidecar.epochs`) goes:
+``namespace:<t>/<n>``, see :mod:`cachefleet_common.epochs`) goes:
 
 1. **CAS** the scope's epoch in the cache's control slot
-   (:func:`~cachefleet_sidecar.contract.ops.advance_epoch`: read, CAS to +1, retry
+   (:func:`~cachefleet_common.contract.ops.advance_epoch`: read, CAS to +1, retry
    on conflict; a ``floor`` taken from the operator's status is merged first,
    so a Redis that lost its state never hands out a used epoch again);
 2. **fence** the data slot of every registered tenant (only the tenant's own
@@ -23,9 +23,9 @@ One invalidation of a scope (``cache``, ``tenant:<t>``, ``model:<m>`` or
 
 A **key purge** (scope ``Key``: one entry, by the SHA-256 digest of its key)
 takes the same four steps on the fence-only ``purge`` scope: the CAS also logs
-the digest under the new number (:func:`~cachefleet_sidecar.contract.ops.log_purge`,
+the digest under the new number (:func:`~cachefleet_common.contract.ops.log_purge`,
 one script), the fence step also deletes the entry in each tenant slot
-(:func:`~cachefleet_sidecar.contract.ops.purge_fence`), and a sidecar
+(:func:`~cachefleet_common.contract.ops.purge_fence`), and a sidecar
 acknowledges the number only once it has dropped the logged digests from its
 L1. A resumed run advances again only if its digest is not logged at or after
 the number it recorded (:meth:`Invalidator.purge_to`).
@@ -33,7 +33,7 @@ the number it recorded (:meth:`Invalidator.purge_to`).
 Propagation time is measured on the invalidator's monotonic clock from the
 moment the CAS reply arrived to the moment the last acknowledgement was seen.
 Steps 2-4 are on that path and run on the sidecar's lean RESP client
-(:mod:`cachefleet_sidecar.resp`: pipelined, one parse per ack, no model);
+(:mod:`cachefleet_common.resp`: pipelined, one parse per ack, no model);
 the CAS and the other reads stay on redis-py.
 
 Idempotent across operator restarts: the runner first records the epoch it
@@ -59,6 +59,29 @@ from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
+from cachefleet_common import resp
+from cachefleet_common.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_common.contract.messages import EpochAck, ack_epochs
+from cachefleet_common.contract.names import ack_channel, cache_ref
+from cachefleet_common.contract.ops import (
+    AnyClient,
+    advance_epoch,
+    fence_tenants,
+    live_acks,
+    live_members,
+    log_purge,
+    purge_fence,
+    purge_logged,
+    read_acks,
+    read_epochs,
+)
+from cachefleet_common.epochs import (
+    CACHE_SCOPE,
+    PURGE_SCOPE,
+    model_scope,
+    namespace_scope,
+    tenant_scope,
+)
 from cachefleet_operator.api import (
     InferenceCacheSpec,
     InvalidationPhase,
@@ -75,29 +98,6 @@ from cachefleet_operator.publisher import (
     REDIS_CONNECT_TIMEOUT_S,
     REDIS_SOCKET_TIMEOUT_S,
     ControlPlaneUnavailable,
-)
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
-from cachefleet_sidecar.contract.messages import EpochAck, ack_epochs
-from cachefleet_sidecar.contract.names import ack_channel, cache_ref
-from cachefleet_sidecar.contract.ops import (
-    AnyClient,
-    advance_epoch,
-    fence_tenants,
-    live_acks,
-    live_members,
-    log_purge,
-    purge_fence,
-    purge_logged,
-    read_acks,
-    read_epochs,
-)
-from cachefleet_sidecar.epochs import (
-    CACHE_SCOPE,
-    PURGE_SCOPE,
-    model_scope,
-    namespace_scope,
-    tenant_scope,
 )
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class Invalidator:
     propagation path. ``lean`` (optional, the sidecar's lean RESP client)
     runs what is: fence, announce and the level reads of the wait, pipelined
     (without it, ``client`` runs the same operations one call after the other).
-    ``waker`` (optional) is where a :class:`~cachefleet_sidecar.resp.Subscriber`
+    ``waker`` (optional) is where a :class:`~cachefleet_common.resp.Subscriber`
     listens to the ack channel: each announced ack is taken in as it is
     parsed (no task, no wake-up per ack) and the wait wakes once, when the
     last lagging pod has acknowledged. Without it the wait just polls.

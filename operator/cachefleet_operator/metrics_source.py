@@ -6,7 +6,7 @@ model answers' time to first token and inter-token latency), and what allocation
 gain needs: the reuse-distance histogram (the tenant's miss-ratio curve), the
 latency of its misses (upstream) and of its hits, and its lookup rate (the
 curve's true total, for the SHARDS-adj correction). The PromQL comes from
-:mod:`cachefleet_sidecar.contract.promql` (the metric names are the sidecar's).
+:mod:`cachefleet_common.contract.promql` (the metric names are the sidecar's).
 prometheus-api-client is synchronous (``requests``), so queries run in a
 worker thread with a timeout; every failure becomes :class:`MetricsUnavailable`.
 """
@@ -23,9 +23,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from cachefleet_operator.allocation import MetricsTable, TenantMetrics
-from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist, LatencyTable
-from cachefleet_sidecar.contract.promql import (
+from cachefleet_common.contract.promql import (
     promql_cold_bytes,
     promql_hit_buckets,
     promql_hit_ratio,
@@ -43,7 +41,9 @@ from cachefleet_sidecar.contract.promql import (
     promql_ttft_p95_seconds,
     promql_upstream_buckets,
 )
-from cachefleet_sidecar.contract.urls import redact_url
+from cachefleet_common.contract.urls import redact_url
+from cachefleet_operator.allocation import MetricsTable, TenantMetrics
+from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist, LatencyTable
 
 #: Default timeout of one PromQL query, seconds.
 DEFAULT_QUERY_TIMEOUT_S = 5.0
@@ -127,7 +127,7 @@ def savings_from(
 
 
 def policy_switches_from(result: list[dict[str, Any]]) -> list[PolicySwitches]:
-    """The answer of :func:`~cachefleet_sidecar.contract.promql.promql_policy_switches`, sorted."""
+    """The answer of :func:`~cachefleet_common.contract.promql.promql_policy_switches`, sorted."""
     found = [
         PolicySwitches(tenant, old, new, round(count))
         for (tenant, old, new), count in _samples(result, "tenant", "from_policy", "to_policy")

@@ -1,7 +1,7 @@
 """Publishing quotas to the sidecars, reading their membership and rate limits (Redis adapter).
 
-Thin: every key, script and message comes from :mod:`cachefleet_sidecar.contract`
-(the rate limits' hash fields from :mod:`cachefleet_sidecar.tenancy.limits`, beside
+Thin: every key, script and message comes from :mod:`cachefleet_common.contract`
+(the rate limits' hash fields from :mod:`cachefleet_common.limits`, beside
 the arithmetic that reads them).
 A client is opened per operation with named timeouts and closed after it, so
 a cache whose Redis is down costs nothing between attempts. Every Redis or
@@ -16,16 +16,16 @@ from typing import Protocol
 
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url
-from cachefleet_sidecar.contract.messages import Heartbeat, QuotaAssignment
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.clients import RedisClient, redis_from_url
+from cachefleet_common.contract.messages import Heartbeat, QuotaAssignment
+from cachefleet_common.contract.names import (
     control_prefix,
     rate_limit_key,
     tenant_data_pattern,
     tombstone_key,
 )
-from cachefleet_sidecar.contract.ops import bury, live_members, publish_quotas, read_fleet_batches
-from cachefleet_sidecar.tenancy.limits import STATE_FIELDS, tats_of_fields
+from cachefleet_common.contract.ops import bury, live_members, publish_quotas, read_fleet_batches
+from cachefleet_common.limits import STATE_FIELDS, tats_of_fields
 
 #: Connect and per-command timeouts of the operator's Redis clients, seconds.
 REDIS_CONNECT_TIMEOUT_S = 2.0

@@ -44,6 +44,12 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from cachefleet_common.contract.fleet import decode_fleet_batch
+from cachefleet_common.contract.messages import QuotaAssignment, RateLimits, TenantQuota
+from cachefleet_common.contract.names import Policy, cache_ref
+from cachefleet_common.contract.ops import read_epochs, restore_epochs
+from cachefleet_common.epochs import model_scope
+from cachefleet_common.limits import BUCKETS, TenantLimits, usage
 from cachefleet_operator.allocation import (
     Allocation,
     AllocationParams,
@@ -111,12 +117,6 @@ from cachefleet_operator.publisher import (
     ControlPlaneUnavailable,
     redis_control_plane,
 )
-from cachefleet_sidecar.contract.fleet import decode_fleet_batch
-from cachefleet_sidecar.contract.messages import QuotaAssignment, RateLimits, TenantQuota
-from cachefleet_sidecar.contract.names import Policy, cache_ref
-from cachefleet_sidecar.contract.ops import read_epochs, restore_epochs
-from cachefleet_sidecar.epochs import model_scope
-from cachefleet_sidecar.tenancy.limits import BUCKETS, TenantLimits, usage
 
 log = logging.getLogger(__name__)
 

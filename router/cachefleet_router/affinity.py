@@ -6,7 +6,7 @@ where a request names no adapter and carries no session they change nothing.
 
 * :class:`LoraAffinity`, scorer ``lora-affinity``: seconds to get the request's
   adapter onto the endpoint, from vLLM's ``vllm:lora_requests_info``
-  (:attr:`~cachefleet_sidecar.adapt.modelserver.ModelServerMetrics.lora_running`,
+  (:attr:`~cachefleet_common.modelserver.ModelServerMetrics.lora_running`,
   ``lora_waiting``, ``lora_max``). The order is that of the Gateway API Inference
   Extension's ``lora-affinity-scorer``
   (``pkg/epp/scheduling/framework/plugins/scorer/lora_affinity.go``: 1 when the

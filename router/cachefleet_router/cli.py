@@ -16,7 +16,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from cachefleet_sidecar.adapt.admission import parse_objectives
+from cachefleet_common.classes import parse_objectives
 
 from .discovery import MAX_METRICS_BYTES, SCRAPE_TIMEOUT_S
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_STREAMS

@@ -6,7 +6,7 @@
   :data:`FAILURES_OUT` failed readings in a row, back at the next good one.
   A good reading is an answer with a known model server's series (vLLM,
   SGLang, TensorRT-LLM: parsed by
-  :func:`cachefleet_sidecar.adapt.modelserver.parse_metrics`), or a clean
+  :func:`cachefleet_common.modelserver.parse_metrics`), or a clean
   answer without any (another server: TGI, llama.cpp...), or a 404 (no
   ``/metrics`` at all): those last two are ready and routed by load alone,
   the requests this router has in flight there. A failed reading is an error
@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 import orjson
 
-from cachefleet_sidecar.adapt.modelserver import (
+from cachefleet_common.modelserver import (
     MetricsParseError,
     ModelServerMetrics,
     parse_metrics,

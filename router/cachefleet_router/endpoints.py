@@ -3,7 +3,7 @@
 Pure: no I/O. The gRPC service (ext_proc) reduces a request body to a
 :class:`RouteRequest`, discovery keeps a list of :class:`Endpoint` with the
 :class:`EndpointMetrics` their model servers export
-(:mod:`cachefleet_sidecar.adapt.modelserver` parses them), and a :class:`Picker`
+(:mod:`cachefleet_common.modelserver` parses them), and a :class:`Picker`
 chooses among them. Several router replicas never need to agree: a picker
 learns from what it routes (:meth:`Picker.pick`, :meth:`Picker.done`) and
 from what the metrics say.
@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
+from cachefleet_common.modelserver import ModelServerMetrics
 
 #: What one endpoint's model server says (one scrape); parsed by
-#: :func:`cachefleet_sidecar.adapt.modelserver.parse_metrics`, shared with the sidecar's admission.
+#: :func:`cachefleet_common.modelserver.parse_metrics`, shared with the sidecar's admission.
 EndpointMetrics = ModelServerMetrics
 
 #: Tokens in one KV block of the prefix index (vLLM's prefix caching hashes

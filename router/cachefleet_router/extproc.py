@@ -102,7 +102,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import json_format, struct_pb2
 
-from cachefleet_sidecar.adapt.flows import OBJECTIVE_HEADER
+from cachefleet_common.classes import OBJECTIVE_HEADER
 
 from .endpoints import Decision, Endpoint, Picker, RouteRequest
 from .metrics import RouterMetrics

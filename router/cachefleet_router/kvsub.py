@@ -39,7 +39,7 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from cachefleet_sidecar.adapt.modelserver import vllm_cache_config
+from cachefleet_common.modelserver import vllm_cache_config
 
 from .endpoints import Endpoint
 from .kvevents import KvEventError, Source, decode_frame, event_sources

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
+from cachefleet_common.modelserver import ModelServerMetrics
 
 #: Index capacity, in blocks, when the model server does not say its KV capacity
 #: (16,384 blocks of 512 tokens: 8 M tokens, more than any single GPU holds).

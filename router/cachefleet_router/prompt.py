@@ -29,8 +29,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from cachefleet_sidecar.adapt.admission import capped_class
-from cachefleet_sidecar.adapt.flows import OBJECTIVE_HEADER
+from cachefleet_common.classes import OBJECTIVE_HEADER, capped_class
 
 from .endpoints import DEFAULT_BLOCK_TOKENS, RouteRequest
 

@@ -2,7 +2,7 @@
 
 :class:`TenantClasses` is the table (pure): ``class_of(tenant)`` is the
 tenant's ``TenantQuota.priority_class`` in the newest
-:class:`~cachefleet_sidecar.contract.messages.QuotaAssignment` applied; for a tenant
+:class:`~cachefleet_common.contract.messages.QuotaAssignment` applied; for a tenant
 the table does not name, the class of its ``default_tenant`` (the
 InferenceCache's ``tenantDefaults``), else None (Standard), as for everyone
 when the router runs without Redis. ``objective_class(name)`` is the class a
@@ -10,7 +10,7 @@ GIE InferenceObjective lowers a request to (the table's ``objectives`` over
 the ``--objectives`` flag's; docs/router.md, "GIE's headers").
 
 :class:`TenantSync` keeps it current the way the sidecars do (level-triggered,
-:mod:`cachefleet_sidecar.contract`): it subscribes to the cache's
+:mod:`cachefleet_common.contract`): it subscribes to the cache's
 ``control_channel`` and re-reads ``quotas_key`` on any message there, and
 every ``poll_s`` without one (a bounded poll catches a lost notice); only a
 newer ``generation`` is applied. When Redis goes away the last table stays
@@ -30,8 +30,8 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar.contract.messages import QuotaAssignment, newer_assignment
-from cachefleet_sidecar.contract.names import control_channel, quotas_key
+from cachefleet_common.contract.messages import QuotaAssignment, newer_assignment
+from cachefleet_common.contract.names import control_channel, quotas_key
 
 log = logging.getLogger(__name__)
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from cachefleet_common.contract.clients import resp_client
+from cachefleet_common.epochs import EpochTracker
 from cachefleet_sidecar.adapt import mrc as mrc_module
 from cachefleet_sidecar.adapt.fleetsample import FleetShipper
 from cachefleet_sidecar.adapt.gate import AdmissionGate
@@ -53,9 +55,7 @@ from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.cache.tiers import L2, Freshness, Tiers
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.clients import resp_client
 from cachefleet_sidecar.control.upkeep import Upkeep
-from cachefleet_sidecar.epochs import EpochTracker
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Handler as ServerHandler
 from cachefleet_sidecar.http.server import Limiter, Limits, Outbox

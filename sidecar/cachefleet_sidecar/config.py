@@ -15,23 +15,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachefleet_common import classes, prices
+from cachefleet_common.contract.fleet import FLEET_SAMPLE_RATE
+from cachefleet_common.contract.names import Policy, valid_name
+from cachefleet_common.epochs import DEFAULT_STALENESS_BOUND_S
+from cachefleet_common.limits import TenantLimits, limits_flag
+from cachefleet_common.sampling import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 from cachefleet_sidecar.adapt import admission, flows
-from cachefleet_sidecar.adapt.mrc import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
 from cachefleet_sidecar.cache.l3 import EMBED_TIMEOUT_S as DEFAULT_SEMANTIC_TIMEOUT_S
 from cachefleet_sidecar.cache.semantic import DEFAULT_TENANT_BYTES as DEFAULT_SEMANTIC_BYTES
 from cachefleet_sidecar.cache.semantic import DEFAULT_THRESHOLD as DEFAULT_SEMANTIC_THRESHOLD
-from cachefleet_sidecar.contract.fleet import FLEET_SAMPLE_RATE
-from cachefleet_sidecar.contract.names import Policy, valid_name
 from cachefleet_sidecar.control.warm import DEFAULT_WARM_TIMEOUT_S
-from cachefleet_sidecar.epochs import DEFAULT_STALENESS_BOUND_S
 from cachefleet_sidecar.http.server import Limits
 from cachefleet_sidecar.http.upstream import (
     DEFAULT_MAX_CONNECTIONS as DEFAULT_UPSTREAM_MAX_CONNECTIONS,
 )
 from cachefleet_sidecar.http.upstream import DEFAULT_MAX_WAITING as DEFAULT_UPSTREAM_MAX_QUEUED
-from cachefleet_sidecar.observe import savings
 from cachefleet_sidecar.tenancy import identity
-from cachefleet_sidecar.tenancy.limits import TenantLimits, limits_flag
 
 DEFAULT_LISTEN = "0.0.0.0:8080"
 #: Loopback by default; in a pod the injection webhook binds 0.0.0.0 for the kubelet and Prometheus.
@@ -558,12 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
         "admission-max-waiting",
         "requests waiting for prefill (vllm:num_requests_waiting) at which the model server "
         "counts as saturated",
-        default=str(admission.DEFAULT_MAX_WAITING),
+        default=str(classes.DEFAULT_MAX_WAITING),
     )
     add(
         "admission-max-kv-usage",
         "KV cache usage in (0, 1] at which the model server counts as saturated",
-        default=str(admission.DEFAULT_MAX_KV_USAGE),
+        default=str(classes.DEFAULT_MAX_KV_USAGE),
     )
     add(
         "admission-max-running",
@@ -574,12 +574,12 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "admission-standard-queue",
         "Standard requests that may wait for room at once (429 beyond)",
-        default=str(admission.DEFAULT_STANDARD_QUEUE),
+        default=str(classes.DEFAULT_STANDARD_QUEUE),
     )
     add(
         "admission-standard-max-wait",
         "seconds a Standard request waits for room before it gets 503",
-        default=str(admission.DEFAULT_STANDARD_MAX_WAIT_S),
+        default=str(classes.DEFAULT_STANDARD_MAX_WAIT_S),
     )
     add(
         "admission-metrics-url",
@@ -748,7 +748,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
         l2_ttl_s=float(conv("l2-ttl", ns.l2_ttl, float)),  # type: ignore[arg-type]
         ttl_s=float(conv("ttl", ns.ttl, _non_negative)),  # type: ignore[arg-type]
         price_table=(
-            conv("price-table", ns.price_table, savings.price_table_flag)  # type: ignore[arg-type]
+            conv("price-table", ns.price_table, prices.price_table_flag)  # type: ignore[arg-type]
             if ns.price_table
             else {}
         ),
@@ -799,7 +799,7 @@ def parse_args(argv: list[str]) -> SidecarConfig:
             "admission-fairness-weights", ns.admission_fairness_weights, flows.parse_weights
         ),
         admission_objectives=conv(  # type: ignore[arg-type]
-            "admission-objectives", ns.admission_objectives, admission.parse_objectives
+            "admission-objectives", ns.admission_objectives, classes.parse_objectives
         ),
         semantic_shadow=bool(ns.semantic_shadow),
         semantic_shadow_sample=float(

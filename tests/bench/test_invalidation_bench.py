@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cachefleet_bench import invalidation
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.ops import live_members, read_acks
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.ops import live_members, read_acks
 
 
 @pytest.mark.bench

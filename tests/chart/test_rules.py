@@ -2,7 +2,7 @@
 
 ``promtool test rules`` runs the rendered recording rules and alerts over
 synthetic series shaped like the sidecar's, and checks that the recorded
-hit ratio and p95 equal what :mod:`cachefleet_sidecar.contract.promql`'s PromQL (the
+hit ratio and p95 equal what :mod:`cachefleet_common.contract.promql`'s PromQL (the
 operator's own queries) gives for one cache.
 """
 
@@ -18,12 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_sidecar.adapt import telemetry
-from cachefleet_sidecar.cache.l2 import RedisL2
-from cachefleet_sidecar.compose import build
-from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.promql import (
+from cachefleet_common.contract.promql import (
     METRIC_ITL,
     METRIC_REQUEST_DURATION,
     METRIC_REQUESTS,
@@ -33,6 +28,11 @@ from cachefleet_sidecar.contract.promql import (
     promql_p95_seconds,
     promql_ttft_p95_seconds,
 )
+from cachefleet_operator.metrics import OperatorMetrics
+from cachefleet_sidecar.adapt import telemetry
+from cachefleet_sidecar.cache.l2 import RedisL2
+from cachefleet_sidecar.compose import build
+from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.observe import metrics
 from cachefleet_sidecar.observe.metrics import TierUsage
 

@@ -20,12 +20,12 @@ import httpx
 import orjson
 import pytest
 
+from cachefleet_common.classes import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.adapt.admission import AdmissionConfig
-from cachefleet_sidecar.adapt.flows import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 
 MAX_WAITING = 2
 ANSWER = orjson.dumps(

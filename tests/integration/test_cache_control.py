@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import entry_key
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import entry_key
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT, answer, metric
@@ -184,7 +184,7 @@ async def test_savings_after_plain_and_streamed_hits(
 ) -> None:
     prices = tmp_path / "prices.json"
     prices.write_text(json.dumps({"m1": {"prompt": 1.0, "completion": 2.0}}))
-    from cachefleet_sidecar.observe.savings import load_price_table
+    from cachefleet_common.prices import load_price_table
 
     sc = await sidecar_factory(price_table=load_price_table(str(prices)))
     upstream.default_latency_s = 0.05

@@ -15,10 +15,10 @@ import orjson
 import pytest
 from redis.asyncio import Redis
 
-from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
-from cachefleet_sidecar.contract.lua import L2_PUT_LUA
-from cachefleet_sidecar.contract.messages import EpochAck, Heartbeat
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_common.contract.lua import L2_PUT_LUA
+from cachefleet_common.contract.messages import EpochAck, Heartbeat
+from cachefleet_common.contract.names import (
     acks_key,
     control_channel,
     entry_key,
@@ -27,7 +27,7 @@ from cachefleet_sidecar.contract.names import (
     purge_log_key,
     tenant_epochs_key,
 )
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.ops import (
     AnyClient,
     fence_tenants,
     live_acks,
@@ -42,7 +42,7 @@ from cachefleet_sidecar.contract.ops import (
     write_ack,
     write_heartbeat,
 )
-from cachefleet_sidecar.contract.urls import parse_redis_url
+from cachefleet_common.contract.urls import parse_redis_url
 
 pytestmark = [pytest.mark.redis]
 

@@ -8,27 +8,27 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url
-from cachefleet_sidecar.contract.lua import PUBLISH_QUOTAS_LUA
-from cachefleet_sidecar.contract.messages import (
+from cachefleet_common.contract.clients import RedisClient, redis_from_url
+from cachefleet_common.contract.lua import PUBLISH_QUOTAS_LUA
+from cachefleet_common.contract.messages import (
     ControlMessage,
     EpochAck,
     Heartbeat,
     QuotaAssignment,
     TenantQuota,
 )
-from cachefleet_sidecar.contract.names import Policy, control_channel, quotas_key, tombstone_key
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.names import Policy, control_channel, quotas_key, tombstone_key
+from cachefleet_common.contract.ops import (
     advance_epoch,
     live_members,
     publish_epochs,
     publish_quotas,
     read_acks,
 )
-from cachefleet_sidecar.contract.urls import parse_redis_url
+from cachefleet_common.contract.urls import parse_redis_url
+from cachefleet_common.epochs import EpochTracker
+from cachefleet_e2e.services import RedisServer
 from cachefleet_sidecar.control.control import ControlSync
-from cachefleet_sidecar.epochs import EpochTracker
 
 CACHE = "team-a/chat"
 #: Bound of every "eventually" below, seconds: generous, a slow machine only waits longer.

@@ -16,6 +16,11 @@ from typing import Any
 
 import pytest
 
+from cachefleet_common import resp
+from cachefleet_common.contract import fleet
+from cachefleet_common.contract.clients import redis_from_url, resp_client
+from cachefleet_common.contract.names import fleet_samples_key
+from cachefleet_common.sampling import ReuseHistogram
 from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_e2e.services import RedisServer
 from cachefleet_operator.allocation import TenantMetrics
@@ -24,12 +29,8 @@ from cachefleet_operator.fleet import FleetCurves
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.publisher import RedisControlPlane
 from cachefleet_operator.reconcile import REACH_REBALANCES, ReachWarnings, Reconciler
-from cachefleet_sidecar import resp
 from cachefleet_sidecar.adapt.fleetsample import FleetShipper
-from cachefleet_sidecar.adapt.mrc import MissRatioCurves, ReuseHistogram
-from cachefleet_sidecar.contract import fleet
-from cachefleet_sidecar.contract.clients import redis_from_url, resp_client
-from cachefleet_sidecar.contract.names import fleet_samples_key
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 
 from .conftest import RunningSidecar, SidecarFactory
 

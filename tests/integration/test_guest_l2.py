@@ -25,27 +25,27 @@ import time
 
 import pytest
 
-from cachefleet_e2e.truth import VersionedUpstream
-from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar.cache.l2 import RedisL2
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE, GUEST_MAX_SHARE_FIELD
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.lua import DEFAULT_GUEST_MAX_SHARE, GUEST_MAX_SHARE_FIELD
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import (
     GUESTS,
     entry_key,
     guest,
     guest_usage_key,
     usage_key,
 )
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.ops import (
     PURGE_BATCH,
     advance_epoch,
     fence_tenants,
     log_purge,
     purge_fence,
 )
-from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
+from cachefleet_common.epochs import PURGE_SCOPE, namespace_scope, tenant_scope
+from cachefleet_e2e.truth import VersionedUpstream
+from cachefleet_operator.invalidation import Invalidator
+from cachefleet_sidecar.cache.l2 import RedisL2
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 from tests.integration.test_sidecar import metric
 

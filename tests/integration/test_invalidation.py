@@ -32,13 +32,13 @@ from typing import Any
 
 import pytest
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.names import members_key
+from cachefleet_common.contract.ops import advance_epoch, publish_epochs, read_acks, read_epochs
+from cachefleet_common.epochs import tenant_scope
 from cachefleet_e2e.services import RedisServer, free_port
 from cachefleet_e2e.truth import Read, VersionedUpstream, stale_reads
 from cachefleet_operator.invalidation import Invalidator
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.names import members_key
-from cachefleet_sidecar.contract.ops import advance_epoch, publish_epochs, read_acks, read_epochs
-from cachefleet_sidecar.epochs import tenant_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.versioned import l1_id_line, split_l1_id
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_sidecar.cache.entry import Entry
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.versioned import l1_id_line, split_l1_id
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT, answer, metric

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from cachefleet_common.epochs import PURGE_SCOPE, namespace_scope
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_operator.kubectl_plugin import cli
-from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 ACK_TIMEOUT_S = 20.0  # generous: a loaded machine only waits longer

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
+from cachefleet_common.contract.acls import operator_acl
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.lua import RATE_LIMIT_LUA
+from cachefleet_common.contract.names import cache_ref, rate_limit_key
+from cachefleet_common.limits import DAY_S, TenantLimits
 from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.publisher import ControlPlaneUnavailable, RedisControlPlane
 from cachefleet_operator.reconcile import Reconciler, limits_usage
-from cachefleet_sidecar.contract.acls import operator_acl
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.lua import RATE_LIMIT_LUA
-from cachefleet_sidecar.contract.names import cache_ref, rate_limit_key
-from cachefleet_sidecar.tenancy.limits import DAY_S, TenantLimits
 
 from .conftest import SidecarFactory
 

@@ -25,14 +25,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from cachefleet_common.contract import ops
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.names import entry_key
+from cachefleet_common.contract.ops import log_purge, purge_fence
+from cachefleet_common.epochs import PURGE_SCOPE, namespace_scope
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar.cache.l2 import RedisL2
-from cachefleet_sidecar.contract import ops
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.names import entry_key
-from cachefleet_sidecar.contract.ops import log_purge, purge_fence
-from cachefleet_sidecar.epochs import PURGE_SCOPE, namespace_scope
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]

@@ -19,11 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from cachefleet_common.contract.acls import sidecar_acl
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.limits import TenantLimits
 from cachefleet_e2e.services import RedisServer
 from cachefleet_sidecar.cache.handler import Handler
-from cachefleet_sidecar.contract.acls import sidecar_acl
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.tenancy.limits import TenantLimits
 from cachefleet_sidecar.tenancy.limits_redis import RateLimiter
 
 from .conftest import SETTLE_BOUND_S, RunningSidecar, SidecarFactory

@@ -16,15 +16,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import NoPermissionError, ResponseError
 
-from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_operator.invalidation import Invalidator
-from cachefleet_operator.publisher import RedisControlPlane
-from cachefleet_sidecar.contract.acls import operator_acl, sidecar_acl
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.fleet import FLEET_BATCH_MAX
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import lru_key
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.acls import operator_acl, sidecar_acl
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.fleet import FLEET_BATCH_MAX
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import lru_key
+from cachefleet_common.contract.ops import (
     advance_epoch,
     fence_tenants,
     live_members,
@@ -32,6 +29,9 @@ from cachefleet_sidecar.contract.ops import (
     publish_quotas,
     read_acks,
 )
+from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_operator.invalidation import Invalidator
+from cachefleet_operator.publisher import RedisControlPlane
 
 from .conftest import SidecarFactory
 from .test_sidecar import CHAT, answer

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.ops import advance_epoch, fence_tenants, publish_epochs
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.ops import advance_epoch, fence_tenants, publish_epochs
 
 from .conftest import RunningSidecar, SidecarFactory
 from .test_sidecar import CHAT

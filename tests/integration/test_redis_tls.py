@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from cachefleet_common.contract.acls import sidecar_acl
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import RedisServer, free_port, redis_command
-from cachefleet_sidecar.contract.acls import sidecar_acl
 
 from .conftest import SidecarFactory
 

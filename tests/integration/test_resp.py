@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from cachefleet_common import resp
+from cachefleet_common.contract.clients import resp_client
 from cachefleet_e2e.services import RedisCluster, RedisServer, redis_command
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.clients import resp_client
 
 INCR_BY_LUA = "return redis.call('INCRBY', KEYS[1], ARGV[1])"
 

@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import free_port
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 
 from .conftest import RunningSidecar, SidecarFactory
 
@@ -278,8 +278,8 @@ def test_l3_through_a_sidecar_process(upstream: FakeUpstream) -> None:
 async def test_invalidation_epochs_drop_l3_and_l2_answers_serve_it(
     sidecar_factory: SidecarFactory, upstream: FakeUpstream, redis_url: str
 ) -> None:
+    from cachefleet_common.epochs import tenant_scope
     from cachefleet_operator.invalidation import Invalidator
-    from cachefleet_sidecar.epochs import tenant_scope
 
     sc = await semantic_sidecar(sidecar_factory, redis_url=redis_url, patient=True)
     for _ in range(1000):  # bounded: until the epochs are confirmed (L1/L3 serve only then)

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 
 from .conftest import RunningSidecar, SidecarFactory
 

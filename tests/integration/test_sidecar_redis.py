@@ -8,18 +8,18 @@ import time
 
 import pytest
 
-from cachefleet_e2e.fake_upstream import FakeUpstream
-from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar.cache.l2 import DEFAULT_COOLDOWN_S
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import Policy
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import Policy
+from cachefleet_common.contract.ops import (
     advance_epoch,
     live_members,
     publish_epochs,
     publish_quotas,
 )
+from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_e2e.services import RedisServer
+from cachefleet_sidecar.cache.l2 import DEFAULT_COOLDOWN_S
 
 from .conftest import SidecarFactory
 from .test_fast_miss import spy_on_handle

@@ -14,10 +14,10 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import Policy
 from cachefleet_sidecar.compose import Sidecar
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import Policy
 from cachefleet_sidecar.http.server import Request
 from cachefleet_sidecar.observe.metrics import OTHER_TENANT
 from cachefleet_sidecar.tenancy.identity import TENANT_MEMO_MAX

@@ -18,17 +18,17 @@ import tracemalloc
 import httpx
 import pytest
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import GUESTS, lru_key
+from cachefleet_common.contract.ops import publish_quotas
+from cachefleet_common.epochs import PURGE_SCOPE, EpochTracker
 from cachefleet_e2e.services import free_port
 from cachefleet_e2e.truth import VersionedUpstream
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar.cache.entry import L1_OVERHEAD_BYTES, Entry
 from cachefleet_sidecar.cache.l2 import RedisL2
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import GUESTS, lru_key
-from cachefleet_sidecar.contract.ops import publish_quotas
 from cachefleet_sidecar.control.warm import WarmReport, warm_l1
-from cachefleet_sidecar.epochs import PURGE_SCOPE, EpochTracker
 from tests.integration.conftest import RunningSidecar, SidecarFactory
 
 pytestmark = [pytest.mark.redis]

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
+from cachefleet_common.contract.messages import Heartbeat
+from cachefleet_common.contract.ops import write_heartbeat
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.injection import SidecarSettings, cache_info, sidecar_container
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
 from cachefleet_sidecar.config import parse_args
-from cachefleet_sidecar.contract.messages import Heartbeat
-from cachefleet_sidecar.contract.ops import write_heartbeat
 
 NS, NAME = "default", "chat"
 CACHE = f"{NS}/{NAME}"

@@ -14,18 +14,15 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
-from cachefleet_operator.allocation import TenantMetrics
-from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar.contract.lua import L2_PUT_VERSIONED_LUA
-from cachefleet_sidecar.contract.messages import EpochAck, Heartbeat
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.lua import L2_PUT_VERSIONED_LUA
+from cachefleet_common.contract.messages import EpochAck, Heartbeat
+from cachefleet_common.contract.names import (
     l2_versioned_keys,
     members_key,
     tenant_tombstone_key,
     tombstone_key,
 )
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.ops import (
     advance_epoch,
     live_members,
     read_epochs,
@@ -34,7 +31,10 @@ from cachefleet_sidecar.contract.ops import (
     write_ack,
     write_heartbeat,
 )
-from cachefleet_sidecar.contract.versioned import vector_args
+from cachefleet_common.contract.versioned import vector_args
+from cachefleet_operator.allocation import TenantMetrics
+from cachefleet_operator.metrics import OperatorMetrics
+from cachefleet_operator.reconcile import Reconciler
 
 pytestmark = [pytest.mark.redis]
 

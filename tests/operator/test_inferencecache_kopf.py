@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import redis
 
+from cachefleet_common.contract.messages import QuotaAssignment
+from cachefleet_common.contract.names import Policy, quotas_key, tombstone_key, usage_key
+from cachefleet_common.contract.ops import TOMBSTONE_TTL_S
 from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import MetricsUnavailable, PolicySwitches
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar.contract.messages import QuotaAssignment
-from cachefleet_sidecar.contract.names import Policy, quotas_key, tombstone_key, usage_key
-from cachefleet_sidecar.contract.ops import TOMBSTONE_TTL_S
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory, wait_for
 
 pytestmark = [pytest.mark.k8s_emulator, pytest.mark.redis]

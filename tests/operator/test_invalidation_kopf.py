@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.names import entry_key
+from cachefleet_common.contract.ops import read_epochs, register_tenant
+from cachefleet_common.epochs import EpochTracker
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.names import entry_key
-from cachefleet_sidecar.contract.ops import read_epochs, register_tenant
 from cachefleet_sidecar.control.control import ControlSync
-from cachefleet_sidecar.epochs import EpochTracker
 from tests.operator.conftest import IC_PATH, NAMESPACE, EmulatorHandle, OperatorFactory
 from tests.operator.test_inferencecache_kopf import FakeMetrics, cache_body, steady_metrics
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aredis
 
+from cachefleet_common.contract.ops import read_epochs
 from cachefleet_operator.invalidation import InvalidationRunner
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.reconcile import Reconciler
-from cachefleet_sidecar.contract.ops import read_epochs
 
 pytestmark = [pytest.mark.redis]
 

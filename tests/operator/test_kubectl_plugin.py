@@ -27,14 +27,14 @@ import httpx
 import kmock
 import pytest
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.messages import EpochAck, Heartbeat
+from cachefleet_common.contract.names import Policy, cache_ref
+from cachefleet_common.contract.ops import write_ack, write_heartbeat
 from cachefleet_e2e.k8s import write_kubeconfig
 from cachefleet_operator.api import InvalidationPhase
 from cachefleet_operator.kubectl_plugin import cli
 from cachefleet_operator.kubectl_plugin.cluster import Cluster, connect
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.messages import EpochAck, Heartbeat
-from cachefleet_sidecar.contract.names import Policy, cache_ref
-from cachefleet_sidecar.contract.ops import write_ack, write_heartbeat
 
 from .conftest import IC_PATH, NAMESPACE, EmulatorHandle
 

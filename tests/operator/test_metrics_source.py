@@ -12,15 +12,15 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
+from cachefleet_common.contract.promql import (
+    METRIC_POLICY_SWITCHES,
+    METRIC_REQUEST_DURATION,
+    METRIC_REQUESTS,
+)
 from cachefleet_operator.metrics_source import (
     MetricsUnavailable,
     PolicySwitches,
     PrometheusMetricsSource,
-)
-from cachefleet_sidecar.contract.promql import (
-    METRIC_POLICY_SWITCHES,
-    METRIC_REQUEST_DURATION,
-    METRIC_REQUESTS,
 )
 
 CACHE = "default/chat"

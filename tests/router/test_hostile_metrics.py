@@ -17,10 +17,10 @@ import grpc
 import pytest
 from aiohttp import web
 
+from cachefleet_common.modelserver import parse_metrics
 from cachefleet_router.discovery import EndpointPool, MetricsScraper
 from cachefleet_router.picking import LeastLoadedPicker
 from cachefleet_router.server import RouterConfig, RouterServer
-from cachefleet_sidecar.adapt.modelserver import parse_metrics
 
 from .conftest import VLLM_METRICS, Gateway, body_message, headers_message
 

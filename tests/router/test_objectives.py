@@ -8,11 +8,11 @@ import json
 import grpc
 import pytest
 
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_router.cli import parse_args
 from cachefleet_router.prompt import reduce_request
 from cachefleet_router.server import RouterConfig, RouterServer
 from cachefleet_router.tenants import TenantClasses
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
 
 from .conftest import Gateway, body_message, headers_message
 from .test_extproc import RecordingPicker

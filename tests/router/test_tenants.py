@@ -12,11 +12,11 @@ import grpc
 import pytest
 from redis.asyncio import Redis
 
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import quotas_key
+from cachefleet_common.contract.ops import publish_quotas
 from cachefleet_router.server import RouterConfig, RouterServer
 from cachefleet_router.tenants import TenantClasses, TenantSync
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import quotas_key
-from cachefleet_sidecar.contract.ops import publish_quotas
 
 from .conftest import Gateway, body_message, headers_message
 from .test_extproc import RecordingPicker

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cachefleet_common.modelserver import vllm_cache_config
 from cachefleet_router.kvevents import BlockRemoved, BlockStored, decode_frame, event_sources
 from cachefleet_router.kvindex import KvIndex
 from cachefleet_router.tokens import tokens_from_answer
-from cachefleet_sidecar.adapt.modelserver import vllm_cache_config
 
 DATA = Path(__file__).parents[1] / "data" / "vllm"
 

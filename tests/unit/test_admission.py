@@ -7,16 +7,14 @@ import math
 
 import pytest
 
+from cachefleet_common.classes import BEST_EFFORT, GUARANTEED, STANDARD
+from cachefleet_common.modelserver import ModelServerMetrics
 from cachefleet_sidecar.adapt.admission import (
-    BEST_EFFORT,
-    GUARANTEED,
     MAX_RETRY_AFTER_S,
     MIN_RETRY_AFTER_S,
-    STANDARD,
     Admission,
     AdmissionConfig,
 )
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 
 def reading(

@@ -6,18 +6,11 @@ from collections import Counter
 
 import pytest
 
+from cachefleet_common.classes import BEST_EFFORT, GUARANTEED, STANDARD, capped_class
+from cachefleet_common.modelserver import ModelServerMetrics
 from cachefleet_sidecar.adapt import flows
-from cachefleet_sidecar.adapt.admission import (
-    BEST_EFFORT,
-    GUARANTEED,
-    REASON_QUEUE_FULL,
-    STANDARD,
-    Admission,
-    AdmissionConfig,
-    capped_class,
-)
+from cachefleet_sidecar.adapt.admission import REASON_QUEUE_FULL, Admission, AdmissionConfig
 from cachefleet_sidecar.adapt.flows import FairQueue, Flow
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 DEADLINE = 100.0
 

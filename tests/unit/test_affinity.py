@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from cachefleet_common.modelserver import MetricsParseError, parse_metrics
 from cachefleet_router.affinity import (
     REASON_SESSION,
     LoraAffinity,
@@ -16,7 +17,6 @@ from cachefleet_router.endpoints import Endpoint, EndpointMetrics, RouteRequest
 from cachefleet_router.profiles import build
 from cachefleet_router.schedule import Candidate, Cycle, Profile, ProfilePicker
 from cachefleet_router.scoring import ScoringConfig, TtftModel, ttft_parts
-from cachefleet_sidecar.adapt.modelserver import MetricsParseError, parse_metrics
 
 
 def lora_series(value: str, running: str, waiting: str) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cachefleet_common.keys import Scope
 from cachefleet_sidecar.cache import contrast, semantic
-from cachefleet_sidecar.cache.keys import Scope
 from cachefleet_sidecar.cache.semantic import Guard, SemanticIndex, lexical, lexical_guard
 
 #: The nine pairs of issue 23 (same tenant, same system prompt: answered from each other).

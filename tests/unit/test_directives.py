@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cachefleet_common.prices import PriceTableError, cost, parse_price_table
 from cachefleet_sidecar.cache.directives import Allowed, Directives, parse
-from cachefleet_sidecar.observe.savings import PriceTableError, cost, parse_price_table
 
 
 @pytest.mark.parametrize(

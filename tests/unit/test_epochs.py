@@ -8,10 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefleet_operator.api import InvalidationScope, ScopeType
-from cachefleet_operator.invalidation import ack_progress, scope_name
-from cachefleet_sidecar.contract.messages import EpochAck, ack_epochs
-from cachefleet_sidecar.epochs import (
+from cachefleet_common.contract.messages import EpochAck, ack_epochs
+from cachefleet_common.epochs import (
     CACHE_SCOPE,
     EpochTracker,
     covers,
@@ -21,6 +19,8 @@ from cachefleet_sidecar.epochs import (
     tenant_scope,
     valid_scope,
 )
+from cachefleet_operator.api import InvalidationScope, ScopeType
+from cachefleet_operator.invalidation import ack_progress, scope_name
 
 
 class Clock:
@@ -208,7 +208,7 @@ VECTOR = (("cache", 2), ("tenant:acme", 1), ("model:m1", 0))
 
 
 def test_a_versioned_read_serves_only_its_own_epochs_under_a_fence_not_ahead() -> None:
-    from cachefleet_sidecar.contract.versioned import (
+    from cachefleet_common.contract.versioned import (
         READ_BEHIND,
         READ_MISS,
         READ_STALE_ENTRY,
@@ -236,9 +236,9 @@ def test_a_versioned_read_serves_only_its_own_epochs_under_a_fence_not_ahead() -
 
 
 def test_the_fence_command_asks_for_the_vectors_scopes_in_order() -> None:
-    from cachefleet_sidecar import resp
-    from cachefleet_sidecar.contract.names import tenant_epochs_key
-    from cachefleet_sidecar.contract.versioned import fence_command
+    from cachefleet_common import resp
+    from cachefleet_common.contract.names import tenant_epochs_key
+    from cachefleet_common.contract.versioned import fence_command
 
     packed = fence_command("team-a/chat", "acme", VECTOR)
     key = tenant_epochs_key("team-a/chat", "acme")

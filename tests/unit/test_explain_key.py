@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cachefleet_common import keys
 from cachefleet_operator.kubectl_plugin import cli, explain
-from cachefleet_sidecar.cache import keys
 
 CHAT = {
     "model": "llama-3-8b",
@@ -215,7 +215,7 @@ def test_namespace_epochs_and_bad_namespaces(tmp_path: Path) -> None:
 def test_a_tenant_the_sidecar_would_refuse_is_a_usage_error(tmp_path: Path) -> None:
     """Issue 34 (8): ``--tenant 'a/b'`` (also ``''`` and 70 characters) printed a digest, and
     ``a/b`` the same one as tenant ``a`` in namespace ``b``. The sidecar's own rule
-    (:func:`cachefleet_sidecar.contract.names.valid_name`) decides, as for its header."""
+    (:func:`cachefleet_common.contract.names.valid_name`) decides, as for its header."""
     a = _write(tmp_path, "a.json", CHAT)
     for bad in ("a/b", "", "x" * 70, "x" * 64, "-a", "a b", "a\n", "ténant"):
         code, out, err = _run([a, "-o", "key", f"--tenant={bad}"])

@@ -16,23 +16,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefleet_operator.curves import HitCurve
-from cachefleet_operator.fleet import FleetCurves, _Cache, _Tenant
-from cachefleet_operator.metrics_source import tenant_metrics
-from cachefleet_sidecar.adapt.mrc import (
-    BUCKETS,
-    HASH_SHIFT,
-    HASH_SPACE,
-    MissRatioCurves,
-    ReuseHistogram,
-    ShardsSampler,
-)
-from cachefleet_sidecar.contract.fleet import (
+from cachefleet_common.contract.fleet import (
     FLEET_SAMPLE_RATE,
     FleetSample,
     decode_fleet_batch,
     encode_fleet_batch,
 )
+from cachefleet_common.sampling import (
+    BUCKETS,
+    HASH_SHIFT,
+    HASH_SPACE,
+    ReuseHistogram,
+    ShardsSampler,
+)
+from cachefleet_operator.curves import HitCurve
+from cachefleet_operator.fleet import FleetCurves, _Cache, _Tenant
+from cachefleet_operator.metrics_source import tenant_metrics
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 
 CACHE = "ns/chat"
 WINDOW_S = 3600.0

@@ -11,17 +11,17 @@ from typing import Any
 import pytest
 import yaml
 
-from cachefleet_operator import injection
-from cachefleet_operator.api import SpecError, parse_spec
-from cachefleet_operator.fleet import FleetCurves
-from cachefleet_sidecar import config as sidecar_config
-from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.contract.fleet import (
+from cachefleet_common.contract.fleet import (
     FLEET_SAMPLE_RATE,
     FleetSample,
     decode_fleet_batch,
     encode_fleet_batch,
 )
+from cachefleet_operator import injection
+from cachefleet_operator.api import SpecError, parse_spec
+from cachefleet_operator.fleet import FleetCurves
+from cachefleet_sidecar import config as sidecar_config
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 
 from .crd_schema import spec_errors
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from cachefleet_common.contract.messages import QuotaAssignment
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.crdgen import inference_cache_crd
@@ -25,7 +26,6 @@ from cachefleet_operator.reconcile import (
     saved_model_hours,
     savings_status,
 )
-from cachefleet_sidecar.contract.messages import QuotaAssignment
 
 from .crd_schema import spec_errors
 

@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.cache.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
+from cachefleet_common.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
 from cachefleet_sidecar.http.server import Connection, Limiter, Limits, Request
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

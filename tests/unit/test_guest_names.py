@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.names import (
     GUESTS,
     entry_key,
     guest,

@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 from prometheus_client import generate_latest
 
-from cachefleet_sidecar.adapt.mrc import HASH_SHIFT, MissRatioCurves
+from cachefleet_common.keys import CacheKey
+from cachefleet_common.sampling import HASH_SHIFT
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.adapt.switching import SwitchingEngine
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.cache.keys import CacheKey
 from cachefleet_sidecar.observe.hits import HitBook
 from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 

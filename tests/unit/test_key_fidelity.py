@@ -19,7 +19,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.cache.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
+from cachefleet_common.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
 
 SCOPE = Scope("acme", "v1", (3,))
 PROPERTY = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

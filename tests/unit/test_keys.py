@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachefleet_common.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
 from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, OldEntry
-from cachefleet_sidecar.cache.keys import KeyOptions, Scope, Uncacheable, make_key, parse_body
 
 ACME = Scope("acme", "v1", (0,))
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefleet_bench.allocation import workload as bench_workload
+from cachefleet_common.sampling import BUCKETS
 from cachefleet_operator import allocation
 from cachefleet_operator.allocation import (
     PriorityClass,
@@ -26,7 +27,6 @@ from cachefleet_operator.allocation import (
     hold,
 )
 from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist
-from cachefleet_sidecar.adapt.mrc import BUCKETS
 
 L1 = 8 * 2**30
 L2 = 64 * 2**30

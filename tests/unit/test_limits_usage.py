@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from cachefleet_operator.api import InferenceCacheStatus, TenantLimitsUsage, parse_spec
-from cachefleet_operator.reconcile import limits_usage, tenant_limits
-from cachefleet_sidecar.tenancy.limits import (
+from cachefleet_common.limits import (
     DAY_S,
     TenantLimits,
     decide,
     tats_of_fields,
     usage,
 )
+from cachefleet_operator.api import InferenceCacheStatus, TenantLimitsUsage, parse_spec
+from cachefleet_operator.reconcile import limits_usage, tenant_limits
 
 ALL_THREE = TenantLimits(requests_per_minute=120, tokens_per_minute=10_000, tokens_per_day=DAY_S)
 #: Limits whose refill intervals are exact in binary (0.5 s, 2**-7 s, 1 s): the seconds

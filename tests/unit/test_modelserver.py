@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from cachefleet_sidecar.adapt.modelserver import MAX_VALUE, MetricsParseError, parse_metrics
+from cachefleet_common.modelserver import MAX_VALUE, MetricsParseError, parse_metrics
 
 VLLM = """\
 # HELP vllm:num_requests_waiting Number of requests waiting to be processed.

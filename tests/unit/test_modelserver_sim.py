@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from cachefleet_common.modelserver import parse_metrics
 from cachefleet_e2e.modelserver_sim import ModelServerSim, block_hashes, main
-from cachefleet_sidecar.adapt.modelserver import parse_metrics
 
 SYSTEM = "You are a careful assistant. " * 20  # 580 characters: 9 blocks of 64
 

@@ -8,12 +8,8 @@ import random
 import pytest
 import xxhash
 
-from cachefleet_sidecar.adapt.mrc import (
-    BUCKETS,
-    MissRatioCurves,
-    ShardsSampler,
-    hit_ratio_at,
-)
+from cachefleet_common.sampling import BUCKETS, ShardsSampler, hit_ratio_at
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.cache.policies import make_policy
 from cachefleet_sidecar.observe.metrics import reuse_families
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefleet_common.contract.names import Policy
 from cachefleet_sidecar.cache.policies import (
     LIRSPolicy,
     LirsSnapshot,
@@ -18,7 +19,6 @@ from cachefleet_sidecar.cache.policies import (
     available_policies,
     make_policy,
 )
-from cachefleet_sidecar.contract.names import Policy
 
 POLICY_NAMES = ["lru", "lirs", "sits"]
 

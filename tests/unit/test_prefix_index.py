@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from cachefleet_common.modelserver import ModelServerMetrics
 from cachefleet_router.prefix import DEFAULT_INDEX_BLOCKS, PrefixIndex, capacity_blocks
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
 
 
 def test_matched_counts_only_the_leading_run() -> None:

@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cachefleet_operator.allocation import allocate
-from cachefleet_operator.api import SpecError, parse_spec
-from cachefleet_operator.reconcile import assignment_digest, build_assignment, demands_from_spec
-from cachefleet_sidecar.config import parse_args
-from cachefleet_sidecar.contract.messages import QuotaAssignment, RateLimits, TenantQuota
-from cachefleet_sidecar.tasks import Background
-from cachefleet_sidecar.tenancy.limits import (
+from cachefleet_common.contract.messages import QuotaAssignment, RateLimits, TenantQuota
+from cachefleet_common.limits import (
     DAY_S,
     Decision,
     LimitsError,
@@ -31,6 +26,11 @@ from cachefleet_sidecar.tenancy.limits import (
     limits_flag,
     parse_limits,
 )
+from cachefleet_operator.allocation import allocate
+from cachefleet_operator.api import SpecError, parse_spec
+from cachefleet_operator.reconcile import assignment_digest, build_assignment, demands_from_spec
+from cachefleet_sidecar.config import parse_args
+from cachefleet_sidecar.tasks import Background
 from cachefleet_sidecar.tenancy.limits_redis import RateLimiter
 
 from .crd_schema import spec_errors

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hiredis
 import pytest
 
-from cachefleet_sidecar import resp
+from cachefleet_common import resp
 
 
 @pytest.mark.parametrize(

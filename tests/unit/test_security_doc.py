@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cachefleet_sidecar.contract.acls import operator_acl, sidecar_acl
+from cachefleet_common.contract.acls import operator_acl, sidecar_acl
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 

@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
+from cachefleet_common.keys import KeyOptions, Scope
 from cachefleet_sidecar.cache import l3, semantic
 from cachefleet_sidecar.cache.embeddings import (
     EmbeddingUnavailable,
@@ -17,7 +18,6 @@ from cachefleet_sidecar.cache.embeddings import (
     LocalEmbeddings,
     make_source,
 )
-from cachefleet_sidecar.cache.keys import KeyOptions, Scope
 from cachefleet_sidecar.cache.l3 import Ref, SemanticTier, with_similarity
 from cachefleet_sidecar.cache.semantic import (
     Guard,

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
+from cachefleet_common.keys import KeyOptions, Scope
 from cachefleet_sidecar.cache import semantic
 from cachefleet_sidecar.cache.embeddings import HashedEmbeddings
-from cachefleet_sidecar.cache.keys import KeyOptions, Scope
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, answer_text
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 

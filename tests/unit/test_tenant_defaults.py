@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
+from cachefleet_common.contract.lua import DEFAULT_GUEST_MAX_SHARE
+from cachefleet_common.contract.messages import QuotaAssignment
+from cachefleet_common.contract.names import Policy
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import (
     SpecError,
@@ -23,9 +26,6 @@ from cachefleet_operator.reconcile import (
     build_assignment,
     demands_from_spec,
 )
-from cachefleet_sidecar.contract.lua import DEFAULT_GUEST_MAX_SHARE
-from cachefleet_sidecar.contract.messages import QuotaAssignment
-from cachefleet_sidecar.contract.names import Policy
 
 from .crd_schema import spec_errors
 

@@ -18,12 +18,12 @@ from typing import Any
 import httpx
 import pytest
 
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.epochs import model_scope
 from cachefleet_e2e.vllm_server import SERVED_MODEL, VllmServer
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar.adapt.admission import AdmissionConfig
 from cachefleet_sidecar.adapt.gate import AdmissionGate
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.epochs import model_scope
 from tests.integration.conftest import RunningSidecar
 from tests.integration.test_invalidation import until_acked
 from tests.integration.test_sidecar import metric

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
+from cachefleet_common.modelserver import parse_metrics
 from cachefleet_e2e.vllm_server import DEFAULT_BLOCK_SIZE, KV_EVENTS_TOPIC, SERVED_MODEL, VllmServer
-from cachefleet_sidecar.adapt.modelserver import parse_metrics
 from tests.vllm.conftest import finished, healthy, until_finished, vllm_metric
 from tests.vllm.kvevents import EVENTS_BOUND_S, complete, subscribed, tokenize, words
 

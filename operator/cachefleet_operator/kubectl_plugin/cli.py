@@ -17,6 +17,9 @@ from typing import Any, TextIO
 
 import yaml
 
+from cachefleet_common import keys
+from cachefleet_common.contract.names import cache_ref, valid_name
+from cachefleet_common.contract.urls import parse_redis_url, redact_url
 from cachefleet_operator.api import (
     API_VERSION,
     DEFAULT_INVALIDATION_TIMEOUT_S,
@@ -36,9 +39,6 @@ from cachefleet_operator.kubectl_plugin.cluster import (
     label_selector,
     read_sidecars,
 )
-from cachefleet_sidecar.cache import keys
-from cachefleet_sidecar.contract.names import cache_ref, valid_name
-from cachefleet_sidecar.contract.urls import parse_redis_url, redact_url
 
 PROG = "kubectl cachefleet"
 #: Exit statuses (1 is any error talking to the cluster, as kubectl's).
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the canonical form and digest of a request body; whether two bodies share an entry",
         description=_para(
             "Keys a request body (FILE, or - for stdin) with the sidecar's own code "
-            "(cachefleet_sidecar.cache.keys) and prints its canonical form, its xxh3-128 "
+            "(cachefleet_common.keys) and prints its canonical form, its xxh3-128 "
             "digest (the L1 index) and SHA-256 (the L2 entry: the X-Cache-Key response header, "
             "what invalidate "
             "--scope key --key takes; -o key prints only it), or why the sidecar would not cache "

@@ -23,13 +23,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from cachefleet_common.contract.clients import redis_from_url
+from cachefleet_common.contract.ops import live_members, read_acks
+from cachefleet_common.contract.urls import redact_url
 from cachefleet_operator.api import GROUP, VERSION
 from cachefleet_operator.invalidation import ack_progress
 from cachefleet_operator.kubectl_plugin.views import SidecarSeen
 from cachefleet_operator.login import DEFAULT_KUBECONFIG, CredentialSource, CredentialsUnavailable
-from cachefleet_sidecar.contract.clients import redis_from_url
-from cachefleet_sidecar.contract.ops import live_members, read_acks
-from cachefleet_sidecar.contract.urls import redact_url
 
 #: Timeout of one Kubernetes API request, seconds (connect and read).
 REQUEST_TIMEOUT_S = 10.0

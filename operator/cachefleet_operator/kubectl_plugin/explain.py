@@ -1,9 +1,9 @@
 """``explain-key``: how the sidecar keys a request body, and why two do or do not share (pure).
 
-Every step is the sidecar's own code in :mod:`cachefleet_sidecar.cache.keys`, in
-the order the sidecar runs it: the endpoint (:data:`~cachefleet_sidecar.cache.keys.CACHEABLE_PATHS`,
-the query string kept byte for byte), :func:`~cachefleet_sidecar.cache.keys.keyable_body`
-(size bound and strict parsing), :func:`~cachefleet_sidecar.cache.keys.make_key`
+Every step is the sidecar's own code in :mod:`cachefleet_common.keys`, in
+the order the sidecar runs it: the endpoint (:data:`~cachefleet_common.keys.CACHEABLE_PATHS`,
+the query string kept byte for byte), :func:`~cachefleet_common.keys.keyable_body`
+(size bound and strict parsing), :func:`~cachefleet_common.keys.make_key`
 (scope, canonical form, determinism, digests), the scope built as the
 sidecar's ``SidecarCore._key_for`` builds it (tenant, ``X-Cache-Namespace``,
 model version, epochs). Nothing here decides what a key is; this module only
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from cachefleet_sidecar.cache import keys
+from cachefleet_common import keys
 
 #: Default endpoint of explain-key.
 DEFAULT_PATH = "/v1/chat/completions"

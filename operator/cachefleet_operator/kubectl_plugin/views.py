@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cachefleet_common import epochs
 from cachefleet_operator.api import (
     CacheInvalidationStatus,
     InferenceCacheStatus,
@@ -34,7 +35,6 @@ from cachefleet_operator.api import (
     unlisted_l2_bytes,
 )
 from cachefleet_operator.outcome import parse_rfc3339
-from cachefleet_sidecar import epochs
 
 #: What a missing value looks like in a table.
 NONE = "-"
@@ -161,7 +161,7 @@ def scope_text(spec_scope: Mapping[str, Any]) -> str:
 
     The epoch scope's name where it has one (``cache``, ``tenant:a``,
     ``model:m``, ``namespace:a/kb``, named by the sidecar's own
-    :mod:`cachefleet_sidecar.epochs`); a Key purge by its digest, whole, so it
+    :mod:`cachefleet_common.epochs`); a Key purge by its digest, whole, so it
     can be searched for or pasted (``purge of key 3fa9...``, ``in tenant a``
     when it names one).
     """

@@ -46,22 +46,18 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from cachefleet_sidecar.adapt.flows import FairQueue, Flow, pairs
-from cachefleet_sidecar.adapt.modelserver import ModelServerMetrics
+from cachefleet_common.classes import (
+    BEST_EFFORT,
+    DEFAULT_MAX_KV_USAGE,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_STANDARD_MAX_WAIT_S,
+    DEFAULT_STANDARD_QUEUE,
+    GUARANTEED,
+    normal_class,
+)
+from cachefleet_common.modelserver import ModelServerMetrics
+from cachefleet_sidecar.adapt.flows import FairQueue, Flow
 
-GUARANTEED = "Guaranteed"
-STANDARD = "Standard"
-BEST_EFFORT = "BestEffort"
-CLASSES = (GUARANTEED, STANDARD, BEST_EFFORT)
-
-#: Requests waiting for prefill at which the model server counts as saturated.
-DEFAULT_MAX_WAITING = 8
-#: KV cache usage (0..1) at which the model server counts as saturated (vLLM preempts when full).
-DEFAULT_MAX_KV_USAGE = 0.95
-#: Standard requests one sidecar lets wait at once (the next one gets 429).
-DEFAULT_STANDARD_QUEUE = 64
-#: Seconds a Standard request waits for room before it gets 503.
-DEFAULT_STANDARD_MAX_WAIT_S = 10.0
 #: Bounds of ``Retry-After``, seconds.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
@@ -144,37 +140,6 @@ def _bounded(value: float, top: float) -> float:
     except (TypeError, ValueError):
         return 0.0
     return min(top, number) if number > 0 else 0.0  # NaN > 0 is False
-
-
-def normal_class(priority_class: str | None) -> str:
-    """The class admission applies: a tenant without one (or an unknown name) is Standard."""
-    return priority_class if priority_class in (GUARANTEED, BEST_EFFORT) else STANDARD
-
-
-_RANK = {BEST_EFFORT: 0, STANDARD: 1, GUARANTEED: 2}
-
-
-def capped_class(tenant_class: str | None, objective_class: str | None) -> str | None:
-    """A request's class: its tenant's, lowered to its objective's when that is lower.
-
-    The objective (GIE's ``x-gateway-inference-objective``) comes with the request,
-    so it may only ever lower the class its tenant's entry gives, never raise it;
-    no objective (or one the table does not know: None) leaves the tenant's class.
-    """
-    if objective_class is None:
-        return tenant_class
-    if _RANK[normal_class(objective_class)] < _RANK[normal_class(tenant_class)]:
-        return normal_class(objective_class)
-    return tenant_class
-
-
-def parse_objectives(text: str) -> dict[str, str]:
-    """``objective=Class,...`` (the sidecar's and the router's flag), classes by name."""
-    out = pairs(text)
-    for name, cls in out.items():
-        if cls not in CLASSES:
-            raise ValueError(f"{name}: the class must be one of {', '.join(CLASSES)}, got {cls!r}")
-    return out
 
 
 class Admission:

@@ -1,9 +1,9 @@
 """Shipping the fleet-sampled accesses to Redis, for the operator's fleet-wide curves.
 
 :class:`~cachefleet_sidecar.adapt.mrc.MissRatioCurves` appends the accesses of keys
-below the fleet threshold (:data:`~cachefleet_sidecar.contract.fleet.FLEET_SAMPLE_RATE`,
+below the fleet threshold (:data:`~cachefleet_common.contract.fleet.FLEET_SAMPLE_RATE`,
 the same on every pod) to a bounded buffer; :class:`FleetShipper` takes that
-buffer every :data:`~cachefleet_sidecar.contract.fleet.FLEET_FLUSH_S` and appends it
+buffer every :data:`~cachefleet_common.contract.fleet.FLEET_FLUSH_S` and appends it
 as one entry to the cache's stream (``XADD ... MAXLEN ~``), on its own lean
 RESP connection. Nothing here is on the request path. A Redis fault (down,
 slow, refused by an ACL) drops that batch and counts its samples; it never
@@ -20,10 +20,10 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from cachefleet_sidecar import resp
+from cachefleet_common import resp
+from cachefleet_common.contract import fleet
+from cachefleet_common.contract.ops import add_fleet_batch
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.contract import fleet
-from cachefleet_sidecar.contract.ops import add_fleet_batch
 
 log = logging.getLogger(__name__)
 

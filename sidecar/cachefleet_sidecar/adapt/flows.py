@@ -39,12 +39,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-#: GIE's request headers (the gateway sets them; flow-control docs of the Gateway API
-#: Inference Extension): the InferenceObjective's name, and the request's fairness key.
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
-FAIRNESS_ID_HEADER = "x-gateway-inference-fairness-id"
-#: Longest fairness id taken (a longer value is ignored: the tenant's own flow).
-MAX_FAIRNESS_ID = 128
+from cachefleet_common.classes import MAX_FAIRNESS_ID, pairs
 
 #: A tenant's weight when nothing says one (every tenant equal).
 DEFAULT_WEIGHT = 1.0
@@ -76,24 +71,6 @@ def bounded_weight(weight: float | None) -> float:
     if weight is None or weight != weight:  # NaN
         return DEFAULT_WEIGHT
     return min(MAX_WEIGHT, max(MIN_WEIGHT, float(weight)))
-
-
-def pairs(text: str) -> dict[str, str]:
-    """``name=value,name=value`` (spaces around the items ignored) as a dict; ValueError
-    names the item that is not such a pair, or a name given twice."""
-    out: dict[str, str] = {}
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or not name or not value:
-            raise ValueError(f"expected name=value, got {item!r}")
-        if name in out:
-            raise ValueError(f"{name!r} is given twice")
-        out[name] = value
-    return out
 
 
 def parse_weights(text: str) -> dict[str, float]:

@@ -24,20 +24,15 @@ from typing import Any
 
 import httpx
 
-from cachefleet_sidecar.adapt.admission import (
-    ADMIT,
-    Admission,
-    AdmissionConfig,
-    Decision,
-    normal_class,
-)
-from cachefleet_sidecar.adapt.flows import Flow
-from cachefleet_sidecar.adapt.modelserver import (
+from cachefleet_common.classes import normal_class
+from cachefleet_common.contract.urls import redact_url
+from cachefleet_common.modelserver import (
     MetricsParseError,
     ModelServerMetrics,
     parse_metrics,
 )
-from cachefleet_sidecar.contract.urls import redact_url
+from cachefleet_sidecar.adapt.admission import ADMIT, Admission, AdmissionConfig, Decision
+from cachefleet_sidecar.adapt.flows import Flow
 from cachefleet_sidecar.http.server import error_response
 
 log = logging.getLogger("cachefleet.admission")

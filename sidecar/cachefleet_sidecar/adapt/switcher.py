@@ -14,6 +14,7 @@ import time
 
 import orjson
 
+from cachefleet_common.contract.names import Policy
 from cachefleet_sidecar.adapt.host import HostPressure
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.adapt.switching import SwitchingEngine, gpu_pressure
@@ -21,7 +22,6 @@ from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
 from cachefleet_sidecar.cache.entry import L1Value
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.policies import available_policies
-from cachefleet_sidecar.contract.names import Policy
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background
 

@@ -119,7 +119,7 @@ class HttpEmbeddings:
 
     def describe(self) -> dict[str, Any]:
 
-        from cachefleet_sidecar.contract.urls import redact_url
+        from cachefleet_common.contract.urls import redact_url
 
         return {"source": self.name, "url": redact_url(self.base_url), "model": self.model}
 

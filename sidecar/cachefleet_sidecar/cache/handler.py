@@ -44,9 +44,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import xxhash
 
+from cachefleet_common import keys
+from cachefleet_common.contract.names import valid_name
+from cachefleet_common.epochs import EpochTracker, EpochVector
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.cache import directives, keys
+from cachefleet_sidecar.cache import directives
 from cachefleet_sidecar.cache.entry import (
     L1_OVERHEAD_BYTES,
     STORE_DROP,
@@ -68,8 +71,6 @@ from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from cachefleet_sidecar.cache.tiers import L2HitBook
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.names import valid_name
-from cachefleet_sidecar.epochs import EpochTracker, EpochVector
 from cachefleet_sidecar.http.relay import MAX_BUFFERED_BYTES, RateTicket, Relay
 from cachefleet_sidecar.http.server import Connection, Outbox, Refusal, Request, error_response
 from cachefleet_sidecar.http.upstream import Begun, UpstreamPool

@@ -2,11 +2,11 @@
 
 Each operation is on the keys of one tenant (one cluster slot) and one round
 trip: a read is plain ``GET`` + fence ``HMGET`` commands in one write, a put
-one Lua script from :mod:`cachefleet_sidecar.contract.lua` that enforces the
+one Lua script from :mod:`cachefleet_common.contract.lua` that enforces the
 tenant's byte quota atomically, and hits' LRU touches go later, batched (see
 docs/redis-protocol.md for the exact rules).
 
-The scripts run on the sidecar's own lean client (:mod:`cachefleet_sidecar.resp`:
+The scripts run on the sidecar's own lean client (:mod:`cachefleet_common.resp`:
 one pipelined connection per Redis node, EVALSHA, a deadline per command);
 redis-py is used only to register a tenant for invalidation fencing (once
 per tenant, off the request path).
@@ -25,17 +25,17 @@ connection is still being made is a miss that does not count against the
 breaker.
 
 Choosing the deployment: :meth:`RedisL2.from_url` follows the URL convention
-of :func:`cachefleet_sidecar.contract.urls.parse_redis_url`: ``redis://host:port/db``
+of :func:`cachefleet_common.contract.urls.parse_redis_url`: ``redis://host:port/db``
 is a standalone server, ``redis+cluster://h1:p1,h2:p2`` a Redis Cluster
 (``cluster=True/False`` overrides the scheme).
 
 Epochs (versioned invalidation, see docs/redis-protocol.md): ``get`` and
-``put`` take the reader's / writer's :data:`~cachefleet_sidecar.epochs.EpochVector`
+``put`` take the reader's / writer's :data:`~cachefleet_common.epochs.EpochVector`
 and compare it with the tenant slot's fence in the same round trip: a reader
 behind an invalidation gets a miss (counted in ``stale_refused``, and
 ``on_behind`` is called so the sidecar re-reads its epochs at once), a writer
 behind one stores nothing. Before the first versioned write of a tenant the
-tier registers the tenant (:func:`~cachefleet_sidecar.contract.ops.register_tenant`)
+tier registers the tenant (:func:`~cachefleet_common.contract.ops.register_tenant`)
 so invalidators fence its slot; :meth:`RedisL2.forget_registrations` makes it
 register again (after Redis lost its state).
 
@@ -61,9 +61,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
-from cachefleet_sidecar.contract.lua import (
+from cachefleet_common import resp
+from cachefleet_common.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_common.contract.lua import (
     L2_FORGET_STALE_LUA,
     L2_PUT_LUA,
     L2_PUT_VERSIONED_LUA,
@@ -73,7 +73,7 @@ from cachefleet_sidecar.contract.lua import (
     L2_TOUCH_LUA,
     L2_USAGE_LUA,
 )
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.names import (
     GUESTS,
     entry_key,
     l2_keys,
@@ -83,8 +83,8 @@ from cachefleet_sidecar.contract.names import (
     own_lru_key,
     tenant_epochs_key,
 )
-from cachefleet_sidecar.contract.ops import register_tenant
-from cachefleet_sidecar.contract.versioned import (
+from cachefleet_common.contract.ops import register_tenant
+from cachefleet_common.contract.versioned import (
     READ_BEHIND,
     READ_STALE_ENTRY,
     entry_head,
@@ -94,7 +94,7 @@ from cachefleet_sidecar.contract.versioned import (
     l1_id_line,
     vector_args,
 )
-from cachefleet_sidecar.epochs import EpochVector, parse_epochs
+from cachefleet_common.epochs import EpochVector, parse_epochs
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from cachefleet_sidecar.cache import keys, semantic
+from cachefleet_common import keys
+from cachefleet_sidecar.cache import semantic
 from cachefleet_sidecar.cache.embeddings import EmbeddingSource, EmbeddingUnavailable, make_source
 from cachefleet_sidecar.observe.metrics import OTHER_TENANT
 

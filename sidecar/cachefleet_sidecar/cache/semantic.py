@@ -53,7 +53,8 @@ import numpy.typing as npt
 import orjson
 import xxhash
 
-from cachefleet_sidecar.cache import contrast, keys
+from cachefleet_common import keys
+from cachefleet_sidecar.cache import contrast
 
 #: Default similarity threshold (cosine, all-MiniLM-L6-v2); tuned in docs/semantic.md.
 DEFAULT_THRESHOLD = 0.8

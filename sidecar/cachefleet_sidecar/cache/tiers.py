@@ -20,15 +20,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client.core import Metric
 
-from cachefleet_sidecar.adapt.mrc import HASH_MASK, HASH_SHIFT, MissRatioCurves
-from cachefleet_sidecar.cache import directives, keys
+from cachefleet_common import keys
+from cachefleet_common import prices as pricing
+from cachefleet_common.contract.messages import QuotaAssignment
+from cachefleet_common.epochs import EpochVector
+from cachefleet_common.sampling import HASH_MASK, HASH_SHIFT
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
+from cachefleet_sidecar.cache import directives
 from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, L1Value, OldEntry
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.messages import QuotaAssignment
-from cachefleet_sidecar.epochs import EpochVector
-from cachefleet_sidecar.observe import savings
 from cachefleet_sidecar.observe.hits import Turns
 from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 from cachefleet_sidecar.tasks import Background
@@ -182,7 +184,7 @@ class Tiers:
         self, tenant: str, model: str, prompt: int, completion: int, upstream_s: float
     ) -> None:
         """Count what one hit saved the model (and its price, with a price table)."""
-        price = savings.cost(self.prices, model, prompt, completion) if self.prices else None
+        price = pricing.cost(self.prices, model, prompt, completion) if self.prices else None
         self.metrics.tenant(tenant).saving(model).add(prompt, completion, upstream_s, price)
 
     def l1_put(
@@ -394,7 +396,7 @@ class L2HitBook:
             hist.sum += seconds
             # Tiers.saved, the tenant's metrics looked up once per run
             prompt, completion = entry.prompt_tokens, entry.completion_tokens
-            price = savings.cost(prices, key.model, prompt, completion) if prices else None
+            price = pricing.cost(prices, key.model, prompt, completion) if prices else None
             tm.saving(key.model).add(prompt, completion, entry.upstream_s, price)
             if engine is not None:
                 observed.append((seconds, key.digest))

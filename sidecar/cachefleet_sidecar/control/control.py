@@ -9,8 +9,8 @@ Redis, level-triggered as the protocol prescribes:
   and it calls ``on_quotas`` whenever the stored generation is newer than the
   last one it applied; an older or equal generation is ignored;
 * it writes a heartbeat every ``heartbeat_ttl_s / 3`` seconds so the operator
-  sees it in :func:`cachefleet_sidecar.contract.ops.live_members`;
-* with an :class:`~cachefleet_sidecar.epochs.EpochTracker` it also keeps the
+  sees it in :func:`cachefleet_common.contract.ops.live_members`;
+* with an :class:`~cachefleet_common.epochs.EpochTracker` it also keeps the
   invalidation epochs: an ``epochs`` notice on the control channel is
   max-merged into the tracker at once (duplicates and late notices are
   harmless) and acknowledged; independently of the pub/sub connection, a
@@ -18,7 +18,7 @@ Redis, level-triggered as the protocol prescribes:
   bound) reads the whole epoch hash, which *confirms* the tracker (keeps L1
   hits allowed), catches up on lost notices and, when Redis is behind what
   the sidecar knows (it restarted), writes the known epochs back. Every
-  change is acknowledged with :func:`~cachefleet_sidecar.contract.ops.write_ack`
+  change is acknowledged with :func:`~cachefleet_common.contract.ops.write_ack`
   (acks are serialised and always carry the newest epochs, so they never go
   backwards); ``on_epochs`` is called first, so the sidecar has stopped using
   the old epochs before the ack says so. ``poke()`` asks for a poll now (the
@@ -34,7 +34,7 @@ Redis, level-triggered as the protocol prescribes:
 
 The subscription, the acknowledgements, the heartbeats and the reads of the
 quotas and epochs run on the sidecar's lean client
-(:mod:`cachefleet_sidecar.resp`: a dedicated subscribed connection whose
+(:mod:`cachefleet_common.resp`: a dedicated subscribed connection whose
 messages are handled as they are parsed, and one pipelined connection for the
 rest); redis-py only restores epochs after a Redis restart and removes the
 membership at shutdown.
@@ -54,18 +54,18 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.clients import RedisClient, redis_from_url, resp_client
-from cachefleet_sidecar.contract.lua import ACK_LUA, HEARTBEAT_LUA
-from cachefleet_sidecar.contract.messages import (
+from cachefleet_common import resp
+from cachefleet_common.contract.clients import RedisClient, redis_from_url, resp_client
+from cachefleet_common.contract.lua import ACK_LUA, HEARTBEAT_LUA
+from cachefleet_common.contract.messages import (
     ControlMessage,
     EpochAck,
     Heartbeat,
     QuotaAssignment,
     newer_assignment,
 )
-from cachefleet_sidecar.contract.names import control_channel, epochs_key, quotas_key, valid_name
-from cachefleet_sidecar.contract.ops import (
+from cachefleet_common.contract.names import control_channel, epochs_key, quotas_key, valid_name
+from cachefleet_common.contract.ops import (
     DEFAULT_HEARTBEAT_TTL_S,
     DEFAULT_RESYNC_INTERVAL_S,
     ack_call,
@@ -74,8 +74,8 @@ from cachefleet_sidecar.contract.ops import (
     remove_member,
     restore_epochs,
 )
-from cachefleet_sidecar.contract.urls import RedisTarget, parse_redis_url
-from cachefleet_sidecar.epochs import PURGE_SCOPE, EpochTracker, parse_epochs
+from cachefleet_common.contract.urls import RedisTarget, parse_redis_url
+from cachefleet_common.epochs import PURGE_SCOPE, EpochTracker, parse_epochs
 
 log = logging.getLogger(__name__)
 

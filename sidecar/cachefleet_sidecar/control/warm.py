@@ -4,7 +4,7 @@ A rollout or a scale-out starts pods with an empty L1; without a warm-up
 every one of them sends its first requests of every popular prompt to L2
 (or upstream). With ``--warm-bytes`` set, a sidecar with Redis reads, for
 each of its known tenants, the entries L2 used most recently (the tenant's
-LRU sorted set, :func:`cachefleet_sidecar.contract.names.lru_key`: a fine proxy for
+LRU sorted set, :func:`cachefleet_common.contract.names.lru_key`: a fine proxy for
 "most requested") and puts them in its L1, before ``/readyz`` says ready:
 
 * bounded in bytes (``--warm-bytes`` over all tenants, and each tenant's own
@@ -23,7 +23,7 @@ LRU sorted set, :func:`cachefleet_sidecar.contract.names.lru_key`: a fine proxy 
   namespace, no fence field ahead of them (key purges included), a
   well-formed entry of that tenant; anything else is skipped and counted by
   reason. Entries written by sidecars older than the L1-key line
-  (:func:`cachefleet_sidecar.contract.versioned.split_l1_id`) cannot be warmed (skipped
+  (:func:`cachefleet_common.contract.versioned.split_l1_id`) cannot be warmed (skipped
   as ``no_l1_key``);
 * unlisted tenants (guests of ``tenantDefaults`` with an L2 pool) after the
   listed ones, from what they left: the pool's most recently used entries
@@ -43,9 +43,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from cachefleet_common.contract.versioned import entry_head, split_l1_id
+from cachefleet_common.epochs import EpochTracker
 from cachefleet_sidecar.cache.entry import Entry
-from cachefleet_sidecar.contract.versioned import entry_head, split_l1_id
-from cachefleet_sidecar.epochs import EpochTracker
 
 if TYPE_CHECKING:
     from cachefleet_sidecar.cache.tiers import L2

@@ -54,7 +54,8 @@ from urllib.parse import unquote, urlsplit
 import httptools
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from cachefleet_sidecar.contract.urls import redact_url
+from cachefleet_common import defaults
+from cachefleet_common.contract.urls import redact_url
 from cachefleet_sidecar.http.wire import REQUEST_DROP
 
 #: Seconds to open a connection to the upstream.
@@ -73,10 +74,8 @@ MAX_BUFFERED_BYTES = 1024 * 1024
 #: A body smaller than this is copied behind its head and sent in one write; a larger
 #: one is written apart (a copy of it would cost more than the second write).
 JOIN_BODY_BELOW = 64 * 1024
-#: Connections open or opening to one upstream at once (``--upstream-max-connections``).
-DEFAULT_MAX_CONNECTIONS = 256
-#: Requests that may wait for a connection (``--upstream-max-queued``); more get 503 at once.
-DEFAULT_MAX_WAITING = 1024
+DEFAULT_MAX_CONNECTIONS = defaults.UPSTREAM_MAX_CONNECTIONS
+DEFAULT_MAX_WAITING = defaults.UPSTREAM_MAX_WAITING
 #: Methods that may be sent again when a reused connection fails before answering.
 IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS"})
 

@@ -14,6 +14,10 @@ from typing import Any
 
 import orjson
 
+from cachefleet_common import prices
+from cachefleet_common.contract.messages import Heartbeat
+from cachefleet_common.contract.names import GUESTS, Policy
+from cachefleet_common.contract.urls import redact_url
 from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.adapt.host import HostPressure
 from cachefleet_sidecar.adapt.switching import SwitchingEngine
@@ -24,13 +28,9 @@ from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import L2
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.messages import Heartbeat
-from cachefleet_sidecar.contract.names import GUESTS, Policy
-from cachefleet_sidecar.contract.urls import redact_url
 from cachefleet_sidecar.control.upkeep import Upkeep
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Connection, Request, simple_response
-from cachefleet_sidecar.observe import savings
 from cachefleet_sidecar.observe.metrics import GuestPool, SidecarMetrics, TierUsage
 from cachefleet_sidecar.tenancy.identity import TrustedNetworks, parse_networks
 from cachefleet_sidecar.tenancy.tenants import Tenants
@@ -207,7 +207,7 @@ class Admin:
 
     def saved_totals(self) -> dict[str, float | int]:
         """:meth:`savings` added over tenants and models (shown to every peer)."""
-        total = savings.Saved()
+        total = prices.Saved()
         for tm in self.metrics.tenants.values():
             for saved in tm.saved.values():
                 total.hits += saved.hits

@@ -10,7 +10,7 @@ a run of one tenant's hits at a time (the tenant's metrics looked up once
 per run):
 
 * the tenant's ``l1``/``hit`` requests (added once) and their latencies (histogram),
-* what they saved the model (:class:`~cachefleet_sidecar.observe.savings.Saved`, summed
+* what they saved the model (:class:`~cachefleet_common.pricing.Saved`, summed
   over a run of hits on one key and added once),
 * the miss-ratio curves' access, made only for a key the tenant's sampler
   tracks (the sampling hash is compared here: an unsampled hit does not call
@@ -28,10 +28,11 @@ from bisect import bisect_left
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from cachefleet_sidecar.adapt.mrc import HASH_MASK, HASH_SHIFT, MissRatioCurves
+from cachefleet_common import prices as pricing
+from cachefleet_common.keys import CacheKey
+from cachefleet_common.sampling import HASH_MASK, HASH_SHIFT
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.cache.entry import V_COMPLETION, V_PROMPT, V_RESPONSE, V_UPSTREAM_S, L1Value
-from cachefleet_sidecar.cache.keys import CacheKey
-from cachefleet_sidecar.observe import savings
 from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class HitBook:
         *,
         mrc: MissRatioCurves | None = None,
         switching: SwitchingEngine | None = None,
-        prices: Mapping[str, savings.Price] | None = None,
+        prices: Mapping[str, pricing.Price] | None = None,
         on_observed: Callable[[], None] | None = None,
     ) -> None:
         self._metrics = metrics
@@ -129,7 +130,7 @@ class HitBook:
         cost = 0.0
         prices = self._prices
         if prices:
-            cost = savings.cost(prices, key.model, prompt, completion) or 0.0
+            cost = pricing.cost(prices, key.model, prompt, completion) or 0.0
         tm.saving(key.model).add_many(1, prompt, completion, value[V_UPSTREAM_S], cost)
         requests = tm.requests
         requests[L1_HIT] = requests.get(L1_HIT, 0) + 1
@@ -170,7 +171,7 @@ class HitBook:
             completion += value[V_COMPLETION]
             upstream_s += value[V_UPSTREAM_S]
             if prices:
-                price = savings.cost(prices, key.model, value[V_PROMPT], value[V_COMPLETION])
+                price = pricing.cost(prices, key.model, value[V_PROMPT], value[V_COMPLETION])
                 if price is not None:
                     cost += price
         if last is not None:

@@ -50,9 +50,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from cachefleet_sidecar.adapt.admission import Admission
-from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.contract.promql import (
+from cachefleet_common.contract.promql import (
     METRIC_ITL,
     METRIC_POLICY_CURVE_HITS,
     METRIC_POLICY_CURVE_REQUESTS,
@@ -66,7 +64,9 @@ from cachefleet_sidecar.contract.promql import (
     METRIC_TTFT,
     METRIC_UPSTREAM_DURATION,
 )
-from cachefleet_sidecar.observe.savings import Saved
+from cachefleet_common.prices import Saved
+from cachefleet_sidecar.adapt.admission import Admission
+from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 
 #: Latency buckets (seconds): from an L1 hit (well under a millisecond) to a long generation.
 BUCKETS: tuple[float, ...] = (

@@ -29,8 +29,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
+from cachefleet_common import keys
 from cachefleet_sidecar.adapt.gate import AdmissionGate
-from cachefleet_sidecar.cache import keys
 from cachefleet_sidecar.cache.handler import ADMIN_PATHS, Handler, Lookup
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import Tiers

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from cachefleet_sidecar.contract.names import valid_name
+from cachefleet_common.contract.names import valid_name
 from cachefleet_sidecar.http.server import Refusal
 
 log = logging.getLogger("cachefleet.sidecar")

@@ -2,14 +2,14 @@
 
 :class:`RateLimiter` is the request path's :class:`~cachefleet_sidecar.http.relay.RateGate`.
 A request that goes to the model server (a miss, a bypass) is admitted by one
-``EVALSHA`` of :data:`~cachefleet_sidecar.contract.lua.RATE_LIMIT_LUA` on the
+``EVALSHA`` of :data:`~cachefleet_common.contract.lua.RATE_LIMIT_LUA` on the
 tenant's key (every sidecar of the cache shares it: the limits are fleet-wide);
 the answer's ``usage`` corrects the token charge with a second, fire-and-forget
 call. Cache hits never reach it, unless ``--limits-count-hits`` makes them count
 as requests (never as tokens).
 
 When Redis cannot be reached (or the sidecar has none) each pod decides alone with
-the same arithmetic (:mod:`cachefleet_sidecar.tenancy.limits`) on its share of each
+the same arithmetic (:mod:`cachefleet_common.limits`) on its share of each
 limit, limit / live pods (the members' heartbeats, counted while Redis answered;
 the whole limit when never known), and ``/status`` says so. A limiter fault is
 never the client's error. The limits come from ``--tenant-limits`` and from the
@@ -28,14 +28,11 @@ from typing import Any
 import orjson
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.cache.entry import usage_of
-from cachefleet_sidecar.contract.lua import RATE_LIMIT_LUA
-from cachefleet_sidecar.contract.messages import QuotaAssignment
-from cachefleet_sidecar.contract.names import members_key, rate_limit_key
-from cachefleet_sidecar.http.server import simple_response
-from cachefleet_sidecar.tasks import Background
-from cachefleet_sidecar.tenancy.limits import (
+from cachefleet_common import resp
+from cachefleet_common.contract.lua import RATE_LIMIT_LUA
+from cachefleet_common.contract.messages import QuotaAssignment
+from cachefleet_common.contract.names import members_key, rate_limit_key
+from cachefleet_common.limits import (
     BUCKETS,
     Decision,
     TenantLimits,
@@ -45,6 +42,9 @@ from cachefleet_sidecar.tenancy.limits import (
     header_lines,
     refusal_message,
 )
+from cachefleet_sidecar.cache.entry import usage_of
+from cachefleet_sidecar.http.server import simple_response
+from cachefleet_sidecar.tasks import Background
 
 log = logging.getLogger("cachefleet.sidecar")
 

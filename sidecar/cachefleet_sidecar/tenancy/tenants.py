@@ -12,19 +12,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from cachefleet_common import classes, keys
+from cachefleet_common.classes import capped_class
+from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
+from cachefleet_common.contract.names import GUESTS, guest
 from cachefleet_sidecar.adapt import flows
-from cachefleet_sidecar.adapt.admission import capped_class
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.adapt.switcher import PolicySwitcher
-from cachefleet_sidecar.cache import keys, semantic
+from cachefleet_sidecar.cache import semantic
 from cachefleet_sidecar.cache.entry import L1Value
 from cachefleet_sidecar.cache.handler import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import L2, Freshness
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.contract.messages import QuotaAssignment, TenantQuota
-from cachefleet_sidecar.contract.names import GUESTS, guest
 from cachefleet_sidecar.http.server import Request
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background
@@ -40,8 +41,8 @@ log = logging.getLogger("cachefleet.sidecar")
 
 #: Tick of the tenant idleness clock, seconds (expiry is counted in ticks of this).
 IDLE_TICK_S = 5.0
-_OBJECTIVE = flows.OBJECTIVE_HEADER.encode()
-_FAIRNESS_ID = flows.FAIRNESS_ID_HEADER.encode()
+_OBJECTIVE = classes.OBJECTIVE_HEADER.encode()
+_FAIRNESS_ID = classes.FAIRNESS_ID_HEADER.encode()
 
 
 class Tenants:

@@ -1,6 +1,6 @@
 """L1 replacement policies and the factory that builds them by name.
 
-Names are the values of :class:`cachefleet_sidecar.contract.names.Policy` (a
+Names are the values of :class:`cachefleet_common.contract.names.Policy` (a
 pure module: this package stays free of I/O libraries).
 A policy is a pure, byte-bounded data structure (see :mod:`.base` for the
 contract); ``make_policy`` is how the rest of the sidecar gets one.
@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cachefleet_common.contract.names import Policy
 from cachefleet_sidecar.cache.policies.base import K, ReplacementPolicy, V
 from cachefleet_sidecar.cache.policies.lirs import LIRSPolicy, LirsSnapshot
 from cachefleet_sidecar.cache.policies.lru import LRUPolicy
 from cachefleet_sidecar.cache.policies.sits import SITSPolicy
-from cachefleet_sidecar.contract.names import Policy
 
 __all__ = [
     "LIRS",

@@ -45,7 +45,7 @@ class ReplacementPolicy(Protocol[K, V]):
 
     @property
     def name(self) -> str:
-        """The policy's name as in :class:`cachefleet_sidecar.contract.names.Policy`."""
+        """The policy's name as in :class:`cachefleet_common.contract.names.Policy`."""
         ...
 
     @property

@@ -7,8 +7,8 @@ from typing import Any
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.urls import parse_redis_url
+from cachefleet_common import resp
+from cachefleet_common.contract.urls import parse_redis_url
 
 #: The client types :func:`redis_from_url` returns.
 RedisClient = Redis | RedisCluster
@@ -40,7 +40,7 @@ def resp_client(
     command_timeout_s: float = resp.DEFAULT_COMMAND_TIMEOUT_S,
     connect_timeout_s: float = resp.DEFAULT_CONNECT_TIMEOUT_S,
 ) -> resp.RespClient:
-    """The sidecar's lean hot-path client (:mod:`cachefleet_sidecar.resp`) for ``url``.
+    """The sidecar's lean hot-path client (:mod:`cachefleet_common.resp`) for ``url``.
 
     Same URL convention, credentials (ACL user) and TLS (``rediss``, ``?ssl_ca_certs``)
     as :func:`redis_from_url`; it connects lazily (call ``connect()`` to warm up).

@@ -4,14 +4,14 @@ Every sidecar forwards the accesses of the keys whose sampling hash (the bits th
 miss-ratio curves sample by, :mod:`cachefleet_sidecar.adapt.mrc`) is below one fleet-wide
 threshold: every pod samples the same keys, so the operator can replay them as one
 key stream and measure the reuse the whole fleet sees (L2 answers a key's first
-access on a pod). One stream entry (:func:`~cachefleet_sidecar.contract.names.fleet_samples_key`)
+access on a pod). One stream entry (:func:`~cachefleet_common.contract.names.fleet_samples_key`)
 is one batch of one pod, field ``b``::
 
     {"pod": P, "thr": threshold, "t0": unix ms, "s": {tenant: [key, size, dt_ms, ...]}}
 
 where ``key`` is the upper 64 bits of the 128-bit key digest (its low 24 bits are the
 sampling hash) and ``dt_ms`` the access's time after ``t0``. The operations that
-write and read the stream are in :mod:`cachefleet_sidecar.contract.ops`.
+write and read the stream are in :mod:`cachefleet_common.contract.ops`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from cachefleet_sidecar.contract.names import valid_name
+from cachefleet_common.contract.names import valid_name
 
 #: Fraction of the key space every sidecar forwards by default (``--fleet-sample-rate``,
 #: the InferenceCache's ``spec.fleetSampleRate``: the same on every pod of a cache). Each

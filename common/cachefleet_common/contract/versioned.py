@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.names import tenant_epochs_key
-from cachefleet_sidecar.epochs import EpochVector, encode_vector
+from cachefleet_common import resp
+from cachefleet_common.contract.names import tenant_epochs_key
+from cachefleet_common.epochs import EpochVector, encode_vector
 
 
 def vector_args(vector: EpochVector) -> list[str]:

@@ -4,7 +4,7 @@ Each operation is written once, as the commands and script calls it sends
 (:class:`Command`, :class:`ScriptCall`) and the parsing of their replies.
 :func:`run` sends them on either client: redis-py (:data:`RedisClient`: the
 operator and tools, one call after the other) or the sidecar's own RESP client
-(:class:`~cachefleet_sidecar.resp.RespClient`: a batch goes out pipelined, each
+(:class:`~cachefleet_common.resp.RespClient`: a batch goes out pipelined, each
 call on its key's node). The operations on the invalidation path (fence,
 announce, members and acks, key purges, heartbeats and acks) take either; the
 operator's other steps take redis-py. The rules are in docs/redis-protocol.md.
@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachefleet_sidecar import resp
-from cachefleet_sidecar.contract.clients import RedisClient
-from cachefleet_sidecar.contract.fleet import FLEET_READ_MAX, FLEET_STREAM_MAXLEN
-from cachefleet_sidecar.contract.lua import (
+from cachefleet_common import resp
+from cachefleet_common.contract.clients import RedisClient
+from cachefleet_common.contract.fleet import FLEET_READ_MAX, FLEET_STREAM_MAXLEN
+from cachefleet_common.contract.lua import (
     ACK_LUA,
     EPOCH_CAS_LUA,
     EPOCH_MERGE_LUA,
@@ -33,14 +33,14 @@ from cachefleet_sidecar.contract.lua import (
     PURGE_FENCE_LUA,
     REGISTER_TENANT_LUA,
 )
-from cachefleet_sidecar.contract.messages import (
+from cachefleet_common.contract.messages import (
     ControlMessage,
     EpochAck,
     Heartbeat,
     QuotaAssignment,
     ack_epochs,
 )
-from cachefleet_sidecar.contract.names import (
+from cachefleet_common.contract.names import (
     ack_channel,
     acks_key,
     check_digest,
@@ -61,7 +61,7 @@ from cachefleet_sidecar.contract.names import (
     tenant_tombstone_key,
     tombstone_key,
 )
-from cachefleet_sidecar.epochs import PURGE_SCOPE, parse_epochs, valid_scope
+from cachefleet_common.epochs import PURGE_SCOPE, parse_epochs, valid_scope
 
 #: How long a heartbeat keeps a sidecar a member, seconds.
 DEFAULT_HEARTBEAT_TTL_S = 15.0

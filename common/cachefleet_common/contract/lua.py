@@ -1,13 +1,13 @@
 """The Lua scripts of the contract: control state, the L2 tiers, epochs and key purges.
 
-Each script's comment says its KEYS (built by :mod:`cachefleet_sidecar.contract.names`)
+Each script's comment says its KEYS (built by :mod:`cachefleet_common.contract.names`)
 and ARGV. Every key one script touches carries one hashtag, so each runs on one
-cluster slot. :mod:`cachefleet_sidecar.contract.ops` and the sidecar's L2 run them.
+cluster slot. :mod:`cachefleet_common.contract.ops` and the sidecar's L2 run them.
 """
 
 from __future__ import annotations
 
-from cachefleet_sidecar.contract.names import GUEST_POOL
+from cachefleet_common.contract.names import GUEST_POOL
 
 #: KEYS[1] = quotas_key, KEYS[2] = tombstone_key; ARGV[1] = generation,
 #: ARGV[2] = assignment JSON. Writes only if the generation is newer than the
@@ -405,7 +405,7 @@ return deleted
 # --------------------------------------------------------------------------- rate limits
 
 #: Per-tenant request and token limits, fleet-wide (docs/rate-limits.md): the GCRA of
-#: :func:`cachefleet_sidecar.tenancy.limits.decide`, in milliseconds of Redis's clock.
+#: :func:`cachefleet_common.limits.decide`, in milliseconds of Redis's clock.
 #: KEYS[1] = names.rate_limit_key (a hash: field ``r``, ``t``, ``d`` = each bucket's
 #: theoretical arrival time, ms). ARGV[1] = ``take`` (admit all-or-nothing: charge every
 #: bucket only if the cost fits in each) or ``force`` (a correction, charged as is; a

@@ -115,7 +115,7 @@ def guest_usage_key(cache: str, tenant: str) -> str:
     """A guest's own bytes in the pool (hash field ``bytes``), kept by the L2 scripts.
 
     The scripts spell this key, and :func:`guest_lru_key`, from the entry key
-    (:data:`~cachefleet_sidecar.contract.lua.GUEST_OWNER_PATTERN`).
+    (:data:`~cachefleet_common.contract.lua.GUEST_OWNER_PATTERN`).
     """
     return f"{_tenant(cache, guest(tenant))}:usage"
 
@@ -153,12 +153,12 @@ def expiry_key(cache: str, tenant: str) -> str:
 
 
 def l2_keys(cache: str, tenant: str, digest_hex: str) -> list[str]:
-    """KEYS of :data:`~cachefleet_sidecar.contract.lua.L2_PUT_LUA` (and the others on one entry)."""
+    """KEYS of :data:`~cachefleet_common.contract.lua.L2_PUT_LUA` (and the others on one entry)."""
     return [entry_key(cache, tenant, digest_hex), *l2_meta_keys(cache, tenant)]
 
 
 def l2_meta_keys(cache: str, tenant: str) -> list[str]:
-    """KEYS of :data:`~cachefleet_sidecar.contract.lua.L2_USAGE_LUA`: usage, lru, sizes, exp."""
+    """KEYS of :data:`~cachefleet_common.contract.lua.L2_USAGE_LUA`: usage, lru, sizes, exp."""
     return [
         usage_key(cache, tenant),
         lru_key(cache, tenant),
@@ -235,5 +235,5 @@ def check_digest(digest: str) -> str:
 
 def rate_limit_key(cache: str, tenant: str) -> str:
     """The GCRA state of ``tenant``'s request and token limits (hash ``r``, ``t``, ``d``),
-    in the tenant's data slot (:data:`~cachefleet_sidecar.contract.lua.RATE_LIMIT_LUA`)."""
+    in the tenant's data slot (:data:`~cachefleet_common.contract.lua.RATE_LIMIT_LUA`)."""
     return f"{_tenant(cache, tenant)}:rl"

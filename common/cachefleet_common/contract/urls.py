@@ -1,7 +1,7 @@
 """Redis URLs: ``redis[s][+cluster]://[user:password@]host:port[,host:port...][/db]``.
 
 Parsing and redacting only (docs/redis-protocol.md); the clients are built in
-:mod:`cachefleet_sidecar.contract.clients`.
+:mod:`cachefleet_common.contract.clients`.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ answered with an error), :class:`ConnectionLost` (no connection),
 not know what a cache is; the L2 tier turns every error into a cache fault.
 
 The client knows nothing of cachefleet's keys or URLs: callers pass a
-:class:`NodeSettings` (see :func:`cachefleet_sidecar.contract.clients.resp_client`).
+:class:`NodeSettings` (see :func:`cachefleet_common.contract.clients.resp_client`).
 """
 
 from __future__ import annotations

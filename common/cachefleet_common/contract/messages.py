@@ -2,7 +2,7 @@
 
 Quota tables (:class:`QuotaAssignment`), control-channel notices
 (:class:`ControlMessage`), heartbeats and epoch acknowledgements. Which key or
-channel carries each is in :mod:`cachefleet_sidecar.contract.names`.
+channel carries each is in :mod:`cachefleet_common.contract.names`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from cachefleet_sidecar.contract.names import Policy
+from cachefleet_common.contract.names import Policy
 
 PROTOCOL_VERSION = 1
 

@@ -18,7 +18,7 @@ buckets; the answer's ``usage`` corrects the charge afterwards, as is, in
 either direction (:func:`gcra` with ``force``).
 
 The same arithmetic runs in Redis, fleet-wide
-(:data:`cachefleet_sidecar.contract.lua.RATE_LIMIT_LUA`), and in process when
+(:data:`cachefleet_common.contract.lua.RATE_LIMIT_LUA`), and in process when
 Redis cannot be reached (each pod then enforces ``limit / live pods``,
 :meth:`TenantLimits.share`). The operator reads the script's state and
 reports where each bucket stands (:func:`usage`, the headers' arithmetic) in
@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from cachefleet_sidecar.contract.names import valid_name
+from cachefleet_common.contract.names import valid_name
 
 MINUTE_S = 60.0
 DAY_S = 86400.0
@@ -53,7 +53,7 @@ CHARS_PER_TOKEN = 4
 #: Header names per bucket: OpenAI's for requests and tokens per minute; cachefleet's
 #: own ``-tokens-day`` trio for the daily budget (OpenAI has none).
 HEADER_SUFFIX = {"requests": "requests", "tokens": "tokens", "tokens_per_day": "tokens-day"}
-#: The fields of the tenant's hash (:func:`~cachefleet_sidecar.contract.names.rate_limit_key`)
+#: The fields of the tenant's hash (:func:`~cachefleet_common.contract.names.rate_limit_key`)
 #: that hold each bucket's ``tat`` in milliseconds, in :data:`BUCKETS` order.
 STATE_FIELDS = ("r", "t", "d")
 
@@ -290,7 +290,7 @@ def decide(
 
     Returns the decision and each bucket's ``tat`` afterwards (``tats`` in
     :data:`BUCKETS` order; unchanged on a refusal). The token cost is clamped to
-    each bucket's limit unless ``force``. :data:`~cachefleet_sidecar.contract.lua.RATE_LIMIT_LUA`
+    each bucket's limit unless ``force``. :data:`~cachefleet_common.contract.lua.RATE_LIMIT_LUA`
     computes the same in Redis."""
     plans: list[tuple[int, str, int, float, bool, float]] = []
     for i, ((name, _, period), limit) in enumerate(zip(BUCKETS, limits.limits(), strict=True)):

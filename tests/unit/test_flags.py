@@ -1,0 +1,64 @@
+"""The one flag mechanism (cachefleet_common.flags): flag > environment > default, all parsed."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachefleet_common.flags import Flags, env_name, switch
+
+
+def _flags(environ: dict[str, str]) -> Flags:
+    flags = Flags("prog", "what it does", environ=environ)
+    flags.add("max-items", "how many", default=3, parse=int, group="Limits")
+    flags.add("verbose", "talk more", is_switch=True)
+    flags.add("name", "a name")
+    return flags
+
+
+def test_env_name_is_the_prefix_and_the_flag_in_upper_case() -> None:
+    assert env_name("--l1-bytes") == "CACHEFLEET_L1_BYTES"
+    assert env_name("kv-events", prefix="X_") == "X_KV_EVENTS"
+
+
+def test_the_flag_wins_over_the_environment_which_wins_over_the_default() -> None:
+    assert _flags({}).parse([]).max_items == 3
+    assert _flags({"CACHEFLEET_MAX_ITEMS": "7"}).parse([]).max_items == 7
+    assert _flags({"CACHEFLEET_MAX_ITEMS": "7"}).parse(["--max-items", "9"]).max_items == 9
+
+
+def test_switches_read_true_and_false_words_from_the_environment() -> None:
+    assert _flags({}).parse([]).verbose is False
+    assert _flags({}).parse(["--verbose"]).verbose is True
+    assert _flags({"CACHEFLEET_VERBOSE": "yes"}).parse([]).verbose is True
+    assert _flags({"CACHEFLEET_VERBOSE": "off"}).parse([]).verbose is False
+    with pytest.raises(ValueError, match="true or false"):
+        switch("maybe")
+
+
+def test_a_flag_without_a_default_is_none() -> None:
+    assert _flags({}).parse([]).name is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "said"),
+    [
+        (["--max-items", "x"], {}, "--max-items: invalid literal"),
+        ([], {"CACHEFLEET_MAX_ITEMS": "x"}, "CACHEFLEET_MAX_ITEMS (for --max-items)"),
+        ([], {"CACHEFLEET_VERBOSE": "maybe"}, "CACHEFLEET_VERBOSE (for --verbose)"),
+    ],
+)
+def test_a_bad_value_exits_2_naming_where_it_came_from(
+    argv: list[str], environ: dict[str, str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _flags(environ).parse(argv)
+    assert exc.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_help_shows_each_flags_environment_name_and_default_in_its_group() -> None:
+    flags = _flags({})
+    text = flags.parser.format_help()
+    assert "[env CACHEFLEET_MAX_ITEMS]" in text
+    assert "Limits:" in text
+    assert flags.parser._option_string_actions["--max-items"].default == "3"
