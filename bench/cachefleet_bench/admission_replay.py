@@ -28,7 +28,7 @@ holds) / prefill_rate``. Deterministic: no clock, no randomness beyond the
   pod has its own :class:`cachefleet_sidecar.adapt.admission.Admission` (the
   sidecar's), fed a reading of that pod (waiting, running, KV use, prefill
   histogram) every ``poll_s`` seconds, as the sidecar's gate polls
-  (:data:`cachefleet_sidecar.adapt.gate.METRICS_POLL_S`; the pods' polls are spread
+  (:data:`cachefleet_sidecar.http.gate.METRICS_POLL_S`; the pods' polls are spread
   over the period). Parked Standard requests are released and timed out at
   readings, as the gate does; between readings the core decides from the last
   reading and what it sent since. ``poll_s=0`` reads at every arrival and
@@ -63,7 +63,7 @@ from cachefleet_bench.mooncake import BLOCK_TOKENS, DEFAULT_TRACE, TraceError
 from cachefleet_common.classes import BEST_EFFORT, CLASSES, GUARANTEED, STANDARD
 from cachefleet_common.modelserver import ModelServerMetrics
 from cachefleet_sidecar.adapt.admission import Admission, AdmissionConfig
-from cachefleet_sidecar.adapt.gate import METRICS_POLL_S
+from cachefleet_sidecar.http.gate import METRICS_POLL_S
 
 #: Class shares by conversation (the rest is BestEffort).
 GUARANTEED_SHARE = 0.2

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cachefleet_sidecar.cache.policies import ReplacementPolicy, make_policy
+from cachefleet_sidecar.policies import ReplacementPolicy, make_policy
 
 DEFAULT_OPS = 200_000
 DEFAULT_REPEATS = 5

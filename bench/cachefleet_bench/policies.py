@@ -53,7 +53,7 @@ from cachefleet_bench.mooncake import (
     read_records,
     trace_path,
 )
-from cachefleet_sidecar.cache.policies import (
+from cachefleet_sidecar.policies import (
     ReplacementPolicy,
     SITSPolicy,
     available_policies,

@@ -53,8 +53,8 @@ from cachefleet_operator.api import SpecError, parse_spec
 from cachefleet_operator.curves import HitCurve, LatencyDist
 from cachefleet_sidecar.adapt.mrc import MINI_SIM_FRACTIONS, MissRatioCurves
 from cachefleet_sidecar.cache.l1 import TenantL1
-from cachefleet_sidecar.cache.policies import available_policies
 from cachefleet_sidecar.observe.metrics import Histogram
+from cachefleet_sidecar.policies import available_policies
 
 ALLOCATORS = ("cachefleet", "class-only", "equal", "oracle")
 DEFAULT_INTERVAL_S = 10.0

@@ -18,10 +18,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from cachefleet_common.contract.urls import redact_url
+from cachefleet_sidecar.admin import L2_USAGE_REFRESH_S, AdminHandler
 from cachefleet_sidecar.compose import Sidecar, build
 from cachefleet_sidecar.config import SidecarConfig, parse_args
 from cachefleet_sidecar.http.server import Connection
-from cachefleet_sidecar.observe.admin import L2_USAGE_REFRESH_S, AdminHandler
 from cachefleet_sidecar.tenancy.identity import API_KEYS_POLL_S
 from cachefleet_sidecar.tenancy.tenants import IDLE_TICK_S
 

@@ -42,26 +42,26 @@ from cachefleet_common.contract.clients import resp_client
 from cachefleet_common.epochs import EpochTracker
 from cachefleet_sidecar.adapt import mrc as mrc_module
 from cachefleet_sidecar.adapt.fleetsample import FleetShipper
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.adapt.host import HostPressure
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.adapt.switcher import PolicySwitcher
 from cachefleet_sidecar.adapt.switching import SwitchingConfig, SwitchingEngine
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
+from cachefleet_sidecar.admin import Admin
 from cachefleet_sidecar.cache.entry import L1Value
 from cachefleet_sidecar.cache.handler import Handler, HitsCountedHandler, Keying
+from cachefleet_sidecar.cache.hits import HitBook
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.purge import PurgeIndex
+from cachefleet_sidecar.cache.switcher import PolicySwitcher
 from cachefleet_sidecar.cache.tiers import L2, Freshness, Tiers
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.control.upkeep import Upkeep
+from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Handler as ServerHandler
 from cachefleet_sidecar.http.server import Limiter, Limits, Outbox
 from cachefleet_sidecar.http.upstream import UpstreamPool
-from cachefleet_sidecar.observe.admin import Admin
-from cachefleet_sidecar.observe.hits import HitBook
 from cachefleet_sidecar.observe.metrics import (
     SidecarMetrics,
     admission_families,
@@ -165,7 +165,7 @@ def build(
         )
 
         l2 = RedisL2.from_url(config.redis_url, cache, ttl_s=config.l2_ttl_s)
-    # Tracing on: the traced parts (observe/traced.py) stand in for the plain ones.
+    # Tracing on: the traced parts (traced.py) stand in for the plain ones.
     upstream_cls: type[UpstreamPool] = UpstreamPool
     gate_cls: type[AdmissionGate] = AdmissionGate
     l3_cls: type[SemanticTier] = SemanticTier
@@ -179,7 +179,7 @@ def build(
         except ImportError as exc:  # traces are never worth failing the data path for
             log.error("--otlp-endpoint: no tracing (%s): install cachefleet[tracing]", exc)
     if tracing is not None:
-        from cachefleet_sidecar.observe import traced
+        from cachefleet_sidecar import traced
 
         upstream_cls, gate_cls = traced.TracedUpstream, traced.TracedGate
         l3_cls, tiers_cls = traced.TracedSemanticTier, traced.TracedTiers

@@ -19,9 +19,9 @@ import pytest
 from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_e2e.modelserver_sim import ModelServerSim
 from cachefleet_sidecar.adapt.admission import AdmissionConfig
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.http.gate import AdmissionGate
 
 CLASSES = {"gold": "Guaranteed", "silver": "Standard", "free": "BestEffort"}
 

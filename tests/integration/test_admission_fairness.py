@@ -23,9 +23,9 @@ import pytest
 from cachefleet_common.classes import FAIRNESS_ID_HEADER, OBJECTIVE_HEADER
 from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_sidecar.adapt.admission import AdmissionConfig
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.app import SidecarServer
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.http.gate import AdmissionGate
 
 MAX_WAITING = 2
 ANSWER = orjson.dumps(

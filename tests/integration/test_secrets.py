@@ -10,9 +10,9 @@ import pytest
 from cachefleet_common.contract.clients import redis_from_url
 from cachefleet_common.contract.urls import parse_redis_url, redact_url
 from cachefleet_e2e.fake_upstream import FakeUpstream
+from cachefleet_sidecar.admin import public_status
 from cachefleet_sidecar.config import parse_args
 from cachefleet_sidecar.http.server import Request
-from cachefleet_sidecar.observe.admin import public_status
 
 from .conftest import SidecarFactory
 from .test_tenants import _Sink

@@ -13,7 +13,7 @@ from cachefleet_common.sampling import HASH_SHIFT
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.adapt.switching import SwitchingEngine
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.observe.hits import HitBook
+from cachefleet_sidecar.cache.hits import HitBook
 from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 
 

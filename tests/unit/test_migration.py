@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefleet_sidecar.cache.l1 import TenantL1
-from cachefleet_sidecar.cache.policies import LIRSPolicy, LRUPolicy, SITSPolicy, make_policy
-from cachefleet_sidecar.cache.policies.migrating import Migration
+from cachefleet_sidecar.policies import LIRSPolicy, LRUPolicy, SITSPolicy, make_policy
+from cachefleet_sidecar.policies.migrating import Migration
 
 POLICIES = ("lru", "lirs", "sits")
 

@@ -10,8 +10,8 @@ import xxhash
 
 from cachefleet_common.sampling import BUCKETS, ShardsSampler, hit_ratio_at
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.cache.policies import make_policy
 from cachefleet_sidecar.observe.metrics import reuse_families
+from cachefleet_sidecar.policies import make_policy
 
 SIZES = (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 

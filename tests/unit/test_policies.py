@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachefleet_common.contract.names import Policy
-from cachefleet_sidecar.cache.policies import (
+from cachefleet_sidecar.policies import (
     LIRSPolicy,
     LirsSnapshot,
     LRUPolicy,

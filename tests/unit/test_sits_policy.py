@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefleet_sidecar.cache.policies import LIRSPolicy, LRUPolicy, ReplacementPolicy, SITSPolicy
-from cachefleet_sidecar.cache.policies.sits import (
+from cachefleet_sidecar.policies import LIRSPolicy, LRUPolicy, ReplacementPolicy, SITSPolicy
+from cachefleet_sidecar.policies.sits import (
     PROBES_PER_ROUND,
     REGIMES,
     SHIFT_SETTLE,

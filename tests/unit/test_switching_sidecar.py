@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from cachefleet_common.contract.names import Policy
 from cachefleet_sidecar.adapt.host import HostPressure
 from cachefleet_sidecar.adapt.telemetry import GpuSample, GpuTelemetry
-from cachefleet_sidecar.cache.policies import SITSPolicy
 from cachefleet_sidecar.compose import Sidecar, build
 from cachefleet_sidecar.config import SidecarConfig, parse_args
+from cachefleet_sidecar.policies import SITSPolicy
 
 W = 10.0
 

@@ -23,7 +23,7 @@ from cachefleet_common.epochs import model_scope
 from cachefleet_e2e.vllm_server import SERVED_MODEL, VllmServer
 from cachefleet_operator.invalidation import Invalidator
 from cachefleet_sidecar.adapt.admission import AdmissionConfig
-from cachefleet_sidecar.adapt.gate import AdmissionGate
+from cachefleet_sidecar.http.gate import AdmissionGate
 from tests.integration.conftest import RunningSidecar
 from tests.integration.test_invalidation import until_acked
 from tests.integration.test_sidecar import metric

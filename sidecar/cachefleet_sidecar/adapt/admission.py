@@ -2,7 +2,7 @@
 
 Pure: readings of the model server's own metrics (:class:`modelserver.ModelServerMetrics`)
 and clock values come in, decisions come out; no I/O, no event loop. The
-sidecar's adapter (:mod:`cachefleet_sidecar.adapt.gate`) polls ``/metrics`` and parks
+sidecar's adapter (:mod:`cachefleet_sidecar.http.gate`) polls ``/metrics`` and parks
 waiting requests; the admission replay of ``cachefleet bench routing`` drives the
 same object with simulated time.
 

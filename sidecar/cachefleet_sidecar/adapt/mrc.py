@@ -69,7 +69,7 @@ from cachefleet_common.sampling import (
     ReuseHistogram,
     ShardsSampler,
 )
-from cachefleet_sidecar.cache.policies import make_policy
+from cachefleet_sidecar.policies import make_policy
 
 #: Sampled accesses per second the whole sidecar may spend on curves; above it the
 #: rate of the tenant with the most samples in that burst halves. This is what bounds

@@ -47,7 +47,6 @@ import xxhash
 from cachefleet_common import keys
 from cachefleet_common.contract.names import valid_name
 from cachefleet_common.epochs import EpochTracker, EpochVector
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.cache import directives
 from cachefleet_sidecar.cache.entry import (
@@ -71,6 +70,7 @@ from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from cachefleet_sidecar.cache.tiers import L2HitBook
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.relay import MAX_BUFFERED_BYTES, RateTicket, Relay
 from cachefleet_sidecar.http.server import Connection, Outbox, Refusal, Request, error_response
 from cachefleet_sidecar.http.upstream import Begun, UpstreamPool
@@ -78,10 +78,10 @@ from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background
 
 if TYPE_CHECKING:
-    from cachefleet_sidecar.adapt.switcher import PolicySwitcher
+    from cachefleet_sidecar.cache.hits import HitBook
     from cachefleet_sidecar.cache.l2 import L2Read
+    from cachefleet_sidecar.cache.switcher import PolicySwitcher
     from cachefleet_sidecar.cache.tiers import L2, Freshness, Tiers
-    from cachefleet_sidecar.observe.hits import HitBook
 
 log = logging.getLogger("cachefleet.sidecar")
 

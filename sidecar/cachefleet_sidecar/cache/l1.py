@@ -1,7 +1,7 @@
 """The sidecar's in-process L1: one byte-bounded partition per tenant.
 
 Each tenant gets its own replacement-policy instance (see
-:mod:`cachefleet_sidecar.cache.policies`), so a tenant's puts can only evict that
+:mod:`cachefleet_sidecar.policies`), so a tenant's puts can only evict that
 tenant's entries. Partition sizes:
 
 * Without quotas, the active tenants (those that called ``get`` or ``put``)
@@ -39,7 +39,7 @@ and a guest replacing a guest resizes nobody.
 
 A partition's policy is, in order: an explicit :meth:`TenantL1.set_policy`
 override, the quota's policy, the L1's default policy. Changing it is O(1):
-the partition becomes a :class:`~cachefleet_sidecar.cache.policies.migrating.Migration`
+the partition becomes a :class:`~cachefleet_sidecar.policies.migrating.Migration`
 whose front (the new policy) serves at once, while the old structure's
 entries move over when touched and in bounded batches of
 :meth:`TenantL1.migrate_step`, which the owner calls between requests until
@@ -59,13 +59,13 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from cachefleet_sidecar.cache.policies import (
+from cachefleet_sidecar.policies import (
     ReplacementPolicy,
     SITSPolicy,
     available_policies,
     make_policy,
 )
-from cachefleet_sidecar.cache.policies.migrating import Migration
+from cachefleet_sidecar.policies.migrating import Migration
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")

@@ -28,10 +28,10 @@ from cachefleet_common.sampling import HASH_MASK, HASH_SHIFT
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.cache import directives
 from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, L1Value, OldEntry
+from cachefleet_sidecar.cache.hits import Turns
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.config import SidecarConfig
-from cachefleet_sidecar.observe.hits import Turns
 from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 from cachefleet_sidecar.tasks import Background
 
@@ -322,7 +322,7 @@ L2Hit = tuple[str, keys.CacheKey, Entry, "tuple[L1Value, int] | None", float]
 class L2HitBook:
     """The bookkeeping of the L2 hits answered from the fast path, once per loop turn.
 
-    As :class:`~cachefleet_sidecar.observe.hits.HitBook` for L1 hits: the hit
+    As :class:`~cachefleet_sidecar.cache.hits.HitBook` for L1 hits: the hit
     appends one tuple (:meth:`add`) and opens the turn; at the turn's end,
     once its answers are written, :meth:`flush` promotes each hit to L1
     (:meth:`Tiers.l2_promoted`) and counts what the hit path used to count one

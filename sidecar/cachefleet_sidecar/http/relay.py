@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.server import Connection, Request, error_response
 from cachefleet_sidecar.http.upstream import Begun, UpstreamError, UpstreamPool
 from cachefleet_sidecar.http.wire import FORWARD_DROP, reason_phrase

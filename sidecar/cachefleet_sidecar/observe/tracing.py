@@ -4,7 +4,7 @@ Off by default. The composition root imports this module only when tracing is
 on (``--otlp-endpoint``, or an exporter a test hands in), and OpenTelemetry is
 imported only when a :class:`Tracing` is made: a sidecar without tracing has
 no module of OpenTelemetry loaded and its request path is the untraced one
-(:mod:`cachefleet_sidecar.observe.traced` holds the traced parts compose puts
+(:mod:`cachefleet_sidecar.traced` holds the traced parts compose puts
 in instead).
 
 Each request gets a :class:`RequestTrace`: a server span ``cachefleet.request``

@@ -18,12 +18,12 @@ from cachefleet_common.contract.messages import QuotaAssignment, TenantQuota
 from cachefleet_common.contract.names import GUESTS, guest
 from cachefleet_sidecar.adapt import flows
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
-from cachefleet_sidecar.adapt.switcher import PolicySwitcher
 from cachefleet_sidecar.cache import semantic
 from cachefleet_sidecar.cache.entry import L1Value
 from cachefleet_sidecar.cache.handler import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
+from cachefleet_sidecar.cache.switcher import PolicySwitcher
 from cachefleet_sidecar.cache.tiers import L2, Freshness
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.server import Request

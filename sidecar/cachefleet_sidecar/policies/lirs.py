@@ -59,7 +59,7 @@ from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Literal
 
-from cachefleet_sidecar.cache.policies.base import K, V, check_capacity, check_size
+from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
 #: Default HIR share of the capacity, by bytes (the paper suggests ~1 %).
 DEFAULT_HIR_RATIO = 0.01

@@ -40,7 +40,7 @@ class ReplacementPolicy(Protocol[K, V]):
     * ``pop_entry`` and ``pop_coldest`` take a resident entry out with its
       size and cost, leaving no trace of it (no ghost, no adaptation): they
       are how a policy switch moves entries without losing their metadata
-      (:mod:`cachefleet_sidecar.cache.policies.migrating`). Both are O(1) amortised.
+      (:mod:`cachefleet_sidecar.policies.migrating`). Both are O(1) amortised.
     """
 
     @property

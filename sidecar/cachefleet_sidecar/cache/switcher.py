@@ -21,8 +21,8 @@ from cachefleet_sidecar.adapt.switching import SwitchingEngine, gpu_pressure
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
 from cachefleet_sidecar.cache.entry import L1Value
 from cachefleet_sidecar.cache.l1 import TenantL1
-from cachefleet_sidecar.cache.policies import available_policies
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
+from cachefleet_sidecar.policies import available_policies
 from cachefleet_sidecar.tasks import Background
 
 log = logging.getLogger("cachefleet.sidecar")

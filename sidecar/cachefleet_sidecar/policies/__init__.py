@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 from cachefleet_common.contract.names import Policy
-from cachefleet_sidecar.cache.policies.base import K, ReplacementPolicy, V
-from cachefleet_sidecar.cache.policies.lirs import LIRSPolicy, LirsSnapshot
-from cachefleet_sidecar.cache.policies.lru import LRUPolicy
-from cachefleet_sidecar.cache.policies.sits import SITSPolicy
+from cachefleet_sidecar.policies.base import K, ReplacementPolicy, V
+from cachefleet_sidecar.policies.lirs import LIRSPolicy, LirsSnapshot
+from cachefleet_sidecar.policies.lru import LRUPolicy
+from cachefleet_sidecar.policies.sits import SITSPolicy
 
 __all__ = [
     "LIRS",

@@ -30,10 +30,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from cachefleet_common import keys
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.cache.handler import ADMIN_PATHS, Handler, Lookup
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import Tiers
+from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.server import Connection, Refusal, Request
 from cachefleet_sidecar.http.upstream import Begun, UpstreamPool, UpstreamResponse
 from cachefleet_sidecar.observe.tracing import CURRENT, RequestTrace, Tracing

@@ -128,7 +128,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterator
 from typing import Generic
 
-from cachefleet_sidecar.cache.policies.base import K, V, check_capacity, check_size
+from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
 #: One key in this many feeds the shadow caches (spatial sampling on the key's hash).
 SAMPLE_RATE = 16

@@ -18,7 +18,6 @@ from cachefleet_common import prices
 from cachefleet_common.contract.messages import Heartbeat
 from cachefleet_common.contract.names import GUESTS, Policy
 from cachefleet_common.contract.urls import redact_url
-from cachefleet_sidecar.adapt.gate import AdmissionGate
 from cachefleet_sidecar.adapt.host import HostPressure
 from cachefleet_sidecar.adapt.switching import SwitchingEngine
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
@@ -29,6 +28,7 @@ from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import L2
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.control.upkeep import Upkeep
+from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Connection, Request, simple_response
 from cachefleet_sidecar.observe.metrics import GuestPool, SidecarMetrics, TierUsage

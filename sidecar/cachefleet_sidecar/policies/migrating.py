@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Generic
 
-from cachefleet_sidecar.cache.policies.base import (
+from cachefleet_sidecar.policies.base import (
     K,
     ReplacementPolicy,
     V,

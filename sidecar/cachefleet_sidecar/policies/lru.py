@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Generic
 
-from cachefleet_sidecar.cache.policies.base import K, V, check_capacity, check_size
+from cachefleet_sidecar.policies.base import K, V, check_capacity, check_size
 
 
 class LRUPolicy(Generic[K, V]):
