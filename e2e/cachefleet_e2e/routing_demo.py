@@ -325,7 +325,6 @@ def pod_counters(
 ) -> dict[str, float]:
     """One pod's line of a phase: the requests routed to it and its prefix-cache counters
     (what they grew by since ``before``, when the pod served earlier phases)."""
-
     then = before or ModelServerMetrics()  # counters of a fresh pod: none yet
     return {
         "requests": float(routed),
