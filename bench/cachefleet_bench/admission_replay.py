@@ -218,6 +218,177 @@ class _Outcome:
     service: dict[int, float] = field(default_factory=dict)
 
 
+class _Replay:
+    """One replay in progress: the pods, the prefills ending and the pods' next readings.
+
+    Events are taken in time order: a request's arrival first runs every prefill end
+    and reading up to its time (:meth:`advance`).
+    """
+
+    def __init__(
+        self,
+        *,
+        pods: int,
+        kv_blocks: int,
+        prefill_rate: float,
+        admission: AdmissionConfig | None,
+        poll_s: float,
+    ) -> None:
+        self.fleet = [_Pod(kv_blocks) for _ in range(pods)]
+        if admission is not None:
+            for pod in self.fleet:
+                pod.admission = Admission(admission)
+        self.prefill_rate = prefill_rate
+        self.poll_s = poll_s
+        self.out = _Outcome()
+        self.done: list[tuple[float, int, int]] = []  # (time, sequence, pod): prefills ending
+        self.seq = 0
+        self.polled = admission is not None and poll_s > 0
+        # (time, pod): each pod's next reading, the pods' phases spread over the period
+        self.polls = [(poll_s * p / pods, p) for p in range(pods)] if self.polled else []
+
+    def start(self, p: int, now: float) -> None:
+        """The pod's next queued job starts its prefill when the pod is idle."""
+        pod = self.fleet[p]
+        if pod.busy is not None or not pod.queue:
+            return
+        job = pod.queue.popleft()
+        pod.queued_work -= job.estimate
+        service = uncached_s(job.req.tokens, pod.matched(job.req.blocks), self.prefill_rate)
+        pod.busy, pod.busy_until, pod.busy_service = job, now + service, service
+        if job.req.cls == GUARANTEED:
+            self.out.service[job.req.index] = service
+        self.seq += 1
+        heapq.heappush(self.done, (pod.busy_until, self.seq, p))
+
+    def enqueue(self, job: _Job, now: float) -> None:
+        pod = self.fleet[job.pod]
+        if job.req.cls == GUARANTEED and pod.busy is not None:
+            self.out.residual[job.req.index] = pod.busy_until - now
+            self.out.residual_class[job.req.index] = pod.busy.req.cls
+        pod.queue.append(job)
+        pod.queued_work += job.estimate
+        self.start(job.pod, now)
+
+    def tick(self, p: int, now: float) -> None:
+        """The pod's sidecar takes a reading, lets parked requests go, times out the rest."""
+        pod = self.fleet[p]
+        if pod.admission is None:
+            return
+        pod.admission.observe(pod.reading(), now)
+        for ticket in pod.admission.release():
+            assert isinstance(ticket, _Job)
+            pod.parked_work -= ticket.estimate
+            self.enqueue(ticket, now)
+        self.expire(p, now)
+
+    def expire(self, p: int, now: float) -> None:
+        pod = self.fleet[p]
+        if pod.admission is not None and pod.admission.queued:
+            for ticket in pod.admission.expire(now):
+                assert isinstance(ticket, _Job)
+                pod.parked_work -= ticket.estimate
+                self.out.refused[ticket.req.cls] += 1
+                self.out.standard_timeouts += 1
+
+    def expire_all(self, now: float) -> None:
+        """Without periodic readings, parked requests time out at every event."""
+        if not self.polled:
+            for p in range(len(self.fleet)):
+                self.expire(p, now)
+
+    def complete(self, now: float, p: int) -> None:
+        pod = self.fleet[p]
+        job = pod.busy
+        assert job is not None
+        pod.remember(job.req.blocks)
+        pod.prefill_s += pod.busy_service
+        pod.prefills += 1
+        pod.busy = None
+        self.out.ttft[job.req.cls].append(now - job.req.at)
+        if job.req.cls == GUARANTEED:
+            self.out.guaranteed[job.req.index] = now - job.req.at
+        self.expire_all(now)
+        self.start(p, now)
+        if not self.polled:
+            self.tick(p, now)
+
+    def advance(self, t: float) -> None:
+        """Every prefill end and reading up to ``t``, in time order."""
+        done, polls = self.done, self.polls
+        while True:
+            t_done = done[0][0] if done else math.inf
+            t_poll = polls[0][0] if polls else math.inf
+            if min(t_done, t_poll) > t:
+                return
+            if t_done <= t_poll:
+                now, _, p = heapq.heappop(done)
+                self.complete(now, p)
+            else:
+                now, p = heapq.heappop(polls)
+                self.tick(p, now)
+                heapq.heappush(polls, (now + self.poll_s, p))
+
+    def route(self, req: _Req, now: float) -> int:
+        """The pod with the least expected TTFT for ``req``."""
+        best, best_s = 0, math.inf
+        for p, pod in enumerate(self.fleet):
+            expected = (
+                (max(0.0, pod.busy_until - now) if pod.busy is not None else 0.0)
+                + pod.queued_work
+                + (0.0 if req.cls == GUARANTEED else pod.parked_work)  # admitted before them
+            )
+            own = uncached_s(req.tokens, pod.matched(req.blocks), self.prefill_rate)
+            if expected + own < best_s:
+                best, best_s = p, expected + own
+        return best
+
+    def arrive(self, req: _Req) -> None:
+        """A request arrives: a hit is only shown to admission; a miss is routed and
+        admitted, parked or refused by its pod's admission (FIFO: admitted)."""
+        self.advance(req.at)
+        now = req.at
+        self.expire_all(now)
+        out = self.out
+        if req.hit:
+            adm = self.fleet[0].admission
+            if adm is not None and adm.decide(req.cls, now, hit=True).action != "admit":
+                out.hits_refused += 1
+            return
+        out.misses[req.cls] += 1
+        best = self.route(req, now)
+        pod = self.fleet[best]
+        job = _Job(req, uncached_s(req.tokens, pod.matched(req.blocks), self.prefill_rate), best)
+        if pod.admission is None:
+            self.enqueue(job, now)
+            return
+        if not self.polled:
+            self.tick(best, now)
+        decision = pod.admission.decide(req.cls, now, job)
+        if decision.action == "admit":
+            self.enqueue(job, now)
+        elif decision.action == "wait":
+            pod.parked_work += job.estimate
+        else:
+            out.refused[req.cls] += 1
+
+    def drain(self) -> None:
+        """Readings go on until nothing is parked (each waits at most its bound) or running."""
+
+        def parked() -> bool:
+            return any(pod.admission is not None and pod.admission.queued for pod in self.fleet)
+
+        done, polls = self.done, self.polls
+        while done or (self.polled and parked()):
+            t_next = min(done[0][0] if done else math.inf, polls[0][0] if polls else math.inf)
+            self.advance(t_next)
+        for pod in self.fleet:
+            if pod.admission is not None:
+                for ticket in pod.admission.release_all():  # none expected: counted if any
+                    assert isinstance(ticket, _Job)
+                    self.out.refused[ticket.req.cls] += 1
+
+
 def replay(
     reqs: Sequence[_Req],
     *,
@@ -232,144 +403,17 @@ def replay(
     ``poll_s``: seconds between two readings of a pod by its sidecar (0: a
     reading at every arrival and completion on that pod).
     """
-    fleet = [_Pod(kv_blocks) for _ in range(pods)]
-    if admission is not None:
-        for pod in fleet:
-            pod.admission = Admission(admission)
-    out = _Outcome()
-    done: list[tuple[float, int, int]] = []  # (time, sequence, pod): prefills ending
-    seq = 0
-    polled = admission is not None and poll_s > 0
-    # (time, pod): each pod's next reading, the pods' phases spread over the period
-    polls = [(poll_s * p / pods, p) for p in range(pods)] if polled else []
-
-    def start(p: int, now: float) -> None:
-        nonlocal seq
-        pod = fleet[p]
-        if pod.busy is not None or not pod.queue:
-            return
-        job = pod.queue.popleft()
-        pod.queued_work -= job.estimate
-        service = uncached_s(job.req.tokens, pod.matched(job.req.blocks), prefill_rate)
-        pod.busy, pod.busy_until, pod.busy_service = job, now + service, service
-        if job.req.cls == GUARANTEED:
-            out.service[job.req.index] = service
-        seq += 1
-        heapq.heappush(done, (pod.busy_until, seq, p))
-
-    def enqueue(job: _Job, now: float) -> None:
-        pod = fleet[job.pod]
-        if job.req.cls == GUARANTEED and pod.busy is not None:
-            out.residual[job.req.index] = pod.busy_until - now
-            out.residual_class[job.req.index] = pod.busy.req.cls
-        pod.queue.append(job)
-        pod.queued_work += job.estimate
-        start(job.pod, now)
-
-    def tick(p: int, now: float) -> None:
-        """The pod's sidecar takes a reading, lets parked requests go, times out the rest."""
-        pod = fleet[p]
-        if pod.admission is None:
-            return
-        pod.admission.observe(pod.reading(), now)
-        for ticket in pod.admission.release():
-            assert isinstance(ticket, _Job)
-            pod.parked_work -= ticket.estimate
-            enqueue(ticket, now)
-        expire(p, now)
-
-    def expire(p: int, now: float) -> None:
-        pod = fleet[p]
-        if pod.admission is not None and pod.admission.queued:
-            for ticket in pod.admission.expire(now):
-                assert isinstance(ticket, _Job)
-                pod.parked_work -= ticket.estimate
-                out.refused[ticket.req.cls] += 1
-                out.standard_timeouts += 1
-
-    def complete(now: float, p: int) -> None:
-        pod = fleet[p]
-        job = pod.busy
-        assert job is not None
-        pod.remember(job.req.blocks)
-        pod.prefill_s += pod.busy_service
-        pod.prefills += 1
-        pod.busy = None
-        out.ttft[job.req.cls].append(now - job.req.at)
-        if job.req.cls == GUARANTEED:
-            out.guaranteed[job.req.index] = now - job.req.at
-        if not polled:
-            for q in range(pods):
-                expire(q, now)
-        start(p, now)
-        if not polled:
-            tick(p, now)
-
-    def advance(t: float) -> None:
-        """Every prefill end and reading up to ``t``, in time order."""
-        while True:
-            t_done = done[0][0] if done else math.inf
-            t_poll = polls[0][0] if polls else math.inf
-            if min(t_done, t_poll) > t:
-                return
-            if t_done <= t_poll:
-                now, _, p = heapq.heappop(done)
-                complete(now, p)
-            else:
-                now, p = heapq.heappop(polls)
-                tick(p, now)
-                heapq.heappush(polls, (now + poll_s, p))
-
+    run = _Replay(
+        pods=pods,
+        kv_blocks=kv_blocks,
+        prefill_rate=prefill_rate,
+        admission=admission,
+        poll_s=poll_s,
+    )
     for req in reqs:
-        advance(req.at)
-        now = req.at
-        if not polled:
-            for p in range(pods):
-                expire(p, now)
-        if req.hit:
-            adm = fleet[0].admission
-            if adm is not None and adm.decide(req.cls, now, hit=True).action != "admit":
-                out.hits_refused += 1
-            continue
-        out.misses[req.cls] += 1
-        best, best_s = 0, math.inf
-        for p, pod in enumerate(fleet):
-            expected = (
-                (max(0.0, pod.busy_until - now) if pod.busy is not None else 0.0)
-                + pod.queued_work
-                + (0.0 if req.cls == GUARANTEED else pod.parked_work)  # admitted before them
-            )
-            own = uncached_s(req.tokens, pod.matched(req.blocks), prefill_rate)
-            if expected + own < best_s:
-                best, best_s = p, expected + own
-        pod = fleet[best]
-        job = _Job(req, uncached_s(req.tokens, pod.matched(req.blocks), prefill_rate), best)
-        if pod.admission is None:
-            enqueue(job, now)
-            continue
-        if not polled:
-            tick(best, now)
-        decision = pod.admission.decide(req.cls, now, job)
-        if decision.action == "admit":
-            enqueue(job, now)
-        elif decision.action == "wait":
-            pod.parked_work += job.estimate
-        else:
-            out.refused[req.cls] += 1
-
-    # Readings go on until nothing is parked (each waits at most its bound) or running.
-    def parked() -> bool:
-        return any(pod.admission is not None and pod.admission.queued for pod in fleet)
-
-    while done or (polled and parked()):
-        t_next = min(done[0][0] if done else math.inf, polls[0][0] if polls else math.inf)
-        advance(t_next)
-    for pod in fleet:
-        if pod.admission is not None:
-            for ticket in pod.admission.release_all():  # none expected: counted if any
-                assert isinstance(ticket, _Job)
-                out.refused[ticket.req.cls] += 1
-    return out
+        run.arrive(req)
+    run.drain()
+    return run.out
 
 
 def admission_rows(
@@ -430,6 +474,37 @@ def admission_rows(
             }
         )
     return rows
+
+
+def admission_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The admission rows as the report prints them."""
+    lines = [
+        f"{'admission':<12} {'G misses':>9} {'G TTFT p95':>11} {'unloaded':>9} {'ratio':>6}"
+        f" {'BE shed':>8} {'hits refused':>13}"
+    ]
+    for row in rows:
+        base = row["guaranteed_ttft_p95_unloaded"]
+        ratio = row["guaranteed_ttft_p95"] / base if base else float("nan")
+        lines.append(
+            f"{row['mode']:<12} {row.get('guaranteed_misses', 0):>9}"
+            f" {row['guaranteed_ttft_p95']:>10.2f}s {base:>8.2f}s {ratio:>5.2f}x"
+            f" {row['besteffort_shed_share']:>8.1%} {row['hits_refused']:>13}"
+        )
+    return "\n".join(lines)
+
+
+def admission_targets(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
+    """Issue 24's admission targets on the class-aware row."""
+    aware = [r for r in rows if r["mode"] == "class-aware"]
+    if not aware:
+        return {}
+    row = aware[0]
+    return {
+        # without Guaranteed traffic the row says nothing of it: not met
+        "admission guaranteed p95 <= 1.2x unloaded": row.get("guaranteed_misses", 1) > 0
+        and row["guaranteed_ttft_p95"] <= 1.2 * row["guaranteed_ttft_p95_unloaded"],
+        "admission 0 hits refused": row["hits_refused"] == 0,
+    }
 
 
 def _explain(result: _Outcome, alone: _Outcome, unloaded: float) -> dict[str, Any]:

@@ -54,15 +54,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from cachefleet_bench.proxy import (
-    FLOOR_REDIS_KEY,
-    HOST,
-    REQUEST_PATH,
-    SIDECAR_L1_BYTES,
-    TENANT,
-    TENANT_HEADER,
-    hit_body,
-)
+from cachefleet_bench.proxy_load import HOST, REQUEST_PATH, TENANT, TENANT_HEADER, hit_body
+from cachefleet_bench.proxy_servers import FLOOR_REDIS_KEY, SIDECAR_L1_BYTES
 from cachefleet_bench.responder import (
     CHAT_COMPLETION_BODY,
     REDIS_HEAD,
@@ -91,7 +84,7 @@ T = TypeVar("T")
 
 
 def wire_request() -> bytes:
-    """The hit request as wrk sends it (its script in :mod:`cachefleet_bench.proxy`)."""
+    """The hit request as wrk sends it (its script in :mod:`cachefleet_bench.proxy_load`)."""
     body = hit_body()
     return (
         b"POST %s HTTP/1.1\r\nHost: %s:8080\r\nContent-Type: application/json\r\n"

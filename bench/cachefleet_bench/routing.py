@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cachefleet_bench.admission_replay import admission_rows
+from cachefleet_bench.admission_replay import admission_rows, admission_table, admission_targets
 from cachefleet_bench.mooncake import (
     BLOCK_TOKENS,
     DEFAULT_TRACE,
@@ -422,6 +422,140 @@ def make_policy(
     raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICIES)})")
 
 
+class _Replay:
+    """One replay in progress: the pods, the picker, and the events in simulated time.
+
+    Events: (time, order, kind, address); kinds: 0 a prefill done, 1 a scrape of
+    every pod. An arrival first runs the events up to its time (:meth:`advance`).
+    """
+
+    def __init__(
+        self, picker: Picker, sim: dict[str, Pod], clock: _Clock, scrape_interval: float
+    ) -> None:
+        self.picker = picker
+        self.sim = sim
+        self.clock = clock
+        self.scrape_interval = scrape_interval
+        self.endpoints = [Endpoint(address=a, name=a.partition(":")[0]) for a in sim]
+        self.outcome = _Outcome()
+        self.busy = dict.fromkeys(sim, 0.0)
+        self.events: list[tuple[float, int, int, str]] = []
+        self.order = 0
+        self.push(scrape_interval, 1, "")
+
+    def push(self, when: float, kind: int, address: str) -> None:
+        self.order += 1
+        heapq.heappush(self.events, (when, self.order, kind, address))
+
+    def start(self, address: str, job: _Job, now: float) -> None:
+        """The job's prefill starts: its prefix hit is taken now, its TTFT is known."""
+        pod = self.sim[address]
+        req = job.request
+        matched = pod.matched(req.blocks)
+        hit = min(req.input_length, BLOCK_TOKENS * matched)
+        seconds = (req.input_length - hit) / pod.rate
+        pod.insert(req.blocks)
+        job.seconds = seconds
+        pod.running = job
+        pod.free_at = now + seconds
+        job.hit = hit
+        self.outcome.hit_tokens += hit
+        self.outcome.tokens += req.input_length
+        self.outcome.ttfts.append(pod.free_at - req.arrival)
+        self.busy[address] += seconds
+        self.push(pod.free_at, 0, address)
+
+    def finish(self, address: str, now: float) -> None:
+        """The pod's prefill is done: its counters move, the picker is told, the next starts."""
+        pod = self.sim[address]
+        job = pod.running
+        assert job is not None
+        pod.running = None
+        pod.prompt_tokens_total += job.request.input_length
+        pod.prefix_queries_total += job.request.input_length
+        pod.prefix_hits_total += job.hit
+        pod.prefill_seconds_total += job.seconds
+        self.picker.done(job.decision, job.route, ok=True)
+        if pod.queue:
+            nxt = pod.queue.popleft()
+            pod.backlog_tokens -= nxt.estimate
+            for block in nxt.request.blocks:
+                pod.pending[block] -= 1
+            self.start(address, nxt, now)
+
+    def scrape(self, now: float) -> None:
+        for endpoint in self.endpoints:
+            endpoint.metrics = self.sim[endpoint.address].metrics()
+            endpoint.scraped_at = now
+        self.push(now + self.scrape_interval, 1, "")
+
+    def handle(self, when: float, kind: int, address: str) -> None:
+        self.clock.now = when
+        if kind == 0:
+            self.finish(address, when)
+        else:
+            self.scrape(when)
+
+    def advance(self, t: float) -> None:
+        """Every event up to ``t``, in time order."""
+        while self.events and self.events[0][0] <= t:
+            when, _, kind, address = heapq.heappop(self.events)
+            self.handle(when, kind, address)
+
+    def arrive(self, req: TraceRequest, session: int | None, policy: str) -> None:
+        """A request arrives: the picker routes it; it starts or queues on that pod."""
+        self.advance(req.arrival)
+        self.clock.now = req.arrival
+        # token ids: one per block (its hash id), what the pods' KV events carry here
+        route = RouteRequest(
+            blocks=req.blocks,
+            tokens=req.input_length,
+            token_ids=req.blocks,
+            session=None if session is None else str(session),
+        )
+        decision = self.picker.pick(route, self.endpoints)
+        if decision is None:
+            raise RuntimeError(f"policy {policy} chose no endpoint")
+        address = decision.address
+        pod = self.sim[address]
+        job = _Job(req, decision, route)
+        if pod.running is None:
+            self.start(address, job, req.arrival)
+        else:
+            hit = min(req.input_length, BLOCK_TOKENS * pod.matched_future(req.blocks))
+            job.estimate = req.input_length - hit
+            pod.backlog_tokens += job.estimate
+            for block in req.blocks:
+                pod.pending[block] += 1
+            pod.queue.append(job)
+
+    def idle(self) -> bool:
+        return all(p.running is None for p in self.sim.values())
+
+    def drain(self, last_arrival: float) -> None:
+        """Events until every pod is idle after the last arrival (scrapes alone end it)."""
+        while self.events:
+            when, _, kind, address = heapq.heappop(self.events)
+            if kind == 1 and when > last_arrival and self.idle():
+                break
+            self.handle(when, kind, address)
+
+    def result(self, policy: str) -> Result:
+        outcome = self.outcome
+        ttfts = sorted(outcome.ttfts)
+        loads = list(self.busy.values())
+        mean_load = statistics.fmean(loads) if loads else 0.0
+        return Result(
+            policy=policy,
+            kv_hit=outcome.hit_tokens / outcome.tokens if outcome.tokens else 0.0,
+            ttft_mean=statistics.fmean(ttfts) if ttfts else 0.0,
+            ttft_p50=_percentile(ttfts, 50),
+            ttft_p95=_percentile(ttfts, 95),
+            ttft_p99=_percentile(ttfts, 99),
+            max_load_ratio=max(loads) / mean_load if mean_load > 0 else 1.0,
+        )
+
+
 def replay(
     trace: Sequence[TraceRequest],
     policy: str,
@@ -437,119 +571,18 @@ def replay(
     clock = _Clock()
     addresses = [f"pod-{i}:8000" for i in range(pods)]
     sim = {a: Pod(kv_blocks, prefill_rate) for a in addresses}
-    endpoints = [Endpoint(address=a, name=a.partition(":")[0]) for a in addresses]
     picker = make_policy(
         policy, addresses, sim, clock, kv_blocks, config or ScoringConfig(), replicas
     )
-    outcome = _Outcome()
+    run = _Replay(picker, sim, clock, scrape_interval)
     # the trace's conversations as sessions, for the policies that route by them
     sessions: list[int | None] = [None] * len(trace)
     if policy in SESSION_POLICIES:
         sessions = conversation_ids([r.blocks for r in trace])
-    busy = dict.fromkeys(addresses, 0.0)
-    # events: (time, order, kind, address); kinds: 0 prefill done, 1 scrape
-    events: list[tuple[float, int, int, str]] = []
-    order = 0
-
-    def start(address: str, job: _Job, now: float) -> None:
-        nonlocal order
-        pod = sim[address]
-        req = job.request
-        matched = pod.matched(req.blocks)
-        hit = min(req.input_length, BLOCK_TOKENS * matched)
-        seconds = (req.input_length - hit) / pod.rate
-        pod.insert(req.blocks)
-        job.seconds = seconds
-        pod.running = job
-        pod.free_at = now + seconds
-        job.hit = hit
-        outcome.hit_tokens += hit
-        outcome.tokens += req.input_length
-        outcome.ttfts.append(pod.free_at - req.arrival)
-        busy[address] += seconds
-        order += 1
-        heapq.heappush(events, (pod.free_at, order, 0, address))
-
-    def finish(address: str, now: float) -> None:
-        pod = sim[address]
-        job = pod.running
-        assert job is not None
-        pod.running = None
-        pod.prompt_tokens_total += job.request.input_length
-        pod.prefix_queries_total += job.request.input_length
-        pod.prefix_hits_total += job.hit
-        pod.prefill_seconds_total += job.seconds
-        picker.done(job.decision, job.route, ok=True)
-        if pod.queue:
-            nxt = pod.queue.popleft()
-            pod.backlog_tokens -= nxt.estimate
-            for block in nxt.request.blocks:
-                pod.pending[block] -= 1
-            start(address, nxt, now)
-
-    def scrape(now: float) -> None:
-        nonlocal order
-        for endpoint in endpoints:
-            endpoint.metrics = sim[endpoint.address].metrics()
-            endpoint.scraped_at = now
-        order += 1
-        heapq.heappush(events, (now + scrape_interval, order, 1, ""))
-
-    order += 1
-    heapq.heappush(events, (scrape_interval, order, 1, ""))
-    last_arrival = trace[-1].arrival if trace else 0.0
     for req, session in zip(trace, sessions, strict=True):
-        while events and events[0][0] <= req.arrival:
-            when, _, kind, address = heapq.heappop(events)
-            clock.now = when
-            if kind == 0:
-                finish(address, when)
-            else:
-                scrape(when)
-        clock.now = req.arrival
-        # token ids: one per block (its hash id), what the pods' KV events carry here
-        route = RouteRequest(
-            blocks=req.blocks,
-            tokens=req.input_length,
-            token_ids=req.blocks,
-            session=None if session is None else str(session),
-        )
-        decision = picker.pick(route, endpoints)
-        if decision is None:
-            raise RuntimeError(f"policy {policy} chose no endpoint")
-        address = decision.address
-        pod = sim[address]
-        job = _Job(req, decision, route)
-        if pod.running is None:
-            start(address, job, req.arrival)
-        else:
-            hit = min(req.input_length, BLOCK_TOKENS * pod.matched_future(req.blocks))
-            job.estimate = req.input_length - hit
-            pod.backlog_tokens += job.estimate
-            for block in req.blocks:
-                pod.pending[block] += 1
-            pod.queue.append(job)
-    while events:
-        when, _, kind, address = heapq.heappop(events)
-        if kind == 1 and when > last_arrival and all(p.running is None for p in sim.values()):
-            break
-        clock.now = when
-        if kind == 0:
-            finish(address, when)
-        else:
-            scrape(when)
-    ttfts = sorted(outcome.ttfts)
-    loads = list(busy.values())
-    mean_load = statistics.fmean(loads) if loads else 0.0
-    return Result(
-        policy=policy,
-        kv_hit=outcome.hit_tokens / outcome.tokens if outcome.tokens else 0.0,
-        ttft_mean=statistics.fmean(ttfts) if ttfts else 0.0,
-        ttft_p50=_percentile(ttfts, 50),
-        ttft_p95=_percentile(ttfts, 95),
-        ttft_p99=_percentile(ttfts, 99),
-        max_load_ratio=max(loads) / mean_load if mean_load > 0 else 1.0,
-    )
+        run.arrive(req, session, policy)
+    run.drain(trace[-1].arrival if trace else 0.0)
+    return run.result(policy)
 
 
 # -- the decision-latency part --------------------------------------------------------------
@@ -770,67 +803,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def admission_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The admission rows as the report prints them."""
-    lines = [
-        f"{'admission':<12} {'G misses':>9} {'G TTFT p95':>11} {'unloaded':>9} {'ratio':>6}"
-        f" {'BE shed':>8} {'hits refused':>13}"
-    ]
-    for row in rows:
-        base = row["guaranteed_ttft_p95_unloaded"]
-        ratio = row["guaranteed_ttft_p95"] / base if base else float("nan")
-        lines.append(
-            f"{row['mode']:<12} {row.get('guaranteed_misses', 0):>9}"
-            f" {row['guaranteed_ttft_p95']:>10.2f}s {base:>8.2f}s {ratio:>5.2f}x"
-            f" {row['besteffort_shed_share']:>8.1%} {row['hits_refused']:>13}"
-        )
-    return "\n".join(lines)
-
-
-def admission_targets(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
-    """Issue 24's admission targets on the class-aware row."""
-    aware = [r for r in rows if r["mode"] == "class-aware"]
-    if not aware:
-        return {}
-    row = aware[0]
-    return {
-        # without Guaranteed traffic the row says nothing of it: not met
-        "admission guaranteed p95 <= 1.2x unloaded": row.get("guaranteed_misses", 1) > 0
-        and row["guaranteed_ttft_p95"] <= 1.2 * row["guaranteed_ttft_p95_unloaded"],
-        "admission 0 hits refused": row["hits_refused"] == 0,
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--live" in argv:  # real vLLM servers: a mode of its own (routing_live.py)
-        from cachefleet_bench import routing_live
-
-        return routing_live.main(argv)
-    args = _parser().parse_args(argv)
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+def _usage_error(args: argparse.Namespace, policies: Sequence[str]) -> str | None:
+    """What is wrong with the flags beyond what argparse checks (None: nothing)."""
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
-        print(
-            f"cachefleet bench routing: --policies: unknown {unknown or 'empty'}"
-            f" (known: {', '.join(POLICIES)})",
-            file=sys.stderr,
-        )
-        return 2
+        return f"--policies: unknown {unknown or 'empty'} (known: {', '.join(POLICIES)})"
     if args.overload < 0:
-        print("cachefleet bench routing: --overload must not be negative", file=sys.stderr)
-        return 2
+        return "--overload must not be negative"
     if args.epsilon < 0:
-        print("cachefleet bench routing: --epsilon must not be negative", file=sys.stderr)
-        return 2
-    limit = args.limit if args.limit is not None else (1000 if args.quick else None)
-    picks = min(args.decision_picks, 1000) if args.quick else args.decision_picks
-    try:
-        trace = load_trace(args.trace, speed=args.speed, limit=limit)
-    except TraceError as exc:
-        print(f"cachefleet bench routing: {exc}", file=sys.stderr)
-        return 2
-    config = ScoringConfig(block_tokens=BLOCK_TOKENS, epsilon=args.epsilon)
+        return "--epsilon must not be negative"
+    return None
+
+
+def _replay_policies(
+    trace: Sequence[TraceRequest],
+    policies: Sequence[str],
+    args: argparse.Namespace,
+    config: ScoringConfig,
+) -> list[Result]:
+    """One result row per policy, each replay's time told on stderr."""
     results = []
     for name in policies:
         began = time.perf_counter()
@@ -851,32 +842,46 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    decision = None
-    if picks > 0:
-        decision = decision_bench(trace, picks=picks, kv_blocks=args.kv_blocks, config=config)
-        print("routing: decision latency measured", file=sys.stderr, flush=True)
-    admission: list[dict[str, Any]] = []
-    if args.overload > 0:
-        admission = admission_rows(
-            args.trace,
-            pods=args.pods,
-            kv_blocks=args.kv_blocks,
-            prefill_rate=args.prefill_rate,
-            overload=args.overload,
-            limit=limit,
-        )
-        print(
-            f"routing: admission at {args.overload:g}x overload replayed",
-            file=sys.stderr,
-            flush=True,
-        )
-    met = {**targets(results, decision), **admission_targets(admission)}
+    return results
+
+
+def _admission(args: argparse.Namespace, limit: int | None) -> list[dict[str, Any]]:
+    """The admission rows at ``--overload`` (none at 0)."""
+    if args.overload <= 0:
+        return []
+    rows = admission_rows(
+        args.trace,
+        pods=args.pods,
+        kv_blocks=args.kv_blocks,
+        prefill_rate=args.prefill_rate,
+        overload=args.overload,
+        limit=limit,
+    )
+    print(
+        f"routing: admission at {args.overload:g}x overload replayed", file=sys.stderr, flush=True
+    )
+    return rows
+
+
+@dataclass(frozen=True)
+class _Report:
+    """Everything one run measured, as the table and the JSON show it."""
+
+    trace: Sequence[TraceRequest]
+    results: list[Result]
+    decision: DecisionBench | None
+    admission: list[dict[str, Any]]
+    met: dict[str, bool]
+
+
+def _print_report(args: argparse.Namespace, report: _Report) -> None:
+    trace, decision = report.trace, report.decision
     print(
         f"{len(trace)} requests over {trace[-1].arrival:.0f} s, {args.pods} pods x"
         f" {args.kv_blocks} blocks, {args.prefill_rate:g} tokens/s, speed {args.speed:g}"
         + (f", {args.replicas} router replicas" if args.replicas > 1 else "")
     )
-    print(table(results))
+    print(table(report.results))
     if decision is not None:
         print(
             f"pick() with {decision.endpoints} endpoints: wall p50 {decision.pick_p50_us:.0f} us,"
@@ -884,52 +889,88 @@ def main(argv: Sequence[str] | None = None) -> int:
             f" p99 {decision.pick_cpu_p99_us:.0f} us;"
             f" index {decision.index_bytes_per_block:.0f} bytes/block"
         )
-    if admission:
+    if report.admission:
         print(f"\nclass-aware admission, {args.overload:g}x the fleet's prefill capacity:")
-        print(admission_table(admission))
-    for name, ok in met.items():
+        print(admission_table(report.admission))
+    for name, ok in report.met.items():
         print(f"target {name}: {'met' if ok else 'MISSED'}")
+
+
+def _payload(args: argparse.Namespace, report: _Report) -> dict[str, Any]:
+    """The ``--json`` document."""
+    decision = report.decision
+    return {
+        "results": [
+            {
+                "policy": r.policy,
+                "kv_hit": r.kv_hit,
+                "ttft_mean": r.ttft_mean,
+                "ttft_p50": r.ttft_p50,
+                "ttft_p95": r.ttft_p95,
+                "ttft_p99": r.ttft_p99,
+                "max_load_ratio": r.max_load_ratio,
+            }
+            for r in report.results
+        ],
+        "settings": {
+            "trace": str(args.trace),
+            "requests": len(report.trace),
+            "pods": args.pods,
+            "kv_blocks": args.kv_blocks,
+            "prefill_rate": args.prefill_rate,
+            "speed": args.speed,
+            "scrape_interval": args.scrape_interval,
+            "gie_refresh": args.gie_refresh,
+            "epsilon": args.epsilon,
+            "replicas": args.replicas,
+        },
+        "decision": None
+        if decision is None
+        else {
+            "endpoints": decision.endpoints,
+            "picks": decision.picks,
+            "pick_p50_us": decision.pick_p50_us,
+            "pick_p99_us": decision.pick_p99_us,
+            "pick_cpu_p50_us": decision.pick_cpu_p50_us,
+            "pick_cpu_p99_us": decision.pick_cpu_p99_us,
+            "index_bytes_per_block": decision.index_bytes_per_block,
+        },
+        "admission": report.admission,
+        "targets": report.met,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--live" in argv:  # real vLLM servers: a mode of its own (routing_live.py)
+        from cachefleet_bench import routing_live
+
+        return routing_live.main(argv)
+    args = _parser().parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    error = _usage_error(args, policies)
+    if error is not None:
+        print(f"cachefleet bench routing: {error}", file=sys.stderr)
+        return 2
+    limit = args.limit if args.limit is not None else (1000 if args.quick else None)
+    picks = min(args.decision_picks, 1000) if args.quick else args.decision_picks
+    try:
+        trace = load_trace(args.trace, speed=args.speed, limit=limit)
+    except TraceError as exc:
+        print(f"cachefleet bench routing: {exc}", file=sys.stderr)
+        return 2
+    config = ScoringConfig(block_tokens=BLOCK_TOKENS, epsilon=args.epsilon)
+    results = _replay_policies(trace, policies, args, config)
+    decision = None
+    if picks > 0:
+        decision = decision_bench(trace, picks=picks, kv_blocks=args.kv_blocks, config=config)
+        print("routing: decision latency measured", file=sys.stderr, flush=True)
+    admission = _admission(args, limit)
+    met = {**targets(results, decision), **admission_targets(admission)}
+    report = _Report(trace, results, decision, admission, met)
+    _print_report(args, report)
     if args.json is not None:
-        payload: dict[str, Any] = {
-            "results": [
-                {
-                    "policy": r.policy,
-                    "kv_hit": r.kv_hit,
-                    "ttft_mean": r.ttft_mean,
-                    "ttft_p50": r.ttft_p50,
-                    "ttft_p95": r.ttft_p95,
-                    "ttft_p99": r.ttft_p99,
-                    "max_load_ratio": r.max_load_ratio,
-                }
-                for r in results
-            ],
-            "settings": {
-                "trace": str(args.trace),
-                "requests": len(trace),
-                "pods": args.pods,
-                "kv_blocks": args.kv_blocks,
-                "prefill_rate": args.prefill_rate,
-                "speed": args.speed,
-                "scrape_interval": args.scrape_interval,
-                "gie_refresh": args.gie_refresh,
-                "epsilon": args.epsilon,
-                "replicas": args.replicas,
-            },
-            "decision": None
-            if decision is None
-            else {
-                "endpoints": decision.endpoints,
-                "picks": decision.picks,
-                "pick_p50_us": decision.pick_p50_us,
-                "pick_p99_us": decision.pick_p99_us,
-                "pick_cpu_p50_us": decision.pick_cpu_p50_us,
-                "pick_cpu_p99_us": decision.pick_cpu_p99_us,
-                "index_bytes_per_block": decision.index_bytes_per_block,
-            },
-            "admission": admission,
-            "targets": met,
-        }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        args.json.write_text(json.dumps(_payload(args, report), indent=2) + "\n")
     return 0
 
 

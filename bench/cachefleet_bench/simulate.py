@@ -255,6 +255,136 @@ def _met(d: TenantDemand, window: _Window) -> bool:
     return not (d.min_hit_ratio and window.hits / window.lookups < d.min_hit_ratio)
 
 
+class _ReplayRun:
+    """One replay in progress: the tenants' L1, the sidecar's curves, the windows of
+    counts the operator reads, and the shares the allocator last set."""
+
+    def __init__(
+        self,
+        start: float,
+        demands: Sequence[TenantDemand],
+        capacity: int,
+        *,
+        allocator: str,
+        policy: str,
+        interval_s: float,
+        window_s: float,
+        curve_window_s: float,
+        params: AllocationParams,
+        static_shares: Mapping[str, float] | None,
+        mrc_samples: int,
+        mrc_max_rate: float,
+    ) -> None:
+        self.names = [d.name for d in demands]
+        self.by_name = {d.name: d for d in demands}
+        self.demands = demands
+        self.capacity = capacity
+        self.interval_s = interval_s
+        self.params = params
+        self.static = static_shares is not None
+        self.l1: TenantL1[int, bool] = TenantL1(capacity, policy, max_tenants=len(self.names) + 1)
+        self.now = start
+        self.start = start
+        self.curves = MissRatioCurves(
+            mrc_samples,
+            mrc_max_rate,
+            clock=lambda: self.now,
+            policy_sizes=tuple(int(f * capacity) for f in MINI_SIM_FRACTIONS),
+            default_policy=policy,
+        )
+        self.result = Replay(allocator, {n: TenantResult(n) for n in self.names})
+        self.stats_n = max(1, round(window_s / interval_s))
+        self.curve_n = max(1, round(curve_window_s / interval_s))
+        self.history: deque[dict[str, _Window]] = deque(maxlen=max(self.stats_n, self.curve_n))
+        self.shares: dict[str, float] | None = None
+        self.reuse_before: dict[str, tuple[list[float], float]] = {}
+        self.sim_before: dict[str, tuple[list[float], float]] = {}
+        self.current: dict[str, _Window] = {}
+        if static_shares is not None:
+            self.apply(static_shares)
+        else:
+            self.apply(allocate(demands, {}, None, capacity, 0, params).shares())
+
+    def apply(self, new: Mapping[str, float]) -> None:
+        """The allocator's shares become the tenants' L1 quotas."""
+        self.shares = dict(new)
+        shares = self.shares
+        self.l1.set_quotas({n: (int(shares.get(n, 0.0) * self.capacity), None) for n in self.names})
+
+    def read_curves(self) -> None:
+        """Each open window gets what the curves counted since the last window closed."""
+        snaps = dict(self.curves.snapshots())
+        sims = dict(self.curves.policy_curves())
+        for name, win in self.current.items():
+            snap = snaps.get(name)
+            if snap is not None:
+                before, cold_before = self.reuse_before.get(name, ([0.0] * len(snap.counts), 0.0))
+                win.reuse = [a - b for a, b in zip(snap.counts, before, strict=True)]
+                win.cold_bytes = snap.cold_bytes - cold_before
+                self.reuse_before[name] = (list(snap.counts), snap.cold_bytes)
+            sim = sims.get(name)
+            if sim is not None:
+                hits_before, req_before = self.sim_before.get(name, ([0.0] * len(sim.hits), 0.0))
+                win.sim_sizes = sim.sizes
+                win.sim_hits = [a - b for a, b in zip(sim.hits, hits_before, strict=True)]
+                win.sim_requests = sim.requests - req_before
+                self.sim_before[name] = (list(sim.hits), sim.requests)
+            d = self.by_name.get(name)
+            if d is not None and win.lookups:
+                tr = self.result.tenants[name]
+                tr.windows += 1
+                tr.windows_met += _met(d, win)
+
+    def close_window(self, at: float) -> None:
+        """The interval ends: its windows go to the history and the timeline, and the
+        allocator (unless the shares are static) reallocates from the history."""
+        self.read_curves()
+        current = self.current
+        self.history.append(current)
+        row: dict[str, Any] = {"t": round(at - self.start, 3), "shares": dict(self.shares or {})}
+        row["hit_ratio"] = {n: (w.hits / w.lookups) for n, w in current.items() if w.lookups}
+        self.result.timeline.append(row)
+        self.current = {}
+        if not self.static:
+            past = list(self.history)
+            metrics = _metrics(past[-self.stats_n :], past[-self.curve_n :], self.interval_s)
+            if metrics:
+                new = allocate(self.demands, metrics, self.shares, self.capacity, 0, self.params)
+                self.apply(new.shares())
+
+    def serve(self, req: Request, hit_latency_s: float) -> None:
+        """One request through the L1, as the sidecar serves it and counts it."""
+        tenant = req.tenant
+        if tenant not in self.by_name:
+            return
+        win = self.current.get(tenant)
+        if win is None:
+            win = self.current[tenant] = _Window()
+        self.now = req.ts
+        self.curves.access(tenant, req.digest, req.size)
+        hit = self.l1.get(tenant, req.digest) is not None
+        latency = hit_latency_s if hit else req.upstream_s
+        if hit:
+            win.hit_latency.observe(latency)
+        else:
+            win.upstream.observe(req.upstream_s)
+            # As the sidecar: the miss stores the answer with what it cost upstream.
+            self.l1.put(tenant, req.digest, True, req.size, req.upstream_s)
+        win.lookups += 1
+        win.hits += hit
+        win.latency.observe(latency)
+        win.latencies.append(latency)
+        result = self.result
+        tr = result.tenants[tenant]
+        tr.requests += 1
+        tr.hits += hit
+        result.requests += 1
+        result.hits += hit
+        if not hit:
+            tr.upstream_seconds += req.upstream_s
+            result.upstream_seconds += req.upstream_s
+
+
 def replay(
     requests: Sequence[Request],
     demands: Sequence[TenantDemand],
@@ -272,112 +402,35 @@ def replay(
     mrc_max_rate: float = DEFAULT_MAX_RATE,
 ) -> Replay:
     """Replay ``requests`` under ``allocator`` (static allocators pass ``static_shares``)."""
-    names = [d.name for d in demands]
-    by_name = {d.name: d for d in demands}
-    l1: TenantL1[int, bool] = TenantL1(capacity, policy, max_tenants=len(names) + 1)
-    trace_now = [requests[0].ts]
-    curves = MissRatioCurves(
-        mrc_samples,
-        mrc_max_rate,
-        clock=lambda: trace_now[0],
-        policy_sizes=tuple(int(f * capacity) for f in MINI_SIM_FRACTIONS),
-        default_policy=policy,
-    )
-    result = Replay(allocator, {n: TenantResult(n) for n in names})
-    stats_n = max(1, round(window_s / interval_s))
-    curve_n = max(1, round(curve_window_s / interval_s))
-    history: deque[dict[str, _Window]] = deque(maxlen=max(stats_n, curve_n))
-    shares: dict[str, float] | None = None
-    reuse_before: dict[str, tuple[list[float], float]] = {}
-    sim_before: dict[str, tuple[list[float], float]] = {}
-
-    def apply(new: Mapping[str, float]) -> None:
-        nonlocal shares
-        shares = dict(new)
-        l1.set_quotas({n: (int(shares.get(n, 0.0) * capacity), None) for n in names})
-
-    if static_shares is not None:
-        apply(static_shares)
-    else:
-        apply(allocate(demands, {}, None, capacity, 0, params).shares())
     start = requests[0].ts
+    run = _ReplayRun(
+        start,
+        demands,
+        capacity,
+        allocator=allocator,
+        policy=policy,
+        interval_s=interval_s,
+        window_s=window_s,
+        curve_window_s=curve_window_s,
+        params=params,
+        static_shares=static_shares,
+        mrc_samples=mrc_samples,
+        mrc_max_rate=mrc_max_rate,
+    )
     boundary = start + interval_s
-    current: dict[str, _Window] = {}
-
-    def close_window(at: float) -> None:
-        nonlocal current
-        snaps = dict(curves.snapshots())
-        sims = dict(curves.policy_curves())
-        for name, win in current.items():
-            snap = snaps.get(name)
-            if snap is not None:
-                before, cold_before = reuse_before.get(name, ([0.0] * len(snap.counts), 0.0))
-                win.reuse = [a - b for a, b in zip(snap.counts, before, strict=True)]
-                win.cold_bytes = snap.cold_bytes - cold_before
-                reuse_before[name] = (list(snap.counts), snap.cold_bytes)
-            sim = sims.get(name)
-            if sim is not None:
-                hits_before, req_before = sim_before.get(name, ([0.0] * len(sim.hits), 0.0))
-                win.sim_sizes = sim.sizes
-                win.sim_hits = [a - b for a, b in zip(sim.hits, hits_before, strict=True)]
-                win.sim_requests = sim.requests - req_before
-                sim_before[name] = (list(sim.hits), sim.requests)
-            d = by_name.get(name)
-            if d is not None and win.lookups:
-                tr = result.tenants[name]
-                tr.windows += 1
-                tr.windows_met += _met(d, win)
-        history.append(current)
-        row: dict[str, Any] = {"t": round(at - start, 3), "shares": dict(shares or {})}
-        row["hit_ratio"] = {n: (w.hits / w.lookups) for n, w in current.items() if w.lookups}
-        result.timeline.append(row)
-        current = {}
-        if static_shares is None:
-            past = list(history)
-            metrics = _metrics(past[-stats_n:], past[-curve_n:], interval_s)
-            if metrics:
-                apply(allocate(demands, metrics, shares, capacity, 0, params).shares())
-
     last_ts = start
     for req in requests:
         while req.ts >= boundary:
-            _account_shares(result, shares, boundary - last_ts)
+            _account_shares(run.result, run.shares, boundary - last_ts)
             last_ts = boundary
-            close_window(boundary)
+            run.close_window(boundary)
             boundary += interval_s
-        tenant = req.tenant
-        if tenant not in by_name:
-            continue
-        win = current.get(tenant)
-        if win is None:
-            win = current[tenant] = _Window()
-        trace_now[0] = req.ts
-        curves.access(tenant, req.digest, req.size)
-        hit = l1.get(tenant, req.digest) is not None
-        latency = hit_latency_s if hit else req.upstream_s
-        if hit:
-            win.hit_latency.observe(latency)
-        else:
-            win.upstream.observe(req.upstream_s)
-            # As the sidecar: the miss stores the answer with what it cost upstream.
-            l1.put(tenant, req.digest, True, req.size, req.upstream_s)
-        win.lookups += 1
-        win.hits += hit
-        win.latency.observe(latency)
-        win.latencies.append(latency)
-        tr = result.tenants[tenant]
-        tr.requests += 1
-        tr.hits += hit
-        result.requests += 1
-        result.hits += hit
-        if not hit:
-            tr.upstream_seconds += req.upstream_s
-            result.upstream_seconds += req.upstream_s
+        run.serve(req, hit_latency_s)
     end = requests[-1].ts
-    _account_shares(result, shares, end - last_ts)
-    if current:
-        close_window(end)
-    return result
+    _account_shares(run.result, run.shares, end - last_ts)
+    if run.current:
+        run.close_window(end)
+    return run.result
 
 
 def _account_shares(result: Replay, shares: Mapping[str, float] | None, seconds: float) -> None:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp.web
 import httpx
 
-from cachefleet_common.modelserver import parse_metrics
+from cachefleet_common.modelserver import ModelServerMetrics, parse_metrics
 
 from .gateway import Gateway
 from .services import free_port
@@ -49,6 +49,8 @@ from .services import free_port
 START_TIMEOUT_S = 20.0
 #: Requests in flight at most at the client (open loop: the schedule decides, this bounds).
 MAX_IN_FLIGHT = 256
+#: The modes compared, in run order: the gateway alone, then asking the router.
+MODES = ("round-robin", "cachefleet")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +91,15 @@ class RoutingLoad:
                 del pending[c]
                 active.remove(c)
         return [(i / self.rate, c, t) for i, (c, t) in enumerate(order)]
+
+    def describe(self) -> dict[str, Any]:
+        """The load as a result records it."""
+        return {
+            "conversations": self.conversations,
+            "turns": self.turns,
+            "rate": self.rate,
+            "system_prompts": self.system_prompts,
+        }
 
     def body(self, conversation: int, turn: int) -> dict[str, Any]:
         rng = random.Random(self.seed * 1_000_003 + conversation)
@@ -289,40 +300,83 @@ async def drive(url: str, load: RoutingLoad, phase: Phase) -> None:
         await asyncio.gather(*tasks)
 
 
+async def through_gateway(
+    mode: str, endpoints: list[str], load: RoutingLoad, phase: Phase, workdir: Path
+) -> Gateway:
+    """``load`` through the stand-in gateway over ``endpoints``, in ``mode``: round-robin,
+    or asking ``cachefleet router``. The gateway returned has counted where it routed."""
+    with contextlib.ExitStack() as stack:
+        if mode == "round-robin":
+            gateway = Gateway(picker=None, endpoints=endpoints)
+        else:
+            picker = stack.enter_context(router(endpoints, workdir))
+            gateway = Gateway(picker=picker, endpoints=endpoints)
+        runner, url = await _serve_gateway(gateway)
+        try:
+            await drive(url, load, phase)
+        finally:
+            await runner.cleanup()
+            await gateway.close()
+    return gateway
+
+
+def pod_counters(
+    routed: int, metrics: ModelServerMetrics, before: ModelServerMetrics | None = None
+) -> dict[str, float]:
+    """One pod's line of a phase: the requests routed to it and its prefix-cache counters
+    (what they grew by since ``before``, when the pod served earlier phases)."""
+    then = before or ModelServerMetrics()  # counters of a fresh pod: none yet
+    return {
+        "requests": float(routed),
+        "prefix_queries": _grown(metrics.prefix_queries_total, then.prefix_queries_total),
+        "prefix_hits": _grown(metrics.prefix_hits_total, then.prefix_hits_total),
+        "prompt_tokens": _grown(metrics.prompt_tokens_total, then.prompt_tokens_total),
+    }
+
+
+def _grown(now: float | None, then: float | None) -> float:
+    return (now or 0.0) - (then or 0.0)
+
+
 def _pod_metrics(addresses: list[str], gateway: Gateway) -> dict[str, dict[str, float]]:
-    out: dict[str, dict[str, float]] = {}
-    for address in addresses:
-        m = parse_metrics(httpx.get(f"http://{address}/metrics", timeout=2.0).text)
-        out[address] = {
-            "requests": float(gateway.routed.get(address, 0)),
-            "prefix_queries": m.prefix_queries_total or 0.0,
-            "prefix_hits": m.prefix_hits_total or 0.0,
-            "prompt_tokens": m.prompt_tokens_total or 0.0,
-        }
-    return out
+    return {
+        address: pod_counters(
+            gateway.routed.get(address, 0),
+            parse_metrics(httpx.get(f"http://{address}/metrics", timeout=2.0).text),
+        )
+        for address in addresses
+    }
 
 
 async def run_phase(
     mode: str, load: RoutingLoad, *, pods: int, kv_blocks: int, prefill_rate: float, workdir: Path
 ) -> Phase:
     phase = Phase(mode)
-    with (
-        simulators(pods, kv_blocks=kv_blocks, prefill_rate=prefill_rate, workdir=workdir) as sims,
-        contextlib.ExitStack() as stack,
-    ):
-        if mode == "round-robin":
-            gateway = Gateway(picker=None, endpoints=sims)
-        else:
-            picker = stack.enter_context(router(sims, workdir))
-            gateway = Gateway(picker=picker, endpoints=sims)
-        runner, url = await _serve_gateway(gateway)
-        try:
-            await drive(url, load, phase)
-            phase.per_pod = await asyncio.to_thread(_pod_metrics, sims, gateway)
-        finally:
-            await runner.cleanup()
-            await gateway.close()
+    with simulators(pods, kv_blocks=kv_blocks, prefill_rate=prefill_rate, workdir=workdir) as sims:
+        gateway = await through_gateway(mode, sims, load, phase, workdir)
+        phase.per_pod = await asyncio.to_thread(_pod_metrics, sims, gateway)
     return phase
+
+
+async def run_modes(
+    load: RoutingLoad,
+    run: Callable[[str, Path], Awaitable[Phase]],
+    *,
+    over: str,
+    workdir_prefix: str,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Each of :data:`MODES` in turn on ``load`` (``run``: one mode's phase, given its
+    working directory); the summary of each. ``over`` names the pods in the progress."""
+    phases = []
+    with tempfile.TemporaryDirectory(prefix=workdir_prefix) as tmp:
+        for mode in MODES:
+            if progress:
+                n = load.conversations * load.turns
+                print(f"routing: {mode}: {n} requests at {load.rate:g}/s over {over}", flush=True)
+            phase = await run(mode, Path(tmp))
+            phases.append(phase.summary())
+    return phases
 
 
 async def compare(
@@ -333,40 +387,31 @@ async def compare(
     prefill_rate: float = 15_000.0,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Both modes on the same load, one after the other; the summary of each."""
-    out: dict[str, Any] = {
+    """Both modes on the same load, one after the other, on fresh simulators each."""
+
+    def run(mode: str, workdir: Path) -> Awaitable[Phase]:
+        return run_phase(
+            mode, load, pods=pods, kv_blocks=kv_blocks, prefill_rate=prefill_rate, workdir=workdir
+        )
+
+    phases = await run_modes(
+        load,
+        run,
+        over=f"{pods} simulated pods",
+        workdir_prefix="cachefleet-routing-",
+        progress=progress,
+    )
+    return {
         "pods": pods,
         "kv_blocks": kv_blocks,
         "prefill_rate": prefill_rate,
-        "load": {
-            "conversations": load.conversations,
-            "turns": load.turns,
-            "rate": load.rate,
-            "system_prompts": load.system_prompts,
-        },
-        "phases": [],
+        "load": load.describe(),
+        "phases": phases,
     }
-    with tempfile.TemporaryDirectory(prefix="cachefleet-routing-") as tmp:
-        for mode in ("round-robin", "cachefleet"):
-            if progress:
-                n = load.conversations * load.turns
-                print(
-                    f"routing: {mode}: {n} requests at {load.rate:g}/s over {pods} simulated pods",
-                    flush=True,
-                )
-            phase = await run_phase(
-                mode,
-                load,
-                pods=pods,
-                kv_blocks=kv_blocks,
-                prefill_rate=prefill_rate,
-                workdir=Path(tmp),
-            )
-            out["phases"].append(phase.summary())
-    return out
 
 
 def print_report(result: dict[str, Any]) -> None:
+    """The phases side by side, the TTFT ratio, and each pod's share and hits."""
     print("\nrouting: the same conversations, two routers")
     print(
         f"  {'mode':<12} {'requests':>8} {'errors':>6} {'TTFT mean':>10} {'p50':>8} {'p95':>8}"
@@ -441,10 +486,13 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write(result: dict[str, Any], out: Path, *, plotted: bool = True) -> list[str]:
+def write(
+    result: dict[str, Any], out: Path, *, name: str = "routing", plotted: bool = True
+) -> list[str]:
+    """``<name>.json`` (and ``<name>.png``) under ``out``; the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "routing.json").write_text(json.dumps(result, indent=2))
-    written = [str(out / "routing.json")]
-    if plotted and plot(result, out / "routing.png"):
-        written.append(str(out / "routing.png"))
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    written = [str(out / f"{name}.json")]
+    if plotted and plot(result, out / f"{name}.png"):
+        written.append(str(out / f"{name}.png"))
     return written

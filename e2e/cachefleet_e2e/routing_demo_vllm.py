@@ -15,28 +15,25 @@ evicting what the next turn needs. The model's text is random; the comparison is
 where the prompts go and what vLLM's cache finds there.
 
 Needs vLLM's venv (``make vllm-env``). Writes ``routing-vllm.json`` (and a plot) under
-``--out``.
+``--out``, beside the simulator demo's files. The load, the gateway's modes, the per-pod
+counters and the report are the simulator demo's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from cachefleet_common.modelserver import parse_metrics
+from cachefleet_common.modelserver import ModelServerMetrics, parse_metrics
 
 from . import routing_demo
-from .gateway import Gateway
 from .routing_demo import Phase, RoutingLoad
 from .services import ServiceError
 from .vllm_server import VllmServer, VllmUnavailable, start_all, tiny_model
@@ -72,7 +69,9 @@ def _address(server: VllmServer) -> str:
     return f"127.0.0.1:{server.port}"
 
 
-async def _counters(http: httpx.AsyncClient, servers: Sequence[VllmServer]) -> dict[str, Any]:
+async def _counters(
+    http: httpx.AsyncClient, servers: Sequence[VllmServer]
+) -> dict[str, ModelServerMetrics]:
     out = {}
     for server in servers:
         out[_address(server)] = parse_metrics((await http.get(f"{server.url}/metrics")).text)
@@ -89,27 +88,14 @@ async def run_phase(
         for server in servers:
             (await http.post(f"{server.url}/reset_prefix_cache")).raise_for_status()
         before = await _counters(http, servers)
-        with contextlib.ExitStack() as stack:
-            if mode == "round-robin":
-                gateway = Gateway(picker=None, endpoints=addresses)
-            else:
-                picker = stack.enter_context(routing_demo.router(addresses, workdir))
-                gateway = Gateway(picker=picker, endpoints=addresses)
-            runner, url = await routing_demo._serve_gateway(gateway)
-            try:
-                await routing_demo.drive(url, load, phase)
-            finally:
-                await runner.cleanup()
-                await gateway.close()
+        gateway = await routing_demo.through_gateway(mode, addresses, load, phase, workdir)
         after = await _counters(http, servers)
-    for address in addresses:
-        a, b = after[address], before[address]
-        phase.per_pod[address] = {
-            "requests": float(gateway.routed.get(address, 0)),
-            "prefix_queries": (a.prefix_queries_total or 0.0) - (b.prefix_queries_total or 0.0),
-            "prefix_hits": (a.prefix_hits_total or 0.0) - (b.prefix_hits_total or 0.0),
-            "prompt_tokens": (a.prompt_tokens_total or 0.0) - (b.prompt_tokens_total or 0.0),
-        }
+    phase.per_pod = {
+        address: routing_demo.pod_counters(
+            gateway.routed.get(address, 0), after[address], before[address]
+        )
+        for address in addresses
+    }
     return phase
 
 
@@ -117,41 +103,25 @@ async def compare_on(
     servers: Sequence[VllmServer], load: RoutingLoad, *, progress: bool = True
 ) -> dict[str, Any]:
     """Both modes, one after the other, over ``servers`` (already running)."""
-    out: dict[str, Any] = {
+
+    def run(mode: str, workdir: Path) -> Awaitable[Phase]:
+        return run_phase(mode, load, servers, workdir)
+
+    phases = await routing_demo.run_modes(
+        load,
+        run,
+        over=f"{len(servers)} vLLM servers",
+        workdir_prefix="cachefleet-routing-vllm-",
+        progress=progress,
+    )
+    return {
         "backend": "vllm",
         "pods": len(servers),
         "kv_blocks": servers[0].num_blocks if servers else None,
         "block_size": servers[0].block_size if servers else None,
-        "load": {
-            "conversations": load.conversations,
-            "turns": load.turns,
-            "rate": load.rate,
-            "system_prompts": load.system_prompts,
-        },
-        "phases": [],
+        "load": load.describe(),
+        "phases": phases,
     }
-    with tempfile.TemporaryDirectory(prefix="cachefleet-routing-vllm-") as tmp:
-        for mode in ("round-robin", "cachefleet"):
-            if progress:
-                n = load.conversations * load.turns
-                print(
-                    f"routing: {mode}: {n} requests at {load.rate:g}/s "
-                    f"over {len(servers)} vLLM servers",
-                    flush=True,
-                )
-            phase = await run_phase(mode, load, servers, Path(tmp))
-            out["phases"].append(phase.summary())
-    return out
-
-
-def write(result: dict[str, Any], out: Path, *, plotted: bool = True) -> list[str]:
-    """``routing-vllm.json`` (and ``routing-vllm.png``): beside the simulator demo's files."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "routing-vllm.json").write_text(json.dumps(result, indent=2))
-    written = [str(out / "routing-vllm.json")]
-    if plotted and routing_demo.plot(result, out / "routing-vllm.png"):
-        written.append(str(out / "routing-vllm.png"))
-    return written
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for server in servers:
             server.stop()
     routing_demo.print_report(result)
-    print("\nwrote " + ", ".join(write(result, args.out, plotted=not args.no_plot)))
+    written = routing_demo.write(result, args.out, name="routing-vllm", plotted=not args.no_plot)
+    print("\nwrote " + ", ".join(written))
     failed = sum(int(p["errors"]) for p in result["phases"])
     if failed:
         print(f"routing: {failed} requests failed", file=sys.stderr)

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
+from cachefleet_bench import pages
 from cachefleet_operator import docgen
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "charts" / "cachefleet" / "templates" / "prometheusrule.yaml"
 RUNBOOKS = ROOT / "docs" / "operations" / "runbooks.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks"
 
 
 @pytest.mark.parametrize("page", sorted(docgen.generated_pages()))
@@ -40,3 +44,34 @@ def test_the_crd_page_lists_nested_fields_with_their_types() -> None:
     page = docgen.crds_page()
     assert "| `spec.capacity.l1BytesPerPod` | integer or string |" in page
     assert "`spec.tenants[].priorityClass`" in page
+
+
+@pytest.mark.parametrize(
+    "page", sorted(str(p.relative_to(ROOT)) for p in pages.generated_pages(ROOT))
+)
+def test_the_benchmark_page_shows_what_its_result_file_generates(page: str) -> None:
+    committed = (ROOT / page).read_text(encoding="utf-8")
+    expected = pages.generated_pages(ROOT)[ROOT / page]
+    assert committed == expected, (
+        f"{page} is not what its result file generates: run `python -m cachefleet_bench.pages`"
+    )
+
+
+def test_every_benchmark_page_has_a_result_file() -> None:
+    listed = {p.stem for p in BENCHMARKS.glob("*.md")} - {"index"}
+    assert listed == {p.stem for p in (BENCHMARKS / "results").glob("*.json")}
+
+
+def test_the_pages_check_names_the_page_whose_result_file_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.copytree(BENCHMARKS, tmp_path / "docs" / "benchmarks")
+    result = tmp_path / "docs" / "benchmarks" / "results" / "l1.json"
+    doc = json.loads(result.read_text(encoding="utf-8"))
+    doc["tables"][0]["command"] += " --ops 1000"
+    result.write_text(json.dumps(doc), encoding="utf-8")
+    assert pages.main(["--root", str(tmp_path), "--check"]) == 1
+    assert "l1.md" in capsys.readouterr().err
+    assert pages.main(["--root", str(tmp_path)]) == 0
+    assert "--ops 1000`" in (tmp_path / "docs" / "benchmarks" / "l1.md").read_text("utf-8")
+    assert pages.main(["--root", str(tmp_path), "--check"]) == 0
