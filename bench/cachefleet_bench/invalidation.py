@@ -352,7 +352,7 @@ async def stale_reads(
 
         try:
             for i in range(2):
-                config = SidecarConfig(
+                config = SidecarConfig.from_flat(
                     listen=("127.0.0.1", 0),
                     admin_listen=("127.0.0.1", 0),
                     upstream=truth.url,

@@ -15,7 +15,7 @@ Rules a user can rely on:
 * a Pod that already runs the sidecar (a container named
   :data:`SIDECAR_NAME`, or the :data:`INJECTED_ANNOTATION`) is never patched twice;
 * the sidecar is configured through ``CACHEFLEET_<FLAG>`` environment
-  variables (see :mod:`cachefleet_sidecar.config`); a Redis URL held in a
+  variables (see :mod:`cachefleet_sidecar.flags`); a Redis URL held in a
   Secret stays in the Secret (``valueFrom.secretKeyRef``);
 * ``cachefleet.io/api-keys-secret: <secret>`` mounts that Secret's
   ``keys.json`` read-only into the sidecar as its API-keys file (the key then

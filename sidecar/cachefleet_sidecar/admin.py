@@ -77,9 +77,9 @@ class Admin:
         #: (bytes, limit) per tenant in L2, refreshed in the background by the server.
         self.l2_usage = l2_usage
         #: Peers shown tenant names in /status (loopback's 127.0.0.1 and ::1 by default).
-        self.status_peers = TrustedNetworks(parse_networks(config.status_peers))
+        self.status_peers = TrustedNetworks(parse_networks(config.observe.status_peers))
         #: Prices per 1k tokens by model (--price-table): /status says whether savings are priced.
-        self.prices = config.price_table
+        self.prices = config.caching.price_table
         self.started_at = time.time()
         #: The rate limits' /status section (None: no limiter).
         self.rate_limits: Callable[[], dict[str, Any]] | None = None
@@ -126,7 +126,7 @@ class Admin:
 
     def _admits_guests(self) -> bool:
         """Unlisted tenants are admitted (tenantDefaults or --guest-share), not refused."""
-        return self.tenants.default_quota is not None or self.config.guest_share > 0
+        return self.tenants.default_quota is not None or self.config.tenancy.guest_share > 0
 
     async def refresh_l2_usage(self) -> None:
         """Read each tenant's L2 bytes and limit (for /metrics and /status)."""
@@ -151,7 +151,7 @@ class Admin:
         return {
             "cache": self.config.cache,
             "pod": self.config.pod,
-            "upstream": redact_url(self.config.upstream),
+            "upstream": redact_url(self.config.http.upstream),
             "uptime_s": round(time.time() - self.started_at, 3),
             "quota_generation": self.tenants.quota_generation,
             "model_version": self.keying.model_version,
@@ -161,8 +161,8 @@ class Admin:
             "epochs_confirmed": self.tracker.valid_until > time.monotonic(),
             "redis_outage": self.outage_mode(),
             "l1": {
-                "capacity_bytes": self.config.l1_bytes,
-                "default_policy": self.config.policy.value,
+                "capacity_bytes": self.config.caching.l1_bytes,
+                "default_policy": self.config.caching.policy.value,
             },
             "tenants": {
                 t: {
@@ -219,7 +219,7 @@ class Admin:
 
     def outage_mode(self) -> dict[str, Any]:
         """What this sidecar does while Redis is unreachable (the InferenceCache's choice)."""
-        bound = self.config.redis_outage_staleness_s
+        bound = self.config.control.redis_outage_staleness_s
         if bound > 0:
             return {
                 "mode": "serve-stale",

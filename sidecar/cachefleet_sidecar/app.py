@@ -74,7 +74,7 @@ class SidecarServer:
                 on_redis_reset=None if l2 is None else l2.forget_registrations,
                 on_purge=sc.upkeep.on_purge,
                 # The poll keeps the strict cadence even when serve-stale lengthens the bound.
-                epoch_poll_s=cfg.staleness_bound_s / 4,
+                epoch_poll_s=cfg.control.staleness_bound_s / 4,
             )
             if l2 is not None:
                 l2.on_behind = self.control.poke
@@ -82,7 +82,7 @@ class SidecarServer:
             if sc.fleet is not None:
                 sc.fleet.start()
             self._usage_task = loop.create_task(self._refresh_usage())
-            if cfg.warm_bytes > 0 and l2 is not None:
+            if cfg.control.warm_bytes > 0 and l2 is not None:
                 control, tracker = self.control, sc.tracker
                 sc.upkeep.warm.state = "running"  # not ready until it ends
                 self._warm_task = loop.create_task(
@@ -91,7 +91,7 @@ class SidecarServer:
         api_keys = sc.tenants.api_keys
         if api_keys is not None and api_keys.path is not None:
             self._keys_task = loop.create_task(self._poll_api_keys())
-        if cfg.tenant_idle_expiry_s > 0:
+        if cfg.tenancy.tenant_idle_expiry_s > 0:
             self._idle_task = loop.create_task(self._expire_idle())
         handler = sc.front
         main = await loop.create_server(
@@ -111,9 +111,9 @@ class SidecarServer:
         log.info(
             "cachefleet sidecar on %s:%d -> %s (L1 %d bytes, policy %s, redis %s)",
             *cfg.listen,
-            redact_url(cfg.upstream),
-            cfg.l1_bytes,
-            cfg.policy.value,
+            redact_url(cfg.http.upstream),
+            cfg.caching.l1_bytes,
+            cfg.caching.policy.value,
             "on" if cfg.redis_url else "off",
         )
 
@@ -126,7 +126,7 @@ class SidecarServer:
                 log.debug("L2 usage refresh failed: %s", exc)
 
     async def _expire_idle(self) -> None:
-        ticks = max(1, math.ceil(self.config.tenant_idle_expiry_s / IDLE_TICK_S))
+        ticks = max(1, math.ceil(self.config.tenancy.tenant_idle_expiry_s / IDLE_TICK_S))
         while True:
             await asyncio.sleep(IDLE_TICK_S)
             self.sidecar.tenants.expire_idle(ticks)

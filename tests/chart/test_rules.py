@@ -323,7 +323,9 @@ def exported_metric_names() -> set[str]:
     # a real L2 tier, never connected: its families are read from its counters and breakers
     l2 = RedisL2.from_url("redis://127.0.0.1:1", "ns/c")
     # with a Redis URL (never connected), so the fleet-sample shipper's counter is there too
-    config = SidecarConfig(cache="ns/c", admin_listen=None, redis_url="redis://127.0.0.1:1")
+    config = SidecarConfig.from_flat(
+        cache="ns/c", admin_listen=None, redis_url="redis://127.0.0.1:1"
+    )
     app = build(config, l2=l2)
     app.keying.enable_epochs()
     app.tracker.merge({"cache": 1})

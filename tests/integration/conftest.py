@@ -4,7 +4,6 @@ Redis standalone and clustered (``any_redis``)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -116,7 +115,7 @@ async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactor
     running: list[RunningSidecar] = []
 
     async def make(*, patient: bool = False, **overrides: Any) -> RunningSidecar:
-        base = SidecarConfig(
+        base: dict[str, Any] = dict(
             listen=("127.0.0.1", 0),
             admin_listen=("127.0.0.1", 0),
             upstream=upstream.url,
@@ -126,7 +125,7 @@ async def sidecar_factory(upstream: FakeUpstream) -> AsyncIterator[SidecarFactor
             # The test client names tenants by header, from loopback.
             trusted_proxies=("127.0.0.1/32",),
         )
-        server = SidecarServer(dataclasses.replace(base, **overrides))
+        server = SidecarServer(SidecarConfig.from_flat(**{**base, **overrides}))
         await server.start()
         sc = RunningSidecar(server)
         running.append(sc)

@@ -8,7 +8,6 @@ metrics at the moments the test needs (``poll_once``), besides its own poller.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -92,7 +91,7 @@ async def make_fleet(sim: ModelServerSim) -> AsyncIterator[Any]:
     made: list[Fleet] = []
 
     async def make(**admission: Any) -> Fleet:
-        config = SidecarConfig(
+        config = SidecarConfig.from_flat(
             listen=("127.0.0.1", 0),
             admin_listen=("127.0.0.1", 0),
             upstream=sim.url,
@@ -102,7 +101,7 @@ async def make_fleet(sim: ModelServerSim) -> AsyncIterator[Any]:
             trusted_proxies=("127.0.0.1/32",),
             admission=AdmissionConfig(**{"max_waiting": 2, **admission}),
         )
-        server = SidecarServer(dataclasses.replace(config))
+        server = SidecarServer(config)
         await server.start()
         server.sidecar.quotas.apply(
             QuotaAssignment(

@@ -172,7 +172,7 @@ async def make_fleet() -> AsyncIterator[Any]:
         **config: Any,
     ) -> Fleet:
         standin = await stack.enter_async_context(SaturatedStandIn())
-        settings = SidecarConfig(
+        settings = SidecarConfig.from_flat(
             listen=("127.0.0.1", 0),
             admin_listen=("127.0.0.1", 0),
             upstream=standin.url,
@@ -186,7 +186,7 @@ async def make_fleet() -> AsyncIterator[Any]:
             admission_metrics_url=standin.url + "/metrics",
             **config,
         )
-        server = SidecarServer(dataclasses.replace(settings))
+        server = SidecarServer(settings)
         await server.start()
         server.sidecar.quotas.apply(
             QuotaAssignment(

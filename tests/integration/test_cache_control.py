@@ -236,10 +236,12 @@ async def test_a_bad_price_table_is_refused_naming_the_flag(
     assert "--price-table: 'm1'.prompt: must be a finite number >= 0" in capsys.readouterr().err
     good = tmp_path / "ok.json"
     good.write_text(json.dumps({"*": {"prompt": 0.5, "completion": 1.5}}))
-    assert parse_args(["--price-table", str(good), "--ttl", "30"]).price_table == {"*": (0.5, 1.5)}
+    assert parse_args(["--price-table", str(good), "--ttl", "30"]).caching.price_table == {
+        "*": (0.5, 1.5)
+    }
     # the JSON itself (how the operator passes spec.savings.prices), checked alike
     inline = json.dumps({"m1": {"prompt": 1.0, "completion": 2.0}})
-    assert parse_args(["--price-table", inline]).price_table == {"m1": (1.0, 2.0)}
+    assert parse_args(["--price-table", inline]).caching.price_table == {"m1": (1.0, 2.0)}
     with pytest.raises(SystemExit):
         parse_args(["--price-table", '{"m1": {"prompt": -1}}'])
     assert "--price-table: 'm1'.prompt: must be a finite number >= 0" in capsys.readouterr().err

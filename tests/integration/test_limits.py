@@ -436,10 +436,22 @@ def test_flags_for_every_limit() -> None:
             "--l2-max-entry-bytes=512Ki",
         ]
     )
-    assert (cfg.max_url_bytes, cfg.max_header_bytes, cfg.max_body_bytes) == (2048, 8192, 1 << 20)
-    assert (cfg.body_memory_bytes, cfg.max_pipelined) == (64 << 20, 8)
-    assert (cfg.idle_timeout_s, cfg.header_timeout_s, cfg.body_timeout_s) == (30, 5, 20)
-    assert (cfg.send_timeout_s, cfg.max_entry_bytes, cfg.l2_max_entry_bytes) == (
+    assert (
+        cfg.http.limits.max_url_bytes,
+        cfg.http.limits.max_header_bytes,
+        cfg.http.limits.max_body_bytes,
+    ) == (2048, 8192, 1 << 20)
+    assert (cfg.http.limits.body_memory_bytes, cfg.http.limits.max_pipelined) == (64 << 20, 8)
+    assert (
+        cfg.http.limits.idle_timeout_s,
+        cfg.http.limits.header_timeout_s,
+        cfg.http.limits.body_timeout_s,
+    ) == (30, 5, 20)
+    assert (
+        cfg.http.limits.send_timeout_s,
+        cfg.caching.max_entry_bytes,
+        cfg.caching.l2_max_entry_bytes,
+    ) == (
         40,
         2 << 20,
         512 << 10,

@@ -8,7 +8,6 @@ Needs the ``tracing`` extra (opentelemetry-sdk, opentelemetry-exporter-otlp-prot
 
 from __future__ import annotations
 
-import dataclasses
 import http.server
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -40,16 +39,16 @@ PROMPT = "the secret prompt"
 
 
 def base_config(upstream: FakeUpstream, **overrides: Any) -> SidecarConfig:
-    config = SidecarConfig(
-        listen=("127.0.0.1", 0),
-        admin_listen=("127.0.0.1", 0),
-        upstream=upstream.url,
-        cache="test/cache",
-        pod="pod-a",
-        l1_bytes=8 * 1024 * 1024,
-        trusted_proxies=("127.0.0.1/32",),
-    )
-    return dataclasses.replace(config, **overrides)
+    base: dict[str, Any] = {
+        "listen": ("127.0.0.1", 0),
+        "admin_listen": ("127.0.0.1", 0),
+        "upstream": upstream.url,
+        "cache": "test/cache",
+        "pod": "pod-a",
+        "l1_bytes": 8 * 1024 * 1024,
+        "trusted_proxies": ("127.0.0.1/32",),
+    }
+    return SidecarConfig.from_flat(**{**base, **overrides})
 
 
 @pytest.fixture

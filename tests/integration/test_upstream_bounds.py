@@ -378,13 +378,16 @@ def test_the_pool_flags_and_their_errors(capsys: pytest.CaptureFixture[str]) -> 
     from cachefleet_sidecar.config import parse_args
 
     defaults = parse_args([])
-    assert (defaults.upstream_max_connections, defaults.upstream_max_queued) == (256, 1024)
-    assert defaults.status_peers == ("127.0.0.1/32", "::1/128")
+    assert (defaults.http.upstream_max_connections, defaults.http.upstream_max_queued) == (
+        256,
+        1024,
+    )
+    assert defaults.observe.status_peers == ("127.0.0.1/32", "::1/128")
     cfg = parse_args(
         ["--upstream-max-connections=8", "--upstream-max-queued=0", "--status-peers=10.0.0.1"]
     )
-    assert (cfg.upstream_max_connections, cfg.upstream_max_queued) == (8, 0)
-    assert cfg.status_peers == ("10.0.0.1/32",)
+    assert (cfg.http.upstream_max_connections, cfg.http.upstream_max_queued) == (8, 0)
+    assert cfg.observe.status_peers == ("10.0.0.1/32",)
     for bad, flag in [
         ("--upstream-max-connections=0", "--upstream-max-connections"),
         ("--upstream-max-queued=-1", "--upstream-max-queued"),

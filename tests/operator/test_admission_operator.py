@@ -60,10 +60,10 @@ def test_admission_thresholds_reach_the_sidecar_flags() -> None:
     assert env["CACHEFLEET_ADMISSION_MAX_KV_USAGE"] == "0.9"
     args = [f"--{k[11:].lower().replace('_', '-')}={v}" for k, v in env.items() if "ADMISSION" in k]
     config = parse_args([a.replace("--admission=true", "--admission") for a in args])
-    assert config.admission is not None
-    assert (config.admission.max_waiting, config.admission.max_kv_usage) == (4, 0.9)
-    assert config.admission.standard_queue == 16
-    assert config.admission.standard_max_wait_s == 10.0  # the default, one place
+    assert config.adapt.admission is not None
+    assert (config.adapt.admission.max_waiting, config.adapt.admission.max_kv_usage) == (4, 0.9)
+    assert config.adapt.admission.standard_queue == 16
+    assert config.adapt.admission.standard_max_wait_s == 10.0  # the default, one place
 
 
 def test_no_or_disabled_admission_sets_no_flag() -> None:

@@ -251,9 +251,9 @@ def test_the_sidecar_flags_give_weights_and_objectives() -> None:
             "batch=BestEffort,chat=Guaranteed",
         ]
     )
-    assert config.admission_weights == {"team-a": 3.0, "team-b": 0.5}
-    assert config.admission_objectives == {"batch": "BestEffort", "chat": "Guaranteed"}
-    assert parse_args([]).admission_weights == {}
+    assert config.tenancy.admission_weights == {"team-a": 3.0, "team-b": 0.5}
+    assert config.tenancy.admission_objectives == {"batch": "BestEffort", "chat": "Guaranteed"}
+    assert parse_args([]).tenancy.admission_weights == {}
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,7 @@ def test_the_rate_flows_from_the_crd_to_the_sidecar(monkeypatch: pytest.MonkeyPa
     assert env["CACHEFLEET_FLEET_SAMPLE_RATE"] == "0.25"
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert sidecar_config.parse_args([]).fleet_sample_rate == 0.25
+    assert sidecar_config.parse_args([]).adapt.fleet_sample_rate == 0.25
 
 
 def test_the_charts_sidecar_env_cannot_give_a_pod_another_rate() -> None:
@@ -73,7 +73,7 @@ def test_every_injected_pod_is_given_the_rate_even_without_the_field() -> None:
     # an old object without the field (no API-server default): the default, said outright,
     # so a sidecar image with another default still forwards the same keys as the others
     assert sidecar_env({})["CACHEFLEET_FLEET_SAMPLE_RATE"] == repr(FLEET_SAMPLE_RATE)
-    assert sidecar_config.parse_args(["--upstream", "http://m:8000"]).fleet_sample_rate == (
+    assert sidecar_config.parse_args(["--upstream", "http://m:8000"]).adapt.fleet_sample_rate == (
         FLEET_SAMPLE_RATE
     )
 

@@ -123,9 +123,9 @@ def test_env_is_understood_by_the_sidecar(monkeypatch: pytest.MonkeyPatch) -> No
     assert cfg.redis_url == "redis://r:6379/0"
     assert cfg.listen == ("0.0.0.0", SETTINGS.proxy_port)
     assert cfg.admin_listen == ("0.0.0.0", SETTINGS.admin_port)
-    assert cfg.l1_bytes == 1024
-    assert cfg.model_version == "v2"
-    assert cfg.policy.value == "lirs"
+    assert cfg.caching.l1_bytes == 1024
+    assert cfg.caching.model_version == "v2"
+    assert cfg.caching.policy.value == "lirs"
 
 
 def test_namespace_header_and_warm_up_flow_from_the_cache_to_the_sidecar(
@@ -142,8 +142,8 @@ def test_namespace_header_and_warm_up_flow_from_the_cache_to_the_sidecar(
         if "value" in e:
             monkeypatch.setenv(e["name"], e["value"])
     cfg = sidecar_config.parse_args([])
-    assert cfg.namespace_header == "X-Knowledge-Base"
-    assert (cfg.warm_bytes, cfg.warm_timeout_s) == (64 << 20, 7.5)
+    assert cfg.caching.namespace_header == "X-Knowledge-Base"
+    assert (cfg.control.warm_bytes, cfg.control.warm_timeout_s) == (64 << 20, 7.5)
     # without them: the sidecar's defaults (no warm-up)
     plain = env_of(injection.sidecar_container(injection.cache_info(CACHE_OBJ), SETTINGS))
     assert "CACHEFLEET_WARM_BYTES" not in plain
@@ -305,7 +305,7 @@ def test_prices_flow_from_the_cache_to_the_sidecar(monkeypatch: pytest.MonkeyPat
         if "value" in e:
             monkeypatch.setenv(e["name"], e["value"])
     cfg = sidecar_config.parse_args([])
-    assert cfg.price_table == {"m": (0.5, 1.5), "*": (0.0, 2.0)}
+    assert cfg.caching.price_table == {"m": (0.5, 1.5), "*": (0.0, 2.0)}
     # no prices, or prices the API server would have refused: no flag, the sidecar's own
     for savings in (None, {"currency": "USD"}, {"prices": [{"model": "m", "promptPer1k": -1}]}):
         obj["spec"]["savings"] = savings

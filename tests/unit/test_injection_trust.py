@@ -31,8 +31,8 @@ def test_outage_choice_and_trusted_proxies_reach_the_sidecar(
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     cfg = sidecar_config.parse_args([])
-    assert cfg.redis_outage_staleness_s == 30.0
-    assert cfg.trusted_proxies == ("10.20.0.0/16",)
+    assert cfg.control.redis_outage_staleness_s == 30.0
+    assert cfg.tenancy.trusted_proxies == ("10.20.0.0/16",)
 
 
 def test_strict_is_the_default() -> None:
@@ -41,7 +41,7 @@ def test_strict_is_the_default() -> None:
     names = {e["name"] for e in injection.sidecar_container(info, settings)["env"]}
     assert "CACHEFLEET_REDIS_OUTAGE_STALENESS" not in names
     assert "CACHEFLEET_TRUSTED_PROXIES" not in names
-    assert sidecar_config.parse_args([]).redis_outage_staleness_s == 0.0
+    assert sidecar_config.parse_args([]).control.redis_outage_staleness_s == 0.0
 
 
 def _pod(annotations: dict[str, str], volumes: list[Any] | None = None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ def test_the_pool_bounds_flow_from_the_crd_to_the_sidecar(monkeypatch: pytest.Mo
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     cfg = sidecar_config.parse_args([])
-    assert (cfg.upstream_max_connections, cfg.upstream_max_queued) == (32, 0)
+    assert (cfg.http.upstream_max_connections, cfg.http.upstream_max_queued) == (32, 0)
 
 
 def test_without_the_field_the_sidecar_keeps_its_defaults() -> None:

@@ -19,7 +19,7 @@ BODY = json.dumps(
 
 
 def keying() -> Keying:
-    config = SidecarConfig(cache="ns/c", admin_listen=None, default_tenant="dflt")
+    config = SidecarConfig.from_flat(cache="ns/c", admin_listen=None, default_tenant="dflt")
     return build(config).keying
 
 

@@ -216,13 +216,13 @@ def test_limits_documents_parse_and_refuse_what_is_wrong(tmp_path: Path) -> None
 
 def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     config = parse_args(["--tenant-limits", '{"a": {"requestsPerMinute": 60}}'])
-    assert config.tenant_limits == {"a": TenantLimits(requests_per_minute=60)}
-    assert config.limits_count_hits is False
+    assert config.tenancy.tenant_limits == {"a": TenantLimits(requests_per_minute=60)}
+    assert config.tenancy.limits_count_hits is False
     monkeypatch.setenv("CACHEFLEET_TENANT_LIMITS", '{"b": {"tokensPerDay": 7}}')
     monkeypatch.setenv("CACHEFLEET_LIMITS_COUNT_HITS", "true")
     config = parse_args([])
-    assert config.tenant_limits == {"b": TenantLimits(tokens_per_day=7)}
-    assert config.limits_count_hits is True
+    assert config.tenancy.tenant_limits == {"b": TenantLimits(tokens_per_day=7)}
+    assert config.tenancy.limits_count_hits is True
     with pytest.raises(SystemExit):
         parse_args(["--tenant-limits", '{"a": {"requestsPerMinute": -1}}'])
 

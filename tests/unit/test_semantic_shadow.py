@@ -152,14 +152,19 @@ def test_the_sidecar_flags_set_the_default_and_refuse_a_bad_share(
     from cachefleet_sidecar.config import parse_args
 
     base = ["--upstream", "http://127.0.0.1:9"]
-    assert parse_args(base).semantic_shadow is False
+    assert parse_args(base).semantic.shadow is False
     flags = [*base, "--semantic-shadow", "--semantic-shadow-sample", "0.25"]
     config = parse_args(flags)
-    assert (config.semantic_shadow, config.semantic_shadow_sample) == (True, 0.25)
+    assert (config.semantic.shadow, config.semantic.shadow_sample) == (True, 0.25)
     monkeypatch.setenv("CACHEFLEET_SEMANTIC_SHADOW", "1")
-    assert parse_args(base).semantic_shadow is True
+    assert parse_args(base).semantic.shadow is True
     with pytest.raises(SystemExit):
         parse_args([*base, "--semantic-shadow-sample", "0"])
     assert "--semantic-shadow-sample" in capsys.readouterr().err
-    tier = SemanticTier.from_config(config)
+    tier = SemanticTier.from_settings(
+        config.semantic,
+        cache=config.cache,
+        upstream=config.http.upstream,
+        max_tenants=config.tenancy.max_tenants,
+    )
     assert (tier.default.shadow, tier.shadow_sample) == (True, 0.25)

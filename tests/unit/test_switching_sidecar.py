@@ -44,7 +44,7 @@ def make(
 
     The real host's PSI moves with the machine's load: tests must not read it.
     """
-    config = SidecarConfig(cache="ns/c", admin_listen=None, policy=Policy.LIRS, **kw)  # type: ignore[arg-type]
+    config = SidecarConfig.from_flat(cache="ns/c", admin_listen=None, policy=Policy.LIRS, **kw)
     return build(
         config, telemetry=GpuTelemetry(FakeNvml(sm, bandwidth)), host=HostPressure(host_root)
     )
@@ -129,7 +129,9 @@ def test_without_a_gpu_pressure_stays_zero() -> None:
         def sample(self) -> list[GpuSample]:
             raise AssertionError("never sampled")
 
-    app = build(SidecarConfig(cache="ns/c", admin_listen=None), telemetry=GpuTelemetry(NoGpu()))
+    app = build(
+        SidecarConfig.from_flat(cache="ns/c", admin_listen=None), telemetry=GpuTelemetry(NoGpu())
+    )
     assert app.switching is not None
     app.switcher.switch_tick(app.switching.next_window_at)
     assert app.switching.pressure == 0.0
@@ -143,9 +145,9 @@ def test_switching_can_be_turned_off() -> None:
 
 
 def test_switch_window_flag() -> None:
-    assert parse_args(["--switch-window", "5"]).switch_window_s == 5.0
-    assert parse_args(["--switch-window", "0"]).switch_window_s == 0.0
-    assert parse_args(["--policy", "sits"]).policy.value == "sits"
+    assert parse_args(["--switch-window", "5"]).adapt.switch_window_s == 5.0
+    assert parse_args(["--switch-window", "0"]).adapt.switch_window_s == 0.0
+    assert parse_args(["--policy", "sits"]).caching.policy.value == "sits"
     with pytest.raises(SystemExit):
         parse_args(["--switch-window", "-1"])
 

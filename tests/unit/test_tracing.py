@@ -51,11 +51,11 @@ def test_tracing_off_imports_nothing_of_opentelemetry() -> None:
 
 def test_otlp_endpoint_flag_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CACHEFLEET_OTLP_ENDPOINT", raising=False)
-    assert parse_args([]).otlp_endpoint == ""
+    assert parse_args([]).observe.otlp_endpoint == ""
     flag = parse_args(["--otlp-endpoint", "http://collector:4318"])
-    assert flag.otlp_endpoint == "http://collector:4318"
+    assert flag.observe.otlp_endpoint == "http://collector:4318"
     monkeypatch.setenv("CACHEFLEET_OTLP_ENDPOINT", "https://otel.example:4318/v1/traces")
-    assert parse_args([]).otlp_endpoint == "https://otel.example:4318/v1/traces"
+    assert parse_args([]).observe.otlp_endpoint == "https://otel.example:4318/v1/traces"
 
 
 def test_otlp_endpoint_must_be_an_http_url(capsys: pytest.CaptureFixture[str]) -> None:

@@ -49,7 +49,7 @@ def test_the_otlp_endpoint_flows_from_the_crd_to_the_sidecar(
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert sidecar_config.parse_args([]).otlp_endpoint == COLLECTOR
+    assert sidecar_config.parse_args([]).observe.otlp_endpoint == COLLECTOR
 
 
 def test_without_observability_no_sidecar_traces() -> None:

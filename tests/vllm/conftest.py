@@ -20,7 +20,6 @@ The tier's timings (model build, server start) are printed in pytest's summary.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -207,7 +206,7 @@ async def vllm_sidecar_factory(vllm: VllmServer) -> AsyncIterator[VllmSidecarFac
     running: list[RunningSidecar] = []
 
     async def make(*, server: VllmServer | None = None, **overrides: Any) -> RunningSidecar:
-        base = SidecarConfig(
+        base: dict[str, Any] = dict(
             listen=("127.0.0.1", 0),
             admin_listen=("127.0.0.1", 0),
             upstream=(server or vllm).url,
@@ -216,7 +215,7 @@ async def vllm_sidecar_factory(vllm: VllmServer) -> AsyncIterator[VllmSidecarFac
             l1_bytes=8 * 1024 * 1024,
             trusted_proxies=("127.0.0.1/32",),
         )
-        sidecar = SidecarServer(dataclasses.replace(base, **overrides))
+        sidecar = SidecarServer(SidecarConfig.from_flat(**{**base, **overrides}))
         await sidecar.start()
         sc = RunningSidecar(sidecar)
         # Answers come from a real server: give them time on a loaded machine.

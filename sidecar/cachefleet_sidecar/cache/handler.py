@@ -68,8 +68,8 @@ from cachefleet_sidecar.cache.entry import (
 )
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
+from cachefleet_sidecar.cache.settings import CacheSettings
 from cachefleet_sidecar.cache.tiers import L2HitBook
-from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.relay import MAX_BUFFERED_BYTES, RateTicket, Relay
 from cachefleet_sidecar.http.server import Connection, Outbox, Refusal, Request, error_response
@@ -144,7 +144,7 @@ class Keying:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        settings: CacheSettings,
         *,
         tracker: EpochTracker,
         metrics: SidecarMetrics,
@@ -152,7 +152,7 @@ class Keying:
         freshness: Freshness,
         l3: SemanticTier,
     ) -> None:
-        self.config = config
+        self.settings = settings
         #: Invalidation epochs; until :meth:`enable_epochs` they do not gate L1.
         self.tracker = tracker
         self.metrics = metrics
@@ -160,17 +160,17 @@ class Keying:
         self._resolve = resolve
         self._allowed = freshness.allowed
         self.l3 = l3
-        self.namespace_header = config.namespace_header.lower().encode()
+        self.namespace_header = settings.namespace_header.lower().encode()
         self._key_memo: dict[tuple[str, str, bytes, int], keys.CacheKey | str] = {}
         self._key_memo_bytes = 0
-        self._model_version = config.model_version
+        self._model_version = settings.model_version
         #: True once keys are scoped by the tracker's epochs (with Redis).
         self.versioned = False
         self._scope_version = 0
         self._key_options: dict[str, keys.KeyOptions] = {}
         self.default_options = keys.KeyOptions(
-            collapse_whitespace=config.collapse_whitespace,
-            cache_nondeterministic=config.cache_nondeterministic,
+            collapse_whitespace=settings.collapse_whitespace,
+            cache_nondeterministic=settings.cache_nondeterministic,
         )
 
     def key_options(self, tenant: str) -> keys.KeyOptions:
@@ -301,7 +301,8 @@ class Keying:
         if not valid_name(text):
             raise Refusal(
                 400,
-                f"invalid {self.config.namespace_header} {text[:80]!r}: use 1-63 of [A-Za-z0-9._-]",
+                f"invalid {self.settings.namespace_header} {text[:80]!r}: "
+                "use 1-63 of [A-Za-z0-9._-]",
             )
         return text
 
@@ -370,8 +371,9 @@ class Handler:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        settings: CacheSettings,
         *,
+        admin_on_proxy: bool,
         keying: Keying,
         tiers: Tiers,
         freshness: Freshness,
@@ -390,7 +392,8 @@ class Handler:
         background: Background,
         admin: Callable[[Request, Connection], Awaitable[None]],
     ) -> None:
-        self.config = config
+        #: The admin endpoints are served here too (no --admin-listen of their own).
+        self.admin_on_proxy = admin_on_proxy
         self.keying = keying
         self.tracker = keying.tracker
         self.tiers = tiers
@@ -408,7 +411,7 @@ class Handler:
         self.background = background
         self.admin = admin
         #: Largest answer stored in L1 (larger ones are passed through).
-        self.max_entry_bytes = config.max_entry_bytes
+        self.max_entry_bytes = settings.max_entry_bytes
         #: Flights in progress by L1 key (single-flight).
         self.inflight: dict[int, Flight] = {}
         # Bound once: the request path calls these for every request.
@@ -658,7 +661,7 @@ class Handler:
     # ---------------------------------------------------------------- slow path
     async def handle(self, request: Request, conn: Connection) -> None:
         path, _, query = request.url.partition(b"?")
-        if path in ADMIN_PATHS and self.config.admin_listen is None:
+        if path in ADMIN_PATHS and self.admin_on_proxy:
             await self.admin(request, conn)
             return
         kind = keys.CACHEABLE_PATHS.get(path) if request.method == b"POST" else None

@@ -48,13 +48,11 @@ from prometheus_client.core import (
 from cachefleet_common import keys
 from cachefleet_sidecar.cache import semantic
 from cachefleet_sidecar.cache.embeddings import EmbeddingSource, EmbeddingUnavailable, make_source
+from cachefleet_sidecar.cache.settings import EMBED_TIMEOUT_S, SemanticSettings
 from cachefleet_sidecar.observe.metrics import OTHER_TENANT
 
 log = logging.getLogger("cachefleet.sidecar.l3")
 
-#: Seconds one embedding may take before the lookup is given up (a miss); the default of
-#: ``--semantic-timeout``. Every L3 request that misses L1 and L2 waits this long at most.
-EMBED_TIMEOUT_S = 0.5
 #: Consecutive failed embeddings (errors, timeouts) after which L3 stops asking the source...
 BREAKER_FAILURES = 5
 #: ...for this many seconds (lookups count as ``open`` and go upstream at once).
@@ -132,25 +130,24 @@ class SemanticTier:
         self._counts: dict[str, _Counts] = {}
 
     @classmethod
-    def from_config(cls, config: Any) -> SemanticTier:
-        source = make_source(
-            config.semantic_source,
-            config.upstream,
-            model=config.semantic_embeddings_model or None,
-        )
+    def from_settings(
+        cls, settings: SemanticSettings, *, cache: str, upstream: str, max_tenants: int
+    ) -> SemanticTier:
+        """The tier of ``settings`` for ``cache`` (``upstream``: the model server's URL)."""
+        source = make_source(settings.source, upstream, model=settings.embeddings_model or None)
         default = semantic.SemanticOptions(
-            enabled=config.semantic_default_on,
-            threshold=config.semantic_threshold,
-            max_bytes=config.semantic_tenant_bytes,
-            shadow=config.semantic_shadow,
+            enabled=settings.default_on,
+            threshold=settings.threshold,
+            max_bytes=settings.tenant_bytes,
+            shadow=settings.shadow,
         )
         return cls(
-            config.cache,
+            cache,
             source,
             default,
-            max_tenant_series=config.max_tenants,
-            timeout_s=config.semantic_timeout_s,
-            shadow_sample=config.semantic_shadow_sample,
+            max_tenant_series=max_tenants,
+            timeout_s=settings.timeout_s,
+            shadow_sample=settings.shadow_sample,
         )
 
     async def start(self) -> None:

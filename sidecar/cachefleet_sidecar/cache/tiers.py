@@ -31,7 +31,7 @@ from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, L1Value, OldEntr
 from cachefleet_sidecar.cache.hits import Turns
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.purge import PurgeIndex
-from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.cache.settings import CacheSettings
 from cachefleet_sidecar.observe.metrics import BUCKETS, SidecarMetrics
 from cachefleet_sidecar.tasks import Background
 
@@ -107,10 +107,11 @@ class Freshness:
     """Entry TTLs by tenant (the operator's ttlSeconds) and the Cache-Control directives
     each tenant may use."""
 
-    def __init__(self, config: SidecarConfig) -> None:
-        self.config = config
+    def __init__(self, ttl_s: float = 0.0) -> None:
+        #: Entry TTL of tenants the operator sets none for (0: no limit).
+        self.default_ttl_s = ttl_s
         self._ttl: dict[str, float] = {}
-        self._default_ttl = config.ttl_s or math.inf
+        self._default_ttl = ttl_s or math.inf
         #: Cache-Control directives each tenant may use (absent: all); changed in place.
         self.allowed: dict[str, directives.Allowed] = {}
 
@@ -126,7 +127,7 @@ class Freshness:
         entry's age at read time, under the TTL in force).
         """
         before = {t: self.ttl_of(t) for t in l1.tenants}
-        self._default_ttl = assignment.ttl_seconds or self.config.ttl_s or math.inf
+        self._default_ttl = assignment.ttl_seconds or self.default_ttl_s or math.inf
         self._ttl = {
             t: float(q.ttl_seconds) for t, q in assignment.tenants.items() if q.ttl_seconds
         }
@@ -150,7 +151,7 @@ class Tiers:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        settings: CacheSettings,
         *,
         l1: TenantL1[int, L1Value],
         l2: L2 | None,
@@ -176,9 +177,9 @@ class Tiers:
         self.l2_name = l2_name
         self.background = background
         #: Largest answer stored in L2 (larger ones stay in L1 only).
-        self.l2_max_entry_bytes = min(config.l2_max_entry_bytes, config.max_entry_bytes)
+        self.l2_max_entry_bytes = min(settings.l2_max_entry_bytes, settings.max_entry_bytes)
         #: Prices per 1k tokens by model (--price-table): hits count their cost too.
-        self.prices = config.price_table
+        self.prices = settings.price_table
 
     def saved(
         self, tenant: str, model: str, prompt: int, completion: int, upstream_s: float

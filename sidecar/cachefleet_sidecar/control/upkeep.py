@@ -20,7 +20,7 @@ from cachefleet_sidecar.cache.handler import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.cache.tiers import L2, Freshness
-from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.control.settings import ControlSettings
 from cachefleet_sidecar.control.warm import WarmReport, warm_l1
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tenancy.tenants import Tenants
@@ -33,8 +33,9 @@ class Upkeep:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        settings: ControlSettings,
         *,
+        cache: str,
         l1: TenantL1[int, L1Value],
         l2: L2 | None,
         keying: Keying,
@@ -43,7 +44,9 @@ class Upkeep:
         purge_index: PurgeIndex,
         metrics: SidecarMetrics,
     ) -> None:
-        self.config = config
+        self.settings = settings
+        #: The InferenceCache's NAMESPACE/NAME (the metrics' label).
+        self.cache = cache
         self.l1 = l1
         self.l2 = l2
         self.keying = keying
@@ -92,7 +95,7 @@ class Upkeep:
         Waits (within the bound) until ``synced()`` says the epochs are confirmed
         and the quotas were read, so entries are judged under the epochs in force.
         """
-        cfg, report = self.config, self.warm
+        cfg, report = self.settings, self.warm
         report.state = "running"
         started = time.monotonic()
         try:
@@ -156,7 +159,7 @@ class Upkeep:
         """The epochs this sidecar knows and whether they are confirmed (with Redis)."""
         if not self.keying.versioned:
             return
-        cache = self.config.cache
+        cache = self.cache
         epoch = GaugeMetricFamily(
             "cachefleet_epoch",
             "Invalidation epoch this sidecar knows, by scope (cache, tenant:<t>, model:<m>).",

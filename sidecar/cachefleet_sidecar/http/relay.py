@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.server import Connection, Request, error_response
 from cachefleet_sidecar.http.upstream import Begun, UpstreamError, UpstreamPool
@@ -70,8 +69,8 @@ class Relay:
 
     def __init__(
         self,
-        config: SidecarConfig,
         *,
+        tenant_header: str,
         upstream: UpstreamPool,
         metrics: SidecarMetrics,
         gate: AdmissionGate | None,
@@ -84,7 +83,7 @@ class Relay:
         self.metrics = metrics
         self.gate = gate
         self._priority_class = priority_class
-        self.tenant_header = config.tenant_header.lower().encode()
+        self.tenant_header = tenant_header.lower().encode()
         self._last_upstream_ok = 0.0
 
     async def admit(self, tenant: str, headers: list[tuple[bytes, bytes]]) -> bytes | None:

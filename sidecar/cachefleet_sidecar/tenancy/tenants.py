@@ -25,7 +25,6 @@ from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.switcher import PolicySwitcher
 from cachefleet_sidecar.cache.tiers import L2, Freshness
-from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.server import Request
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background
@@ -36,6 +35,7 @@ from cachefleet_sidecar.tenancy.identity import (
     parse_api_keys,
     parse_networks,
 )
+from cachefleet_sidecar.tenancy.settings import TenancySettings
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -50,7 +50,7 @@ class Tenants:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        settings: TenancySettings,
         *,
         l1: TenantL1[int, L1Value],
         l3: SemanticTier,
@@ -59,7 +59,7 @@ class Tenants:
         switcher: PolicySwitcher,
         l2_usage: dict[str, tuple[int, int]],
     ) -> None:
-        self.config = config
+        self.settings = settings
         self.l1 = l1
         self.l3 = l3
         self.mrc = mrc
@@ -68,18 +68,18 @@ class Tenants:
         #: (bytes, limit) per tenant in L2, for /metrics and /status (kept by the admin).
         self.l2_usage = l2_usage
         self.api_keys: ApiKeys | None = None
-        if config.api_keys_file:
-            self.api_keys = ApiKeys.from_file(config.api_keys_file)
-        elif config.api_keys:
-            self.api_keys = ApiKeys(parse_api_keys(config.api_keys))
+        if settings.api_keys_file:
+            self.api_keys = ApiKeys.from_file(settings.api_keys_file)
+        elif settings.api_keys:
+            self.api_keys = ApiKeys(parse_api_keys(settings.api_keys))
         #: Who the tenant of a request is (its tables follow the keys file and the quotas).
         self.rules = TenantRules(
-            config.tenant_header,
+            settings.tenant_header,
             api_keys=self.api_keys,
-            trusted=TrustedNetworks(parse_networks(config.trusted_proxies)),
-            default_tenant=config.default_tenant,
-            known=config.tenants,
-            admit_guests=config.guest_share > 0,
+            trusted=TrustedNetworks(parse_networks(settings.trusted_proxies)),
+            default_tenant=settings.default_tenant,
+            known=settings.tenants,
+            admit_guests=settings.guest_share > 0,
             on_mismatch=metrics.identity_mismatch,
         )
         self.resolve = self.rules.resolve
@@ -88,7 +88,7 @@ class Tenants:
         #: The operator's ``tenantDefaults`` (None: unlisted tenants are not admitted as such).
         self.default_quota: TenantQuota | None = None
         #: GIE objective name -> class (the flag's, then the operator's table over it).
-        self.objectives: dict[str, str] = dict(config.admission_objectives)
+        self.objectives: dict[str, str] = dict(settings.admission_objectives)
         self.update_reserved()
 
     def resolve_tenant(self, request: Request) -> str:
@@ -105,8 +105,8 @@ class Tenants:
         tenants = set(self.known)
         if self.api_keys is not None:
             tenants |= self.api_keys.tenants
-        if self.config.default_tenant is not None:
-            tenants.add(self.config.default_tenant)
+        if self.settings.default_tenant is not None:
+            tenants.add(self.settings.default_tenant)
         return tenants
 
     def priority_class(self, tenant: str) -> str | None:
@@ -130,7 +130,7 @@ class Tenants:
         cls: str | None = None if quota is None else quota.priority_class
         weight = None if quota is None else quota.fairness_weight
         if weight is None:
-            weight = self.config.admission_weights.get(tenant, flows.DEFAULT_WEIGHT)
+            weight = self.settings.admission_weights.get(tenant, flows.DEFAULT_WEIGHT)
         fairness: set[str] = set()
         for name, value in headers:
             if name == _OBJECTIVE:  # every one, and every comma-separated value, may lower
@@ -149,7 +149,7 @@ class Tenants:
         alone stay in L1.
         """
         return (
-            (self.config.guest_share <= 0 and self.default_quota is None)
+            (self.settings.guest_share <= 0 and self.default_quota is None)
             or not self.l1.is_guest(tenant)
             or not (self.l1.reserved or self.quotas or self.default_quota)
             or self.guests_in_l2
@@ -227,7 +227,7 @@ class QuotaApplier:
 
     def __init__(
         self,
-        config: SidecarConfig,
+        settings: TenancySettings,
         *,
         tenants: Tenants,
         keying: Keying,
@@ -239,7 +239,7 @@ class QuotaApplier:
         switcher: PolicySwitcher,
         background: Background,
     ) -> None:
-        self.config = config
+        self.settings = settings
         self.tenants = tenants
         self.keying = keying
         self.freshness = freshness
@@ -262,10 +262,10 @@ class QuotaApplier:
         tenants.quota_generation = assignment.generation
         tenants.quotas = dict(assignment.tenants)
         tenants.default_quota = assignment.default_tenant
-        tenants.objectives = {**self.config.admission_objectives, **assignment.objectives}
+        tenants.objectives = {**self.settings.admission_objectives, **assignment.objectives}
         tenants.rules.set_known(
-            set(self.config.tenants) | set(assignment.tenants),
-            admit_guests=self.config.guest_share > 0 or tenants.default_quota is not None,
+            set(self.settings.tenants) | set(assignment.tenants),
+            admit_guests=self.settings.guest_share > 0 or tenants.default_quota is not None,
         )
         tenants.changed()
         base = self.keying.default_options
