@@ -21,8 +21,9 @@ persistence never goes back to older epochs.
 Rate limits: every reconcile that publishes also reads the buckets the
 sidecars keep for each tenant with ``limits`` (on Redis's clock) and writes
 ``status.tenants[].limits``: each limit, used, remaining, seconds to full
-(:func:`limits_usage`, the arithmetic of the sidecars' ``x-ratelimit-*``
-headers). A failed read leaves the usage out, never a fault.
+(:func:`~cachefleet_operator.cache_status.limits_usage`, the arithmetic of the
+sidecars' ``x-ratelimit-*`` headers). A failed read leaves the usage out, never
+a fault.
 
 Fault policy: Prometheus unreachable or without data -> the last allocation
 is kept (or a class-based one on first sight), ``Degraded``; Redis
