@@ -163,7 +163,7 @@ class Flags:
             kw["action"] = "store_const"
             kw["const"] = "true"
             parse = switch
-        else:
+        elif metavar or not choices:  # (with choices and no metavar, argparse lists them)
             kw["metavar"] = metavar or name.upper().replace("-", "_")
         if repeat:
             kw["action"] = "append"
@@ -173,7 +173,7 @@ class Flags:
         kw["default"] = argparse.SUPPRESS if shared else None
         if choices:
             kw["choices"] = choices
-        target.add_argument(f"--{name}", *([short] if short else []), **kw)
+        target.add_argument(*([short] if short else []), f"--{name}", **kw)
         if shared:
             return
         text = None if default is None else _text(default)
