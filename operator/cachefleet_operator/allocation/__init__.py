@@ -54,16 +54,12 @@ from cachefleet_operator.allocation.model import (
     ABSOLUTE_DEADBAND,
     CLASS_ORDER,
     CLASS_WEIGHT,
-    COMFORT_RATIO,
     DEFAULT_HYSTERESIS,
     DEFAULT_MIN_GAIN,
     DEFAULT_MISS_COST_S,
     DEFAULT_SMOOTHING,
     EPS,
-    GIVE_BACK_PRESSURE,
-    MAX_SHORTFALL_RATIO,
     NO_REUSE_HIT_RATIO,
-    SHORTFALL_GAIN,
     SNAP,
     AllocationParams,
     MetricsTable,
@@ -75,7 +71,15 @@ from cachefleet_operator.allocation.model import (
 from cachefleet_operator.allocation.moves import describe_moves, quota_moves
 from cachefleet_operator.allocation.result import Allocation, QuotaMove, TenantAllocation
 from cachefleet_operator.allocation.shares import class_shares, target_shares
-from cachefleet_operator.allocation.sla import fleet_hit_ratio, needed_hit_ratio, sla_met
+from cachefleet_operator.allocation.sla import (
+    COMFORT_RATIO,
+    GIVE_BACK_PRESSURE,
+    MAX_SHORTFALL_RATIO,
+    SHORTFALL_GAIN,
+    fleet_hit_ratio,
+    needed_hit_ratio,
+    sla_met,
+)
 
 __all__ = [
     "ABSOLUTE_DEADBAND",

@@ -45,14 +45,6 @@ CLASS_WEIGHT: dict[PriorityClass, float] = {
 }
 #: Order in which classes are served from what is left after floors.
 CLASS_ORDER = (PriorityClass.GUARANTEED, PriorityClass.STANDARD, PriorityClass.BEST_EFFORT)
-#: observed/target below this counts as comfortably inside the SLA.
-COMFORT_RATIO = 0.5
-#: Pressure of a tenant comfortably inside every target (gives share back).
-GIVE_BACK_PRESSURE = 0.5
-#: Extra pressure per unit of shortfall above the target (p95 twice the target = 1 + GAIN).
-SHORTFALL_GAIN = 2.0
-#: Shortfall ratios are capped here so one broken tenant cannot take everything.
-MAX_SHORTFALL_RATIO = 4.0
 #: A curve whose best hit ratio is below this shows no reuse.
 NO_REUSE_HIT_RATIO = 0.001
 #: Upstream seconds per miss assumed when no latency is known.

@@ -10,10 +10,6 @@ import numpy as np
 from cachefleet_operator.allocation.arrays import _finite, _or_none
 from cachefleet_operator.allocation.columns import _Columns
 from cachefleet_operator.allocation.model import (
-    COMFORT_RATIO,
-    GIVE_BACK_PRESSURE,
-    MAX_SHORTFALL_RATIO,
-    SHORTFALL_GAIN,
     TenantDemand,
     TenantMetrics,
 )
@@ -23,6 +19,15 @@ from cachefleet_operator.curves import (
     HitCurve,
     needed_hit_ratio_for,
 )
+
+#: observed/target below this counts as comfortably inside the SLA.
+COMFORT_RATIO = 0.5
+#: Pressure of a tenant comfortably inside every target (gives share back).
+GIVE_BACK_PRESSURE = 0.5
+#: Extra pressure per unit of shortfall above the target (p95 twice the target = 1 + GAIN).
+SHORTFALL_GAIN = 2.0
+#: Shortfall ratios are capped here so one broken tenant cannot take everything.
+MAX_SHORTFALL_RATIO = 4.0
 
 
 def _pressure_of(ratio: float) -> float:
