@@ -618,7 +618,7 @@ def demands_from_file(
     path: Path,
 ) -> tuple[list[TenantDemand], AllocationParams, float, float]:
     """(tenants, tuning, metrics window s, curve window s) of an InferenceCache YAML."""
-    from cachefleet_operator.reconcile import demands_from_spec
+    from cachefleet_operator.assignment import demands_from_spec
 
     doc = yaml.safe_load(path.read_text())
     if not isinstance(doc, dict) or not isinstance(doc.get("spec"), dict):

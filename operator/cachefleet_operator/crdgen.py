@@ -14,7 +14,6 @@ Written files: ``crds/<plural>.<group>.yaml`` and the same files under
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from cachefleet_common.flags import Flags
 from cachefleet_operator.api import GROUP, VERSION, CacheInvalidation, InferenceCache
 
 #: Header of every generated file.
@@ -348,12 +348,12 @@ def generator_main(
 ) -> int:
     """A generator's command line: write (or ``--check``) the files ``generate`` returns,
     paths relative to the repository root; with ``--check`` exit 1 when one differs."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--root", type=Path, default=None, help="repository root (default: found)")
-    parser.add_argument(
-        "--check", action="store_true", help="do not write; exit 1 if a file differs"
-    )
-    args = parser.parse_args(argv)
+    # no environment forms: a generator's whole invocation is its command line (a
+    # CACHEFLEET_CHECK left in a shell would make every later run write nothing)
+    flags = Flags(prog, description)
+    flags.add("root", "repository root (default: found)", parse=Path, env=False)
+    flags.add("check", "do not write; exit 1 if a file differs", is_switch=True, env=False)
+    args = flags.parse(argv)
     root = args.root or find_root()
     stale = []
     for rel, text in generate().items():

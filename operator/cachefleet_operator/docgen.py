@@ -221,7 +221,7 @@ def crds_page() -> str:
         "",
         "Every field of the custom resources, from the generated structural schema",
         "(`crds/`), itself generated from the pydantic models in",
-        "`operator/cachefleet_operator/api.py`. Byte sizes take an integer or a",
+        "`operator/cachefleet_operator/api/`. Byte sizes take an integer or a",
         "Kubernetes quantity (`512Mi`).",
         "",
     ]

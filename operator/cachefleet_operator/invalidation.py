@@ -553,15 +553,20 @@ class InvalidationRunner:
             ControlPlaneUnavailable,
             SecretUnavailable,
         ) as exc:
-            message = f"Redis unavailable: {type(exc).__name__}: {exc}"
-            # a recorded intention stays recorded (phase Running, its epoch untouched)
-            phase = InvalidationPhase.PENDING if recorded is None else InvalidationPhase.RUNNING
-            return Outcome(
-                status={"phase": phase.value, "message": message},
-                events=[Event("Warning", "RedisUnavailable", message)],
-                failure="temporary",
-                failure_message=message,
-            )
+            return _redis_unavailable(exc, recorded)
+        return self._finished(result, label, resumed, spec.timeout_seconds, started, generation)
+
+    def _finished(
+        self,
+        result: InvalidationResult,
+        label: str,
+        resumed: bool,
+        timeout_s: int,
+        started: str,
+        generation: int | None,
+    ) -> Outcome:
+        """Completed (every live sidecar acknowledged) or Failed (the lagging pods named),
+        with its Event, counted in the operator's metrics."""
         status: dict[str, Any] = {
             "epoch": result.epoch,
             "expectedAcks": result.expected,
@@ -591,7 +596,7 @@ class InvalidationRunner:
             status["message"] = (
                 f"{label} advanced to epoch {result.epoch}, but {len(result.lagging)} of "
                 f"{result.expected} live sidecar(s) did not acknowledge within "
-                f"{spec.timeout_seconds}s: {', '.join(result.lagging)}"
+                f"{timeout_s}s: {', '.join(result.lagging)}"
             )
             event = Event("Warning", "InvalidationFailed", status["message"])
         return Outcome(status=status, events=[event])
@@ -607,3 +612,16 @@ class InvalidationRunner:
             },
             events=[Event("Warning", reason, message)],
         )
+
+
+def _redis_unavailable(exc: Exception, recorded: int | None) -> Outcome:
+    """Redis out of reach: a temporary failure; a recorded intention stays recorded (phase
+    Running, its epoch untouched)."""
+    message = f"Redis unavailable: {type(exc).__name__}: {exc}"
+    phase = InvalidationPhase.PENDING if recorded is None else InvalidationPhase.RUNNING
+    return Outcome(
+        status={"phase": phase.value, "message": message},
+        events=[Event("Warning", "RedisUnavailable", message)],
+        failure="temporary",
+        failure_message=message,
+    )

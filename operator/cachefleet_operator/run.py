@@ -2,12 +2,13 @@
 
 Logs in with ``--kubeconfig FILE``, else in a pod with its service account,
 else with ``$KUBECONFIG`` / ``~/.kube/config`` (see :mod:`login`); it exits
-with the reason when none of them works. It
-watches the given namespaces (``--namespace``, repeatable) or all of them
-(``--all-namespaces``), and with ``--peering NAME`` takes part in kopf
-peering so that only one of several replicas is active. Its own Prometheus
-metrics are served on ``--metrics-port`` at ``/metrics``, beside the
-``/healthz`` liveness endpoint.
+with the reason when none of them works. It watches the given namespaces
+(``--namespace``, repeatable) or all of them (``--all-namespaces``), and with
+``--peering NAME`` takes part in kopf peering so that only one of several
+replicas is active. Its own Prometheus metrics are served on
+``--metrics-port`` at ``/metrics``, beside the ``/healthz`` liveness
+endpoint. Every flag also has an environment form, ``CACHEFLEET_<FLAG>``
+(:mod:`cachefleet_common.flags`; ``CACHEFLEET_NAMESPACE`` comma-separated).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import asyncio
 import logging
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cachefleet_common.flags import Flags
 from cachefleet_operator import heap, login, webhook
 from cachefleet_operator.login import DEFAULT_SERVICE_ACCOUNT_DIR
 from cachefleet_operator.metrics import OperatorMetrics
@@ -34,36 +37,45 @@ DEFAULT_METRICS_PORT = 9180
 DEFAULT_METRICS_HOST = "0.0.0.0"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="cachefleet operator", description="Run the cachefleet kopf operator."
-    )
-    parser.add_argument(
-        "--kubeconfig",
-        help="kubeconfig file (default: in-cluster service account, then $KUBECONFIG, "
+def build_flags(environ: Mapping[str, str] | None = None) -> Flags:
+    """The operator's flags, each also ``CACHEFLEET_<FLAG>`` (``--namespace``: comma-separated)."""
+    flags = Flags("cachefleet operator", "Run the cachefleet kopf operator.", environ=environ)
+    flags.add(
+        "kubeconfig",
+        "kubeconfig file (default: in-cluster service account, then $KUBECONFIG, "
         "then ~/.kube/config)",
     )
-    parser.add_argument(
-        "--service-account-dir",
+    flags.add(
+        "service-account-dir",
+        "where the pod's service-account token and ca.crt are mounted",
         default=DEFAULT_SERVICE_ACCOUNT_DIR,
-        help="where the pod's service-account token and ca.crt are mounted",
     )
-    scope = parser.add_mutually_exclusive_group(required=True)
-    scope.add_argument(
-        "--namespace", "-n", action="append", dest="namespaces", help="namespace to watch"
-    )
-    scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    parser.add_argument("--peering", metavar="NAME", help="kopf peering name (HA: one active)")
-    parser.add_argument("--metrics-host", default=DEFAULT_METRICS_HOST)
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
+    flags.add("namespace", "namespace to watch (repeatable)", short="-n", repeat=True)
+    flags.add("all-namespaces", "watch every namespace", short="-A", is_switch=True)
+    flags.add("peering", "kopf peering name (HA: one active)", metavar="NAME")
+    flags.add("metrics-host", "bind address of /metrics and /healthz", default=DEFAULT_METRICS_HOST)
+    flags.add(
+        "metrics-port",
+        f"port of /metrics and /healthz (default {DEFAULT_METRICS_PORT})",
         default=DEFAULT_METRICS_PORT,
-        help=f"port of /metrics and /healthz (default {DEFAULT_METRICS_PORT})",
+        parse=int,
     )
-    parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
-    webhook.add_arguments(parser)
-    return parser
+    flags.add("verbose", "debug logging", short="-v", is_switch=True)
+    webhook.add_flags(flags)
+    return flags
+
+
+def parse_args(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """The parsed flags; exactly one of --namespace and --all-namespaces (exit 2 otherwise)."""
+    flags = build_flags(environ)
+    args = flags.parse(argv)
+    if args.all_namespaces and args.namespace:
+        flags.error("argument --all-namespaces/-A: not allowed with argument --namespace/-n")
+    if not args.all_namespaces and not args.namespace:
+        flags.error("one of the arguments --namespace/-n --all-namespaces/-A is required")
+    return args
 
 
 def metrics_app(metrics: OperatorMetrics) -> web.Application:
@@ -111,7 +123,7 @@ async def serve(args: argparse.Namespace, stop_flag: threading.Event | None = No
     if args.all_namespaces:
         kwargs["clusterwide"] = True
     else:
-        kwargs["namespaces"] = args.namespaces
+        kwargs["namespaces"] = args.namespace
     try:
         await kopf.operator(**kwargs)
     finally:
@@ -131,7 +143,7 @@ class _RecordedIsNoError(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

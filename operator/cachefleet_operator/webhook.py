@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import datetime
 import ipaddress
-import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from cachefleet_common.flags import Flags
 from cachefleet_operator import injection
 from cachefleet_operator.api import GROUP, VERSION
 
@@ -179,33 +179,47 @@ class WebhookSetup:
     reader: CacheReader | None
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_flags(flags: Flags) -> None:
     """The ``cachefleet operator`` flags of the injection webhook."""
-    group = parser.add_argument_group("sidecar injection webhook")
-    group.add_argument(
-        "--webhook-port", type=int, help="serve the injection webhook on this port (off if unset)"
+    group = "sidecar injection webhook"
+    flags.add(
+        "webhook-port",
+        "serve the injection webhook on this port (off if unset)",
+        parse=int,
+        group=group,
     )
-    group.add_argument("--webhook-host", default="0.0.0.0", help="bind address of the webhook")
-    group.add_argument(
-        "--webhook-service", help="Service that fronts the webhook (for TLS names and the config)"
+    flags.add("webhook-host", "bind address of the webhook", default="0.0.0.0", group=group)
+    flags.add(
+        "webhook-service",
+        "Service that fronts the webhook (for TLS names and the config)",
+        group=group,
     )
-    group.add_argument(
-        "--webhook-service-namespace",
-        default=os.environ.get("POD_NAMESPACE"),
-        help="namespace of that Service (default $POD_NAMESPACE)",
+    flags.add(
+        "webhook-service-namespace",
+        "namespace of that Service (default $POD_NAMESPACE)",
+        default=flags.environ.get("POD_NAMESPACE"),
+        group=group,
     )
-    group.add_argument("--webhook-service-port", type=int, default=DEFAULT_SERVICE_PORT)
-    group.add_argument("--webhook-certfile", help="TLS certificate (PEM); self-signed if unset")
-    group.add_argument("--webhook-keyfile", help="TLS private key (PEM)")
-    group.add_argument(
-        "--webhook-managed",
+    flags.add(
+        "webhook-service-port",
+        f"port of that Service (default {DEFAULT_SERVICE_PORT})",
+        default=DEFAULT_SERVICE_PORT,
+        parse=int,
+        group=group,
+    )
+    flags.add("webhook-certfile", "TLS certificate (PEM); self-signed if unset", group=group)
+    flags.add("webhook-keyfile", "TLS private key (PEM)", group=group)
+    flags.add(
+        "webhook-managed",
+        "let the operator write the MutatingWebhookConfiguration NAME itself",
         metavar="NAME",
-        help="let the operator write the MutatingWebhookConfiguration NAME itself",
+        group=group,
     )
-    group.add_argument(
-        "--sidecar-config",
+    flags.add(
+        "sidecar-config",
+        "YAML/JSON of the injected sidecar's settings (image, ports, resources)",
         metavar="FILE",
-        help="YAML/JSON of the injected sidecar's settings (image, ports, resources)",
+        group=group,
     )
 
 

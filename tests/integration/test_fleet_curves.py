@@ -28,7 +28,8 @@ from cachefleet_operator.curves import HitCurve, LatencyDist
 from cachefleet_operator.fleet import FleetCurves
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.publisher import RedisControlPlane
-from cachefleet_operator.reconcile import REACH_REBALANCES, ReachWarnings, Reconciler
+from cachefleet_operator.reach import REACH_REBALANCES, ReachWarnings
+from cachefleet_operator.reconcile import Reconciler
 from cachefleet_sidecar.adapt.fleetsample import FleetShipper
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 

@@ -22,9 +22,10 @@ from cachefleet_common.contract.lua import RATE_LIMIT_LUA
 from cachefleet_common.contract.names import cache_ref, rate_limit_key
 from cachefleet_common.limits import DAY_S, TenantLimits
 from cachefleet_e2e.fake_metrics import FakeMetrics
+from cachefleet_operator.cache_status import limits_usage
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.publisher import ControlPlaneUnavailable, RedisControlPlane
-from cachefleet_operator.reconcile import Reconciler, limits_usage
+from cachefleet_operator.reconcile import Reconciler
 
 from .conftest import SidecarFactory
 

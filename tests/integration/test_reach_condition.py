@@ -16,7 +16,8 @@ from cachefleet_e2e.fake_metrics import FakeMetrics
 from cachefleet_operator.allocation import TenantMetrics
 from cachefleet_operator.curves import HitCurve, LatencyDist
 from cachefleet_operator.metrics import OperatorMetrics
-from cachefleet_operator.reconcile import REACH_REBALANCES, Reconciler
+from cachefleet_operator.reach import REACH_REBALANCES
+from cachefleet_operator.reconcile import Reconciler
 
 pytestmark = pytest.mark.redis
 

@@ -20,9 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from cachefleet_operator.allocation import (
-    _CLASS_INDEX,
-    _CLASS_WEIGHTS,
-    _NO_METRICS,
     CLASS_ORDER,
     CLASS_WEIGHT,
     DEFAULT_MISS_COST_S,
@@ -31,22 +28,24 @@ from cachefleet_operator.allocation import (
     SNAP,
     Allocation,
     AllocationParams,
-    FloatArray,
-    IntArray,
     TenantAllocation,
     TenantDemand,
     TenantMetrics,
+    class_shares,
+    needed_hit_ratio,
+)
+from cachefleet_operator.allocation.arrays import _floats
+from cachefleet_operator.allocation.columns import _CLASS_INDEX, _CLASS_WEIGHTS, _NO_METRICS
+from cachefleet_operator.allocation.shares import (
     _bounds,
-    _floats,
     _move,
-    _pressure,
     _refill,
     _to_bytes,
     _trim_overbooking,
     _water_fill,
-    class_shares,
-    needed_hit_ratio,
 )
+from cachefleet_operator.allocation.sla import _pressure
+from cachefleet_operator.curves import FloatArray, IntArray
 from cachefleet_operator.curves import HitCurve
 
 

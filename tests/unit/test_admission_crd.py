@@ -12,7 +12,7 @@ import yaml
 from cachefleet_common.contract.messages import QuotaAssignment
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import SpecError, parse_spec
-from cachefleet_operator.reconcile import assignment_digest, build_assignment, demands_from_spec
+from cachefleet_operator.assignment import assignment_digest, build_assignment, demands_from_spec
 
 from .crd_schema import spec_errors
 

@@ -17,12 +17,12 @@ from cachefleet_operator.allocation import (
     PriorityClass,
     TenantDemand,
     TenantMetrics,
-    _rounded,
     allocate,
     describe_moves,
     hold,
     quota_moves,
 )
+from cachefleet_operator.allocation.result import _rounded
 from cachefleet_operator.curves import HitCurve, LatencyDist
 from tests.unit import allocation_reference as reference
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
+from cachefleet_operator.allocation import PriorityClass
 from cachefleet_operator.api import (
     CacheInvalidation,
     InferenceCache,
-    PriorityClass,
     SpecError,
     parse_spec,
 )

@@ -62,3 +62,57 @@ def test_help_shows_each_flags_environment_name_and_default_in_its_group() -> No
     assert "[env CACHEFLEET_MAX_ITEMS]" in text
     assert "Limits:" in text
     assert flags.parser._option_string_actions["--max-items"].default == "3"
+
+
+def test_a_short_form_a_repeated_flag_and_its_comma_separated_environment_form() -> None:
+    def flags(environ: dict[str, str]) -> Flags:
+        out = Flags("prog", "what it does", environ=environ)
+        out.add("namespace", "where", short="-n", repeat=True)
+        return out
+
+    assert flags({}).parse([]).namespace is None
+    assert flags({}).parse(["-n", "a", "--namespace", "b"]).namespace == ["a", "b"]
+    assert flags({"CACHEFLEET_NAMESPACE": "a, b"}).parse([]).namespace == ["a", "b"]
+    assert flags({"CACHEFLEET_NAMESPACE": "a"}).parse(["-n", "c"]).namespace == ["c"]
+
+
+def test_a_required_flag_may_come_from_the_environment(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = Flags("prog", "what it does", environ={"CACHEFLEET_SCOPE": "cache"})
+    flags.add("scope", "what", required=True)
+    assert flags.parse([]).scope == "cache"
+    bare = Flags("prog", "what it does", environ={})
+    bare.add("scope", "what", required=True)
+    with pytest.raises(SystemExit) as exc:
+        bare.parse([])
+    assert exc.value.code == 2
+    assert "required: --scope" in capsys.readouterr().err
+
+
+def _with_commands(environ: dict[str, str]) -> Flags:
+    flags = Flags("prog", "what it does", environ=environ)
+    flags.add("context", "shared by every command", env=False)
+    for name in ("get", "put"):
+        sub = flags.command(name, help=f"{name} a thing")
+        sub.add("context", "shared by every command", env=False)
+        sub.add("timeout", "how long", default="5", parse=int)
+    return flags
+
+
+def test_a_subcommands_flags_read_the_environment_before_their_defaults() -> None:
+    assert vars(_with_commands({}).parse(["get"])) == {
+        "context": None,
+        "timeout": 5,
+        "command": "get",
+    }
+    assert _with_commands({"CACHEFLEET_TIMEOUT": "7"}).parse(["put"]).timeout == 7
+    assert _with_commands({"CACHEFLEET_TIMEOUT": "7"}).parse(["put", "--timeout", "9"]).timeout == 9
+    assert _with_commands({}).parse([]).command is None
+
+
+def test_a_flag_of_the_program_and_its_subcommands_goes_before_or_after_the_command() -> None:
+    flags = _with_commands({})
+    assert flags.parse(["--context", "a", "get"]).context == "a"
+    assert flags.parse(["get", "--context", "b"]).context == "b"
+    assert "--context" in flags.parser.format_help()

@@ -18,14 +18,10 @@ import yaml
 from cachefleet_common.contract.messages import QuotaAssignment
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import SpecError, parse_spec
+from cachefleet_operator.assignment import build_assignment, demands_from_spec
+from cachefleet_operator.cache_status import saved_model_hours, savings_status
 from cachefleet_operator.crdgen import inference_cache_crd
 from cachefleet_operator.metrics_source import savings_from
-from cachefleet_operator.reconcile import (
-    build_assignment,
-    demands_from_spec,
-    saved_model_hours,
-    savings_status,
-)
 
 from .crd_schema import spec_errors
 

@@ -468,3 +468,21 @@ def test_the_package_installs_the_plugin_as_kubectl_cachefleet() -> None:
     assert cli.main([], out=out, err=err) == cli.EXIT_USAGE
     assert "status" in err.getvalue()
     assert "explain-key" in err.getvalue()
+
+
+def test_the_connection_flags_go_before_or_after_the_command_and_read_no_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kubectl's way: the command line says where; the operator's and the sidecar's
+    ``CACHEFLEET_*`` variables (same names) point the plugin nowhere."""
+    monkeypatch.setenv("CACHEFLEET_NAMESPACE", "elsewhere")
+    monkeypatch.setenv("CACHEFLEET_REDIS_URL", "redis://elsewhere:6379/0")
+    monkeypatch.setenv("CACHEFLEET_TENANT", "elsewhere")
+    flags = cli.build_flags()
+    assert flags.parse(["-n", "a", "status"]).namespace == "a"
+    assert flags.parse(["status", "-n", "b", "-A"]).namespace == "b"
+    assert flags.parse(["status"]).namespace is None
+    assert flags.parse(["top"]).redis_url is None
+    args = flags.parse(["invalidate", "c", "--scope", "cache"])
+    assert (args.tenant, args.timeout, args.wait) == (None, "60s", False)
+    assert flags.parse(["explain-key"]).tenant == "default"

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 
 from cachefleet_bench.allocation import workload as bench_workload
 from cachefleet_common.sampling import BUCKETS
-from cachefleet_operator import allocation
 from cachefleet_operator.allocation import (
     PriorityClass,
     TenantDemand,
@@ -26,7 +25,10 @@ from cachefleet_operator.allocation import (
     allocate,
     hold,
 )
-from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist
+from cachefleet_operator.allocation import greedy as greedy_grant
+from cachefleet_operator.allocation import l2 as l2_split
+from cachefleet_operator.allocation import level as level_search
+from cachefleet_operator.curves import CurveTable, FloatArray, HitCurve, LatencyDist, LatencyTable
 
 L1 = 8 * 2**30
 L2 = 64 * 2**30
@@ -188,7 +190,7 @@ def test_the_level_step_changes_nothing_the_greedy_decides(
             fleet_curve=curve(points),
         )
     leveled = allocate(tenants, ms, None, L1, L2)
-    monkeypatch.setattr(allocation, "_fill", lambda table, values, lo, hi, cap: (lo, None))
+    monkeypatch.setattr(l2_split, "_fill", lambda table, values, lo, hi, cap: (lo, None))
     greedy = allocate(tenants, ms, None, L1, L2)
     assert sum(t.l2_bytes for t in greedy.tenants) >= 0.999 * L2  # L2 ran out: no shortcut
     for a, b in zip(leveled.tenants, greedy.tenants, strict=True):
@@ -198,7 +200,7 @@ def test_the_level_step_changes_nothing_the_greedy_decides(
 def full_scan_fill_level(
     table: CurveTable, values: FloatArray, lo: FloatArray, hi: FloatArray, capacity: int
 ) -> FloatArray:
-    """:func:`allocation._fill_level` as first written: every tenant, every column, at
+    """:func:`level_search._fill_level` as first written: every tenant, every column, at
     every level of the bisection (the windowed one must answer the same, bit for bit)."""
     cap = float(capacity)
     xs = table.xs / cap
@@ -233,7 +235,7 @@ def full_scan_fill_level(
             steps = (gains - (values * at_lo)[:, None]) / np.where(xs > 0, xs - lo[:, None], np.nan)
             steepest = np.fmax(np.nanmax(steps, axis=1, initial=0.0), slopes)
         high = math.log(2.0 * float(np.nanmax(steepest, initial=top)))
-    for _ in range(allocation.FILL_LEVEL_STEPS):
+    for _ in range(level_search.FILL_LEVEL_STEPS):
         mid = (high + low) / 2.0
         if float(take(math.exp(mid)).sum()) <= 1.0:
             high = mid
@@ -268,7 +270,7 @@ def test_the_level_bisection_rescoring_only_moving_tenants_answers_as_a_full_sca
     values = np.array([rng.choice((0.0, rng.uniform(0.01, 1e4))) for _ in range(n)])
     lo = np.array([rng.choice((0.0, 0.2 / n)) for _ in range(n)])
     hi = np.maximum(lo, np.array([rng.choice((0.01, 0.2, 1.0)) for _ in range(n)]))
-    got = allocation._fill_level(table, values, lo, hi, cap)
+    got = level_search._fill_level(table, values, lo, hi, cap)
     want = full_scan_fill_level(table, values, lo, hi, cap)
     assert got.tobytes() == want.tobytes()
     assert float(got.sum()) <= 1.0
@@ -319,14 +321,14 @@ def test_the_level_bisection_from_an_estimate_answers_as_a_full_scan(
     that much, in logs), the shares are the full scan's, bit for bit."""
     table, values, lo, hi, cap = case
     if miss is None:
-        got = allocation._fill_level(table, values, lo, hi, cap)
+        got = level_search._fill_level(table, values, lo, hi, cap)
     else:
-        guess = allocation._Segments.guess
+        guess = level_search._Segments.guess
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(
-                allocation._Segments, "guess", lambda self, need: guess(self, need) + miss
+                level_search._Segments, "guess", lambda self, need: guess(self, need) + miss
             )
-            got = allocation._fill_level(table, values, lo, hi, cap)
+            got = level_search._fill_level(table, values, lo, hi, cap)
     want = full_scan_fill_level(table, values, lo, hi, cap)
     assert got.tobytes() == want.tobytes()
 
@@ -337,14 +339,14 @@ def test_the_estimate_of_the_level_predicts_the_bisections_last_bracket(seed: in
     two levels are computed (its two ends), not one per step."""
     levels = []
 
-    class Counted(allocation._Level):
+    class Counted(level_search._Level):
         def __new__(cls, *fields: object) -> Counted:
             levels.append(fields[0])
             return super().__new__(cls, *fields)  # type: ignore[arg-type]
 
     tenants, ms = bench_workload(2_000, seed, fleet=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(allocation, "_Level", Counted)
+        patch.setattr(level_search, "_Level", Counted)
         got = allocate(tenants, ms, None, L1, L2)
     assert len(levels) == 2
     assert sum(t.l2_bytes for t in got.tenants) >= 0.999 * L2  # the bisection ran
@@ -470,9 +472,9 @@ def test_the_greedy_told_who_the_last_bracket_moves_hands_out_l2_as_without(
     first = allocate(tenants, ms, None, L1, l2)
     previous = first.shares() if in_force else None
     got = allocate(tenants, ms, previous, L1, l2)
-    fill = allocation._fill
+    fill = level_search._fill
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(allocation, "_fill", lambda *args: (fill(*args)[0], None))
+        patch.setattr(l2_split, "_fill", lambda *args: (fill(*args)[0], None))
         want = allocate(tenants, ms, previous, L1, l2)
     assert [t.l2_bytes for t in got.tenants] == [t.l2_bytes for t in want.tenants]
     assert got.tenants == want.tenants
@@ -493,8 +495,8 @@ def test_the_greedy_offering_some_tenants_first_steps_as_offering_all(
     active = np.flatnonzero(table.present & (values > 0.0) & ~first)
     per, _ = table.best_extensions(values, shares, np.minimum(hi, shares + left), cap, active)
     bound = float(np.nanmax(per, initial=0.0))
-    plans = allocation._Plans(values, table, allocation.LatencyTable([None] * n), [""] * n)
+    plans = greedy_grant._Plans(values, table, LatencyTable([None] * n), [""] * n)
     got, want = shares.copy(), shares.copy()
-    allocation._greedy(plans, got, hi, cap, (first, bound))
-    allocation._greedy(plans, want, hi, cap)
+    greedy_grant._greedy(plans, got, hi, cap, (first, bound))
+    greedy_grant._greedy(plans, want, hi, cap)
     assert got.tobytes() == want.tobytes()

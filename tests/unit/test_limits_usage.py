@@ -13,7 +13,8 @@ from cachefleet_common.limits import (
     usage,
 )
 from cachefleet_operator.api import InferenceCacheStatus, TenantLimitsUsage, parse_spec
-from cachefleet_operator.reconcile import limits_usage, tenant_limits
+from cachefleet_operator.assignment import tenant_limits
+from cachefleet_operator.cache_status import limits_usage
 
 ALL_THREE = TenantLimits(requests_per_minute=120, tokens_per_minute=10_000, tokens_per_day=DAY_S)
 #: Limits whose refill intervals are exact in binary (0.5 s, 2**-7 s, 1 s): the seconds

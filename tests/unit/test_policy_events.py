@@ -7,9 +7,9 @@ against a real Prometheus in tests/operator/test_metrics_source.py.
 from __future__ import annotations
 
 from cachefleet_common.contract.promql import promql_policy_switches
+from cachefleet_operator.cache_status import policy_switch_events
 from cachefleet_operator.metrics_source import PolicySwitches, policy_switches_from
 from cachefleet_operator.outcome import parse_rfc3339
-from cachefleet_operator.reconcile import policy_switch_events
 
 
 def sample(tenant: str, old: str, new: str, value: str) -> dict[str, object]:

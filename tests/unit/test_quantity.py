@@ -12,9 +12,9 @@ from pydantic import ValidationError
 
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import InferenceCacheSpec, listed_l1_bytes, listed_l2_bytes, parse_spec
+from cachefleet_operator.assignment import assignment_digest, build_assignment, demands_from_spec
 from cachefleet_operator.injection import cache_flags, cache_info
 from cachefleet_operator.quantity import parse_bytes, readable
-from cachefleet_operator.reconcile import assignment_digest, build_assignment, demands_from_spec
 
 from .crd_schema import spec_errors
 

@@ -28,7 +28,7 @@ from cachefleet_common.limits import (
 )
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import SpecError, parse_spec
-from cachefleet_operator.reconcile import assignment_digest, build_assignment, demands_from_spec
+from cachefleet_operator.assignment import assignment_digest, build_assignment, demands_from_spec
 from cachefleet_sidecar.config import parse_args
 from cachefleet_sidecar.tasks import Background
 from cachefleet_sidecar.tenancy.limits_redis import RateLimiter

@@ -21,11 +21,11 @@ from cachefleet_operator.allocation import (
 )
 from cachefleet_operator.api import ConditionStatus
 from cachefleet_operator.curves import HitCurve, LatencyDist
-from cachefleet_operator.reconcile import (
+from cachefleet_operator.reach import (
     REACH_MIN_REQUESTS,
     REACH_REBALANCES,
     ReachWarnings,
-    _reach_condition,
+    reach_condition,
     reach_evidence,
     window_seconds,
 )
@@ -106,7 +106,7 @@ def test_a_sustained_violation_warns_on_the_kth_rebalance_and_not_before() -> No
         if warnings.observe(CACHE, evidence, set()):
             confirmed_at.append(n)
     assert confirmed_at == [REACH_REBALANCES, REACH_REBALANCES + 1]
-    status, reason, message = _reach_condition(
+    status, reason, message = reach_condition(
         allocation, {"search"}, warnings.pending(CACHE), warnings.rebalances
     )
     assert (status, reason) == (ConditionStatus.TRUE, "SLAOutOfReach")
@@ -117,7 +117,7 @@ def test_the_first_rebalance_never_warns() -> None:
     allocation, in_force = rebalance(search_hit_ratio=0.0)
     warnings = ReachWarnings()
     assert warnings.observe(CACHE, reach_evidence(allocation, in_force, WINDOW_S), set()) == set()
-    status, reason, message = _reach_condition(
+    status, reason, message = reach_condition(
         allocation, set(), warnings.pending(CACHE), warnings.rebalances
     )
     assert (status, reason) == (ConditionStatus.FALSE, "WithinReach")
@@ -190,7 +190,7 @@ def test_a_fleet_curve_below_the_sla_confirms_it_in_the_fleets_words() -> None:
         allocation, in_force = rebalance(search_hit_ratio=0.1, fleet=fleet_curve(0.4, 50.0))
         confirmed = warnings.observe(CACHE, reach_evidence(allocation, in_force, WINDOW_S), set())
     assert confirmed == {"search"}
-    _, reason, message = _reach_condition(
+    _, reason, message = reach_condition(
         allocation, confirmed, warnings.pending(CACHE), warnings.rebalances
     )
     assert reason == "SLAOutOfReach"

@@ -11,7 +11,7 @@ import yaml
 
 from cachefleet_operator.allocation import allocate
 from cachefleet_operator.api import SpecError, parse_spec
-from cachefleet_operator.reconcile import build_assignment, demands_from_spec
+from cachefleet_operator.assignment import build_assignment, demands_from_spec
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "inferencecache.yaml"
 

@@ -13,10 +13,10 @@ from cachefleet_operator.allocation import (
     sla_met,
 )
 from cachefleet_operator.api import parse_spec
+from cachefleet_operator.assignment import demands_from_spec, slo_targets
 from cachefleet_operator.metrics import OperatorMetrics
 from cachefleet_operator.metrics_source import tenant_metrics
 from cachefleet_operator.pressure import CLASS_WEIGHT, TenantPressure, tenant_pressure
-from cachefleet_operator.reconcile import demands_from_spec, slo_targets
 
 G, S = PriorityClass.GUARANTEED, PriorityClass.STANDARD
 L1, L2 = 1 << 20, 1 << 24

@@ -21,11 +21,7 @@ from cachefleet_operator.api import (
     unlisted_l1_bytes,
     unlisted_l2_bytes,
 )
-from cachefleet_operator.reconcile import (
-    assignment_digest,
-    build_assignment,
-    demands_from_spec,
-)
+from cachefleet_operator.assignment import assignment_digest, build_assignment, demands_from_spec
 
 from .crd_schema import spec_errors
 

@@ -1,7 +1,9 @@
 """``kubectl cachefleet`` (the executable ``kubectl-cachefleet``): the command line.
 
-Thin: parses flags, calls :mod:`.cluster` for I/O and :mod:`.views` /
-:mod:`.explain` for what is printed. ``main(argv)`` returns the exit status.
+Thin: parses flags (:mod:`cachefleet_common.flags`, none with an environment
+form: :func:`build_flags` says why), calls :mod:`.cluster` for I/O and
+:mod:`.views` / :mod:`.explain` for what is printed. ``main(argv)`` returns
+the exit status.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import yaml
 from cachefleet_common import keys
 from cachefleet_common.contract.names import cache_ref, valid_name
 from cachefleet_common.contract.urls import parse_redis_url, redact_url
+from cachefleet_common.flags import Flags
 from cachefleet_operator.api import (
     API_VERSION,
     DEFAULT_INVALIDATION_TIMEOUT_S,
@@ -102,25 +105,22 @@ def parse_duration(text: str, flag: str) -> int:
 # ------------------------------------------------------------------ parser
 
 
-def _global_flags(parser: argparse.ArgumentParser, outputs: list[str]) -> None:
-    """kubectl's connection flags (defaults suppressed so they work before or after the command)."""
-    s = argparse.SUPPRESS
-    parser.add_argument(
-        "--kubeconfig",
-        default=s,
-        help="kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)",
+def _global_flags(flags: Flags, outputs: tuple[str, ...]) -> None:
+    """kubectl's connection flags (before or after the command) and ``-o`` of a command."""
+    flags.add(
+        "kubeconfig", "kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)", env=False
     )
-    parser.add_argument("--context", default=s, help="kubeconfig context to use")
-    parser.add_argument(
-        "-n", "--namespace", default=s, help="namespace (default: the context's, else default)"
+    flags.add("context", "kubeconfig context to use", env=False)
+    flags.add(
+        "namespace", "namespace (default: the context's, else default)", short="-n", env=False
     )
     if outputs:
-        parser.add_argument(
-            "-o",
-            "--output",
-            default=s,
+        flags.add(
+            "output",
+            f"output format: {', '.join(outputs)}",
+            short="-o",
             choices=outputs,
-            help=f"output format: {', '.join(outputs)}",
+            env=False,
         )
 
 
@@ -128,169 +128,184 @@ def _para(text: str) -> str:
     return textwrap.fill(text, width=78)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Inspect and operate cachefleet's InferenceCaches.",
+def build_flags() -> Flags:
+    """The plugin's flags. None has an environment form: kubectl and its plugins read none
+    but ``KUBECONFIG``, and ``CACHEFLEET_NAMESPACE``, ``CACHEFLEET_REDIS_URL``,
+    ``CACHEFLEET_MODEL_VERSION`` are the operator's and the sidecar's: a shell set up to
+    run one of those would silently point the plugin elsewhere (for ``invalidate``, at
+    another tenant's, model's or namespace's entries)."""
+    flags = Flags(
+        PROG,
+        "Inspect and operate cachefleet's InferenceCaches.",
         epilog=EXIT_CODES,
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _global_flags(parser, [])
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _global_flags(flags, ())
+    for add in (_status_flags, _top_flags, _invalidate_flags, _explain_key_flags):
+        add(flags)
+    return flags
 
-    status = sub.add_parser(
-        "status",
-        help="per cache: tenants, class, shares, L1/L2 bytes, hit ratio, SLA, lagging sidecars",
-        description=_para(
-            "Per InferenceCache, from its status as the operator writes it: conditions, quota "
-            "generation, SLA attainment, sidecars live / in sync (lagging = live minus in sync), "
-            "epochs, the last CacheInvalidation (its lagging pods when it failed), and per tenant "
-            "class, share, L1 bytes per pod, L2 bytes, observed hit ratio and SLA. Savings columns "
-            "appear when the status carries savings. -o wide adds weight, p95, RPS and the "
-            "allocation's reason."
-        ),
+
+def _command(flags: Flags, name: str, summary: str, description: str) -> Flags:
+    return flags.command(
+        name,
+        help=summary,
+        description=_para(description),
         epilog=EXIT_CODES,
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    status.add_argument(
+
+
+def _status_flags(flags: Flags) -> None:
+    status = _command(
+        flags,
+        "status",
+        "per cache: tenants, class, shares, L1/L2 bytes, hit ratio, SLA, lagging sidecars",
+        "Per InferenceCache, from its status as the operator writes it: conditions, quota "
+        "generation, SLA attainment, sidecars live / in sync (lagging = live minus in sync), "
+        "epochs, the last CacheInvalidation (its lagging pods when it failed), and per tenant "
+        "class, share, L1 bytes per pod, L2 bytes, observed hit ratio and SLA. Savings columns "
+        "appear when the status carries savings. -o wide adds weight, p95, RPS and the "
+        "allocation's reason.",
+    )
+    status.parser.add_argument(
         "name", nargs="?", help="InferenceCache (default: every one in the namespace)"
     )
-    status.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
-    _global_flags(status, ["wide", "json", "yaml"])
+    status.add("all-namespaces", "every namespace", short="-A", is_switch=True, env=False)
+    _global_flags(status, ("wide", "json", "yaml"))
 
-    top = sub.add_parser(
+
+def _top_flags(flags: Flags) -> None:
+    top = _command(
+        flags,
         "top",
-        help="per pod: heartbeat, quota generation, epochs acknowledged, policy per tenant",
-        description=_para(
-            "Per pod of an InferenceCache. Pods, readiness and restarts come from the Kubernetes "
-            "API (the cache's spec.selector). Sidecar columns come from the sidecars' heartbeats "
-            "and epoch acknowledgements in the cache's Redis (spec.redis: its URL or Secret; "
-            "--redis-url overrides it, e.g. through kubectl port-forward): HEARTBEAT is the age of "
-            "the last heartbeat, QUOTAS the quota generation the sidecar applied against the "
-            "status's quotaGeneration, EPOCHS whether it acknowledged every epoch in the status, "
-            "REDIS whether the sidecar itself reaches Redis, POLICIES its L1 policy per tenant. "
-            "'?' means that source could not be read (a warning says why)."
-        ),
-        epilog=EXIT_CODES,
-        formatter_class=fmt,
+        "per pod: heartbeat, quota generation, epochs acknowledged, policy per tenant",
+        "Per pod of an InferenceCache. Pods, readiness and restarts come from the Kubernetes "
+        "API (the cache's spec.selector). Sidecar columns come from the sidecars' heartbeats "
+        "and epoch acknowledgements in the cache's Redis (spec.redis: its URL or Secret; "
+        "--redis-url overrides it, e.g. through kubectl port-forward): HEARTBEAT is the age of "
+        "the last heartbeat, QUOTAS the quota generation the sidecar applied against the "
+        "status's quotaGeneration, EPOCHS whether it acknowledged every epoch in the status, "
+        "REDIS whether the sidecar itself reaches Redis, POLICIES its L1 policy per tenant. "
+        "'?' means that source could not be read (a warning says why).",
     )
-    top.add_argument(
+    top.parser.add_argument(
         "name", nargs="?", help="InferenceCache (default: the only one in the namespace)"
     )
-    top.add_argument("--redis-url", help="read heartbeats from this Redis instead of spec.redis")
-    _global_flags(top, ["wide", "json", "yaml"])
+    top.add("redis-url", "read heartbeats from this Redis instead of spec.redis", env=False)
+    _global_flags(top, ("wide", "json", "yaml"))
 
-    inv = sub.add_parser(
+
+def _invalidate_flags(flags: Flags) -> None:
+    inv = _command(
+        flags,
         "invalidate",
-        help="create a CacheInvalidation; --wait follows it to Completed or Failed",
-        description=_para(
-            "Creates a CacheInvalidation of the InferenceCache NAME: --scope cache (everything), "
-            "tenant (--tenant), model (--model), namespace (one cache namespace of a tenant: "
-            "--tenant and --namespace-value, the X-Cache-Namespace header's value; -n/--namespace "
-            "stays the Kubernetes namespace) or key (one entry: --key, the X-Cache-Key header "
-            "of a response, optionally --tenant). The flags are checked before the API is "
-            "asked (a bad one exits 2 even when the cluster is out of reach). With --wait, "
-            "follows it like kubectl rollout status, printing each change, until Completed "
-            "(exit 0), Failed "
-            f"(exit {EXIT_INVALIDATION_FAILED}, lagging pods named) or no outcome within "
-            f"--timeout plus {RESULT_GRACE_S:.0f}s for the operator to write it "
-            f"(exit {EXIT_TIMEOUT})."
-        ),
-        epilog=EXIT_CODES,
-        formatter_class=fmt,
+        "create a CacheInvalidation; --wait follows it to Completed or Failed",
+        "Creates a CacheInvalidation of the InferenceCache NAME: --scope cache (everything), "
+        "tenant (--tenant), model (--model), namespace (one cache namespace of a tenant: "
+        "--tenant and --namespace-value, the X-Cache-Namespace header's value; -n/--namespace "
+        "stays the Kubernetes namespace) or key (one entry: --key, the X-Cache-Key header "
+        "of a response, optionally --tenant). The flags are checked before the API is "
+        "asked (a bad one exits 2 even when the cluster is out of reach). With --wait, "
+        "follows it like kubectl rollout status, printing each change, until Completed "
+        "(exit 0), Failed "
+        f"(exit {EXIT_INVALIDATION_FAILED}, lagging pods named) or no outcome within "
+        f"--timeout plus {RESULT_GRACE_S:.0f}s for the operator to write it "
+        f"(exit {EXIT_TIMEOUT}).",
     )
-    inv.add_argument("name", help="InferenceCache")
-    inv.add_argument("--scope", required=True, choices=list(SCOPE_FLAGS))
-    inv.add_argument(
-        "--tenant",
-        help="tenant of --scope tenant and namespace; with --scope key, only that tenant's entry",
+    inv.parser.add_argument("name", help="InferenceCache")
+    inv.add("scope", "what to invalidate", choices=tuple(SCOPE_FLAGS), required=True, env=False)
+    inv.add(
+        "tenant",
+        "tenant of --scope tenant and namespace; with --scope key, only that tenant's entry",
+        env=False,
     )
-    inv.add_argument(
-        "--model", help="model of --scope model (default: the cache's spec.model.name)"
-    )
-    inv.add_argument(
-        "--namespace-value",
+    inv.add("model", "model of --scope model (default: the cache's spec.model.name)", env=False)
+    inv.add(
+        "namespace-value",
+        "cache namespace of --scope namespace: the X-Cache-Namespace header's value "
+        "(not -n/--namespace, which names the Kubernetes namespace of the cache)",
         metavar="NS",
-        help=(
-            "cache namespace of --scope namespace: the X-Cache-Namespace header's value "
-            "(not -n/--namespace, which names the Kubernetes namespace of the cache)"
-        ),
+        env=False,
     )
-    inv.add_argument(
-        "--key",
+    inv.add(
+        "key",
+        "entry of --scope key: the X-Cache-Key response header, 64 hex digits "
+        "(explain-key prints it)",
         metavar="DIGEST",
-        help=(
-            "entry of --scope key: the X-Cache-Key response header, 64 hex digits "
-            "(explain-key prints it)"
-        ),
+        env=False,
     )
-    inv.add_argument("--reason", help="why (shown in the object's Events)")
-    inv.add_argument(
-        "--timeout",
-        default=f"{DEFAULT_INVALIDATION_TIMEOUT_S}s",
-        help=(
-            "how long every live sidecar has to acknowledge "
-            "(spec.timeoutSeconds; default %(default)s)"
-        ),
+    inv.add("reason", "why (shown in the object's Events)", env=False)
+    timeout = f"{DEFAULT_INVALIDATION_TIMEOUT_S}s"
+    inv.add(
+        "timeout",
+        f"how long every live sidecar has to acknowledge (spec.timeoutSeconds; default {timeout})",
+        default=timeout,
+        env=False,
     )
-    inv.add_argument("--wait", action="store_true", help="wait for the outcome")
-    _global_flags(inv, ["name", "json", "yaml"])
+    inv.add("wait", "wait for the outcome", is_switch=True, env=False)
+    _global_flags(inv, ("name", "json", "yaml"))
 
-    key = sub.add_parser(
+
+def _explain_key_flags(flags: Flags) -> None:
+    key = _command(
+        flags,
         "explain-key",
-        help="the canonical form and digest of a request body; whether two bodies share an entry",
-        description=_para(
-            "Keys a request body (FILE, or - for stdin) with the sidecar's own code "
-            "(cachefleet_common.keys) and prints its canonical form, its xxh3-128 "
-            "digest (the L1 index) and SHA-256 (the L2 entry: the X-Cache-Key response header, "
-            "what invalidate "
-            "--scope key --key takes; -o key prints only it), or why the sidecar would not cache "
-            "it. With two files, says whether they share one entry and, if not, where their "
-            "canonical forms first differ. The digest also depends on the tenant, the cache "
-            "namespace (--namespace-value: the X-Cache-Namespace header), the model version and, "
-            "on a sidecar with Redis, the invalidation epochs (--epochs, from the cache's "
-            "status); whether two bodies share an entry does not."
-        ),
-        epilog=EXIT_CODES,
-        formatter_class=fmt,
+        "the canonical form and digest of a request body; whether two bodies share an entry",
+        "Keys a request body (FILE, or - for stdin) with the sidecar's own code "
+        "(cachefleet_common.keys) and prints its canonical form, its xxh3-128 "
+        "digest (the L1 index) and SHA-256 (the L2 entry: the X-Cache-Key response header, "
+        "what invalidate "
+        "--scope key --key takes; -o key prints only it), or why the sidecar would not cache "
+        "it. With two files, says whether they share one entry and, if not, where their "
+        "canonical forms first differ. The digest also depends on the tenant, the cache "
+        "namespace (--namespace-value: the X-Cache-Namespace header), the model version and, "
+        "on a sidecar with Redis, the invalidation epochs (--epochs, from the cache's "
+        "status); whether two bodies share an entry does not.",
     )
-    key.add_argument("files", nargs="*", metavar="FILE", help="request body; - or none: stdin")
-    key.add_argument(
-        "--path", default=explain.DEFAULT_PATH, help="endpoint and query (default %(default)s)"
+    key.parser.add_argument(
+        "files", nargs="*", metavar="FILE", help="request body; - or none: stdin"
     )
-    key.add_argument(
-        "--tenant",
+    key.add(
+        "path",
+        f"endpoint and query (default {explain.DEFAULT_PATH})",
+        default=explain.DEFAULT_PATH,
+        env=False,
+    )
+    key.add(
+        "tenant",
+        f"tenant ({NAME_RULE}, as the sidecar accepts; default {explain.DEFAULT_TENANT})",
         default=explain.DEFAULT_TENANT,
-        help=f"tenant ({NAME_RULE}, as the sidecar accepts; default %(default)s)",
+        env=False,
     )
-    key.add_argument(
-        "--namespace-value",
+    key.add(
+        "namespace-value",
+        "the request's X-Cache-Namespace header (not -n/--namespace; default: none)",
         default="",
         metavar="NS",
-        help=("the request's X-Cache-Namespace header (not -n/--namespace; default: none)"),
+        env=False,
     )
-    key.add_argument("--model-version", default="", help="the sidecar's --model-version")
-    key.add_argument(
-        "--epochs",
-        help=(
-            "CACHE,TENANT,MODEL epochs of a sidecar with Redis, e.g. 0,2,1; with "
-            "--namespace-value, CACHE,TENANT,MODEL,NAMESPACE"
-        ),
+    key.add("model-version", "the sidecar's --model-version", default="", env=False)
+    key.add(
+        "epochs",
+        "CACHE,TENANT,MODEL epochs of a sidecar with Redis, e.g. 0,2,1; with "
+        "--namespace-value, CACHE,TENANT,MODEL,NAMESPACE",
+        env=False,
     )
-    key.add_argument(
-        "--collapse-whitespace", action="store_true", help="the tenant's collapseWhitespace"
+    key.add("collapse-whitespace", "the tenant's collapseWhitespace", is_switch=True, env=False)
+    key.add(
+        "cache-nondeterministic",
+        "the tenant's cacheNondeterministic",
+        is_switch=True,
+        env=False,
     )
-    key.add_argument(
-        "--cache-nondeterministic", action="store_true", help="the tenant's cacheNondeterministic"
+    key.add(
+        "output",
+        "output format; key: only the X-Cache-Key digest, one line per FILE",
+        short="-o",
+        choices=("json", "yaml", "key"),
+        env=False,
     )
-    key.add_argument(
-        "-o",
-        "--output",
-        choices=["json", "yaml", "key"],
-        help="output format; key: only the X-Cache-Key digest, one line per FILE",
-    )
-    return parser
 
 
 # ---------------------------------------------------------------- commands
@@ -659,13 +674,13 @@ def main(
 ) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    parser = build_parser()
+    flags = build_flags()
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        args = flags.parse(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     if args.command is None:
-        parser.print_help(err)
+        flags.parser.print_help(err)
         return EXIT_USAGE
     try:
         if args.command == "status":
