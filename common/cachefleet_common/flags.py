@@ -20,8 +20,9 @@ given before or after the subcommand's name.
 Why not pydantic-settings: the programs' settings are frozen records that
 each room owns (plain dataclasses, no pydantic on the request path), the
 reference pages are generated from argparse parsers, and ``--help`` must
-show the environment names. This helper is the 100 lines between argparse
-and those records; a new dependency would add a second schema beside them.
+show the environment names. This helper is the few hundred lines between
+argparse and those records; a new dependency would add a second schema beside
+them.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Flags:
         self._parent = parent
         self._flags: list[_Flag] = []
         self._groups: dict[str, argparse._ArgumentGroup] = {}
+        self._exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
         self._subparsers: argparse._SubParsersAction[Any] | None = None
         self._commands: dict[str, Flags] = {}
 
@@ -152,12 +154,21 @@ class Flags:
         short: str | None = None,
         repeat: bool = False,
         required: bool = False,
+        exclusive: str | None = None,
     ) -> None:
-        """Declare ``--flag``; ``default`` is text (or None: no value) parsed like the flag."""
+        """Declare ``--flag``; ``default`` is text (or None: no value) parsed like the flag.
+
+        Flags that name the same ``exclusive`` set may not be given together on the
+        command line (argparse refuses the pair, exit 2).
+        """
         name = flag.lstrip("-")
         env_var = env_name(name, self.env_prefix) if env else None
         suffix = f" [env {env_var}]" if env_var else ""
-        target = self.group(group) if group else self.parser
+        target: Any = self.group(group) if group else self.parser
+        if exclusive is not None:
+            if exclusive not in self._exclusive:
+                self._exclusive[exclusive] = target.add_mutually_exclusive_group()
+            target = self._exclusive[exclusive]
         kw: dict[str, Any] = {"help": (help_text + suffix).replace("%", "%%"), "dest": _dest(name)}
         if is_switch:
             kw["action"] = "store_const"

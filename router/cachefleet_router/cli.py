@@ -478,16 +478,18 @@ def add_gateway_flags(flags: Flags) -> None:
         "itself, while it still can (no body message yet; a 503 after)",
         is_switch=True,
         group=group,
+        exclusive="failure mode",
     )
     # --fail-closed is the default's name, so it has no environment form; given with
     # --fail-open, argparse refuses the pair (exit 2).
-    either = flags.group(group).add_mutually_exclusive_group()
-    either._group_actions.append(flags.parser._option_string_actions["--fail-open"])
-    either.add_argument(
-        "--fail-closed",
-        action="store_true",
-        help="no ready endpoint: answer 503 Service Unavailable (ImmediateResponse), "
+    flags.add(
+        "fail-closed",
+        "no ready endpoint: answer 503 Service Unavailable (ImmediateResponse), "
         "the protocol's answer (default)",
+        is_switch=True,
+        env=False,
+        group=group,
+        exclusive="failure mode",
     )
     flags.add(
         "conformance",

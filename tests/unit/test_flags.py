@@ -116,3 +116,16 @@ def test_a_flag_of_the_program_and_its_subcommands_goes_before_or_after_the_comm
     assert flags.parse(["--context", "a", "get"]).context == "a"
     assert flags.parse(["get", "--context", "b"]).context == "b"
     assert "--context" in flags.parser.format_help()
+
+
+def test_flags_of_one_exclusive_set_are_refused_together(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    flags = Flags("prog", "what it does", environ={})
+    flags.add("fail-open", "open", is_switch=True, exclusive="mode")
+    flags.add("fail-closed", "closed", is_switch=True, env=False, exclusive="mode")
+    assert flags.parse(["--fail-closed"]).fail_closed is True
+    with pytest.raises(SystemExit) as exc:
+        flags.parse(["--fail-open", "--fail-closed"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
