@@ -10,7 +10,7 @@ The rooms (packages; each ``__init__`` is empty):
 * ``http/``: the client side (:mod:`http.server`), the upstream pool
   (:mod:`http.upstream`), the relay (:class:`http.relay.Relay`), wire helpers;
 * ``cache/``: the request path (:class:`cache.handler.Handler`, with
-  :class:`cache.handler.Keying` for keys and their scope), the tier glue
+  :class:`cache.keying.Keying` for keys and their scope), the tier glue
   (:class:`cache.tiers.Tiers`, :class:`cache.tiers.Freshness`, the typed
   :class:`cache.tiers.L2` interface), entries, keys, L1 and its policies, L2
   (Redis), L3 (semantic), the purge index;
@@ -48,8 +48,9 @@ from cachefleet_sidecar.adapt.switching import SwitchingConfig, SwitchingEngine
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
 from cachefleet_sidecar.admin import Admin
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.cache.handler import Handler, HitsCountedHandler, Keying
+from cachefleet_sidecar.cache.handler import Handler, HitsCountedHandler
 from cachefleet_sidecar.cache.hits import HitBook
+from cachefleet_sidecar.cache.keying import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.purge import PurgeIndex

@@ -30,8 +30,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from cachefleet_common import keys
-from cachefleet_sidecar.cache.handler import ADMIN_PATHS, Handler, Lookup
+from cachefleet_sidecar.cache.handler import Handler
+from cachefleet_sidecar.cache.keying import Lookup
 from cachefleet_sidecar.cache.l3 import SemanticTier
+from cachefleet_sidecar.cache.slowpath import ADMIN_PATHS
 from cachefleet_sidecar.cache.tiers import Tiers
 from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.server import Connection, Refusal, Request
