@@ -51,7 +51,9 @@ from cachefleet_sidecar.tasks import Background
 if TYPE_CHECKING:
     from cachefleet_sidecar.adapt.switching import SwitchingEngine
     from cachefleet_sidecar.cache.keying import Keying, Lookup
-    from cachefleet_sidecar.cache.l2 import L2Counters, L2Read, Recent
+    from cachefleet_sidecar.cache.l2 import L2Read
+    from cachefleet_sidecar.cache.l2_guard import L2Counters
+    from cachefleet_sidecar.cache.l2_warm import Recent
 
 log = logging.getLogger("cachefleet.sidecar")
 
