@@ -59,9 +59,10 @@ from cachefleet_sidecar.cache.tiers import L2, Freshness, Tiers
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.control.upkeep import Upkeep
 from cachefleet_sidecar.http.gate import AdmissionGate
+from cachefleet_sidecar.http.outbox import Outbox
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Handler as ServerHandler
-from cachefleet_sidecar.http.server import Limiter, Limits, Outbox
+from cachefleet_sidecar.http.server import Limiter, Limits
 from cachefleet_sidecar.http.upstream import UpstreamPool
 from cachefleet_sidecar.observe.metrics import (
     SidecarMetrics,

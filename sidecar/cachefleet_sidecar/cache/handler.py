@@ -38,8 +38,9 @@ from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.slowpath import SlowPath
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.gate import AdmissionGate
+from cachefleet_sidecar.http.outbox import Outbox
 from cachefleet_sidecar.http.relay import Relay
-from cachefleet_sidecar.http.server import Connection, Outbox, Refusal, Request
+from cachefleet_sidecar.http.server import Connection, Refusal, Request
 from cachefleet_sidecar.http.upstream import UpstreamPool
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background

@@ -41,8 +41,9 @@ from cachefleet_sidecar.cache.l1 import TenantLimitError
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from cachefleet_sidecar.cache.tiers import L2HitBook
 from cachefleet_sidecar.config import SidecarConfig
+from cachefleet_sidecar.http.outbox import Outbox
 from cachefleet_sidecar.http.relay import MAX_BUFFERED_BYTES, RateTicket, Relay
-from cachefleet_sidecar.http.server import Connection, Outbox, Refusal, Request, error_response
+from cachefleet_sidecar.http.server import Connection, Refusal, Request, error_response
 from cachefleet_sidecar.observe.metrics import SidecarMetrics
 from cachefleet_sidecar.tasks import Background
 
