@@ -282,12 +282,11 @@ class TracedUpstream(UpstreamPool):
             trace.upstream_abandoned()  # nothing was sent: request() will send it
         return begun
 
-    async def _response(self, conn: _Connection) -> UpstreamResponse | None:
-        # The one place responses are made: the traced one notes the first body bytes.
-        resp = await super()._response(conn)
+    def make_response(self, conn: _Connection) -> UpstreamResponse:
+        # The traced response notes the first body bytes and ends the upstream span.
         trace = CURRENT.get()
-        if resp is None or trace is None:
-            return resp
+        if trace is None:
+            return super().make_response(conn)
         return _TracedResponse(conn, self, trace)
 
 
