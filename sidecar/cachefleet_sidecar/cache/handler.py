@@ -85,6 +85,9 @@ class Handler:
     ) -> None:
         self.tracker = keying.tracker
         self.metrics = metrics
+        #: Where the answers and their bookkeeping go: the connections that call this
+        #: handler share it (their :class:`~cachefleet_sidecar.http.server.Limiter`'s).
+        self.outbox = outbox
         #: Everything past an L1 hit: L2, single-flight, L3, upstream, store; the tasks.
         self.slow = SlowPath(
             config,
