@@ -22,7 +22,7 @@ from cachefleet_sidecar.adapt.host import HostPressure
 from cachefleet_sidecar.adapt.switching import SwitchingEngine
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.cache.handler import Keying
+from cachefleet_sidecar.cache.keying import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.tiers import L2

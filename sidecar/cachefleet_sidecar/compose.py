@@ -17,7 +17,7 @@ The rooms (packages; each ``__init__`` is empty), by floor, top to bottom
 * ``tenancy/``: identity rules, :class:`tenancy.tenants.Tenants`,
   :class:`tenancy.tenants.QuotaApplier`, rate limits;
 * ``cache/``: the request path (:class:`cache.handler.Handler`, with
-  :class:`cache.handler.Keying` for keys and their scope), the tier glue
+  :class:`cache.keying.Keying` for keys and their scope), the tier glue
   (:class:`cache.tiers.Tiers`, :class:`cache.tiers.Freshness`, the typed
   :class:`cache.tiers.L2` interface), entries, L1, L2 (Redis), L3 (semantic),
   the purge index, the policy switcher;
@@ -54,8 +54,9 @@ from cachefleet_sidecar.adapt.switching import SwitchingConfig, SwitchingEngine
 from cachefleet_sidecar.adapt.telemetry import GpuTelemetry
 from cachefleet_sidecar.admin import Admin
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.cache.handler import Handler, HitsCountedHandler, Keying
+from cachefleet_sidecar.cache.handler import Handler, HitsCountedHandler
 from cachefleet_sidecar.cache.hits import HitBook
+from cachefleet_sidecar.cache.keying import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.purge import PurgeIndex
@@ -65,9 +66,10 @@ from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.control.settings import ControlSettings
 from cachefleet_sidecar.control.upkeep import Upkeep
 from cachefleet_sidecar.http.gate import AdmissionGate
+from cachefleet_sidecar.http.outbox import Outbox
 from cachefleet_sidecar.http.relay import Relay
 from cachefleet_sidecar.http.server import Handler as ServerHandler
-from cachefleet_sidecar.http.server import Limiter, Outbox
+from cachefleet_sidecar.http.server import Limiter
 from cachefleet_sidecar.http.upstream import UpstreamPool
 from cachefleet_sidecar.observe.metrics import (
     SidecarMetrics,
@@ -523,16 +525,12 @@ def _handler(
         admin_on_proxy=config.admin_listen is None,
         keying=path.keying,
         tiers=path.tiers,
-        freshness=path.freshness,
         relay=relay,
         resolve=resolve,
         l1=stores.l1,
         l2=base.l2,
         l3=stores.l3,
-        mrc=stores.mrc,
         metrics=metrics,
-        upstream=front.upstream,
-        gate=front.gate,
         switcher=None if switching is None else switcher,
         hits=HitBook(
             metrics,

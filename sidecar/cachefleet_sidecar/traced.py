@@ -30,8 +30,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from cachefleet_common import keys
-from cachefleet_sidecar.cache.handler import ADMIN_PATHS, Handler, Lookup
+from cachefleet_sidecar.cache.handler import Handler
+from cachefleet_sidecar.cache.keying import Lookup
 from cachefleet_sidecar.cache.l3 import SemanticTier
+from cachefleet_sidecar.cache.slowpath import ADMIN_PATHS
 from cachefleet_sidecar.cache.tiers import Tiers
 from cachefleet_sidecar.http.gate import AdmissionGate
 from cachefleet_sidecar.http.server import Connection, Refusal, Request
@@ -280,12 +282,11 @@ class TracedUpstream(UpstreamPool):
             trace.upstream_abandoned()  # nothing was sent: request() will send it
         return begun
 
-    async def _response(self, conn: _Connection) -> UpstreamResponse | None:
-        # The one place responses are made: the traced one notes the first body bytes.
-        resp = await super()._response(conn)
+    def make_response(self, conn: _Connection) -> UpstreamResponse:
+        # The traced response notes the first body bytes and ends the upstream span.
         trace = CURRENT.get()
-        if resp is None or trace is None:
-            return resp
+        if trace is None:
+            return super().make_response(conn)
         return _TracedResponse(conn, self, trace)
 
 

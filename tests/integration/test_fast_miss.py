@@ -57,7 +57,7 @@ async def test_a_miss_on_a_warm_connection_is_answered_without_a_task(
     assert answer(again) == answer(first)
     assert slow == []
     assert upstream.calls[CHAT] == 2
-    assert sidecar.sidecar.handler.inflight == {}
+    assert sidecar.sidecar.handler.slow.inflight == {}
     # The upstream saw the tenant the sidecar decided, as on the slow path.
     assert upstream.seen_headers[-1]["x-tenant-id"] == "acme"
     metrics = (await sidecar.admin.get("/metrics")).text
@@ -108,7 +108,7 @@ async def test_an_upstream_that_drops_a_begun_miss_gets_a_502_and_frees_the_key(
     dropped = await sidecar.chat("dropped")
     assert dropped.status_code == 502
     assert "upstream" in dropped.json()["error"]["message"]
-    assert sidecar.sidecar.handler.inflight == {}
+    assert sidecar.sidecar.handler.slow.inflight == {}
     retried = await sidecar.chat("dropped")  # not stuck behind a flight that never ends
     assert retried.status_code == 200
     assert retried.headers["x-cache"] == "MISS"
@@ -125,7 +125,7 @@ async def test_joiners_of_a_begun_miss_share_its_answer(
     assert {answer(r) for r in results} == {answer(results[0])}
     metrics = (await sidecar.admin.get("/metrics")).text
     assert metric(metrics, "cachefleet_single_flight_joins_total") == 3
-    assert sidecar.sidecar.handler.inflight == {}
+    assert sidecar.sidecar.handler.slow.inflight == {}
 
 
 async def test_a_client_gone_during_a_begun_miss_still_gets_it_stored(
@@ -144,7 +144,7 @@ async def test_a_client_gone_during_a_begun_miss_still_gets_it_stored(
     )
     await until(lambda: upstream.calls[CHAT] == 2)  # the call is out
     writer.close()
-    await until(lambda: not sidecar.sidecar.handler.inflight)  # answered into the void, stored
+    await until(lambda: not sidecar.sidecar.handler.slow.inflight)  # answered into the void, stored
     upstream.default_latency_s = 0.0
     again = await sidecar.chat("left")
     assert again.headers["x-cache"] == "HIT-L1"
@@ -177,7 +177,7 @@ async def test_a_silent_upstream_times_out_a_begun_miss_with_504(
     resp = await sc.chat("slow")
     assert resp.status_code == 504
     assert "silent" in resp.json()["error"]["message"]
-    assert sc.sidecar.handler.inflight == {}
+    assert sc.sidecar.handler.slow.inflight == {}
     pool.read_timeout_s = 20.0
     upstream.default_latency_s = 0
     assert (await sc.chat("slow")).status_code == 200

@@ -14,7 +14,8 @@ from cachefleet_common.contract.lua import L2_FORGET_STALE_LUA
 from cachefleet_common.contract.names import entry_key, l2_keys, lru_key, tenant_epochs_key
 from cachefleet_common.contract.versioned import entry_head
 from cachefleet_e2e.services import RedisCluster, RedisServer, free_port, redis_command
-from cachefleet_sidecar.cache.l2 import CORRUPT, CircuitBreaker, RedisL2
+from cachefleet_sidecar.cache.l2 import CORRUPT, RedisL2
+from cachefleet_sidecar.cache.l2_guard import CircuitBreaker
 
 CACHE = "team-a/chat"
 

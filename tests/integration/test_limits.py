@@ -463,7 +463,7 @@ def test_flags_for_every_limit() -> None:
 
 
 async def test_the_key_memo_is_bounded_in_bytes(sidecar: RunningSidecar) -> None:
-    from cachefleet_sidecar.cache.handler import KEY_MEMO_MAX_BYTES
+    from cachefleet_sidecar.cache.keying import KEY_MEMO_MAX_BYTES
 
     core = sidecar.sidecar.keying
     filler = "x" * 200_000

@@ -19,7 +19,7 @@ from cachefleet_common.contract.ops import (
 )
 from cachefleet_e2e.fake_upstream import FakeUpstream
 from cachefleet_e2e.services import RedisServer
-from cachefleet_sidecar.cache.l2 import DEFAULT_COOLDOWN_S
+from cachefleet_sidecar.cache.l2_guard import DEFAULT_COOLDOWN_S
 
 from .conftest import SidecarFactory
 from .test_fast_miss import spy_on_handle

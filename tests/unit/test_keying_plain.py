@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from cachefleet_sidecar.cache.handler import Keying, Lookup
+from cachefleet_sidecar.cache.keying import Keying, Lookup
 from cachefleet_sidecar.compose import build
 from cachefleet_sidecar.config import SidecarConfig
 from cachefleet_sidecar.http.server import Refusal, Request

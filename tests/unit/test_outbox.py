@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from cachefleet_sidecar.http.server import Connection, Limiter, Outbox, Request
+from cachefleet_sidecar.http.outbox import Outbox
+from cachefleet_sidecar.http.server import Connection, Limiter, Request
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 

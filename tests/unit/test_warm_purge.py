@@ -5,7 +5,7 @@ from __future__ import annotations
 from cachefleet_common.contract.versioned import entry_head, judge_versioned_read, l1_id_line
 from cachefleet_common.epochs import EpochTracker
 from cachefleet_sidecar.cache.entry import Entry
-from cachefleet_sidecar.cache.l2 import plan_reads
+from cachefleet_sidecar.cache.l2_warm import plan_reads
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.control.warm import judge
 

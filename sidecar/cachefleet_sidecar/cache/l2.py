@@ -12,17 +12,13 @@ redis-py is used only to register a tenant for invalidation fencing (once
 per tenant, off the request path).
 
 The cache must never make a request fail or wait long: every operation is
-bounded by ``op_timeout_s``, and a :class:`CircuitBreaker` *per Redis node*
-stops calling a node after ``failure_threshold`` consecutive failures on it,
-so once a node is known to be down an operation on its tenants returns at
-once (``get`` -> None, ``put`` -> False) while the other nodes of a cluster
-keep serving (their successes do not reset the dead node's breaker). After
-``cooldown_s`` one probe is let through; when it succeeds the node is back
-without a new object (the client reconnects by itself). Making a connection
+bounded by ``op_timeout_s`` and goes through its Redis node's circuit breaker
+(:mod:`cachefleet_sidecar.cache.l2_guard`), so once a node is known to be down
+an operation on its tenants returns at once (``get`` -> None, ``put`` ->
+False) while the other nodes of a cluster keep serving. Making a connection
 is not an operation's cost: it runs in the background (eagerly at
-:meth:`RedisL2.connect`), and an operation whose budget runs out while its
-connection is still being made is a miss that does not count against the
-breaker.
+:meth:`RedisL2.connect`). Warm-ups read a tenant's most recent entries in
+batches (:mod:`cachefleet_sidecar.cache.l2_warm`).
 
 Choosing the deployment: :meth:`RedisL2.from_url` follows the URL convention
 of :func:`cachefleet_common.contract.urls.parse_redis_url`: ``redis://host:port/db``
@@ -48,13 +44,11 @@ of 0 or none at all means ``default_limit_bytes`` given at construction
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import math
-import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.asyncio.retry import Retry
@@ -74,14 +68,11 @@ from cachefleet_common.contract.lua import (
     L2_USAGE_LUA,
 )
 from cachefleet_common.contract.names import (
-    GUESTS,
     entry_key,
     l2_keys,
     l2_meta_keys,
     l2_versioned_keys,
     lru_key,
-    own_lru_key,
-    tenant_epochs_key,
 )
 from cachefleet_common.contract.ops import register_tenant
 from cachefleet_common.contract.versioned import (
@@ -94,7 +85,9 @@ from cachefleet_common.contract.versioned import (
     l1_id_line,
     vector_args,
 )
-from cachefleet_common.epochs import EpochVector, parse_epochs
+from cachefleet_common.epochs import EpochVector
+from cachefleet_sidecar.cache.l2_guard import FAILED, CircuitBreaker
+from cachefleet_sidecar.cache.l2_warm import L2WarmUp
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +109,6 @@ SET_LIMIT_BATCH = 1000
 SET_LIMIT_MAX_CALLS = 100
 #: Most tenants / epoch vectors whose script keys / arguments are kept ready (then cleared).
 MEMO_LIMIT = 4096
-#: Consecutive failures that open the breaker.
-DEFAULT_FAILURE_THRESHOLD = 3
-#: How long an open breaker refuses calls before letting one probe through, s.
-DEFAULT_COOLDOWN_S = 1.0
 #: Socket connect timeout of the registration client, seconds (the op timeout bounds it too).
 DEFAULT_CONNECT_TIMEOUT_S = 0.25
 #: Upper bound of making one hot-path connection (TCP, TLS, AUTH), in the background, s.
@@ -129,100 +118,6 @@ DEFAULT_SETUP_TIMEOUT_S = 2.0
 #: the reader's epochs (it is dropped from Redis): no entry is empty, so the
 #: caller's decoder treats it as a corrupt entry.
 CORRUPT: Final = b""
-
-State = Literal["ok", "degraded", "down"]
-
-
-class CircuitBreaker:
-    """Closed -> open after N consecutive failures -> half-open probe after a cool-down.
-
-    ``allow()`` says whether a call may go out now; the caller reports the
-    outcome with ``success()`` or ``failure()``. In half-open state exactly
-    one probe is allowed; its outcome closes or re-opens the breaker.
-    """
-
-    def __init__(
-        self,
-        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
-        cooldown_s: float = DEFAULT_COOLDOWN_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if failure_threshold < 1:
-            raise ValueError("failure_threshold must be at least 1")
-        self.failure_threshold = failure_threshold
-        self.cooldown_s = cooldown_s
-        self._clock = clock
-        self._failures = 0
-        self._opened_at: float | None = None
-        self._probing = False
-
-    @property
-    def state(self) -> Literal["closed", "open", "half_open"]:
-        if self._opened_at is None:
-            return "closed"
-        if self._probing or self._clock() - self._opened_at >= self.cooldown_s:
-            return "half_open"
-        return "open"
-
-    @property
-    def consecutive_failures(self) -> int:
-        return self._failures
-
-    def allow(self) -> bool:
-        state = self.state
-        if state == "closed":
-            return True
-        if state == "half_open" and not self._probing:
-            self._probing = True
-            return True
-        return False
-
-    def success(self) -> None:
-        self._failures = 0
-        self._opened_at = None
-        self._probing = False
-
-    def failure(self) -> None:
-        self._failures += 1
-        if self._probing or self._failures >= self.failure_threshold:
-            self._opened_at = self._clock()
-        self._probing = False
-
-    def neither(self) -> None:
-        """The call said nothing about the node (still connecting): a probe may go again."""
-        self._probing = False
-
-    def copy(self) -> CircuitBreaker:
-        """A fresh breaker with the same settings (one per Redis node)."""
-        return CircuitBreaker(self.failure_threshold, self.cooldown_s, self._clock)
-
-
-@dataclass
-class L2Counters:
-    """What the tier has seen since it was created (exported as metrics)."""
-
-    hits: int = 0
-    misses: int = 0
-    stores: int = 0
-    refused: int = 0
-    evictions: int = 0
-    reclaimed_expired: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    short_circuited: int = 0
-    #: Operations whose budget ran out while their connection was still being made.
-    not_ready: int = 0
-    #: Reads and writes refused because their epochs were behind the fence.
-    stale_refused: int = 0
-
-
-class _Failed(enum.Enum):
-    """Marks an operation the breaker, the timeout or an error cut short."""
-
-    FAILED = "failed"
-
-
-_FAILED: Final = _Failed.FAILED
 
 
 def _ints3(reply: Any) -> tuple[int, int, int]:
@@ -275,72 +170,14 @@ class L2Read:
     futures: list[Any]
 
 
-#: Most bytes of values one warm-up read asks for at once (one ``MGET``).
-WARM_BATCH_BYTES = 1024 * 1024
-#: Most values one warm-up read asks for at once.
-WARM_BATCH_ENTRIES = 64
-
-
-class Recent(NamedTuple):
-    """What :meth:`RedisL2.recent` / :meth:`RedisL2.recent_guests` read for a warm-up."""
-
-    #: (digest, value) or, for the guests' pool, (guest, digest, value); most recent first.
-    values: list[Any]
-    #: The fence the values are judged against.
-    fence: dict[str, int]
-    #: Entries not read because they did not fit in what was left of the budget.
-    unread: int
-
-
-def plan_reads(
-    lengths: Sequence[int],
-    budget_bytes: int,
-    *,
-    batch_bytes: int = WARM_BATCH_BYTES,
-    batch_entries: int = WARM_BATCH_ENTRIES,
-) -> tuple[list[list[int]], int]:
-    """Which values to read, by index into ``lengths`` (most recent first), in batches.
-
-    A value is read when it fits in what is left of ``budget_bytes`` (one that does not
-    is skipped, a smaller one after it may still fit); a gone value (length 0) is not
-    read. A batch holds at most ``batch_entries`` values and ``batch_bytes`` bytes (a
-    larger value goes alone). Returns (the batches, how many values were left unread
-    for the budget). Pure.
-    """
-    batches: list[list[int]] = []
-    batch: list[int] = []
-    in_batch = 0
-    left = budget_bytes
-    unread = 0
-    for i, length in enumerate(lengths):
-        if length <= 0:
-            continue
-        if length > left:
-            unread += 1
-            continue
-        left -= length
-        if batch and (len(batch) >= batch_entries or in_batch + length > batch_bytes):
-            batches.append(batch)
-            batch, in_batch = [], 0
-        batch.append(i)
-        in_batch += length
-    if batch:
-        batches.append(batch)
-    return batches, unread
-
-
-def _raise_errors(replies: Sequence[Any]) -> None:
-    for reply in replies:
-        if isinstance(reply, resp.ReplyError):
-            raise reply
-
-
-class RedisL2:
+class RedisL2(L2WarmUp):
     """Per-tenant byte-bounded response cache in Redis for one InferenceCache.
 
     ``client`` runs the scripts; ``setup`` (redis-py, same Redis) registers
     tenants for invalidation fencing. ``breaker`` is the template of the
-    per-node breakers (the first node uses that very object).
+    per-node breakers (the first node uses that very object): every operation
+    goes through its node's breaker (:class:`~cachefleet_sidecar.cache.l2_guard.L2Guard`);
+    the warm-up reads are :class:`~cachefleet_sidecar.cache.l2_warm.L2WarmUp`'s.
     """
 
     def __init__(
@@ -355,17 +192,11 @@ class RedisL2:
         max_evict: int = DEFAULT_MAX_EVICT,
         breaker: CircuitBreaker | None = None,
     ) -> None:
-        self._client = client
+        super().__init__(client, cache, op_timeout_s=op_timeout_s, breaker=breaker)
         self._setup = setup
-        self.cache = cache
-        self.op_timeout_s = op_timeout_s
         self.ttl_s = ttl_s
         self.default_limit_bytes = default_limit_bytes
         self.max_evict = max_evict
-        first = breaker if breaker is not None else CircuitBreaker()
-        self._breakers: dict[resp.Address, CircuitBreaker] = {client.address_for(None): first}
-        self.counters = L2Counters()
-        self._last_error: str | None = None
         self._registered: set[str] = set()
         #: Tenants whose registration is under way, shared by their first writes.
         self._registering: dict[str, asyncio.Future[bool]] = {}
@@ -419,41 +250,6 @@ class RedisL2:
             breaker=breaker,
         )
 
-    # ----------------------------------------------------------------- state
-
-    @property
-    def breaker(self) -> CircuitBreaker:
-        """The breaker of the first node (the only one of a standalone Redis)."""
-        return self._breakers[self._client.address_for(None)]
-
-    def breaker_for(self, address: resp.Address) -> CircuitBreaker:
-        """The breaker of the node at ``address`` (made on first use)."""
-        breaker = self._breakers.get(address)
-        if breaker is None:
-            breaker = self._breakers[address] = self.breaker.copy()
-        return breaker
-
-    def node_states(self) -> dict[str, str]:
-        """``host:port`` -> breaker state of every node this tier has used."""
-        return {f"{h}:{p}": b.state for (h, p), b in sorted(self._breakers.items())}
-
-    @property
-    def state(self) -> State:
-        """``down`` while every node's breaker is open, ``degraded`` after recent failures."""
-        states = [b.state for b in self._breakers.values()]
-        if all(state == "open" for state in states):
-            return "down"
-        if any(
-            state != "closed" or b.consecutive_failures
-            for state, b in zip(states, self._breakers.values(), strict=True)
-        ):
-            return "degraded"
-        return "ok"
-
-    @property
-    def last_error(self) -> str | None:
-        return self._last_error
-
     # ------------------------------------------------------------ operations
 
     async def connect(self, timeout_s: float = DEFAULT_WARMUP_TIMEOUT_S) -> bool:
@@ -490,7 +286,7 @@ class RedisL2:
         key = entry_key(self.cache, tenant, digest_hex)
         if vector is None:
             raw = await self._call(key, ("GET", key))
-            if raw is _FAILED:
+            if raw is FAILED:
                 return None
             if raw is None:
                 self.counters.misses += 1
@@ -731,7 +527,7 @@ class RedisL2:
         if tenant in self._touches:  # this sidecar's own eviction sees its own reads
             await self._send_touches(tenant)
         reply = await self._run(_PUT_V if versioned else _PUT, keys, args)
-        if reply is _FAILED:
+        if reply is FAILED:
             return False
         try:
             status, evicted, reclaimed = _ints3(reply)
@@ -789,6 +585,11 @@ class RedisL2:
         self._registered.add(tenant)
         return True
 
+    @property
+    def _limit_timeout_s(self) -> float:
+        # a batch of evictions is more than one lookup: off the request path, so a longer bound
+        return max(self.op_timeout_s, DEFAULT_REGISTER_TIMEOUT_S)
+
     async def set_limit(
         self, tenant: str, l2_bytes: int, *, guest_max_share: float | None = None
     ) -> bool:
@@ -807,7 +608,7 @@ class RedisL2:
             await self._send_touches(tenant)
         for _ in range(SET_LIMIT_MAX_CALLS):
             reply = await self._run(_SET_LIMIT, keys, args, self._limit_timeout_s)
-            if reply is _FAILED:
+            if reply is FAILED:
                 return False
             try:
                 evicted, reclaimed, over = _ints3(reply)
@@ -828,7 +629,7 @@ class RedisL2:
         """
         keys = l2_meta_keys(self.cache, tenant)
         reply = await self._run(_USAGE, keys, (self.default_limit_bytes, self.max_evict))
-        if reply is _FAILED:
+        if reply is FAILED:
             return (0, 0)
         try:
             used, limit, reclaimed = _ints3(reply)
@@ -837,101 +638,6 @@ class RedisL2:
             return (0, 0)
         self.counters.reclaimed_expired += reclaimed
         return (used, limit)
-
-    async def recent(
-        self, tenant: str, limit: int, timeout_s: float, budget_bytes: int
-    ) -> Recent | None:
-        """``tenant``'s ``limit`` most recently used (digest, stored value) that fit in
-        ``budget_bytes``, most recent first, and its fence; None on any fault.
-
-        For warm-ups (:mod:`cachefleet_sidecar.control.warm`), which judge each value as
-        a read would; off the request path, so ``timeout_s`` bounds it, not the
-        per-operation budget. The values are read in batches (:func:`plan_reads`), never
-        more than ``budget_bytes`` in all, all on the tenant's one slot. The LRU order is
-        as of the last batched touches.
-        """
-        lru = own_lru_key(self.cache, tenant)  # a guest's own entries, not the whole pool's
-        got = await self._recent(
-            lru, tenant_epochs_key(self.cache, tenant), limit, timeout_s, budget_bytes
-        )
-        if got is None:
-            return None
-        names, values, fence, unread = got
-        out = [
-            (name.rpartition(b":e:")[2].decode(), v) for name, v in zip(names, values, strict=True)
-        ]
-        return Recent(out, fence, unread)
-
-    async def recent_guests(self, limit: int, timeout_s: float, budget_bytes: int) -> Recent | None:
-        """The guests' pool's ``limit`` most recently used (guest, digest, stored value)
-        within ``budget_bytes``, most recent first, and the guests' fence; None on any
-        fault. As :meth:`recent`, on the pool's one slot (a guest is its plain name, not
-        :func:`guest`'s)."""
-        got = await self._recent(
-            lru_key(self.cache, GUESTS),
-            tenant_epochs_key(self.cache, GUESTS),
-            limit,
-            timeout_s,
-            budget_bytes,
-        )
-        if got is None:
-            return None
-        names, values, fence, unread = got
-        out: list[tuple[str, str, bytes | None]] = []
-        for name, value in zip(names, values, strict=True):
-            scope, _, digest = name.decode().rpartition(":e:")
-            owner = scope.rpartition(":g:")[2]
-            if owner and digest:
-                out.append((owner, digest, value))
-        return Recent(out, fence, unread)
-
-    async def _recent(
-        self, lru: str, fence_key: str, limit: int, timeout_s: float, budget_bytes: int
-    ) -> tuple[list[bytes], list[bytes | None], dict[str, int], int] | None:
-        """(the ``limit`` most recent members of ``lru`` read, most recent first, their
-        values, the fence at ``fence_key``, how many were left unread for the budget) on
-        ``lru``'s slot: the members, then each value's length, then the values in
-        :func:`plan_reads`' batches, the fence read after the last (as a read reads it
-        after its value); a gone member comes last, with None. None on a fault."""
-        breaker = self.breaker_for(self._client.address_for(lru))
-        if limit <= 0 or not breaker.allow():
-            return None
-        try:
-            async with asyncio.timeout(timeout_s):
-                members = await self._client.execute(
-                    "ZRANGE", lru, -limit, -1, key=lru, timeout_s=timeout_s
-                )
-                names = [bytes(m) for m in reversed(members)]
-                lengths: list[int] = []
-                if names:
-                    strlen = [resp.pack_command(("STRLEN", name)) for name in names]
-                    replies = await self._client.pipeline(lru, strlen, timeout_s=timeout_s)
-                    _raise_errors(replies)
-                    lengths = [int(n) for n in replies]
-                batches, unread = plan_reads(lengths, budget_bytes)
-                read: list[bytes] = []
-                values: list[bytes | None] = []
-                fence_command = resp.pack_command(("HGETALL", fence_key))
-                for n, batch in enumerate(batches):
-                    chosen = [names[i] for i in batch]
-                    commands = [resp.pack_command(("MGET", *chosen))]
-                    if n == len(batches) - 1:
-                        commands.append(fence_command)
-                    replies = await self._client.pipeline(lru, commands, timeout_s=timeout_s)
-                    _raise_errors(replies)
-                    read += chosen
-                    values += [None if v is None else bytes(v) for v in replies[0]]
-                if not batches:
-                    replies = await self._client.pipeline(lru, [fence_command], timeout_s=timeout_s)
-                    _raise_errors(replies)
-                flat = replies[-1]
-        except Exception as exc:  # a cache fault never fails a warm-up: it ends it
-            self._fault(breaker, exc)
-            return None
-        self._succeeded(breaker)
-        gone = [names[i] for i, length in enumerate(lengths) if length <= 0]
-        fence = parse_epochs(dict(zip(flat[::2], flat[1::2], strict=True)))
-        return read + gone, values + [None] * len(gone), fence, unread
 
     async def ping(self) -> bool:
         """One bounded PING that goes through the breaker (readiness probes)."""
@@ -981,82 +687,3 @@ class RedisL2:
 
     async def __aexit__(self, *_: object) -> None:
         await self.aclose()
-
-    # --------------------------------------------------------------- guards
-
-    @property
-    def _limit_timeout_s(self) -> float:
-        # a batch of evictions is more than one lookup: off the request path, so a longer bound
-        return max(self.op_timeout_s, DEFAULT_REGISTER_TIMEOUT_S)
-
-    async def _run(
-        self,
-        script: resp.Script,
-        keys: list[str],
-        args: Sequence[Any],
-        timeout_s: float | None = None,
-        *,
-        packed: bytes | None = None,
-    ) -> Any | Literal[_Failed.FAILED]:
-        """Run ``script`` on its keys' node through that node's breaker; never raises.
-
-        ``packed`` is the whole command when the caller has packed it already
-        (:func:`resp.pack_script`); ``keys`` then needs only the first key.
-        """
-        breaker = self.breaker_for(self._client.address_for(keys[0]))
-        if not breaker.allow():
-            self.counters.short_circuited += 1
-            return _FAILED
-        try:
-            if packed is None:
-                reply = await self._client.run_script(
-                    script, keys, args, timeout_s=timeout_s or self.op_timeout_s
-                )
-            else:
-                reply = await self._client.run_packed(
-                    script, keys[0], packed, timeout_s=timeout_s or self.op_timeout_s
-                )
-        except Exception as exc:  # a cache fault must never fail a request
-            return self._fault(breaker, exc)
-        self._succeeded(breaker)
-        return reply
-
-    async def _call(self, key: str | None, args: tuple[Any, ...]) -> Any:
-        """One plain command on ``key``'s node through its breaker; _FAILED on any fault."""
-        breaker = self.breaker_for(self._client.address_for(key))
-        if not breaker.allow():
-            self.counters.short_circuited += 1
-            return _FAILED
-        try:
-            reply = await self._client.execute(*args, key=key, timeout_s=self.op_timeout_s)
-        except Exception as exc:  # a cache fault must never fail a request
-            return self._fault(breaker, exc)
-        self._succeeded(breaker)
-        return reply
-
-    def _succeeded(self, breaker: CircuitBreaker) -> None:
-        if breaker.state != "closed":
-            log.info("L2 %s: Redis answers again", self.cache)
-        breaker.success()
-
-    def _fault(self, breaker: CircuitBreaker, exc: Exception) -> Literal[_Failed.FAILED]:
-        if isinstance(exc, resp.NotReady):
-            # Connection set-up is not the operation's cost: a miss, not a node failure.
-            self.counters.not_ready += 1
-            breaker.neither()
-            return _FAILED
-        if isinstance(exc, resp.CommandTimeout):
-            self.counters.timeouts += 1
-            self._fail(breaker, "timeout")
-            return _FAILED
-        # ReplyError, ConnectionLost, or a reply of an unexpected shape.
-        self.counters.errors += 1
-        self._fail(breaker, f"{type(exc).__name__}: {exc}")
-        return _FAILED
-
-    def _fail(self, breaker: CircuitBreaker, reason: str) -> None:
-        was_open = breaker.state != "closed"
-        breaker.failure()
-        if self._last_error is None or not was_open:
-            log.warning("L2 %s: %s (state %s)", self.cache, reason, self.state)
-        self._last_error = reason

@@ -5,12 +5,14 @@ two-phase versioned read of the fast path, the read and write of the slow
 path, quotas and usage); :class:`l2.RedisL2` implements it, and a sidecar
 without Redis has no L2 at all (``None``, checked once where it matters).
 :class:`Freshness` holds each tenant's TTL and Cache-Control allowances;
-:class:`Tiers` stores answers in L1 and L2 and judges what L2 returns.
+:class:`Tiers` reads L1 (ageing its hits), stores answers in L1 and L2 and
+judges what L2 returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -27,7 +29,18 @@ from cachefleet_common.epochs import EpochVector
 from cachefleet_common.sampling import HASH_MASK, HASH_SHIFT
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.cache import directives
-from cachefleet_sidecar.cache.entry import CorruptEntry, Entry, L1Value, OldEntry
+from cachefleet_sidecar.cache.entry import (
+    L1_OVERHEAD_BYTES,
+    V_EXPIRES_AT,
+    V_FILLED_AT,
+    V_RESPONSE,
+    V_UPSTREAM_S,
+    CorruptEntry,
+    Entry,
+    L1Value,
+    OldEntry,
+    reaged,
+)
 from cachefleet_sidecar.cache.hits import Turns
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.purge import PurgeIndex
@@ -37,8 +50,10 @@ from cachefleet_sidecar.tasks import Background
 
 if TYPE_CHECKING:
     from cachefleet_sidecar.adapt.switching import SwitchingEngine
-    from cachefleet_sidecar.cache.handler import Keying, Lookup
-    from cachefleet_sidecar.cache.l2 import L2Counters, L2Read, Recent
+    from cachefleet_sidecar.cache.keying import Keying, Lookup
+    from cachefleet_sidecar.cache.l2 import L2Read
+    from cachefleet_sidecar.cache.l2_guard import L2Counters
+    from cachefleet_sidecar.cache.l2_warm import Recent
 
 log = logging.getLogger("cachefleet.sidecar")
 
@@ -147,7 +162,7 @@ class Freshness:
 
 
 class Tiers:
-    """Stores answers in L1 and L2 and judges what L2 returns, for the request path."""
+    """Reads L1, stores answers in L1 and L2 and judges what L2 returns, for the request path."""
 
     def __init__(
         self,
@@ -187,6 +202,42 @@ class Tiers:
         """Count what one hit saved the model (and its price, with a price table)."""
         price = pricing.cost(self.prices, model, prompt, completion) if self.prices else None
         self.metrics.tenant(tenant).saving(model).add(prompt, completion, upstream_s, price)
+
+    def l1_aged(self, tenant: str, key: keys.CacheKey, hit: L1Value, mono: float) -> L1Value | None:
+        """An L1 hit found past its check time: None when its TTL is over (it is
+        dropped), else the value with its ``Age`` brought up to date (kept in L1)."""
+        if mono >= hit[V_EXPIRES_AT]:
+            self.l1.remove(tenant, key.digest)
+            return None
+        value = reaged(hit, mono)
+        with contextlib.suppress(TenantLimitError):
+            evicted = self.l1.put(
+                tenant,
+                key.digest,
+                value,
+                len(value[V_RESPONSE]) + L1_OVERHEAD_BYTES,
+                value[V_UPSTREAM_S],
+            )
+            if evicted:  # one more Age digit can push a full partition over
+                self.metrics.tenant(tenant).evicted("l1", evicted)
+        return value
+
+    def l1_fresh(self, lookup: Lookup, key: keys.CacheKey, digest: int) -> L1Value | None:
+        """The slow path's L1 hit on ``digest``: owned, within the TTL and ``max-age``."""
+        tenant = lookup.tenant
+        mono = time.monotonic()
+        if self.keying.tracker.valid_until <= mono:
+            return None
+        hit = self.l1.get(tenant, digest)
+        if hit is None or hit[0] != tenant:
+            return None
+        if hit[2] <= mono:
+            hit = self.l1_aged(tenant, key, hit, mono)
+            if hit is None:
+                return None
+        if lookup.max_age is not None and mono - hit[V_FILLED_AT] > lookup.max_age:
+            return None
+        return hit
 
     def l1_put(
         self,

@@ -16,7 +16,7 @@ import orjson
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from cachefleet_sidecar.cache.entry import Entry, L1Value
-from cachefleet_sidecar.cache.handler import Keying
+from cachefleet_sidecar.cache.keying import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1, TenantLimitError
 from cachefleet_sidecar.cache.purge import PurgeIndex
 from cachefleet_sidecar.cache.tiers import L2, Freshness
@@ -67,7 +67,7 @@ class Upkeep:
 
         Dropped twice, around one pass of the loop: an L2 hit answered just
         before may still have its promotion to L1 queued for the end of its
-        turn (:meth:`handler.Handler._l2_hit_done`); the second drop comes after it.
+        turn (:class:`~cachefleet_sidecar.cache.tiers.L2HitBook`); the second drop comes after it.
         The control sync takes the new purge number (and acknowledges it) only
         after this returns.
         """

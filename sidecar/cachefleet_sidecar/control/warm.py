@@ -12,8 +12,8 @@ LRU sorted set, :func:`cachefleet_common.contract.names.lru_key`: a fine proxy f
   (:data:`WARM_ENTRIES_PER_TENANT`), and in what it reads: each value's length
   is asked first, and only values that fit in what is left of the budget (and
   of the tenant's share) are read, in batches of at most
-  :data:`~cachefleet_sidecar.cache.l2.WARM_BATCH_BYTES` /
-  :data:`~cachefleet_sidecar.cache.l2.WARM_BATCH_ENTRIES`
+  :data:`~cachefleet_sidecar.cache.l2_warm.WARM_BATCH_BYTES` /
+  :data:`~cachefleet_sidecar.cache.l2_warm.WARM_BATCH_ENTRIES`
   (:meth:`cachefleet_sidecar.cache.l2.RedisL2.recent`): a warm-up never holds
   much more than ``--warm-bytes`` of values, however large the entries;
 * bounded in time (``--warm-timeout``): a Redis that is down or slow ends the

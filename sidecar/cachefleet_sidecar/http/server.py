@@ -11,7 +11,7 @@ without a task, and the answer goes out the same way. Everything else
 becomes one task per request (:meth:`Handler.handle`). Pipelined requests
 are answered in order; keep-alive follows the client.
 
-Answers of one loop turn go out together (:class:`Outbox`): the first one is
+Answers of one loop turn go out together (:class:`Outbox`, in :mod:`.outbox`): the first one is
 written at once, those that follow it in the same turn (hits parsed from the
 same poll, the L2 replies of one read) at the turn's end, so a burst of
 answers wakes each client once rather than once per answer. The bookkeeping
@@ -49,7 +49,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol, cast
 
@@ -57,6 +57,7 @@ import httptools
 import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from cachefleet_sidecar.http.outbox import Outbox
 from cachefleet_sidecar.http.wire import reason_phrase
 
 log = logging.getLogger("cachefleet.sidecar")
@@ -116,129 +117,6 @@ class Limits:
     header_timeout_s: float = 15.0
     body_timeout_s: float = 60.0
     send_timeout_s: float = 60.0
-
-
-class Outbox:
-    """The answers and the bookkeeping of one event-loop turn, shared by a server's connections.
-
-    A turn opens with its first answer or bookkeeping (one ``call_soon``, its
-    end). The first answer of a turn is written at once. Answers given later
-    in the same turn are held, each connection's in order, and written when
-    the turn ends: the clients of a burst are woken once, when their answers
-    are all out, instead of once per answer while the others are still being
-    made. Waking a client that sleeps in ``epoll_wait`` costs more than the
-    write itself (an inter-processor interrupt, a VM exit on a virtual
-    machine), and a client that handles one answer faster than the sidecar
-    makes the next one sleeps between any two of them.
-
-    :meth:`later` queues bookkeeping (metrics, stores, promotions): it runs
-    at the turn's end too, in the same callback, once the turn's answers are
-    written. A failure is logged, never raised: the answer is already given.
-    What batches a turn's work itself (the L1 hits' book) registers once with
-    :meth:`every_turn` instead, and opens the turn with :meth:`turn`: nothing
-    queued per turn.
-
-    Without a running loop (synchronous callers) answers are written and
-    bookkeeping runs at once.
-    """
-
-    __slots__ = ("_answered", "_every", "_held", "_later", "_turn")
-
-    def __init__(self) -> None:
-        #: The loop the open turn's end is scheduled on (None: no turn is open).
-        self._turn: asyncio.AbstractEventLoop | None = None
-        #: Whether this turn's first answer is written (the next ones are held).
-        self._answered = False
-        self._held: list[Connection] = []
-        self._later: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
-        self._every: list[Callable[[], None]] = []
-
-    def _current(self) -> bool:
-        """Whether a turn is open."""
-        turn = self._turn
-        if turn is None:
-            return False
-        if turn.is_running():
-            return True
-        # The loop stopped before the turn ended (its callbacks are dropped): start afresh.
-        self._turn = None
-        self._answered = False
-        held, self._held = self._held, []
-        for conn in held:
-            conn._held.clear()
-        return False
-
-    def _open(self) -> bool:
-        """Open a turn (schedule its end); False without a running loop."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return False
-        loop.call_soon(self._end)
-        self._turn = loop
-        return True
-
-    def answer(self, conn: Connection, data: bytes) -> None:
-        """Write ``data`` to ``conn`` now, or at the end of this turn (after its other answers)."""
-        turn = self._turn
-        # _current() inline for an open turn (the common case): a call less per answer
-        if turn is not None and turn.is_running():
-            if self._answered:
-                if not conn._held:
-                    self._held.append(conn)
-                conn._held.append(data)
-                return
-            self._answered = True
-        elif not self._current() and self._open():
-            self._answered = True
-        transport = conn.transport
-        if transport is not None:
-            transport.write(data)
-
-    def later(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` at the end of this turn, once its answers are written."""
-        self._later.append((fn, args))
-        if not self._current() and not self._open():
-            self._run(self._take_later())
-
-    def every_turn(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` at the end of every turn, once its answers are written (before
-        what :meth:`later` queued)."""
-        self._every.append(fn)
-
-    def turn(self) -> bool:
-        """Open a turn unless one is open (its end runs :meth:`every_turn`'s callables);
-        False without a running loop."""
-        turn = self._turn
-        if turn is not None and turn.is_running():
-            return True
-        return self._current() or self._open()
-
-    def _take_later(self) -> list[tuple[Callable[..., None], tuple[Any, ...]]]:
-        later, self._later = self._later, []
-        return later
-
-    def _end(self) -> None:
-        self._turn = None
-        self._answered = False
-        held, self._held = self._held, []
-        for conn in held:
-            conn.flush_held()
-        for fn in self._every:
-            try:
-                fn()
-            except Exception:  # bookkeeping never fails an answer already given
-                log.exception("bookkeeping after an answer failed")
-        if self._later:
-            self._run(self._take_later())
-
-    @staticmethod
-    def _run(later: list[tuple[Callable[..., None], tuple[Any, ...]]]) -> None:
-        for fn, args in later:
-            try:
-                fn(*args)
-            except Exception:  # bookkeeping never fails an answer already given
-                log.exception("bookkeeping after an answer failed")
 
 
 class Limiter:
@@ -407,7 +285,6 @@ class Connection(asyncio.Protocol):
         "_final",
         "_head_rx",
         "_headers",
-        "_held",
         "_http10",
         "_max_body",
         "_max_body_rx",
@@ -430,6 +307,7 @@ class Connection(asyncio.Protocol):
         "busy",
         "closing",
         "handler",
+        "held",
         "limiter",
         "limits",
         "outbox",
@@ -444,8 +322,8 @@ class Connection(asyncio.Protocol):
         self.limiter = limiter
         self.limits = lim = limiter.limits
         self.outbox = limiter.outbox
-        #: Answers written at the end of this loop turn (:class:`Outbox`).
-        self._held: list[bytes] = []
+        #: Answers the :class:`Outbox` holds for the end of this loop turn.
+        self.held: list[bytes] = []
         # Plain attributes: the parser callbacks compare against them on every request.
         self._max_url = lim.max_url_bytes
         self._max_header = lim.max_header_bytes
@@ -504,7 +382,7 @@ class Connection(asyncio.Protocol):
         while self.pending:
             self._release(self.pending.popleft())
         self._stash.clear()
-        self._held.clear()
+        self.held.clear()
         self._wake_drain()
 
     def data_received(self, data: bytes) -> None:
@@ -889,14 +767,14 @@ class Connection(asyncio.Protocol):
     # --- output
     def write(self, data: bytes) -> None:
         """Write now (the slow path), after the answers this connection holds."""
-        if self._held:
+        if self.held:
             self.flush_held()
         if self.transport is not None and not self.closing:
             self.transport.write(data)
 
     def flush_held(self) -> None:
         """Write the answers held for the end of the loop turn (:class:`Outbox`)."""
-        held = self._held
+        held = self.held
         if not held:
             return
         data = held[0] if len(held) == 1 else b"".join(held)
@@ -918,7 +796,7 @@ class Connection(asyncio.Protocol):
             self._send_final()
 
     def _send_final(self) -> None:
-        if self._held:
+        if self.held:
             self.flush_held()
         final, self._final = self._final, None
         if final is None or self.transport is None or self.closing:
@@ -932,7 +810,7 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
-        if self._held:
+        if self.held:
             self.flush_held()
         self.closing = True
         if self.transport is not None:

@@ -612,10 +612,20 @@ class UpstreamPool:
         while not conn.headers_done and conn.error is None:
             await conn.wait()
         if conn.headers_done:
-            return UpstreamResponse(conn, self)
+            return self.make_response(conn)
         self._release(conn)
         conn._close()
         return None
+
+    def make_response(self, conn: _Connection) -> UpstreamResponse:
+        """The response of ``conn``, whose head is in: the one place responses are made.
+
+        Both :meth:`request` and :meth:`finish` get theirs here. Override it to
+        hand out a subclass of :class:`UpstreamResponse` (made with the same
+        ``conn`` and pool), e.g. one that watches its body as it is read
+        (``traced.TracedUpstream`` does).
+        """
+        return UpstreamResponse(conn, self)
 
     async def probe(self) -> bool:
         """True when a TCP connection to the upstream can be opened (outside the pool:

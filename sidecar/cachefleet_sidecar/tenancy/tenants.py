@@ -20,7 +20,7 @@ from cachefleet_sidecar.adapt import flows
 from cachefleet_sidecar.adapt.mrc import MissRatioCurves
 from cachefleet_sidecar.cache import semantic
 from cachefleet_sidecar.cache.entry import L1Value
-from cachefleet_sidecar.cache.handler import Keying
+from cachefleet_sidecar.cache.keying import Keying
 from cachefleet_sidecar.cache.l1 import TenantL1
 from cachefleet_sidecar.cache.l3 import SemanticTier
 from cachefleet_sidecar.cache.switcher import PolicySwitcher
