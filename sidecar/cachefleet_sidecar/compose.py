@@ -426,7 +426,7 @@ def _request_path(
         tracker=_epochs(base.config.control, staleness_bound_s),
         metrics=base.metrics,
         resolve=resolve,
-        freshness=freshness,
+        allowed=freshness.allowed,
         l3=stores.l3,
     )
     purge_index = PurgeIndex()

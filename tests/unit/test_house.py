@@ -46,3 +46,53 @@ def _too_big(path: Path) -> list[str]:
 def test_no_module_class_or_function_is_over_its_limit(package: str) -> None:
     offenders = [o for path in sorted((ROOT / package).rglob("*.py")) for o in _too_big(path)]
     assert not offenders, "split by what it does:\n" + "\n".join(offenders)
+
+
+def _circles(package: str) -> list[list[str]]:
+    """The import circles inside ``package`` (strongly connected modules), type hints too."""
+    import grimp  # import-linter's own graph builder
+
+    graph = grimp.build_graph(package)
+    edges = {
+        m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i.startswith(package))
+        for m in graph.modules
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in edges.get(module, []):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for module in sorted(edges):
+        if module not in index:
+            visit(module)
+    return out
+
+
+@pytest.mark.parametrize(
+    "package",
+    ["cachefleet_common", "cachefleet_sidecar", "cachefleet_operator", "cachefleet_router"],
+)
+def test_no_package_has_an_import_circle(package: str) -> None:
+    assert _circles(package) == []

@@ -16,8 +16,9 @@ the L1-hit path (:meth:`cachefleet_sidecar.cache.handler.Handler.fast`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -34,8 +35,6 @@ from cachefleet_sidecar.observe.metrics import SidecarMetrics
 
 if TYPE_CHECKING:
     from cachefleet_sidecar.cache.l2 import L2Read
-    from cachefleet_sidecar.cache.slowpath import Flight
-    from cachefleet_sidecar.cache.tiers import Freshness
     from cachefleet_sidecar.http.upstream import Begun
 
 log = logging.getLogger("cachefleet.sidecar")
@@ -44,6 +43,19 @@ log = logging.getLogger("cachefleet.sidecar")
 KEY_MEMO_MAX = 16384
 #: Bytes the key memo may hold (a key keeps its canonical form, about the body's size).
 KEY_MEMO_MAX_BYTES = 64 * 1024 * 1024
+
+
+class Flight:
+    """One upstream call that concurrent identical misses share (single-flight)."""
+
+    __slots__ = ("future", "joiners", "tier")
+
+    def __init__(self, future: asyncio.Future[bytes | None]) -> None:
+        self.future = future
+        #: Requests waiting for this call's answer.
+        self.joiners = 0
+        #: Where the shared answer came from, as the joiners count it: "upstream" or "l3".
+        self.tier = "upstream"
 
 
 @dataclass(slots=True)
@@ -90,7 +102,7 @@ class Keying:
         tracker: EpochTracker,
         metrics: SidecarMetrics,
         resolve: Callable[[list[tuple[bytes, bytes]], str | None], str],
-        freshness: Freshness,
+        allowed: Mapping[str, directives.Allowed],
         l3: SemanticTier,
     ) -> None:
         self.settings = settings
@@ -99,7 +111,8 @@ class Keying:
         self.metrics = metrics
         # bound once: the fast path calls it for every request
         self._resolve = resolve
-        self._allowed = freshness.allowed
+        #: The directives each tenant may use (the freshness rules' table, kept current there).
+        self._allowed = allowed
         self.l3 = l3
         self.namespace_header = settings.namespace_header.lower().encode()
         self._key_memo: dict[tuple[str, str, bytes, int], keys.CacheKey | str] = {}

@@ -3,7 +3,7 @@ does not answer from L1 at once.
 
 Read path of a cacheable request past an L1 miss: L2 (Redis, fills L1) ->
 L3 (semantic) -> upstream (fills the tiers); concurrent identical misses
-share one upstream call (single-flight, :class:`Flight`). The plain miss is
+share one upstream call (single-flight, :class:`~.keying.Flight`). The plain miss is
 carried on without a task: the fast path hands it to :meth:`SlowPath.begin`
 (the L2 read, else the upstream call sent at once) and the connection calls
 :meth:`SlowPath.resume` when it is done. Everything else is a task per
@@ -36,7 +36,7 @@ from cachefleet_sidecar.cache.entry import (
     check_header_block,
     usage_of,
 )
-from cachefleet_sidecar.cache.keying import Keying, Lookup
+from cachefleet_sidecar.cache.keying import Flight, Keying, Lookup
 from cachefleet_sidecar.cache.l1 import TenantLimitError
 from cachefleet_sidecar.cache.l3 import Pending, Ref, SemanticTier, l3_marker, with_similarity
 from cachefleet_sidecar.cache.settings import CacheSettings
@@ -55,19 +55,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("cachefleet.sidecar")
 
 ADMIN_PATHS = frozenset({b"/healthz", b"/readyz", b"/status", b"/metrics"})
-
-
-class Flight:
-    """One upstream call that concurrent identical misses share (single-flight)."""
-
-    __slots__ = ("future", "joiners", "tier")
-
-    def __init__(self, future: asyncio.Future[bytes | None]) -> None:
-        self.future = future
-        #: Requests waiting for this call's answer.
-        self.joiners = 0
-        #: Where the shared answer came from, as the joiners count it: "upstream" or "l3".
-        self.tier = "upstream"
 
 
 class SlowPath:

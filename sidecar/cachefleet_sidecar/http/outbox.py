@@ -11,12 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from cachefleet_sidecar.http.server import Connection
+from typing import Any, Protocol
 
 log = logging.getLogger("cachefleet.sidecar")
+
+
+class Connection(Protocol):
+    """What the outbox needs of a connection (the server's :class:`Connection` is one)."""
+
+    #: Answers held back until the turn's end (the first answer of a turn goes at once).
+    held: list[bytes]
+
+    @property
+    def transport(self) -> asyncio.WriteTransport | None: ...
+
+    def flush_held(self) -> None: ...
 
 
 class Outbox:
