@@ -93,12 +93,74 @@ def policies_table(output: Mapping[str, Any]) -> Table:
     return columns, rows, notes
 
 
+def proxy_table(output: Mapping[str, Any]) -> Table:
+    """``cachefleet bench proxy --json``: each series' req/s and latency, its ratios to
+    nginx and to the floor (req/s at the high concurrency | p50 at the low one), and the
+    targets the run checked."""
+    low = str(output["config"]["low_concurrency"])
+    high = str(output["config"]["high_concurrency"])
+    measured = {s["name"]: s["measurements"] for s in output["series"] if not s.get("error")}
+
+    def ratios(name: str, base: str) -> str:
+        if base not in measured:
+            return "—"
+        ours, theirs = measured[name], measured[base]
+        rps = ours[high]["rps"] / theirs[high]["rps"]
+        p50 = ours[low]["p50_us"] / theirs[low]["p50_us"]
+        return f"{rps:.2f}x / {p50:.2f}x"
+
+    columns = [
+        "series",
+        f"req/s c={high}",
+        f"p50 c={low} (µs)",
+        f"p99 c={low} (µs)",
+        f"CPU/req c={high} (µs)",
+        f"vs nginx: req/s c={high} / p50 c={low}",
+        f"vs the floor: req/s c={high} / p50 c={low}",
+    ]
+    rows = [
+        [
+            f"`{s['name']}`: {s['title']}",
+            f"{m[high]['rps']:,.0f}",
+            f"{m[low]['p50_us']:.0f}",
+            f"{m[low]['p99_us']:.0f}",
+            f"{m[high]['cpu_us_per_req']:.1f}",
+            ratios(s["name"], "nginx"),
+            ratios(s["name"], "floor"),
+        ]
+        for s in output["series"]
+        if (m := measured.get(s["name"])) is not None
+    ]
+    checked = [t for t in output.get("targets", ()) if t.get("value") is not None]
+    notes = []
+    if checked:
+        notes.append(
+            "Targets: "
+            + "; ".join(
+                f"{'PASS' if t['passed'] else 'FAIL'} {t['description']}"
+                f" ({t['value']:.2f}{t.get('unit', '')})"
+                for t in checked
+            )
+            + "."
+        )
+    env = output.get("environment", {})
+    if "cpus" in env:
+        notes.append(
+            f"{env['cpus']} CPUs, load average {env.get('loadavg_1m_at_start', '?')} at the"
+            f" start and {env.get('loadavg_1m_at_end', '?')} at the end;"
+            f" {output['config']['rounds']} interleaved rounds of"
+            f" {output['config']['duration_s']} s per series and concurrency (medians)."
+        )
+    return columns, rows, notes
+
+
 #: Policies that are not online caches, left out of the comparison with ``sits``.
 _NOT_ONLINE = frozenset({"sits", "lcs-Belady"})
 
 #: bench -> the function turning its ``--json`` output into (columns, rows, notes).
 CONVERTERS: dict[str, Callable[[Mapping[str, Any]], Table]] = {
     "policies": policies_table,
+    "proxy": proxy_table,
 }
 
 

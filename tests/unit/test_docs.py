@@ -75,3 +75,30 @@ def test_the_pages_check_names_the_page_whose_result_file_changed(
     assert pages.main(["--root", str(tmp_path)]) == 0
     assert "--ops 1000`" in (tmp_path / "docs" / "benchmarks" / "l1.md").read_text("utf-8")
     assert pages.main(["--root", str(tmp_path), "--check"]) == 0
+
+
+def test_the_proxy_table_is_made_from_the_benchs_json_with_its_ratios() -> None:
+    def series(name: str, rps: float, p50: float) -> dict[str, object]:
+        point = {"rps": rps, "p50_us": p50, "p99_us": 2 * p50, "cpu_us_per_req": 10.0}
+        return {"name": name, "title": name, "measurements": {"1": point, "64": point}}
+
+    output = {
+        "config": {"low_concurrency": 1, "high_concurrency": 64, "rounds": 3, "duration_s": 4},
+        "environment": {"cpus": 2, "loadavg_1m_at_start": 0.1, "loadavg_1m_at_end": 0.2},
+        "series": [
+            series("floor", 200.0, 50.0),
+            series("nginx", 100.0, 100.0),
+            series("l1", 110.0, 80.0),
+        ],
+        "targets": [
+            {"description": "L1 vs nginx", "value": 1.1, "unit": "x", "passed": True},
+            {"description": "L2", "value": None, "passed": None},
+        ],
+    }
+    columns, rows, notes = pages.proxy_table(output)
+    assert columns[1] == "req/s c=64"
+    l1 = rows[2]
+    assert l1[1] == "110"
+    assert l1[5] == "1.10x / 0.80x"  # vs nginx: req/s at c=64, p50 at c=1
+    assert l1[6] == "0.55x / 1.60x"  # vs the floor
+    assert notes[0] == "Targets: PASS L1 vs nginx (1.10x)."  # targets not measured are left out
