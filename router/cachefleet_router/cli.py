@@ -21,6 +21,7 @@ from typing import TypeVar
 
 from cachefleet_common.classes import parse_objectives
 from cachefleet_common.flags import Flags
+from cachefleet_common.values import byte_size, cache_ref, otlp_url
 
 from .discovery import MAX_METRICS_BYTES, SCRAPE_TIMEOUT_S
 from .extproc import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_BODY_MEMORY, DEFAULT_MAX_STREAMS
@@ -64,18 +65,6 @@ def endpoint_list(value: str) -> tuple[str, ...]:
     if not out:
         raise ValueError("no endpoint given")
     return tuple(dict.fromkeys(out))
-
-
-def byte_count(value: str) -> int:
-    """``4194304``, ``4Mi`` or ``4M`` (binary units: Ki, Mi, Gi) -> a number."""
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
-    text = value.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
-            return int(text[: -len(suffix)]) * units[suffix]
-    if text.isdigit():
-        return int(text)
-    raise ValueError(f"expected a count such as 4194304 or 4Mi, got {value!r}")
 
 
 def label_selector(value: str) -> dict[str, str]:
@@ -133,7 +122,11 @@ def positive_number(value: str) -> float:
 
 
 def positive_count(value: str) -> int:
-    number = byte_count(value)
+    """A whole number > 0; binary units allowed (``4Mi``: the byte bounds are counts too)."""
+    try:
+        number = byte_size(value)
+    except ValueError:
+        raise ValueError(f"expected a count such as 4194304 or 4Mi, got {value!r}") from None
     if number < 1:
         raise ValueError(f"expected a count > 0, got {value!r}")
     return number
@@ -149,14 +142,6 @@ def target_port(value: str) -> int:
 def listen_or_off(value: str) -> tuple[str, int] | None:
     """``HOST:PORT``, or ``off`` (also ``none`` or nothing): no listener."""
     return None if value.lower() in {"off", "none", ""} else host_port(value)
-
-
-def cache_ref(value: str) -> str:
-    """``NAMESPACE/NAME`` of an InferenceCache."""
-    namespace, sep, name = value.partition("/")
-    if not sep or not namespace or not name or "/" in name:
-        raise ValueError(f"expected NAMESPACE/NAME, got {value!r}")
-    return f"{namespace}/{name}"
 
 
 def redis_url(value: str) -> str:
@@ -215,13 +200,6 @@ def tokenizer_source(value: str) -> str:
     elif value not in ("auto", "approx"):
         raise ValueError(f"expected auto, approx or local:PATH, got {value!r}")
     return value
-
-
-def otlp_url(value: str) -> str:
-    url = value.strip()
-    if url and not url.startswith(("http://", "https://")):
-        raise ValueError(f"expected an http:// or https:// URL, got {url!r}")
-    return url
 
 
 def add_serving_flags(flags: Flags) -> None:

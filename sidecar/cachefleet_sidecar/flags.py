@@ -24,6 +24,7 @@ from cachefleet_common.epochs import DEFAULT_STALENESS_BOUND_S
 from cachefleet_common.flags import Flags
 from cachefleet_common.limits import limits_flag
 from cachefleet_common.sampling import DEFAULT_MAX_RATE, DEFAULT_MAX_SAMPLES
+from cachefleet_common.values import byte_size, cache_ref, otlp_url
 from cachefleet_sidecar.adapt import admission, flows
 from cachefleet_sidecar.adapt.settings import AdaptSettings
 from cachefleet_sidecar.adapt.switching import DEFAULT_WINDOW_S
@@ -67,19 +68,6 @@ def _admin_listen(value: str) -> tuple[str, int] | None:
     return None if value.lower() in {"off", "none", ""} else _host_port(value)
 
 
-def _size(value: str) -> int:
-    units = {"k": 1024, "m": 1024**2, "g": 1024**3, "ki": 1024, "mi": 1024**2, "gi": 1024**3}
-    text = value.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if text.endswith(suffix) and text[: -len(suffix)].isdigit():
-            return int(text[: -len(suffix)]) * units[suffix]
-    if text.isdigit():
-        return int(text)
-    raise argparse.ArgumentTypeError(
-        f"expected a byte count such as 268435456 or 256Mi, got {value!r}"
-    )
-
-
 def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -115,13 +103,6 @@ def _fraction(value: str) -> float:
     if not 0.0 < number <= 1.0:
         raise ValueError(f"must be in (0, 1], got {number}")
     return number
-
-
-def _cache(value: str) -> str:
-    ns, sep, name = value.partition("/")
-    if not sep or not valid_name(ns) or not valid_name(name):
-        raise argparse.ArgumentTypeError(f"expected NAMESPACE/NAME, got {value!r}")
-    return value
 
 
 def _tenant(value: str) -> str:
@@ -187,14 +168,6 @@ def _window(value: str) -> float:
     return seconds
 
 
-def _otlp_endpoint(value: str) -> str:
-    """An http(s) URL, or empty (tracing off)."""
-    value = value.strip()
-    if value and not value.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {value!r}")
-    return value
-
-
 def _or_empty(parse: Callable[[str], Any], empty: Callable[[], Any]) -> Callable[[str], Any]:
     """``parse``, except that an empty value is ``empty()`` (a flag left unset)."""
     return lambda value: parse(value) if value else empty()
@@ -243,7 +216,7 @@ def add_process_flags(flags: Flags) -> None:
         "cache",
         "NAMESPACE/NAME of the InferenceCache this sidecar belongs to",
         default=DEFAULT_CACHE,
-        parse=_cache,
+        parse=cache_ref,
         group=group,
     )
     flags.add(
@@ -301,19 +274,19 @@ def add_limits_flags(flags: Flags) -> None:
     """What one client may make the sidecar hold (docs/limits.md)."""
     group = "client limits"
     for flag, help_text, default, parse in (
-        ("max-url-bytes", "longest request target (414 beyond)", _LIMITS.max_url_bytes, _size),
+        ("max-url-bytes", "longest request target (414 beyond)", _LIMITS.max_url_bytes, byte_size),
         (
             "max-header-bytes",
             "largest request header block (431 beyond)",
             _LIMITS.max_header_bytes,
-            _size,
+            byte_size,
         ),
-        ("max-body-bytes", "largest request body (413 beyond)", _LIMITS.max_body_bytes, _size),
+        ("max-body-bytes", "largest request body (413 beyond)", _LIMITS.max_body_bytes, byte_size),
         (
             "max-body-memory",
             "request body bytes held at once across all connections (503 beyond)",
             _LIMITS.body_memory_bytes,
-            _size,
+            byte_size,
         ),
         (
             "max-pipelined",
@@ -356,7 +329,7 @@ def add_cache_flags(flags: Flags) -> None:
         "l1-bytes",
         "L1 size in bytes (256Mi, 1Gi, ...)",
         default=cache_defaults.DEFAULT_L1_BYTES,
-        parse=_size,
+        parse=byte_size,
         group=group,
     )
     flags.add(
@@ -411,14 +384,14 @@ def add_cache_flags(flags: Flags) -> None:
         "max-entry-bytes",
         "largest answer stored in L1 (larger ones are passed through)",
         default=cache_defaults.DEFAULT_MAX_ENTRY_BYTES,
-        parse=_size,
+        parse=byte_size,
         group=group,
     )
     flags.add(
         "l2-max-entry-bytes",
         "largest answer stored in Redis (larger ones stay in L1 only)",
         default=cache_defaults.DEFAULT_L2_MAX_ENTRY_BYTES,
-        parse=_size,
+        parse=byte_size,
         group=group,
     )
 
@@ -453,7 +426,7 @@ def add_semantic_flags(flags: Flags) -> None:
         "semantic-tenant-bytes",
         "L3 index bytes per tenant (least recently used entries go beyond)",
         default=default.tenant_bytes,
-        parse=_size,
+        parse=byte_size,
         group=group,
     )
     flags.add(
@@ -692,7 +665,7 @@ def add_observe_flags(flags: Flags) -> None:
         "OTLP/HTTP collector URL for request traces (http://collector:4318; /v1/traces is "
         "added unless given); the W3C traceparent goes on to the model server. Empty: off",
         default="",
-        parse=_otlp_endpoint,
+        parse=otlp_url,
         group=group,
     )
 
@@ -720,7 +693,7 @@ def add_control_flags(flags: Flags) -> None:
         "bytes of L1 a starting sidecar fills from L2 (its tenants' most recently used "
         "entries) before /readyz says ready; 0: no warm-up",
         default="0",
-        parse=_size,
+        parse=byte_size,
         group=group,
     )
     flags.add(

@@ -129,3 +129,20 @@ def test_flags_of_one_exclusive_set_are_refused_together(
         flags.parse(["--fail-open", "--fail-closed"])
     assert exc.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_the_shared_value_parsers_say_what_they_expected() -> None:
+    from cachefleet_common.values import byte_size, cache_ref, otlp_url
+
+    assert byte_size("256Mi") == byte_size("256M") == byte_size("268435456") == 256 << 20
+    assert byte_size("4KiB") == 4096
+    with pytest.raises(ValueError, match="byte count"):
+        byte_size("lots")
+    assert cache_ref("prod/chat") == "prod/chat"
+    for bad in ("prod", "prod/", "/chat", "prod/chat/x", "Prod!/chat"):
+        with pytest.raises(ValueError, match="NAMESPACE/NAME"):
+            cache_ref(bad)
+    assert otlp_url(" http://collector:4318 ") == "http://collector:4318"
+    assert otlp_url("") == ""
+    with pytest.raises(ValueError, match="http://"):
+        otlp_url("collector:4318")
