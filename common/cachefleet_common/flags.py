@@ -90,7 +90,8 @@ class Flags:
     ``add`` declares a flag (in a titled group when ``group`` names one);
     ``parse`` returns a namespace of parsed values (attribute: the flag with
     ``-`` as ``_``). The parser itself is :attr:`parser` (``--help``, the
-    generated reference).
+    generated reference). ``env_prefix=None``: no flag of the program (or of its
+    subcommands) has an environment form.
     """
 
     def __init__(
@@ -99,7 +100,7 @@ class Flags:
         description: str,
         *,
         environ: Mapping[str, str] | None = None,
-        env_prefix: str = ENV_PREFIX,
+        env_prefix: str | None = ENV_PREFIX,
         **parser_kw: Any,
     ) -> None:
         parser = _Parser(prog=prog, description=description, **parser_kw)
@@ -109,7 +110,7 @@ class Flags:
         self,
         parser: argparse.ArgumentParser,
         environ: Mapping[str, str],
-        env_prefix: str,
+        env_prefix: str | None,
         parent: Flags | None,
     ) -> None:
         self.parser = parser
@@ -162,7 +163,7 @@ class Flags:
         command line (argparse refuses the pair, exit 2).
         """
         name = flag.lstrip("-")
-        env_var = env_name(name, self.env_prefix) if env else None
+        env_var = env_name(name, self.env_prefix) if env and self.env_prefix else None
         suffix = f" [env {env_var}]" if env_var else ""
         target: Any = self.group(group) if group else self.parser
         if exclusive is not None:

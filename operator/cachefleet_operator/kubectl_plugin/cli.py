@@ -107,20 +107,15 @@ def parse_duration(text: str, flag: str) -> int:
 
 def _global_flags(flags: Flags, outputs: tuple[str, ...]) -> None:
     """kubectl's connection flags (before or after the command) and ``-o`` of a command."""
-    flags.add(
-        "kubeconfig", "kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)", env=False
-    )
-    flags.add("context", "kubeconfig context to use", env=False)
-    flags.add(
-        "namespace", "namespace (default: the context's, else default)", short="-n", env=False
-    )
+    flags.add("kubeconfig", "kubeconfig file (default: $KUBECONFIG, then ~/.kube/config)")
+    flags.add("context", "kubeconfig context to use")
+    flags.add("namespace", "namespace (default: the context's, else default)", short="-n")
     if outputs:
         flags.add(
             "output",
             f"output format: {', '.join(outputs)}",
             short="-o",
             choices=outputs,
-            env=False,
         )
 
 
@@ -137,6 +132,7 @@ def build_flags() -> Flags:
     flags = Flags(
         PROG,
         "Inspect and operate cachefleet's InferenceCaches.",
+        env_prefix=None,
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -171,7 +167,7 @@ def _status_flags(flags: Flags) -> None:
     status.parser.add_argument(
         "name", nargs="?", help="InferenceCache (default: every one in the namespace)"
     )
-    status.add("all-namespaces", "every namespace", short="-A", is_switch=True, env=False)
+    status.add("all-namespaces", "every namespace", short="-A", is_switch=True)
     _global_flags(status, ("wide", "json", "yaml"))
 
 
@@ -192,7 +188,7 @@ def _top_flags(flags: Flags) -> None:
     top.parser.add_argument(
         "name", nargs="?", help="InferenceCache (default: the only one in the namespace)"
     )
-    top.add("redis-url", "read heartbeats from this Redis instead of spec.redis", env=False)
+    top.add("redis-url", "read heartbeats from this Redis instead of spec.redis")
     _global_flags(top, ("wide", "json", "yaml"))
 
 
@@ -214,36 +210,32 @@ def _invalidate_flags(flags: Flags) -> None:
         f"(exit {EXIT_TIMEOUT}).",
     )
     inv.parser.add_argument("name", help="InferenceCache")
-    inv.add("scope", "what to invalidate", choices=tuple(SCOPE_FLAGS), required=True, env=False)
+    inv.add("scope", "what to invalidate", choices=tuple(SCOPE_FLAGS), required=True)
     inv.add(
         "tenant",
         "tenant of --scope tenant and namespace; with --scope key, only that tenant's entry",
-        env=False,
     )
-    inv.add("model", "model of --scope model (default: the cache's spec.model.name)", env=False)
+    inv.add("model", "model of --scope model (default: the cache's spec.model.name)")
     inv.add(
         "namespace-value",
         "cache namespace of --scope namespace: the X-Cache-Namespace header's value "
         "(not -n/--namespace, which names the Kubernetes namespace of the cache)",
         metavar="NS",
-        env=False,
     )
     inv.add(
         "key",
         "entry of --scope key: the X-Cache-Key response header, 64 hex digits "
         "(explain-key prints it)",
         metavar="DIGEST",
-        env=False,
     )
-    inv.add("reason", "why (shown in the object's Events)", env=False)
+    inv.add("reason", "why (shown in the object's Events)")
     timeout = f"{DEFAULT_INVALIDATION_TIMEOUT_S}s"
     inv.add(
         "timeout",
         f"how long every live sidecar has to acknowledge (spec.timeoutSeconds; default {timeout})",
         default=timeout,
-        env=False,
     )
-    inv.add("wait", "wait for the outcome", is_switch=True, env=False)
+    inv.add("wait", "wait for the outcome", is_switch=True)
     _global_flags(inv, ("name", "json", "yaml"))
 
 
@@ -270,41 +262,35 @@ def _explain_key_flags(flags: Flags) -> None:
         "path",
         f"endpoint and query (default {explain.DEFAULT_PATH})",
         default=explain.DEFAULT_PATH,
-        env=False,
     )
     key.add(
         "tenant",
         f"tenant ({NAME_RULE}, as the sidecar accepts; default {explain.DEFAULT_TENANT})",
         default=explain.DEFAULT_TENANT,
-        env=False,
     )
     key.add(
         "namespace-value",
         "the request's X-Cache-Namespace header (not -n/--namespace; default: none)",
         default="",
         metavar="NS",
-        env=False,
     )
-    key.add("model-version", "the sidecar's --model-version", default="", env=False)
+    key.add("model-version", "the sidecar's --model-version", default="")
     key.add(
         "epochs",
         "CACHE,TENANT,MODEL epochs of a sidecar with Redis, e.g. 0,2,1; with "
         "--namespace-value, CACHE,TENANT,MODEL,NAMESPACE",
-        env=False,
     )
-    key.add("collapse-whitespace", "the tenant's collapseWhitespace", is_switch=True, env=False)
+    key.add("collapse-whitespace", "the tenant's collapseWhitespace", is_switch=True)
     key.add(
         "cache-nondeterministic",
         "the tenant's cacheNondeterministic",
         is_switch=True,
-        env=False,
     )
     key.add(
         "output",
         "output format; key: only the X-Cache-Key digest, one line per FILE",
         short="-o",
         choices=("json", "yaml", "key"),
-        env=False,
     )
 
 
