@@ -1,8 +1,11 @@
-"""Defaults the sidecar runs with and the operator publishes in the CRD: one value each.
+"""The upstream bounds the sidecar runs with and the operator publishes in the CRD.
 
-A default that appears both in a program's flags and in ``InferenceCache``'s
-schema lives here, so that the CRD never documents a number the sidecar does
-not use. Room-local defaults stay beside their code.
+Every default that is both a program's flag and a field of ``InferenceCache``'s
+schema lives in the kernel, so that the CRD never documents a number the
+sidecar does not use: these two here, the others beside the fact they belong
+to (the admission thresholds in :mod:`.classes`, the fleet sample rate in
+:mod:`.contract.fleet`, the staleness bound in :mod:`.epochs`, the guests'
+share in :mod:`.contract.lua`). Room-local defaults stay beside their code.
 """
 
 from __future__ import annotations
